@@ -1,0 +1,1 @@
+"""The ``specbatch`` command line: the only package that prints."""

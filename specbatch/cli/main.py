@@ -1,0 +1,56 @@
+"""Entry point: one Click group; each command group lives in its own module."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import click
+
+from specbatch.errors import SpecBatchError
+
+# module -> command names it defines (imported lazily so `specbatch --help` stays fast)
+COMMAND_MODULES = {
+    "specbatch.cli.generate": ("generate", "models"),
+    "specbatch.cli.jobs": ("jobs", "status", "export", "cancel", "retry", "db"),
+    "specbatch.cli.queue": ("submit", "run", "worker", "resume", "flower"),
+    "specbatch.cli.bench": ("bench",),
+}
+
+
+class LazyGroup(click.Group):
+    """Loads a command's module on first use; turns SpecBatchError into one readable line."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(name for names in COMMAND_MODULES.values() for name in names)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        for module, names in COMMAND_MODULES.items():
+            if cmd_name in names:
+                return getattr(importlib.import_module(module), cmd_name.replace("-", "_"))
+        return None
+
+    def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
+        try:
+            return super().invoke(ctx)
+        except SpecBatchError as e:
+            if ctx.obj and ctx.obj.get("debug"):
+                raise
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show stack traces and debug logs.")
+@click.version_option(package_name="specbatch")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """specbatch: lossless speculative decoding for batch generation."""
+    ctx.ensure_object(dict)
+    ctx.obj["debug"] = debug
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def main() -> None:
+    cli(obj={})

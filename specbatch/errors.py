@@ -1,0 +1,50 @@
+"""The exceptions specbatch raises on purpose. Anything else is a bug."""
+
+from __future__ import annotations
+
+
+class SpecBatchError(Exception):
+    """Base class: a message a user can act on, never a stack trace."""
+
+
+class InputError(SpecBatchError):
+    """A request or prompt file is invalid. ``line_no`` is 1-based when known."""
+
+    def __init__(self, message: str, *, path: str | None = None, line_no: int | None = None,
+                 field: str | None = None) -> None:
+        self.path, self.line_no, self.field, self.reason = path, line_no, field, message
+        where = ":".join(str(x) for x in (path, line_no) if x is not None)
+        parts = [p for p in (where, field, message) if p]
+        super().__init__(": ".join(parts))
+
+
+class IntakeError(SpecBatchError):
+    """A prompt file failed validation; ``errors`` lists every InputError found."""
+
+    def __init__(self, errors: list[InputError], total: int | None = None, cap: int = 50) -> None:
+        self.errors = errors
+        self.total = total if total is not None else len(errors)
+        shown = "\n".join(str(e) for e in errors[:cap])
+        more = f"\n... and {self.total - cap} more" if self.total > cap else ""
+        noun = "error" if self.total == 1 else "errors"
+        super().__init__(f"{self.total} {noun}; nothing was written:\n{shown}{more}")
+
+
+class ModelLoadError(SpecBatchError):
+    """A model or tokenizer could not be loaded, or a pair is incompatible."""
+
+
+class DeviceError(SpecBatchError):
+    """An unknown or unavailable device, or an unsupported dtype."""
+
+
+class RequestError(InputError):
+    """A single generation request is invalid (the request's own fault: never retried)."""
+
+
+class JobNotFound(SpecBatchError):
+    """No job with that id."""
+
+
+class BrokerUnavailable(SpecBatchError):
+    """The Celery broker could not be reached."""
