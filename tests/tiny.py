@@ -12,6 +12,7 @@ It is deterministic (fixed seeds) and idempotent: a finished tree is reused.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -77,9 +78,10 @@ def build_tiny_models(root: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-    root = Path(root)
-    if (root / "DONE").exists():
-        return root
+    final = Path(root)
+    if (final / "DONE").exists():
+        return final
+    root = final.with_name(f"{final.name}.partial-{os.getpid()}")  # concurrent builders don't collide
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
     tok_dir = root / "tok"
@@ -110,4 +112,8 @@ def build_tiny_models(root: Path) -> Path:
         _save(_perturbed(target, 0.05, seed=1), tok_dir, root / f"{arch}-partial")
         _save(make(7), tok_dir, root / f"{arch}-random")
     (root / "DONE").write_text("ok")
-    return root
+    try:
+        root.rename(final)
+    except OSError:  # another process finished first
+        shutil.rmtree(root, ignore_errors=True)
+    return final
