@@ -1,0 +1,256 @@
+"""Queue commands: submit, run, worker, resume, flower."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.config import Settings, get_settings
+
+
+def model_options(f: Any) -> Any:
+    """--target / --draft / --ngram (no model option at all: the default pair from settings)."""
+    f = click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter.")(f)
+    f = click.option("--draft", "drafts", multiple=True, metavar="MODEL",
+                     help="Draft model (repeat for a draft pool).")(f)
+    f = click.option("--target", metavar="MODEL", help="Target model: known name, directory or .gguf.")(f)
+    return f
+
+
+def sampling_options(f: Any) -> Any:
+    """Job-wide defaults for lines that do not set them."""
+    for name, kind, help_ in (
+        ("--seed", int, "Default seed."),
+        ("--top-k", int, "Default top-k (0: off)."),
+        ("--top-p", float, "Default top-p."),
+        ("--temperature", float, "Default temperature (0: greedy)."),
+        ("--max-tokens", int, "Default max new tokens per request."),
+    ):
+        f = click.option(name, type=kind, default=None, help=help_)(f)
+    return f
+
+
+def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
+    if target is None and not drafts:
+        return settings.default_target, [settings.default_draft]
+    return target or settings.default_target, list(drafts)
+
+
+def _defaults(max_tokens: int | None, temperature: float | None, top_p: float | None,
+              top_k: int | None, seed: int | None) -> dict[str, Any]:
+    d = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+         "seed": seed}
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
+                defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
+    from specbatch.jobs import intake, store
+
+    parsed = intake.parse_file(file, defaults, settings)
+    factory = open_db(settings)
+    with factory.begin() as s:
+        job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
+                               requests=parsed, queue=queue, source=str(Path(file).resolve()))
+        job_id = job.id
+        ids = list(store.resumable_request_ids(s, job_id))
+    return job_id, ids
+
+
+def _warn_no_consumer(settings: Settings, queue: str) -> None:
+    from specbatch.worker.monitor import queue_has_consumer
+
+    if queue_has_consumer(settings, queue) is False:
+        warn(f"no live worker consumes queue {queue}; start one with "
+             f"`specbatch worker` and the same --target/--draft options")
+
+
+@click.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@model_options
+@sampling_options
+@click.option("--json", "as_json", is_flag=True, help="Print the job id and queue as JSON.")
+def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_tokens: int | None,
+           temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+           as_json: bool) -> None:
+    """Validate a JSONL prompt file, store it as a job and queue it for the workers."""
+    from specbatch.worker.enqueue import check_broker, enqueue_requests
+    from specbatch.worker.queues import queue_name
+
+    settings = get_settings()
+    target_, drafts_ = resolve_pair(settings, target, drafts)
+    queue = queue_name(target_, drafts_, ngram)
+    check_broker(settings)  # broker down: fail before anything is written
+    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
+                              _defaults(max_tokens, temperature, top_p, top_k, seed), queue)
+    tasks = enqueue_requests(settings, job_id, ids, queue)
+    if as_json:
+        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks})
+    else:
+        click.echo(f"job {job_id}: {len(ids)} requests in {tasks} tasks on queue {queue}")
+    _warn_no_consumer(settings, queue)
+
+
+@click.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print what was re-enqueued as JSON.")
+def resume(job_id: str, as_json: bool) -> None:
+    """Re-enqueue a job's pending and lease-expired requests now."""
+    from specbatch.jobs import store
+    from specbatch.worker.enqueue import enqueue_requests
+
+    settings = get_settings()
+    factory = open_db(settings)
+    with factory.begin() as s:
+        job = store.get_job(s, job_id)
+        queue = job.queue
+        ids = list(store.resumable_request_ids(s, job_id))
+    tasks = enqueue_requests(settings, job_id, ids, queue) if ids else 0
+    if as_json:
+        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks})
+    else:
+        click.echo(f"job {job_id}: re-enqueued {len(ids)} requests in {tasks} tasks on queue {queue}")
+    if ids:
+        _warn_no_consumer(settings, queue)
+
+
+@click.command()
+@model_options
+@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
+@click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
+@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
+def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
+           batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
+    """Run a Celery worker that holds one model pair and consumes that pair's queue."""
+    from specbatch.errors import ModelLoadError
+    from specbatch.worker.runner import run_worker
+
+    settings = get_settings()
+    target_, drafts_ = resolve_pair(settings, target, drafts)
+    code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
+                                  device=device or settings.device, dtype=dtype or settings.dtype,
+                                  batch_size=batch_size or settings.batch_size, hostname=hostname,
+                                  loglevel=loglevel, pool=pool)
+    if load_error:
+        raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
+    sys.exit(code)
+
+
+@click.command()
+@click.option("--port", type=int, default=None, help="Port (default: settings, 5555).")
+@click.option("--address", default="127.0.0.1", show_default=True)
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None:
+    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set)."""
+    settings = get_settings()
+    env = dict(os.environ)
+    if settings.flower_password:
+        env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
+    else:
+        warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
+    argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.app", "flower",
+            f"--port={port or settings.flower_port}", f"--address={address}", *flower_args]
+    os.execve(sys.executable, argv, env)
+
+
+@click.command()
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@model_options
+@sampling_options
+@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
+@click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
+@click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
+def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_tokens: int | None,
+        temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
+        device: str | None, dtype: str | None, batch_size: int | None, as_json: bool) -> None:
+    """Submit, generate and summarise a prompt file in this process (no Redis needed)."""
+    from rich.console import Console
+
+    from specbatch.engine import Engine
+    from specbatch.jobs import store
+    from specbatch.worker.queues import queue_name
+
+    settings = get_settings()
+    target_, drafts_ = resolve_pair(settings, target, drafts)
+    queue = queue_name(target_, drafts_, ngram)
+    batch = batch_size or settings.batch_size
+    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
+                              _defaults(max_tokens, temperature, top_p, top_k, seed), queue)
+    console = Console(stderr=True)
+    with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
+        engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
+                             dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
+                             batch_size=batch)
+    _run_with_progress(settings, console, job_id, len(ids), engine, batch)
+    with open_db(settings).begin() as s:
+        summary = store.job_summary(s, job_id)
+    if as_json:
+        echo_json(summary)
+    else:
+        _print_summary(summary, settings)
+
+
+def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
+                       batch: int) -> None:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specbatch.worker.embedded import run_embedded
+
+    agg = {"tokens": 0, "drafted": 0, "accepted": 0, "failed": 0}
+    start = time.monotonic()
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console,
+                  transient=False) as progress:
+        task = progress.add_task(f"job {job_id}", total=total, speed="")
+
+        def on_progress(event: Any) -> None:
+            if event.output is not None:
+                st = event.output.stats
+                agg["tokens"] += st.new_tokens
+                agg["drafted"] += st.drafted_tokens
+                agg["accepted"] += st.accepted_tokens
+            else:
+                agg["failed"] += 1
+            elapsed = max(time.monotonic() - start, 1e-9)
+            acc = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
+            speed = f"{agg['tokens'] / elapsed:.1f} tok/s  acceptance {acc:.0%}"
+            if agg["failed"]:
+                speed += f"  failed {agg['failed']}"
+            progress.update(task, advance=1, speed=speed)
+
+        run_embedded(settings, job_id, engine, on_progress, batch_size=batch)
+
+
+def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    counts = summary.get("request_counts", {})
+    stats = summary.get("stats", {}) or {}
+    table = Table(title=f"job {summary.get('id')}: {summary.get('status')}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    table.add_row("target", str(summary.get("target")))
+    table.add_row("drafts", ", ".join(summary.get("drafts") or []) or "-")
+    for key in ("total", "completed", "failed", "cancelled", "pending", "running"):
+        if key in counts:
+            table.add_row(f"requests {key}", str(counts[key]))
+    for key, value in stats.items():
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        elif isinstance(value, dict | list):
+            continue
+        table.add_row(key, str(value))
+    Console().print(table)
+    click.echo(f"results: {settings.database_url} (job {summary.get('id')}); "
+               f"`specbatch export {summary.get('id')}` writes them to a file")

@@ -1,0 +1,69 @@
+"""The Celery app, built from Settings only (``celery -A specbatch.worker.app worker|flower``).
+
+Everything the queue promises is configuration here:
+- JSON only, no result backend (results live in our tables), task events on for Flower;
+- late acks + prefetch 1: a message leaves Redis only once its chunk is done;
+- a worker process that dies mid-task (pool child killed, poison request) gets the task sent
+  again (``task_retry_on_worker_lost``, Celery 5.7; bounded by the task's ``max_retries``;
+  ``task_reject_on_worker_lost`` requeues it when that send fails);
+- a whole worker that dies (SIGKILL, machine lost) leaves its message unacked in Redis, which
+  restores it after ``visibility_timeout`` (a setting, above the longest chunk);
+- ``worker_proc_alive_timeout`` is long because a pool child loads both models before it
+  reports ready (see ``specbatch.worker.tasks``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from celery import Celery
+
+from specbatch.config import Settings, get_settings
+
+TASK_NAME = "specbatch.process_chunk"
+
+
+def celery_config(settings: Settings) -> dict:
+    """The Celery configuration for ``settings`` (plain data; the app adds nothing else)."""
+    transport = {"visibility_timeout": settings.visibility_timeout}
+    return {
+        "broker_url": settings.broker_url,
+        "broker_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        "result_backend": None,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        "task_acks_late": True,
+        "task_acks_on_failure_or_timeout": True,
+        "task_reject_on_worker_lost": True,
+        "task_retry_on_worker_lost": True,
+        "task_default_retry_delay": 1,
+        "worker_prefetch_multiplier": 1,
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "worker_proc_alive_timeout": 900.0,
+        "worker_hijack_root_logger": False,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "task_create_missing_queues": True,
+        "task_default_queue": "specbatch.default",
+        "include": ["specbatch.worker.tasks"],
+    }
+
+
+def create_app(settings: Settings) -> Celery:
+    """A new Celery app configured from ``settings``."""
+    app = Celery("specbatch", set_as_current=False)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+@functools.lru_cache(maxsize=8)
+def app_for(settings: Settings) -> Celery:
+    """One app per settings value in this process (producers: enqueue, monitor)."""
+    return create_app(settings)
+
+
+app = create_app(get_settings())

@@ -1,0 +1,226 @@
+"""The task body: work through one chunk of request ids. Shared by Celery tasks and ``specbatch run``.
+
+Per request (or per batch of ``batch_size`` requests):
+  claim (short transaction: pending or lease-expired only; finished ones are skipped, requests of
+  a cancelled job become cancelled: this is the cancellation check between prompts)
+  -> generate with no transaction open, a thread renewing the lease meanwhile
+  -> write the result (or the request's own error) at once, in its own short transaction.
+Claiming one request at a time means a request that kills its worker only burns its own
+attempts; requests already attempted before (``attempts > 1``, suspects) always run alone.
+Transient database errors are retried here with backoff; what still fails propagates to the
+caller (the Celery task retries the whole chunk, finished requests are skipped then).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy import select
+
+from specbatch.config import Settings
+from specbatch.errors import SpecBatchError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TRANSIENT_DB_ERRORS: tuple[type[BaseException], ...] = (sa_exc.OperationalError, sa_exc.InterfaceError)
+
+
+@dataclass
+class ResultEvent:
+    """One request finished in this chunk: ``output`` (a GenerationOutput) or ``error``."""
+
+    request_id: int
+    job_id: str
+    output: Any = None
+    error: str | None = None
+
+
+@dataclass
+class ChunkReport:
+    """What happened to each id of a chunk."""
+
+    completed: list[int] = field(default_factory=list)    # a result row written by this call
+    failed: list[int] = field(default_factory=list)       # the request's own error, recorded
+    finished: list[int] = field(default_factory=list)     # already done / failed / cancelled: skipped
+    held: list[int] = field(default_factory=list)         # running under another worker's live lease
+    unstarted: list[int] = field(default_factory=list)    # left pending because stop was requested
+    retry_after: float = 0.0                               # seconds until the earliest held lease ends
+    new_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"completed": self.completed, "failed": self.failed, "finished": self.finished,
+                "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
+                "new_tokens": self.new_tokens}
+
+
+def with_db_retry(fn: Callable[[], T], *, attempts: int = 6, first_delay: float = 0.2) -> T:
+    """Call ``fn`` (one whole transaction), retrying transient database errors with backoff."""
+    delay = first_delay
+    for i in range(attempts):
+        try:
+            return fn()
+        except TRANSIENT_DB_ERRORS as e:
+            if i == attempts - 1:
+                raise
+            logger.warning("database error, retrying in %.1fs: %s", delay, e)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
+    raise AssertionError("unreachable")
+
+
+class LeaseKeeper:
+    """Renews the lease of ``request_ids`` every ``lease_seconds / 3`` while the block runs."""
+
+    def __init__(self, session_factory: Any, request_ids: Sequence[int], worker: str, lease_seconds: int):
+        self._sf, self._ids, self._worker, self._lease = session_factory, list(request_ids), worker, lease_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="specbatch-lease", daemon=True)
+
+    def _run(self) -> None:
+        from specbatch.jobs import store
+
+        interval = max(self._lease / 3.0, 0.2)
+        while not self._stop.wait(interval):
+            try:
+                with self._sf.begin() as s:
+                    store.renew_leases(s, self._ids, self._worker, self._lease)
+            except Exception as e:  # a missed renewal only risks a duplicate attempt, never a row
+                logger.warning("lease renewal failed for %s: %s", self._ids, e)
+
+    def __enter__(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _engine_request(claimed: Any) -> Any:
+    from specbatch.engine import EngineRequest
+
+    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params)
+
+
+def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> set[str]:
+    """Sort ids that were not claimed into finished / held; returns the job ids of ``ids``."""
+    from specbatch.db.models import Request, RequestStatus
+
+    now = datetime.now(timezone.utc)
+    jobs: set[str] = set()
+    with session_factory.begin() as s:
+        rows = s.execute(select(Request.id, Request.job_id, Request.status, Request.lease_expires_at)
+                         .where(Request.id.in_(list(ids)))).all()
+    for rid, job_id, status, lease in rows:
+        jobs.add(job_id)
+        if status in (RequestStatus.pending, RequestStatus.running):
+            if lease is not None and lease.tzinfo is None:
+                lease = lease.replace(tzinfo=timezone.utc)
+            remaining = (lease - now).total_seconds() if lease is not None else 0.0
+            report.held.append(rid)
+            report.retry_after = max(report.retry_after, remaining, 0.0)
+        else:
+            report.finished.append(rid)
+    return jobs
+
+
+def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], worker_name: str, *,
+                  batch_size: int | None = None, on_result: Callable[[ResultEvent], None] | None = None,
+                  should_stop: Callable[[], bool] | None = None) -> ChunkReport:
+    """Generate every claimable request of ``request_ids``; see the module docstring.
+
+    ``engine``: a loaded ``specbatch.engine.Engine``. ``should_stop`` is checked between prompts;
+    when it returns true the remaining ids are left untouched (reported as ``unstarted``).
+    """
+    from specbatch.db import session_factory
+    from specbatch.jobs import store
+
+    sf = session_factory(settings.database_url)
+    report = ChunkReport()
+    todo = list(dict.fromkeys(int(i) for i in request_ids))
+    batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
+    touched_jobs: set[str] = set()
+    not_claimed: list[int] = []
+
+    while todo:
+        if should_stop is not None and should_stop():
+            report.unstarted.extend(todo)
+            break
+        group, todo = todo[:batch], todo[batch:]
+
+        def claim(group: list[int] = group) -> list[Any]:
+            with sf.begin() as s:
+                return list(store.claim_requests(s, group, worker_name, settings.lease_seconds,
+                                                 settings.max_attempts))
+
+        claimed = with_db_retry(claim)
+        got = {c.id for c in claimed}
+        not_claimed.extend(i for i in group if i not in got)
+        if not claimed:
+            continue
+        touched_jobs.update(c.job_id for c in claimed)
+        # suspects (a worker died holding them before) run alone, so they take no neighbour down
+        solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
+        runs = [[c] for c in claimed] if solo else [claimed]
+        for run in runs:
+            _generate_run(settings, engine, sf, run, worker_name, report, on_result)
+
+    if not_claimed:
+        touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
+    for job_id in sorted(touched_jobs):
+        def refresh(job_id: str = job_id) -> None:
+            with sf.begin() as s:
+                store.refresh_job(s, job_id)
+        with_db_retry(refresh)
+    return report
+
+
+def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
+                  report: ChunkReport, on_result: Callable[[ResultEvent], None] | None) -> None:
+    """Generate the claimed requests of ``run`` together, writing each result as it arrives."""
+    from specbatch.jobs import store
+
+    done: set[int] = set()
+    try:
+        with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
+            requests = [_engine_request(c) for c in run]
+            for idx, out in engine.generate_many(requests, batch_size=len(run)):
+                c = run[idx]
+                if isinstance(out, SpecBatchError):  # the request's own fault: failed at once
+                    msg = str(out)
+
+                    def fail(c: Any = c, msg: str = msg) -> None:
+                        with sf.begin() as s:
+                            store.record_failure(s, c.id, msg, worker)
+                            store.refresh_job(s, c.job_id)
+                    with_db_retry(fail)
+                    report.failed.append(c.id)
+                    event = ResultEvent(c.id, c.job_id, error=msg)
+                else:
+                    def write(c: Any = c, out: Any = out) -> None:
+                        with sf.begin() as s:
+                            store.record_result(s, c.id, out, worker)
+                            store.refresh_job(s, c.job_id)
+                    with_db_retry(write)
+                    report.completed.append(c.id)
+                    report.new_tokens += len(out.token_ids)
+                    event = ResultEvent(c.id, c.job_id, output=out)
+                done.add(c.id)
+                if on_result is not None:
+                    on_result(event)
+    finally:
+        left = [c.id for c in run if c.id not in done]
+        if left:  # an exception escaped: give the unfinished claims back (they keep their attempts)
+            try:
+                with sf.begin() as s:
+                    store.release_requests(s, left)
+            except Exception as e:
+                logger.warning("could not release %s (their lease will expire): %s", left, e)

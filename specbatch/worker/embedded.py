@@ -1,0 +1,41 @@
+"""``specbatch run``: the same chunk code as the Celery task, in this process, with no broker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from specbatch.config import Settings
+from specbatch.worker.chunk import ResultEvent, process_chunk, with_db_retry
+from specbatch.worker.enqueue import chunks
+
+logger = logging.getLogger(__name__)
+
+
+def run_embedded(settings: Settings, job_id: str, engine: Any,
+                 on_progress: Callable[[ResultEvent], None] | None = None, *,
+                 batch_size: int | None = None, should_stop: Callable[[], bool] | None = None) -> None:
+    """Generate every pending (or lease-expired) request of ``job_id``, chunk by chunk."""
+    from specbatch.db import session_factory
+    from specbatch.jobs import store
+
+    sf = session_factory(settings.database_url)
+
+    def resumable() -> list[int]:
+        with sf.begin() as s:
+            return list(store.resumable_request_ids(s, job_id))
+
+    worker = f"embedded@{socket.gethostname()}:{os.getpid()}"
+    for chunk in chunks(with_db_retry(resumable), settings.chunk_size):
+        report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
+                               on_result=on_progress, should_stop=should_stop)
+        if report.unstarted:
+            break
+
+    def refresh() -> None:
+        with sf.begin() as s:
+            store.refresh_job(s, job_id)
+    with_db_retry(refresh)

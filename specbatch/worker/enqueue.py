@@ -1,0 +1,61 @@
+"""Publish a job's request ids as Celery tasks, in chunks, to the queue of its model pair."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+from specbatch.config import Settings
+from specbatch.errors import BrokerUnavailable
+from specbatch.worker.app import TASK_NAME, app_for
+
+logger = logging.getLogger(__name__)
+
+RETRY_POLICY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5, "interval_max": 1.0}
+
+
+def chunks(ids: Sequence[int], size: int) -> Iterator[list[int]]:
+    size = max(1, int(size))
+    for i in range(0, len(ids), size):
+        yield [int(x) for x in ids[i:i + size]]
+
+
+def broker_error(settings: Settings, error: BaseException, job_id: str | None = None) -> BrokerUnavailable:
+    fix = (f"the job {job_id} is saved: start the broker, then run `specbatch resume {job_id}`"
+           if job_id else "start Redis or set SPECBATCH_BROKER_URL")
+    return BrokerUnavailable(f"cannot reach the broker at {settings.broker_url} ({error}); {fix}")
+
+
+def check_broker(settings: Settings, timeout: float = 3.0) -> None:
+    """Raise BrokerUnavailable unless the broker answers within about ``timeout`` seconds."""
+    app = app_for(settings)
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=timeout)
+    except Exception as e:
+        raise broker_error(settings, e) from e
+
+
+def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], queue: str) -> int:
+    """Send ``request_ids`` as tasks of ``settings.chunk_size`` ids to ``queue``; returns the count.
+
+    Raises BrokerUnavailable when the broker cannot be reached. Tasks already sent stay sent: the
+    requests are rows, so ``specbatch resume`` re-enqueues whatever is still pending, and a
+    request enqueued twice is still generated once (claims skip it).
+    """
+    app = app_for(settings)
+    sent = 0
+    try:
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1, timeout=3)
+            with app.producer_or_acquire() as producer:
+                for chunk in chunks(request_ids, settings.chunk_size):
+                    app.send_task(TASK_NAME, args=[job_id, chunk], queue=queue, routing_key=queue,
+                                  producer=producer, retry=True, retry_policy=RETRY_POLICY)
+                    sent += 1
+    except BrokerUnavailable:
+        raise
+    except Exception as e:
+        logger.warning("job %s: %d task(s) sent before the broker failed", job_id, sent)
+        raise broker_error(settings, e, job_id) from e
+    return sent

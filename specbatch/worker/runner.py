@@ -1,0 +1,123 @@
+"""``specbatch worker``: one Celery worker process holding one model pair, consuming its queue.
+
+Pool choice, measured here (celery 5.7, Redis, tests/worker/test_pool_crash.py):
+  - ``--pool solo``, SIGQUIT (cold shutdown) mid-task: the worker exits at once and the in-flight
+    message is gone from the queue, so the chunk is lost until someone runs ``resume``;
+  - ``--pool prefork --concurrency 1 --pool-start-method spawn``, SIGQUIT mid-task: the message
+    is requeued and the next worker runs it; SIGKILL of the pool child: the parent resends the
+    task (``task_retry_on_worker_lost``) and starts a new child.
+So a worker is prefork with exactly one spawned child: the child, a fresh interpreter, is the
+only process that loads models or touches CUDA; the parent never forks a process that has.
+The parent waits (``EngineReady`` bootstep, before the consumer starts) until the child reports
+its models loaded, or exits non-zero with the loading error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from celery import bootsteps
+
+from specbatch.config import Settings
+from specbatch.worker.app import create_app
+from specbatch.worker.queues import queue_name
+
+logger = logging.getLogger(__name__)
+
+EX_MODEL_LOAD = 3   # exit status when the models cannot be loaded
+
+
+class ModelLoadFailed(SystemExit):
+    def __init__(self, message: str) -> None:
+        super().__init__(EX_MODEL_LOAD)
+        self.message = message
+
+
+class EngineReady(bootsteps.StartStopStep):
+    """Block worker start-up (after the pool, before the consumer) until the child has its models."""
+
+    requires = ("celery.worker.components:Pool",)
+    timeout = 3600.0
+
+    def start(self, worker: Any) -> None:
+        path = worker.app.conf.get("specbatch_ready_file")
+        if not path:
+            return
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except FileNotFoundError:
+                text = ""
+            if text.startswith("ok"):
+                logger.info("models loaded; consuming %s", ", ".join(worker.app.amqp.queues))
+                return
+            if text.startswith("error"):
+                message = text.partition("\n")[2].strip()
+                logger.error("cannot load models: %s", message)
+                raise ModelLoadFailed(message)
+            time.sleep(0.2)
+        raise ModelLoadFailed(f"models not loaded after {self.timeout:.0f}s")
+
+
+def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = "prefork",
+                start_method: str = "spawn", extra: Sequence[str] = ()) -> list[str]:
+    argv = ["worker", "-Q", queue, "--loglevel", loglevel, "--pool", pool, "--concurrency", "1",
+            "--prefetch-multiplier", "1", "-E", "--without-gossip", "--without-mingle",
+            "--hostname", hostname or f"specbatch-{os.getpid()}@%h"]
+    if pool == "prefork":
+        argv += ["--pool-start-method", start_method]
+    return argv + list(extra)
+
+
+def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), ngram: bool = False,
+               device: str = "cpu", dtype: str = "float32", batch_size: int = 1,
+               hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
+               imports: Sequence[str] = (), extra_argv: Sequence[str] = ()) -> tuple[int, str | None]:
+    """Run a worker until it stops; returns (exit status, the model loading error if any).
+
+    ``imports``: extra modules the pool child imports (tests use it to inject faults).
+    """
+    queue = queue_name(target, drafts, ngram)
+    app = create_app(settings)
+    fd, ready = tempfile.mkstemp(prefix="specbatch-ready-")
+    os.close(fd)
+    os.unlink(ready)
+    app.conf.update(
+        specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram, "device": device,
+                          "dtype": dtype, "batch_size": batch_size},
+        specbatch_ready_file=ready if pool == "prefork" else None,
+        imports=list(imports),
+        task_default_queue=queue,
+    )
+    app.steps["worker"].add(EngineReady)
+    if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
+        from specbatch.errors import SpecBatchError
+        from specbatch.worker import tasks
+
+        try:
+            tasks.get_engine(app.conf)
+        except SpecBatchError as e:
+            return EX_MODEL_LOAD, str(e)
+    code = 0
+    try:
+        app.worker_main(worker_argv(queue, hostname=hostname, loglevel=loglevel, pool=pool,
+                                    extra=extra_argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    load_error = None
+    try:
+        with open(ready) as f:
+            text = f.read()
+        os.unlink(ready)
+        if text.startswith("error"):
+            load_error = text.partition("\n")[2].strip() or "unknown error"
+    except FileNotFoundError:
+        pass
+    return code, load_error
