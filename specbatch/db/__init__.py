@@ -1,0 +1,164 @@
+"""Engines, sessions and migrations for the job store (SQLite by default, PostgreSQL by URL).
+
+    from specbatch.db import session_factory
+    with session_factory(settings.database_url).begin() as s:
+        job = store.get_job(s, job_id)
+
+The first ``get_engine(url)`` in a process brings the schema to the newest migration (a new
+SQLite file is created, parent directories too). SQLite connections run in WAL mode with a busy
+timeout, and every transaction starts with ``BEGIN IMMEDIATE``: writers queue for the lock instead
+of failing with "database is locked" when two of them upgrade a read to a write at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import sessionmaker
+from sqlalchemy.pool import StaticPool
+
+logger = logging.getLogger(__name__)
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+
+_engines: dict[str, Engine] = {}
+_factories: dict[tuple[str, bool], sessionmaker] = {}
+_lock = threading.RLock()
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file behind a SQLite URL; None for other backends and in-memory databases."""
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite" or u.database in (None, "", ":memory:"):
+        return None
+    if u.database.startswith("file:"):
+        return None
+    return Path(u.database).expanduser()
+
+
+def _sqlite_connect(dbapi_conn: Any, _record: Any) -> None:
+    dbapi_conn.isolation_level = None         # we emit BEGIN ourselves (see _sqlite_begin)
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    cur.execute("PRAGMA journal_mode = WAL")
+    cur.execute("PRAGMA synchronous = NORMAL")   # safe with WAL; fsync at checkpoints
+    cur.execute("PRAGMA foreign_keys = ON")
+    cur.close()
+
+
+def _sqlite_begin(conn: Any) -> None:
+    # take the write lock up front; the busy timeout then covers the whole wait. Read-only
+    # sessions (exports, reports) begin deferred: in WAL mode they never block a writer.
+    readonly = conn.get_execution_options().get("specbatch_readonly", False)
+    conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
+
+
+def _create(url: str) -> Engine:
+    u = make_url(url)
+    if u.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    path = sqlite_path(url)
+    if path is None:    # in-memory: one shared connection, or the tables vanish
+        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+    event.listen(engine, "connect", _sqlite_connect)
+    event.listen(engine, "begin", _sqlite_begin)
+    return engine
+
+
+def _alembic_config(engine: Engine) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    cfg.attributes["engine"] = engine
+    return cfg
+
+
+def _run_upgrade(engine: Engine, revision: str = "head") -> None:
+    from alembic import command
+
+    command.upgrade(_alembic_config(engine), revision)
+
+
+def _needs_upgrade(engine: Engine) -> bool:
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    head = set(ScriptDirectory.from_config(_alembic_config(engine)).get_heads())
+    with engine.connect() as conn:
+        if not inspect(conn).has_table("alembic_version"):
+            return True
+        return set(MigrationContext.configure(conn).get_current_heads()) != head
+
+
+def get_engine(url: str) -> Engine:
+    """The engine for ``url``, cached per process; the schema is migrated to head on first use."""
+    with _lock:
+        engine = _engines.get(url)
+        if engine is None:
+            engine = _create(url)
+            if _needs_upgrade(engine):
+                logger.info("migrating %s to the newest schema", engine.url)
+                _run_upgrade(engine)
+            _engines[url] = engine
+        return engine
+
+
+def session_factory(url: str, readonly: bool = False) -> sessionmaker:
+    """Use as ``with session_factory(url).begin() as s:`` (commits at the end, rolls back on error).
+
+    ``readonly=True``: for long reads (export, status) that must not hold SQLite's write lock.
+    """
+    with _lock:
+        factory = _factories.get((url, readonly))
+        if factory is None:
+            engine = get_engine(url)
+            bind = engine.execution_options(specbatch_readonly=True) if readonly else engine
+            factory = _factories[(url, readonly)] = sessionmaker(bind, expire_on_commit=False)
+        return factory
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Alembic upgrade to ``revision`` (``specbatch db upgrade``)."""
+    with _lock:
+        engine = _engines.get(url) or _create(url)
+        _run_upgrade(engine, revision)
+        _engines.setdefault(url, engine)
+
+
+def current_revision(url: str) -> str | None:
+    """The database's Alembic revision (None: not migrated)."""
+    from alembic.runtime.migration import MigrationContext
+
+    with get_engine(url).connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def dispose_engines(close: bool = False) -> None:
+    """Drop pooled connections; call in a child after fork (``close=False`` leaves the parent's alone)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose(close=close)
+
+
+def forget_engines() -> None:
+    """Dispose and forget every engine (tests, and before deleting a database)."""
+    with _lock:
+        for engine in _engines.values():
+            engine.dispose()
+        _engines.clear()
+        _factories.clear()
+
+
+__all__ = ["current_revision", "dispose_engines", "forget_engines", "get_engine", "session_factory",
+           "sqlite_path", "upgrade"]

@@ -1,0 +1,239 @@
+"""Tables: jobs, requests (one per prompt line), results (one per request).
+
+Every timestamp is timezone-aware UTC in Python; SQLite stores it as naive UTC text.
+The unique keys (job_id, custom_id) and (request_id) make every write idempotent.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Enum,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator):
+    """Aware UTC datetimes in and out, on every backend (SQLite has no time zones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime; use specbatch.db.models.utcnow()")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+# JSONB on PostgreSQL (indexable, compact), JSON text elsewhere
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+# SQLite only auto-increments an INTEGER PRIMARY KEY
+IdType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class JobStatus(str, enum.Enum):
+    queued = "queued"
+    running = "running"
+    completed = "completed"
+    completed_with_errors = "completed_with_errors"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.completed, JobStatus.completed_with_errors, JobStatus.failed,
+                        JobStatus.cancelled)
+
+
+class RequestStatus(str, enum.Enum):
+    pending = "pending"
+    running = "running"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+REQUEST_STATUSES = tuple(s.value for s in RequestStatus)
+
+
+def _enum(cls: type[enum.Enum], name: str) -> Enum:
+    # a VARCHAR + CHECK, not a native PostgreSQL ENUM: adding a status later is a plain migration
+    return Enum(cls, name=name, native_enum=False, create_constraint=True, length=32,
+                values_callable=lambda e: [m.value for m in e])
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"), default=JobStatus.queued,
+                                              index=True)
+    target: Mapped[str] = mapped_column(String(512))
+    drafts: Mapped[list[str]] = mapped_column(JSONType, default=list)
+    ngram: Mapped[bool] = mapped_column(Boolean, default=False)
+    queue: Mapped[str] = mapped_column(String(255))
+    params: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)   # the job's defaults
+    source: Mapped[str | None] = mapped_column(Text)                      # the prompt file
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONType, default=dict)
+    # counters, refreshed from the rows by jobs.store.refresh_job
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    pending: Mapped[int] = mapped_column(Integer, default=0)
+    running: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    cancelled: Mapped[int] = mapped_column(Integer, default=0)
+    # one timestamp per status transition
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)        # first request claimed
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)       # completed[_with_errors]/failed
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UTCDateTime)  # cancelling
+    cancelled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+    requests: Mapped[list[Request]] = relationship(back_populates="job", lazy="raise",
+                                                   passive_deletes=True)
+
+
+class Request(Base):
+    __tablename__ = "requests"
+    __table_args__ = (
+        UniqueConstraint("job_id", "custom_id"),
+        Index("ix_requests_job_id_status", "job_id", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    custom_id: Mapped[str] = mapped_column(String(512))
+    line_no: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(16))                 # "completion" | "chat"
+    prompt: Mapped[str | None] = mapped_column(Text)
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
+    params: Mapped[dict[str, Any]] = mapped_column(JSONType)      # resolved GenerationParams fields
+    status: Mapped[RequestStatus] = mapped_column(_enum(RequestStatus, "request_status"),
+                                                  default=RequestStatus.pending)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    error: Mapped[str | None] = mapped_column(Text)            # the last error
+    worker: Mapped[str | None] = mapped_column(String(255))    # who holds (or last held) the lease
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)   # last claim
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="requests", lazy="raise")
+    result: Mapped[Result | None] = relationship(back_populates="request", lazy="raise",
+                                                    passive_deletes=True)
+
+
+class Result(Base):
+    __tablename__ = "results"
+
+    id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), unique=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    text: Mapped[str] = mapped_column(Text)
+    token_ids: Mapped[list[int]] = mapped_column(JSONType)
+    prompt_tokens: Mapped[int] = mapped_column(Integer)
+    completion_tokens: Mapped[int] = mapped_column(Integer)
+    finish_reason: Mapped[str] = mapped_column(String(16))
+    # statistics (DESIGN.md)
+    verify_steps: Mapped[int] = mapped_column(Integer, default=0)
+    drafted_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    acceptance_rate: Mapped[float] = mapped_column(Float, default=0.0)
+    mean_acceptance_length: Mapped[float] = mapped_column(Float, default=0.0)
+    accepted_per_position: Mapped[list[float]] = mapped_column(JSONType, default=list)
+    target_forwards: Mapped[int] = mapped_column(Integer, default=0)
+    draft_forwards: Mapped[int] = mapped_column(Integer, default=0)
+    draft_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    verify_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    wall_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    tokens_per_second: Mapped[float] = mapped_column(Float, default=0.0)
+    pool_wins: Mapped[dict[str, int]] = mapped_column(JSONType, default=dict)
+    final_gamma: Mapped[int] = mapped_column(Integer, default=0)
+    speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # who and when
+    worker: Mapped[str] = mapped_column(String(255))
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finished_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    latency_seconds: Mapped[float] = mapped_column(Float)        # finished_at - started_at
+
+    request: Mapped[Request] = relationship(back_populates="result", lazy="raise")
+
+
+STATS_COLUMNS = (
+    "verify_steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+    "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds", "verify_seconds",
+    "wall_seconds", "tokens_per_second", "pool_wins", "final_gamma", "speculation_disabled",
+)
+
+# The plain-SQL view for sqlite3 / psql users; created by the migrations (portable SQL only).
+RESULTS_VIEW = "specbatch_results"
+RESULTS_VIEW_SQL = f"""
+CREATE VIEW {RESULTS_VIEW} AS
+SELECT
+    q.job_id AS job_id,
+    q.id AS request_id,
+    q.custom_id AS custom_id,
+    q.line_no AS line_no,
+    q.kind AS kind,
+    q.status AS status,
+    q.prompt AS prompt,
+    q.messages AS messages,
+    q.params AS params,
+    q.attempts AS attempts,
+    q.error AS error,
+    r.text AS text,
+    r.finish_reason AS finish_reason,
+    r.prompt_tokens AS prompt_tokens,
+    r.completion_tokens AS completion_tokens,
+    r.token_ids AS token_ids,
+    {", ".join(f"r.{c} AS {c}" for c in STATS_COLUMNS)},
+    r.worker AS worker,
+    r.started_at AS started_at,
+    r.finished_at AS finished_at,
+    r.latency_seconds AS latency_seconds
+FROM requests q
+LEFT JOIN results r ON r.request_id = q.id
+"""

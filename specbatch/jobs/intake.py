@@ -1,0 +1,409 @@
+"""Prompt files in: read and validate every JSONL line before anything is written.
+
+Three line forms (DESIGN.md, "Input format"):
+
+    {"custom_id": "q1", "prompt": "Write a haiku", "max_tokens": 64}
+    {"custom_id": "q2", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7}
+    {"custom_id": "q3", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
+
+``parse_file`` returns every request or raises one IntakeError listing every problem as
+``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF line ends are fine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from specbatch.config import Settings
+from specbatch.engine.types import GenerationParams
+from specbatch.errors import InputError, IntakeError, RequestError
+
+PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
+             "top_k", "seed", "stop")
+BATCH_KEYS = ("custom_id", "method", "url", "body")
+BODY_KEYS = ("messages", "prompt", "model", "max_tokens", "max_completion_tokens", "max_new_tokens",
+             "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "user")
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MESSAGE_KEYS = ("role", "content", "name")
+MAX_CUSTOM_ID = 512
+MAX_SEED = 2**63 - 1
+KEPT_ERRORS = 1000          # errors kept in memory; the total is always counted
+BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """One valid line. ``params`` holds every GenerationParams field of PARAM_KEYS, resolved."""
+
+    line_no: int
+    custom_id: str
+    kind: str                                   # "completion" | "chat"
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    params: dict[str, Any]
+
+    def generation_params(self) -> GenerationParams:
+        return params_from_dict(self.params)
+
+
+def params_from_dict(params: dict[str, Any]) -> GenerationParams:
+    """GenerationParams from a stored params dict (``stop`` is a JSON list there)."""
+    known = {f.name for f in fields(GenerationParams)}
+    values = {k: v for k, v in params.items() if k in known}
+    if "stop" in values:
+        values["stop"] = tuple(values["stop"] or ())
+    return GenerationParams(**values)
+
+
+class _Problems(Exception):
+    """Raised inside a line's checks; carries (field, message) pairs."""
+
+    def __init__(self, problems: list[tuple[str | None, str]]) -> None:
+        self.problems = problems
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    return "an object"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
+    """(normalised value, problem or None) for one generation parameter."""
+    if name in MAX_TOKENS_KEYS:
+        if not _is_int(v):
+            return v, f"must be an integer >= 1, got {_json_type(v)}"
+        return v, None if v >= 1 else f"must be >= 1, got {v}"
+    if name == "temperature":
+        if not _is_number(v):
+            return v, f"must be a number >= 0, got {_json_type(v)}"
+        return float(v), None if math.isfinite(v) and v >= 0 else f"must be >= 0, got {v}"
+    if name == "top_p":
+        if not _is_number(v):
+            return v, f"must be a number in (0, 1], got {_json_type(v)}"
+        return float(v), None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
+    if name == "top_k":
+        if not _is_int(v):
+            return v, f"must be an integer >= 0 (0: no top-k), got {_json_type(v)}"
+        return v, None if v >= 0 else f"must be >= 0, got {v}"
+    if name == "seed":
+        if v is None:
+            return None, None
+        if not _is_int(v):
+            return v, f"must be an integer, got {_json_type(v)}"
+        return v, None if 0 <= v <= MAX_SEED else f"must be in [0, 2**63 - 1], got {v}"
+    if name == "stop":
+        if v is None:
+            return [], None
+        stops = [v] if isinstance(v, str) else v
+        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+            return v, f"must be a string or a list of strings, got {_json_type(v)}"
+        if any(s == "" for s in stops):
+            return v, "stop strings must not be empty"
+        return list(stops), None
+    raise KeyError(name)
+
+
+def job_params(defaults: dict[str, Any] | None) -> dict[str, Any]:
+    """The job's default parameters: GenerationParams defaults overridden by the non-None ``defaults``.
+
+    ``defaults`` holds command-line options (``max_new_tokens``, ``temperature``, ``top_p``,
+    ``top_k``, ``seed``, ``stop``). Raises IntakeError naming the option if one is invalid.
+    """
+    base = GenerationParams()
+    params: dict[str, Any] = {k: getattr(base, k) for k in PARAM_KEYS}
+    params["stop"] = list(params["stop"])
+    problems: list[InputError] = []
+    for key, value in (defaults or {}).items():
+        if key not in PARAM_KEYS:
+            raise ValueError(f"unknown default {key!r}; expected one of {PARAM_KEYS}")
+        if value is None or (key == "stop" and value == ()):
+            continue
+        value, problem = _check_param(key, value)
+        if problem:
+            problems.append(InputError(problem, field="--" + key.replace("_", "-")))
+        params[key] = value
+    if problems:
+        raise IntakeError(problems)
+    return params
+
+
+def _check_messages(v: Any, field: str) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    problems: list[tuple[str, str]] = []
+    if not isinstance(v, list):
+        return v, [(field, f"must be an array of {{\"role\", \"content\"}} objects, got {_json_type(v)}")]
+    if not v:
+        return v, [(field, "must not be empty")]
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(v):
+        where = f"{field}[{i}]"
+        if not isinstance(m, dict):
+            problems.append((where, f"must be an object with \"role\" and \"content\", got {_json_type(m)}"))
+            continue
+        for k in m:
+            if k not in MESSAGE_KEYS:
+                problems.append((f"{where}.{k}", f"unknown key; known keys: {', '.join(MESSAGE_KEYS)}"))
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            got = "missing" if "role" not in m else f"got {json.dumps(role)}"
+            problems.append((f"{where}.role", f"must be one of {', '.join(ROLES)} ({got})"))
+        if isinstance(content, list):   # OpenAI content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                    texts.append(part["text"])
+                else:
+                    problems.append((f"{where}.content[{j}]",
+                                     "only {\"type\": \"text\", \"text\": ...} parts are supported"))
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            got = "missing" if "content" not in m else f"got {_json_type(content)}"
+            problems.append((f"{where}.content", f"must be a string ({got})"))
+        msg = {"role": role, "content": content}
+        if "name" in m:
+            if not isinstance(m["name"], str):
+                problems.append((f"{where}.name", f"must be a string, got {_json_type(m['name'])}"))
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out, problems
+
+
+def _unknown(obj: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[tuple[str, str]]:
+    return [(prefix + k, f"unknown key; known keys: {', '.join(known)}") for k in obj if k not in known]
+
+
+def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str, Any]:
+    """Validate one decoded line; returns the ParsedRequest fields (custom_id may be None)."""
+    problems: list[tuple[str | None, str]] = []
+    if any(k in obj for k in ("method", "url", "body")):      # an OpenAI Batch API line
+        problems += _unknown(obj, BATCH_KEYS, "")
+        if obj.get("method", "POST") != "POST":
+            problems.append(("method", f"must be \"POST\", got {json.dumps(obj.get('method'))}"))
+        url = obj.get("url")
+        kind = BATCH_URLS.get(url) if isinstance(url, str) else None
+        if kind is None:
+            problems.append(("url", f"must be one of {', '.join(BATCH_URLS)} (got {json.dumps(url)})"))
+        body = obj.get("body")
+        if not isinstance(body, dict):
+            problems.append(("body", f"must be an object, got {_json_type(body)}"
+                             if "body" in obj else "is required"))
+            raise _Problems(problems)
+        problems += _unknown(body, BODY_KEYS, "body.")
+        if body.get("n", 1) != 1:
+            problems.append(("body.n", "must be 1 (one completion per line)"))
+        if body.get("stream", False) is not False:
+            problems.append(("body.stream", "must be false"))
+        for k in ("model", "user"):
+            if k in body and not isinstance(body[k], str):
+                problems.append((f"body.{k}", f"must be a string, got {_json_type(body[k])}"))
+        fields_, prefix = body, "body."
+        if kind == "chat" and "messages" not in body:
+            problems.append(("body.messages", "is required for /v1/chat/completions"))
+        if kind == "completion" and "prompt" not in body:
+            problems.append(("body.prompt", "is required for /v1/completions"))
+    else:
+        problems += _unknown(obj, LINE_KEYS, "")
+        fields_, prefix = obj, ""
+    has_prompt, has_messages = "prompt" in fields_, "messages" in fields_
+    if has_prompt and has_messages:
+        problems.append((prefix + "prompt", "give \"prompt\" or \"messages\", not both"))
+    elif not has_prompt and not has_messages and not prefix:
+        problems.append((None, "\"prompt\" or \"messages\" is required"))
+
+    custom_id = obj.get("custom_id")
+    if "custom_id" in obj and (not isinstance(custom_id, str) or not custom_id):
+        problems.append(("custom_id", f"must be a non-empty string, got {_json_type(custom_id)}"
+                         if not isinstance(custom_id, str) else "must not be empty"))
+    elif isinstance(custom_id, str) and len(custom_id) > MAX_CUSTOM_ID:
+        problems.append(("custom_id", f"is {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID}"))
+
+    prompt = messages = None
+    if has_prompt:
+        prompt = fields_["prompt"]
+        if not isinstance(prompt, str):
+            problems.append((prefix + "prompt", f"must be a string, got {_json_type(prompt)}"))
+        elif not prompt:
+            problems.append((prefix + "prompt", "must not be empty"))
+    if has_messages:
+        messages, more = _check_messages(fields_["messages"], prefix + "messages")
+        problems += more
+
+    params = dict(base_params)
+    given = [k for k in MAX_TOKENS_KEYS if k in fields_]
+    if len({json.dumps(fields_[k]) for k in given}) > 1:
+        problems.append((prefix + given[1], f"conflicts with {prefix}{given[0]}; give one of them"))
+    for key in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:]):
+        if key not in fields_:
+            continue
+        value, problem = _check_param(key, fields_[key])
+        if problem:
+            problems.append((prefix + key, problem))
+        params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
+    if not problems:
+        try:    # the engine's own check, as a backstop
+            params_from_dict(params).validate()
+        except RequestError as e:
+            problems.append((prefix + (e.field or ""), e.reason))
+    if problems:
+        raise _Problems(problems)
+    return {"custom_id": custom_id, "kind": "completion" if has_prompt else "chat", "prompt": prompt,
+            "messages": messages, "params": params}
+
+
+def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
+    """(line_no, content without line end, size); content is None when the line is over ``limit``."""
+    line_no = 0
+    while True:
+        raw = fp.readline(limit + 3)
+        if not raw:
+            return
+        line_no += 1
+        if line_no == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
+        content = raw.rstrip(b"\n").rstrip(b"\r")
+        size = len(content)
+        if size > limit:
+            while not raw.endswith(b"\n"):     # skip the rest of the line without holding it
+                raw = fp.readline(1 << 20)
+                if not raw:
+                    break
+                size += len(raw.rstrip(b"\r\n"))
+            yield line_no, None, size
+        else:
+            yield line_no, content, size
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {json.dumps(k)}")
+        out[k] = v
+    return out
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
+                 settings: Settings) -> list[ParsedRequest]:
+    """Like parse_file, reading an open binary stream; ``name`` is used in messages."""
+    base = job_params(defaults)
+    errors: list[InputError] = []
+    total_errors = 0
+
+    def err(line_no: int | None, field: str | None, message: str) -> None:
+        nonlocal total_errors
+        total_errors += 1
+        if len(errors) < KEPT_ERRORS:
+            errors.append(InputError(message, path=name, line_no=line_no, field=field))
+
+    parsed: list[tuple[int, dict[str, Any]]] = []
+    n_requests = 0
+    for line_no, content, size in _read_lines(fp, settings.max_line_bytes):
+        if content is None:
+            n_requests += 1
+            err(line_no, None, f"line is {size} bytes; the limit is {settings.max_line_bytes} "
+                               "(SPECBATCH_MAX_LINE_BYTES)")
+            continue
+        try:
+            text = content.decode("utf-8")
+        except UnicodeDecodeError as e:
+            n_requests += 1
+            err(line_no, None, f"invalid UTF-8 (byte 0x{content[e.start]:02x} at byte {e.start + 1}); "
+                               "save the file as UTF-8")
+            continue
+        if not text.strip():
+            continue
+        n_requests += 1
+        if n_requests > settings.max_requests:
+            continue      # counted, not parsed: the file is rejected as a whole below
+        try:
+            obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+        except json.JSONDecodeError as e:
+            err(line_no, None, f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        except ValueError as e:
+            err(line_no, None, f"invalid JSON: {e}")
+            continue
+        if not isinstance(obj, dict):
+            err(line_no, None, f"must be a JSON object, got {_json_type(obj)}")
+            continue
+        try:
+            parsed.append((line_no, _parse_object(obj, base)))
+        except _Problems as p:
+            for field, message in p.problems:
+                err(line_no, field, message)
+
+    if n_requests == 0:
+        err(None, None, "no requests (the file is empty); one JSON object per line is expected")
+    if n_requests > settings.max_requests:
+        err(None, None, f"{n_requests} requests; the limit is {settings.max_requests} per file "
+                        "(SPECBATCH_MAX_REQUESTS): split the file")
+
+    # custom_ids: explicit ones first, then the line-N defaults, which must not collide
+    first_line: dict[str, int] = {}
+    for line_no, p in parsed:
+        cid = p["custom_id"]
+        if cid is None:
+            continue
+        if cid in first_line:
+            err(line_no, "custom_id", f"duplicate {json.dumps(cid)} (first on line {first_line[cid]})")
+        else:
+            first_line[cid] = line_no
+    requests: list[ParsedRequest] = []
+    for line_no, p in parsed:
+        if p["custom_id"] is None:
+            cid = f"line-{line_no}"
+            if cid in first_line and first_line[cid] != line_no:
+                err(line_no, "custom_id", f"missing, and the default {json.dumps(cid)} is taken by line "
+                                          f"{first_line[cid]}; give this line a custom_id")
+                continue
+            first_line[cid] = line_no
+            p["custom_id"] = cid
+        requests.append(ParsedRequest(line_no=line_no, **p))
+
+    if total_errors:
+        errors.sort(key=lambda e: (e.line_no or 0))
+        raise IntakeError(errors, total=total_errors)
+    return requests
+
+
+def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings) -> list[ParsedRequest]:
+    """Every request of a JSONL prompt file, or IntakeError listing every problem found."""
+    name = str(path)
+    p = Path(path)
+    if not p.exists():
+        raise IntakeError([InputError("no such file", path=name)])
+    if p.is_dir():
+        raise IntakeError([InputError("is a directory, not a JSONL file", path=name)])
+    try:
+        with p.open("rb") as fp:
+            return parse_stream(fp, name, defaults, settings)
+    except PermissionError as e:
+        raise IntakeError([InputError(f"cannot read: {e.strerror}", path=name)]) from e

@@ -1,0 +1,113 @@
+"""Job-level statistics from the result rows (the ``stats`` object of ``specbatch status --json``).
+
+Rates come twice: token-weighted (sums over the job, then divided) and the request mean (each
+request's rate, averaged over the requests that drafted at all). Undefined figures are None.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from specbatch.db.models import Result
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def job_stats(s: Session, job_id: str) -> dict[str, Any]:
+    """Aggregate statistics over the job's results (see the module docstring)."""
+    cols = (Result.worker, Result.prompt_tokens, Result.completion_tokens, Result.verify_steps,
+            Result.drafted_tokens, Result.accepted_tokens, Result.acceptance_rate,
+            Result.mean_acceptance_length, Result.target_forwards, Result.draft_forwards,
+            Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
+            Result.started_at, Result.finished_at, Result.latency_seconds, Result.pool_wins,
+            Result.accepted_per_position, Result.speculation_disabled)
+    rows = s.execute(select(*cols).where(Result.job_id == job_id).order_by(Result.id)).all()
+
+    tokens = sum(r.completion_tokens for r in rows)
+    drafted = sum(r.drafted_tokens for r in rows)
+    accepted = sum(r.accepted_tokens for r in rows)
+    steps = sum(r.verify_steps for r in rows)
+    spec = [r for r in rows if r.drafted_tokens > 0]
+    starts = [r.started_at for r in rows if r.started_at is not None]
+    ends = [r.finished_at for r in rows]
+    span = (max(ends) - min(starts)).total_seconds() if starts and ends else 0.0
+    latencies = [r.latency_seconds for r in rows]
+
+    pool_wins: dict[str, int] = defaultdict(int)
+    per_position: dict[int, list[float]] = defaultdict(list)
+    by_worker: dict[str, list[Any]] = defaultdict(list)
+    for r in rows:
+        for name, n in (r.pool_wins or {}).items():
+            pool_wins[name] += int(n)
+        for j, rate in enumerate(r.accepted_per_position or []):
+            per_position[j].append(float(rate))
+        by_worker[r.worker].append(r)
+
+    workers = []
+    for name in sorted(by_worker):
+        rs = by_worker[name]
+        w_tokens = sum(r.completion_tokens for r in rs)
+        w_starts = [r.started_at for r in rs if r.started_at is not None]
+        w_span = (max(r.finished_at for r in rs) - min(w_starts)).total_seconds() if w_starts else 0.0
+        busy = sum(r.wall_seconds for r in rs)
+        workers.append({
+            "worker": name, "requests": len(rs), "tokens_generated": w_tokens,
+            "busy_seconds": busy, "wall_clock_seconds": w_span,
+            "tokens_per_second": _ratio(w_tokens, w_span),          # wall-clock throughput
+            "busy_tokens_per_second": _ratio(w_tokens, busy),       # while generating
+        })
+
+    return {
+        "results": len(rows),
+        "prompt_tokens": sum(r.prompt_tokens for r in rows),
+        "tokens_generated": tokens,
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": {
+            "token_weighted": _ratio(accepted, drafted),
+            "request_mean": _mean([r.acceptance_rate for r in spec]),
+        },
+        "mean_acceptance_length": {
+            "token_weighted": _ratio(accepted + steps, steps),
+            "request_mean": _mean([r.mean_acceptance_length for r in rows if r.verify_steps > 0]),
+        },
+        "accepted_per_position": [sum(v) / len(v) for _, v in sorted(per_position.items())],
+        "target_forwards": sum(r.target_forwards for r in rows),
+        "draft_forwards": sum(r.draft_forwards for r in rows),
+        "draft_seconds": sum(r.draft_seconds for r in rows),
+        "verify_seconds": sum(r.verify_seconds for r in rows),
+        "generation_seconds": sum(r.wall_seconds for r in rows),
+        "wall_clock_seconds": span,
+        "tokens_per_second": _ratio(tokens, span),                 # wall-clock throughput of the job
+        "request_tokens_per_second_mean": _mean([r.tokens_per_second for r in rows]),
+        "latency_seconds": {
+            "p50": percentile(latencies, 0.50),
+            "p95": percentile(latencies, 0.95),
+            "mean": _mean(latencies),
+            "max": max(latencies) if latencies else None,
+        },
+        "speculation_disabled": sum(1 for r in rows if r.speculation_disabled),
+        "pool_wins": dict(sorted(pool_wins.items())),
+        "workers": workers,
+    }

@@ -1,0 +1,370 @@
+"""The job store's operations: plain functions taking the session first; they flush(), never commit().
+
+Callers own the transaction and keep it short (never open while a model is generating):
+
+    with session_factory(settings.database_url).begin() as s:
+        claimed = store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)
+
+Request lifecycle: pending -> running (claimed, with a lease) -> completed (a result row) | failed.
+A running request whose lease expired is claimable again; the unique keys make every write
+idempotent, so redelivered work never makes a second row.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import case, func, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from specbatch.db.models import Job, JobStatus, Request, RequestStatus, Result, utcnow
+from specbatch.engine.types import GenerationOutput, GenerationParams
+from specbatch.errors import JobNotFound, SpecBatchError
+from specbatch.jobs.intake import ParsedRequest, params_from_dict
+
+logger = logging.getLogger(__name__)
+
+ACTIVE_JOB = (JobStatus.queued, JobStatus.running)
+STOPPING_JOB = (JobStatus.cancelling, JobStatus.cancelled)
+COUNT_NAMES = ("total", "pending", "running", "completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class ClaimedRequest:
+    """A request a worker now holds a lease on; everything it needs to generate."""
+
+    id: int
+    job_id: str
+    custom_id: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    params: GenerationParams
+    attempts: int
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(6)
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def create_job(s: Session, *, target: str, drafts: list[str], ngram: bool, params: dict[str, Any],
+               requests: list[ParsedRequest], queue: str, source: str | None = None,
+               metadata: dict[str, Any] | None = None) -> Job:
+    """A queued job with one pending request row per parsed line (one bulk insert)."""
+    now = utcnow()
+    job = Job(id=new_job_id(), status=JobStatus.queued, target=target, drafts=list(drafts),
+              ngram=ngram, queue=queue, params=dict(params), source=source, meta=dict(metadata or {}),
+              total=len(requests), pending=len(requests), created_at=now, updated_at=now)
+    s.add(job)
+    s.flush()
+    if requests:
+        s.execute(Request.__table__.insert(), [
+            {"job_id": job.id, "custom_id": r.custom_id, "line_no": r.line_no, "kind": r.kind,
+             "prompt": r.prompt, "messages": r.messages, "params": r.params,
+             "status": RequestStatus.pending.value, "attempts": 0, "created_at": now}
+            for r in requests])
+    return job
+
+
+def get_job(s: Session, job_id: str) -> Job:
+    """The job with this id, or with this unique id prefix (at least 4 characters)."""
+    job = s.get(Job, job_id)
+    if job is not None:
+        return job
+    if len(job_id) >= 4:
+        matches = s.scalars(select(Job).where(Job.id.startswith(job_id, autoescape=True)).limit(2)).all()
+        if len(matches) == 1:
+            return matches[0]
+        if len(matches) > 1:
+            raise JobNotFound(f"job id {job_id!r} is ambiguous; give more characters")
+    raise JobNotFound(f"no job {job_id!r}; `specbatch jobs` lists the jobs")
+
+
+def list_jobs(s: Session, limit: int = 50) -> list[Job]:
+    """The newest jobs first."""
+    return list(s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
+
+
+def request_counts(s: Session, job_ids: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Live counts from the rows, per job: {job_id: {total, pending, running, completed, ...}}."""
+    ids = list(job_ids)
+    out = {j: dict.fromkeys(COUNT_NAMES, 0) for j in ids}
+    if not ids:
+        return out
+    rows = s.execute(select(Request.job_id, Request.status, func.count())
+                     .where(Request.job_id.in_(ids)).group_by(Request.job_id, Request.status))
+    for job_id, status, n in rows:
+        out[job_id][RequestStatus(status).value] += n
+        out[job_id]["total"] += n
+    return out
+
+
+def refresh_job(s: Session, job_id: str) -> Job:
+    """Recount the job's requests and move it to the status they imply, stamping the transition."""
+    job = get_job(s, job_id)
+    now = utcnow()
+    if job.status == JobStatus.cancelling:
+        # a request whose worker died cannot finish; it would hold the cancel open forever
+        s.execute(update(Request).where(Request.job_id == job.id, Request.status == RequestStatus.running,
+                                        _lease_expired(now))
+                  .values(status=RequestStatus.cancelled, finished_at=now, lease_expires_at=None))
+    counts = request_counts(s, [job.id])[job.id]
+    for name in COUNT_NAMES:
+        setattr(job, name, counts[name])
+    done = counts["completed"] + counts["failed"] + counts["cancelled"]
+    if job.status == JobStatus.cancelling:
+        if counts["running"] == 0:
+            job.status, job.cancelled_at = JobStatus.cancelled, now
+    elif job.status != JobStatus.cancelled:
+        if done == counts["total"]:
+            if counts["failed"] == 0 and counts["cancelled"] == 0:
+                status = JobStatus.completed
+            elif counts["completed"] == 0:
+                status = JobStatus.failed
+            else:
+                status = JobStatus.completed_with_errors
+            if job.status != status or job.finished_at is None:
+                job.finished_at = now
+            job.status = status
+        elif counts["running"] or done or job.started_at is not None:
+            job.status, job.finished_at = JobStatus.running, None
+            job.started_at = job.started_at or now
+        else:
+            job.status = JobStatus.queued
+    s.flush()
+    return job
+
+
+def cancel_job(s: Session, job_id: str) -> Job:
+    """Stop pending work, keep finished results. Running requests finish (or are released) first:
+    the job is ``cancelling`` until none is left running, then ``cancelled``. A finished job is
+    returned unchanged."""
+    job = get_job(s, job_id)
+    if job.status.finished:
+        return job
+    now = utcnow()
+    # requests before the job row: the same lock order as claim_requests
+    s.execute(update(Request).where(Request.job_id == job.id, or_(
+        Request.status == RequestStatus.pending,
+        (Request.status == RequestStatus.running) & _lease_expired(now)))
+        .values(status=RequestStatus.cancelled, finished_at=now, lease_expires_at=None))
+    job.status, job.cancel_requested_at = JobStatus.cancelling, now
+    return refresh_job(s, job.id)
+
+
+def job_is_cancelled(s: Session, job_id: str) -> bool:
+    """True once a cancel was asked for (cancelling or cancelled)."""
+    status = s.scalar(select(Job.status).where(Job.id == job_id))
+    if status is None:
+        raise JobNotFound(f"no job {job_id!r}")
+    return JobStatus(status) in STOPPING_JOB
+
+
+def retry_failed(s: Session, job_id: str) -> list[int]:
+    """Failed requests back to pending (attempts reset); returns their ids, for enqueueing."""
+    job = get_job(s, job_id)
+    if job.status in STOPPING_JOB:
+        raise SpecBatchError(f"job {job.id} is {job.status.value}; a cancelled job cannot be retried "
+                             "(submit the file again)")
+    ids = list(s.scalars(select(Request.id).where(Request.job_id == job.id,
+                                                  Request.status == RequestStatus.failed)
+                         .order_by(Request.id)))
+    if ids:
+        s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.failed)
+                  .values(status=RequestStatus.pending, attempts=0, error=None, worker=None,
+                          lease_expires_at=None, started_at=None, finished_at=None))
+    refresh_job(s, job.id)
+    return ids
+
+
+def resumable_request_ids(s: Session, job_id: str) -> list[int]:
+    """Requests no live task holds: pending, or running with an expired lease (worker gone)."""
+    job = get_job(s, job_id)
+    if job.status in STOPPING_JOB:
+        return []
+    now = utcnow()
+    return list(s.scalars(select(Request.id).where(Request.job_id == job.id, or_(
+        Request.status == RequestStatus.pending,
+        (Request.status == RequestStatus.running) & _lease_expired(now))).order_by(Request.id)))
+
+
+# ---------------------------------------------------------------- requests (the worker's side)
+
+
+def _lease_expired(now: datetime) -> Any:
+    return or_(Request.lease_expires_at.is_(None), Request.lease_expires_at <= now)
+
+
+def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_seconds: int,
+                   max_attempts: int) -> list[ClaimedRequest]:
+    """Take a lease on the claimable requests among ``request_ids`` (see docs/CONTRACTS.md).
+
+    Claimable: pending, or running with an expired lease. attempts += 1 per claim; a request that
+    already used ``max_attempts`` is failed instead; requests of a cancelled job become cancelled.
+    """
+    if not request_ids:
+        return []
+    now = utcnow()
+    # PostgreSQL: rows another claimer holds are skipped (it will take them); SQLite: BEGIN IMMEDIATE
+    rows = s.scalars(select(Request).where(Request.id.in_(list(request_ids))).order_by(Request.id)
+                     .with_for_update(skip_locked=True)).all()
+    job_ids = {r.job_id for r in rows}
+    job_status = {j: JobStatus(st) for j, st in s.execute(select(Job.id, Job.status)
+                                                          .where(Job.id.in_(job_ids)))}
+    claimed: list[ClaimedRequest] = []
+    for r in rows:
+        expired = r.lease_expires_at is None or r.lease_expires_at <= now
+        if not (r.status == RequestStatus.pending or (r.status == RequestStatus.running and expired)):
+            continue                      # finished, or another worker holds a live lease
+        if job_status[r.job_id] in STOPPING_JOB:
+            r.status, r.finished_at, r.lease_expires_at = RequestStatus.cancelled, now, None
+            continue
+        if r.attempts >= max_attempts:
+            r.status, r.finished_at, r.lease_expires_at = RequestStatus.failed, now, None
+            r.error = f"attempted {r.attempts} times, the worker died each time"
+            continue
+        r.attempts += 1
+        r.status, r.worker, r.started_at = RequestStatus.running, worker, now
+        r.lease_expires_at = now + timedelta(seconds=lease_seconds)
+        claimed.append(ClaimedRequest(id=r.id, job_id=r.job_id, custom_id=r.custom_id, prompt=r.prompt,
+                                      messages=r.messages, params=params_from_dict(r.params),
+                                      attempts=r.attempts))
+    started = {c.job_id for c in claimed}
+    if started:       # a job starts with its first claimed request
+        s.execute(update(Job).where(Job.id.in_(started), Job.status == JobStatus.queued)
+                  .values(status=JobStatus.running, started_at=now))
+    s.flush()
+    return claimed
+
+
+def renew_leases(s: Session, request_ids: Sequence[int], worker: str, lease_seconds: int) -> None:
+    """Extend the leases this worker holds (call while a long chunk is generating)."""
+    if not request_ids:
+        return
+    s.execute(update(Request).where(Request.id.in_(list(request_ids)), Request.worker == worker,
+                                    Request.status == RequestStatus.running)
+              .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)))
+    s.flush()
+
+
+def release_requests(s: Session, request_ids: Sequence[int]) -> None:
+    """Give back claimed requests that were not started: running -> pending, the claim's attempt
+    undone. Requests of a cancelled job become cancelled instead."""
+    if not request_ids:
+        return
+    ids = list(request_ids)
+    stopping = select(Job.id).where(Job.status.in_(STOPPING_JOB))
+    base = update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
+    s.execute(base.where(Request.job_id.in_(stopping))
+              .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
+    s.execute(base.values(status=RequestStatus.pending, lease_expires_at=None, worker=None,
+                          started_at=None,
+                          attempts=case((Request.attempts > 0, Request.attempts - 1), else_=0)))
+    s.flush()
+
+
+def _finite(x: float) -> float:
+    return float(x) if math.isfinite(x) else 0.0
+
+
+def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
+    """INSERT ... ON CONFLICT (request_id) DO NOTHING; True if a row was written."""
+    dialect = s.get_bind().dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert
+        stmt = (insert(Result).values(**values).on_conflict_do_nothing(index_elements=["request_id"])
+                .returning(Result.id))
+        return s.execute(stmt).first() is not None
+    try:                                              # any other backend: a savepoint
+        with s.begin_nested():
+            s.execute(Result.__table__.insert().values(**values))
+        return True
+    except IntegrityError:
+        return False
+
+
+def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str) -> bool:
+    """Store a request's output and mark it completed. Idempotent: False if a result existed
+    (the stored one is kept, the request still ends completed)."""
+    req = s.get(Request, request_id)
+    if req is None:
+        logger.warning("result for request %s dropped: no such request (job deleted?)", request_id)
+        return False
+    now = utcnow()
+    st = output.stats
+    started = req.started_at if req.started_at is not None and req.started_at <= now else None
+    latency = (now - started).total_seconds() if started else _finite(st.wall_seconds)
+    values = {
+        "request_id": req.id, "job_id": req.job_id, "text": output.text,
+        "token_ids": [int(t) for t in output.token_ids], "prompt_tokens": int(st.prompt_tokens),
+        "completion_tokens": len(output.token_ids), "finish_reason": output.finish_reason,
+        "verify_steps": st.verify_steps, "drafted_tokens": st.drafted_tokens,
+        "accepted_tokens": st.accepted_tokens, "acceptance_rate": _finite(st.acceptance_rate),
+        "mean_acceptance_length": _finite(st.mean_acceptance_length),
+        "accepted_per_position": [_finite(x) for x in st.accepted_per_position],
+        "target_forwards": st.target_forwards, "draft_forwards": st.draft_forwards,
+        "draft_seconds": _finite(st.draft_seconds), "verify_seconds": _finite(st.verify_seconds),
+        "wall_seconds": _finite(st.wall_seconds), "tokens_per_second": _finite(st.tokens_per_second),
+        "pool_wins": {str(k): int(v) for k, v in st.pool_wins.items()}, "final_gamma": st.final_gamma,
+        "speculation_disabled": bool(st.speculation_disabled), "worker": worker,
+        "started_at": started, "finished_at": now, "latency_seconds": latency,
+    }
+    written = _insert_ignoring_duplicates(s, values)
+    if req.status != RequestStatus.completed:
+        req.status, req.finished_at, req.lease_expires_at, req.error = (
+            RequestStatus.completed, now, None, None)
+    s.flush()
+    return written
+
+
+def record_failure(s: Session, request_id: int, error: str, worker: str) -> None:
+    """The request failed for ``error`` (its own fault, or out of attempts). A completed request
+    (one with a result) stays completed."""
+    req = s.get(Request, request_id)
+    if req is None or req.status == RequestStatus.completed:
+        return
+    req.status, req.error, req.worker = RequestStatus.failed, error, worker
+    req.finished_at, req.lease_expires_at = utcnow(), None
+    s.flush()
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def _iso(t: datetime | None) -> str | None:
+    return t.isoformat() if t is not None else None
+
+
+def job_dict(job: Job, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """The job's columns as JSON-ready data (``request_counts`` from ``counts`` if given)."""
+    return {
+        "id": job.id, "status": JobStatus(job.status).value, "target": job.target,
+        "drafts": list(job.drafts or []), "ngram": job.ngram, "queue": job.queue,
+        "params": dict(job.params or {}), "source": job.source, "metadata": dict(job.meta or {}),
+        "created_at": _iso(job.created_at), "started_at": _iso(job.started_at),
+        "finished_at": _iso(job.finished_at), "cancel_requested_at": _iso(job.cancel_requested_at),
+        "cancelled_at": _iso(job.cancelled_at), "updated_at": _iso(job.updated_at),
+        "request_counts": counts if counts is not None else {n: getattr(job, n) for n in COUNT_NAMES},
+    }
+
+
+def job_summary(s: Session, job_id: str) -> dict[str, Any]:
+    """The ``status --json`` object: the job, live request counts and its statistics."""
+    from specbatch.jobs.stats import job_stats
+
+    job = get_job(s, job_id)
+    out = job_dict(job, request_counts(s, [job.id])[job.id])
+    out["stats"] = job_stats(s, job.id)
+    return out
