@@ -11,13 +11,30 @@ from sqlalchemy.orm import sessionmaker
 from specbatch.config import Settings
 
 
-def open_db(settings: Settings) -> sessionmaker:
-    """The session factory for ``settings.database_url``; says on stderr when it creates a new SQLite file."""
+def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
+    """The session factory for ``settings.database_url``; says on stderr when it creates a new SQLite
+    file. ``readonly``: for long reads that must not hold SQLite's write lock. A bad URL is a usage
+    error (exit 2); a database that cannot be opened, a one-line error (exit 1)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+
     from specbatch.db import session_factory, sqlite_path
 
-    path = sqlite_path(settings.database_url)
+    url = settings.database_url
+    try:
+        path = sqlite_path(url)
+        shown = make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        raise click.UsageError(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}") from e
     is_new = path is not None and not path.exists()
-    factory = session_factory(settings.database_url)
+    try:
+        factory = session_factory(url, readonly=readonly)
+    except (ArgumentError, NoSuchModuleError) as e:
+        raise click.UsageError(f"SPECBATCH_DATABASE_URL={shown!r}: {e}") from e
+    except OperationalError as e:
+        raise click.ClickException(f"cannot open the database {shown}: {e.orig}") from e
+    except OSError as e:
+        raise click.ClickException(f"cannot create the database {shown}: {e}") from e
     if is_new:
         click.echo(f"specbatch: created a new database at {path} "
                    "(set SPECBATCH_DATABASE_URL to use another)", err=True)
