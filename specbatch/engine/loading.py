@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import logging
 import os
 import shutil
@@ -77,9 +78,23 @@ class LoadedModel:
     load_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
 
+    def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
+        """One forward with a KV cache (the cache keyword was renamed within transformers 5.x)."""
+        return self.model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(self.model): cache},
+                          **kwargs)
+
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.get_text_config().vocab_size)
+
+
+def _cache_kwarg(model: Any) -> str:
+    name = getattr(model, "_specbatch_cache_kwarg", None)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        model._specbatch_cache_kwarg = name
+    return name
 
 
 def known_model_status() -> list[dict[str, Any]]:

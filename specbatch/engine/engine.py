@@ -1,0 +1,119 @@
+"""Engine: a target, its draft pool, and the entry points callers use (generate, generate_many)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from specbatch.engine.gamma import CostModel
+from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
+from specbatch.engine.speculative import speculative_generate
+from specbatch.engine.types import GenerationOutput, GenerationParams
+from specbatch.errors import RequestError, SpecBatchError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: GenerationParams = field(default_factory=GenerationParams)
+    input_ids: list[int] | None = None
+
+
+class Engine:
+    """Holds the loaded target and draft models; builds fresh per-request drafter state."""
+
+    def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
+                 ngram: bool = False, gamma: int = 4, batch_size: int = 1) -> None:
+        for d in drafts:
+            check_same_tokenizer(target, d)
+        self.target = target
+        self.drafts = list(drafts)
+        self.ngram = ngram
+        self.gamma = gamma
+        self.batch_size = batch_size
+        self.costs = CostModel()      # measured step costs, shared by every request
+
+    @classmethod
+    def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
+             device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
+             trust_remote_code: bool = False, gamma: int = 4, batch_size: int = 1) -> Engine:
+        kw = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
+              "trust_remote_code": trust_remote_code}
+        t = load_model(target, **kw)
+        return cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
+                   batch_size=batch_size)
+
+    @property
+    def target_name(self) -> str:
+        return self.target.name
+
+    @property
+    def drafter_names(self) -> list[str]:
+        return [d.name for d in self.drafts] + (["ngram"] if self.ngram else [])
+
+    def new_drafters(self) -> list[Drafter]:
+        vocab = self.target.vocab_size
+        pool: list[Drafter] = [ModelDrafter(d, vocab) for d in self.drafts]
+        if self.ngram:
+            pool.append(NgramDrafter())
+        return pool
+
+    def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> list[int]:
+        """A prompt is tokenized as is; messages go through the target's chat template."""
+        tok = self.target.tokenizer
+        if (prompt is None) == (messages is None):
+            raise RequestError('give exactly one of "prompt" or "messages"', field="prompt")
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise RequestError("prompt is empty", field="prompt")
+            ids = tok(prompt)["input_ids"]
+        else:
+            if not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
+                raise RequestError("messages must be a non-empty list of {role, content} objects",
+                                   field="messages")
+            if not getattr(tok, "chat_template", None):
+                raise RequestError(f"model {self.target.name!r} has no chat template; "
+                                   'send "prompt" instead of "messages"', field="messages")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        if not ids:
+            raise RequestError("prompt is empty after tokenization", field="prompt")
+        return list(ids)
+
+    def _check_fits(self, ids: list[int], params: GenerationParams) -> None:
+        limit = self.target.max_positions
+        if limit is not None and len(ids) + params.max_new_tokens > limit:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the context of {self.target.name!r} ({limit} tokens); shorten the prompt or "
+                "lower max_new_tokens", field="max_new_tokens")
+
+    def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
+                 params: GenerationParams | None = None, *,
+                 input_ids: list[int] | None = None) -> GenerationOutput:
+        """Decode one request; raises RequestError when the request itself is invalid."""
+        params = (params or GenerationParams()).validate()
+        ids = list(input_ids) if input_ids is not None else self.encode(prompt, messages)
+        if not ids:
+            raise RequestError("prompt is empty", field="input_ids")
+        self._check_fits(ids, params)
+        with torch.inference_mode():
+            return speculative_generate(self.target, self.new_drafters(), ids, params, self.costs,
+                                        default_gamma=self.gamma)
+
+    def generate_many(self, requests: Sequence[EngineRequest], batch_size: int | None = None
+                      ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
+        """Yield (index, output or the request's own error) as each request finishes."""
+        for i, req in enumerate(requests):
+            try:
+                yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
+            except SpecBatchError as e:
+                yield i, e

@@ -1,0 +1,177 @@
+"""The speculative decoding loop for one request: draft -> verify -> accept -> roll back.
+
+Layers, each calling only the one below (gpt-fast style):
+``speculative_generate`` -> ``speculative_step`` -> ``target_forward`` / ``verify`` -> sampling.
+Call under ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from specbatch.engine.cache import cache_length, rollback
+from specbatch.engine.drafters import Drafter, Proposal
+from specbatch.engine.gamma import CostModel, GammaController
+from specbatch.engine.loading import LoadedModel
+from specbatch.engine.sampling import Verdict, Warp, verify_greedy, verify_sampling
+from specbatch.engine.stopping import StopCheck
+from specbatch.engine.tree import TokenTree, build_tree, tree_mask, verify_tree_greedy, verify_tree_sampling
+from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
+
+
+@dataclass
+class StepResult:
+    verdict: Verdict
+    drafted: int           # depth of the draft tree (the step's draft length)
+    scored: int            # tokens the target scored in its forward (fed prefix + tree nodes)
+    draft_seconds: float
+    verify_seconds: float
+    draft_forwards: int
+
+
+def target_forward(target: LoadedModel, cache: DynamicCache, ids: list[int],
+                   tree: TokenTree) -> tuple[torch.Tensor, int]:
+    """Score the tokens after the cache plus every tree node in one forward.
+
+    Returns (logits (1 + n_nodes, V) at the root and at each node, number of prefix tokens fed).
+    """
+    n_cached = cache_length(cache)
+    fed = ids[n_cached:]
+    n = tree.n_nodes
+    inp = torch.tensor([fed + tree.tokens], dtype=torch.long, device=target.device)
+    kwargs = {}
+    if not tree.is_chain:
+        # a branching tree: each node attends to the prefix and to its own ancestors only
+        root_pos = n_cached + len(fed) - 1
+        pos = list(range(n_cached, n_cached + len(fed))) + [root_pos + d for d in tree.depths]
+        kwargs["position_ids"] = torch.tensor([pos], dtype=torch.long, device=target.device)
+        kwargs["attention_mask"] = tree_mask(tree, n_cached, len(fed), target.model.dtype,
+                                             target.device)
+    out = target.forward(inp, cache, logits_to_keep=n + 1, **kwargs)
+    return out.logits[0, -(n + 1):], len(fed)
+
+
+def verify(tree: TokenTree, proposals: list[Proposal | None], logits: torch.Tensor,
+           warp: Warp | None, generator: torch.Generator | None) -> Verdict:
+    """Pick the lossless verification for this tree: greedy or sampling, chain or pool."""
+    if warp is None:
+        if tree.is_chain:
+            draft = torch.tensor(tree.tokens, dtype=torch.long, device=logits.device)
+            v = verify_greedy(draft, logits)
+            winner = next((i for i, c in enumerate(tree.chains) if len(c) >= v.n_accepted), -1)
+            return Verdict(v.tokens, v.n_accepted, v.path, winner if v.n_accepted else -1)
+        return verify_tree_greedy(tree, logits.argmax(dim=-1).tolist())
+    p = warp.probs(logits)
+    live = [i for i, prop in enumerate(proposals) if prop is not None and prop.tokens]
+    if len(live) == 1:
+        prop = proposals[live[0]]
+        draft = torch.tensor(prop.tokens, dtype=torch.long, device=logits.device)
+        v = verify_sampling(draft, prop.q, p, generator)
+        return Verdict(v.tokens, v.n_accepted, v.path, live[0] if v.n_accepted else -1)
+    return verify_tree_sampling(tree, proposals, p, generator)
+
+
+def speculative_step(target: LoadedModel, cache: DynamicCache, drafters: list[Drafter],
+                     ids: list[int], k: int, warp: Warp | None,
+                     generator: torch.Generator | None) -> StepResult:
+    """One draft + verify step; on return the target cache holds ids + accepted draft tokens."""
+    # 1. draft: every pool member proposes up to k tokens after the accepted sequence
+    t0 = time.perf_counter()
+    forwards0 = sum(d.forwards for d in drafters)
+    proposals = [d.propose(ids, k, warp, generator) for d in drafters] if k > 0 else []
+    t1 = time.perf_counter()
+    # 2. verify: one target forward over the last accepted token and the whole draft tree
+    tree = build_tree(proposals)
+    logits, n_fed = target_forward(target, cache, ids, tree)
+    verdict = verify(tree, proposals, logits, warp, generator)
+    t2 = time.perf_counter()
+    # 3. roll back the target cache to the accepted path (the bonus token is not cached yet)
+    rollback(cache, len(ids), [len(ids) - 1 + j for j in verdict.path])
+    # 4. tell each drafter how much of its own proposal is now the accepted sequence
+    for d, prop in zip(drafters, proposals):
+        d.observe(len(ids) + _common_prefix(prop.tokens if prop else [], verdict.tokens))
+    drafted = max((len(c) for c in tree.chains), default=0)
+    return StepResult(verdict, drafted, n_fed + tree.n_nodes, t1 - t0, t2 - t1,
+                      sum(d.forwards for d in drafters) - forwards0)
+
+
+def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_ids: list[int],
+                         params: GenerationParams, costs: CostModel,
+                         default_gamma: int = 4) -> GenerationOutput:
+    """Decode one request. Greedy output equals the target's own greedy decoding token for token;
+    sampled output has exactly the target's (warped) distribution."""
+    t_start = time.perf_counter()
+    stats = GenerationStats(prompt_tokens=len(prompt_ids))
+    warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p)
+    generator = None
+    if warp is not None:
+        generator = torch.Generator(device=target.device)
+        generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+    ctl = GammaController(costs, gamma=params.gamma if params.gamma is not None else default_gamma,
+                          adaptive=params.adaptive)
+    stop = StopCheck(target.tokenizer, target.eos_token_ids, params.max_new_tokens, params.stop)
+    cache = DynamicCache()
+    ids, generated = list(prompt_ids), []
+    drafted_at: list[int] = []
+    accepted_at: list[int] = []
+    while True:
+        remaining = params.max_new_tokens - len(generated)
+        k = min(ctl.next_gamma(), remaining - 1) if drafters else 0
+        step = speculative_step(target, cache, drafters, ids, max(k, 0), warp, generator)
+        v = step.verdict
+        # statistics, as data
+        stats.verify_steps += 1
+        stats.target_forwards += 1
+        stats.draft_forwards += step.draft_forwards
+        stats.drafted_tokens += step.drafted
+        stats.accepted_tokens += v.n_accepted
+        stats.draft_seconds += step.draft_seconds
+        stats.verify_seconds += step.verify_seconds
+        _grow(drafted_at, step.drafted)
+        _grow(accepted_at, v.n_accepted)
+        stats.step_winners.append(v.winner)
+        if v.winner >= 0:
+            name = drafters[v.winner].name
+            stats.pool_wins[name] = stats.pool_wins.get(name, 0) + 1
+        # measured costs steer gamma (prefill steps are not representative)
+        costs.observe_draft(step.draft_seconds, step.draft_forwards)
+        if stats.verify_steps > 1:
+            costs.observe_verify(step.scored, step.verify_seconds)
+        ctl.observe(step.drafted, v.n_accepted)
+        # accept the tokens, then stop on EOS, max_new_tokens or a stop string
+        ids.extend(v.tokens)
+        generated.extend(v.tokens)
+        keep, reason = stop.step(generated, len(v.tokens))
+        if reason is not None:
+            del generated[keep:]
+            break
+    stats.new_tokens = len(generated)
+    accepted_at += [0] * (len(drafted_at) - len(accepted_at))
+    stats.accepted_per_position = [a / d for a, d in zip(accepted_at, drafted_at)]
+    stats.final_gamma = ctl.gamma
+    stats.speculation_disabled = ctl.ever_off
+    stats.wall_seconds = time.perf_counter() - t_start
+    return GenerationOutput(text=stop.final_text(generated), token_ids=generated,
+                            finish_reason=reason, stats=stats)
+
+
+def _grow(counts: list[int], n: int) -> None:
+    """counts[j] += 1 for j < n."""
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))
+    for j in range(n):
+        counts[j] += 1
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
