@@ -1,0 +1,97 @@
+"""Micro-measurements of step costs: one forward of k tokens after a cached prefix.
+
+T(k) is the median time of a target forward scoring k new tokens on top of a KV cache of a
+realistic prefix (the cache is cropped back after each timing, so every timing sees the same
+length). c = T_draft(1) / T_target(1). Sizes and models are timed round-robin (k=1, 2, ...,
+draft, k=1, 2, ...) so drift on a shared machine hits them alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
+           full_logits: bool) -> Callable[[], float]:
+    """Prefill ``prefix`` once; returns a function timing one forward of k tokens after it."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    new = torch.randint(0, vocab, (1, k), generator=torch.Generator().manual_seed(k)).to(device)
+    cache = DynamicCache()
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prefix], device=device), past_key_values=cache, use_cache=True,
+              logits_to_keep=1)
+
+    def once() -> float:
+        with torch.inference_mode():
+            _sync(device)
+            t0 = time.perf_counter()
+            model(input_ids=new, past_key_values=cache, use_cache=True,
+                  logits_to_keep=0 if full_logits else 1)
+            _sync(device)
+            seconds = time.perf_counter() - t0
+            cache.crop(-k)
+        return seconds
+
+    return once
+
+
+@dataclass
+class CostTable:
+    """Measured step costs (seconds) at one prefix length."""
+
+    prefix_tokens: int
+    target: dict[int, float] = field(default_factory=dict)   # k -> T(k)
+    drafts: dict[str, float] = field(default_factory=dict)   # draft name -> T_draft(1)
+
+    def c(self, draft: str) -> float:
+        """Cost ratio c of a drafter (0 for a model-free one such as ngram)."""
+        if draft not in self.drafts:
+            return 0.0
+        return self.drafts[draft] / self.target[1]
+
+    def verify_ratio(self, k: int) -> float:
+        """T(k) / T(1)."""
+        return self.target[k] / self.target[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        t1 = self.target.get(1)
+        return {"prefix_tokens": self.prefix_tokens,
+                "target_step_ms": {str(k): v * 1e3 for k, v in sorted(self.target.items())},
+                "verify_ratio": {str(k): v / t1 for k, v in sorted(self.target.items())} if t1 else {},
+                "draft_step_ms": {n: v * 1e3 for n, v in self.drafts.items()},
+                "c": {n: self.c(n) for n in self.drafts}}
+
+
+def measure_costs(target: Any, drafts: dict[str, Any], device: torch.device, prefix: list[int],
+                  ks: Iterable[int], *, repeats: int = 7, warmup: int = 2) -> CostTable:
+    """T(k) of the target for every k in ``ks`` (1 always), T(1) of each draft model (medians)."""
+    sizes = sorted(set(ks) | {1})
+    timers: dict[tuple[str, int], Callable[[], float]] = {
+        ("", k): _timer(target, device, prefix, k, full_logits=True) for k in sizes}
+    for name, model in drafts.items():
+        timers[(name, 1)] = _timer(model, device, prefix, 1, full_logits=False)
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in timers}
+    for i in range(warmup + repeats):
+        for key, once in timers.items():
+            seconds = once()
+            if i >= warmup:
+                samples[key].append(seconds)
+    table = CostTable(prefix_tokens=len(prefix))
+    for (name, k), values in samples.items():
+        if name:
+            table.drafts[name] = statistics.median(values)
+        else:
+            table.target[k] = statistics.median(values)
+    return table

@@ -1,0 +1,460 @@
+"""Plan the configurations, run them interleaved on the same prompts, and compute the report data.
+
+Order of work in ``run_bench``:
+1. load the target and every draft model once (or random-weight models of the same shapes);
+2. plan the configurations: baselines (target alone, HF assisted per draft and setting, HF prompt
+   lookup) and ours (each drafter alone, pools of 1..4, a gamma grid, adaptive gamma);
+3. warm every configuration up once, untimed;
+4. for each repeat, for each prompt, run every configuration in turn (A B C A B C ...): drift on
+   a shared machine hits all configurations alike;
+5. check every output against the target's own greedy output, token for token;
+6. time the step costs directly (T(k) of the target, T(1) of each draft) and compute the bound;
+7. optionally, the throughput mode: all prompts through ``generate_many`` at each batch size.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specbatch.bench import bound as bnd
+from specbatch.bench.costs import CostTable, measure_costs
+from specbatch.bench.prompts import BenchPrompt, load_prompts, select
+from specbatch.bench.runners import HF_ASSISTED_SETTINGS, EngineRunner, HFRunner, RunOutput
+from specbatch.engine.loading import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+NGRAM = "ngram"
+Progress = Callable[[str, int, int], None]   # (what, done, total)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    target: str = "smollm2-135m"
+    drafts: tuple[str, ...] = ("smollm2-135m-int8",)
+    ngram: bool = True
+    prompts: str = "all"
+    num_prompts: int | None = 12               # taken round-robin across categories; None: all
+    max_new_tokens: int = 128
+    repeats: int = 2
+    gamma_grid: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+    hf_settings: tuple[str, ...] = ("default", "const3", "const5", "heuristic5")
+    prompt_lookup_num_tokens: int = 10
+    max_pool: int = 4
+    batch_sizes: tuple[int, ...] = ()
+    throughput_prompts: int = 32
+    device: str = "cpu"
+    dtype: str = "float32"
+    cache_dir: str | None = None
+    random_weights: bool = False
+    cost_repeats: int = 7
+    quick: bool = False
+
+    @classmethod
+    def quick_defaults(cls, **overrides: Any) -> BenchOptions:
+        """A small subset that finishes in about 2-3 minutes on the default pair (2-core CPU)."""
+        base = {"num_prompts": 3, "max_new_tokens": 48, "repeats": 2, "gamma_grid": (2, 4, 6),
+                "hf_settings": ("default", "const5"), "cost_repeats": 5, "quick": True}
+        base.update(overrides)
+        return cls(**base)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One way of generating. ``drafters``: model names and/or "ngram" (ours), the draft (HF)."""
+
+    name: str
+    kind: str                                   # target | hf-assisted | hf-prompt-lookup | ours
+    group: str                                  # baseline | drafter | pool | gamma
+    drafters: tuple[str, ...] = ()
+    gamma: int | None = None                    # None: the engine's adaptive control
+    adaptive: bool = True
+    hf_setting: str | None = None
+
+
+def short_name(model: str) -> str:
+    """A model path's last component (names in tables stay readable); known names unchanged."""
+    return model.rstrip("/").rsplit("/", 1)[-1] if "/" in model else model
+
+
+def plan_configs(opts: BenchOptions, drafters: list[str]) -> list[Config]:
+    """Baselines first, then ours. ``drafters``: model drafts in order, then "ngram" if on."""
+    models = [d for d in drafters if d != NGRAM]
+    sn = short_name
+    out = [Config("target", "target", "baseline")]
+    for d in models:
+        for s in opts.hf_settings:
+            out.append(Config(f"hf-assisted[{sn(d)},{s}]", "hf-assisted", "baseline", (d,), hf_setting=s))
+    if NGRAM in drafters:
+        n = opts.prompt_lookup_num_tokens
+        out.append(Config(f"hf-prompt-lookup[{n}]", "hf-prompt-lookup", "baseline", (NGRAM,)))
+    for d in drafters:                                      # each drafter alone (pool of 1)
+        out.append(Config(f"ours[{sn(d)}]", "ours", "drafter", (d,)))
+    for k in range(2, min(opts.max_pool, len(drafters)) + 1):   # pools of 2..4
+        pool = tuple(drafters[:k])
+        out.append(Config(f"ours[{'+'.join(map(sn, pool))}]", "ours", "pool", pool))
+    if drafters:
+        for g in opts.gamma_grid:                           # fixed gamma on the first drafter
+            out.append(Config(f"ours[{sn(drafters[0])},gamma={g}]", "ours", "gamma", (drafters[0],),
+                              gamma=g, adaptive=False))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# models
+
+
+def _random_like(lm: LoadedModel, seed: int) -> LoadedModel:
+    """A model of the same shapes with random weights (speed-only runs); int8 kept if it was."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    dtype = next(p for p in lm.model.parameters()).dtype if not lm.info.get("int8") else torch.float32
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(lm.model.config), dtype=dtype)
+    model.eval().to(lm.device)
+    if lm.info.get("int8"):
+        from specbatch.engine.loading import _quantize_int8
+
+        model = _quantize_int8(model, lm.device)
+    rnd = copy.copy(lm)
+    rnd.model = model
+    rnd.info = {**lm.info, "random_weights": True}
+    return rnd
+
+
+def load_models(opts: BenchOptions) -> tuple[LoadedModel, dict[str, LoadedModel]]:
+    """The target and each draft model by name; with random weights a self-draft is added."""
+    kw = {"device": opts.device, "dtype": opts.dtype, "cache_dir": opts.cache_dir}
+    target = load_model(opts.target, **kw)
+    drafts = {d: load_model(d, **kw) for d in opts.drafts}
+    if opts.random_weights:
+        target = _random_like(target, seed=0)
+        drafts = {d: _random_like(lm, seed=i + 1) for i, (d, lm) in enumerate(drafts.items())}
+        # the target's own weights as a draft: acceptance comes from here (shares the module)
+        self_draft = copy.copy(target)
+        self_draft.name = f"{target.name}-self"
+        drafts = {self_draft.name: self_draft, **drafts}
+    return target, drafts
+
+
+# ---------------------------------------------------------------------------------------------
+# aggregation
+
+
+@dataclass
+class _Acc:
+    """What one configuration produced over all prompts and repeats."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    runs: int = 0
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    stats: list[Any] = field(default_factory=list)
+
+    def add(self, out: RunOutput) -> None:
+        self.tokens += len(out.tokens)
+        self.seconds += out.seconds
+        self.runs += 1
+        if out.stats is not None:
+            self.stats.append(out.stats)
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _acceptance(stats: list[Any]) -> dict[str, Any]:
+    steps = sum(s.verify_steps for s in stats)
+    drafted = sum(s.drafted_tokens for s in stats)
+    accepted = sum(s.accepted_tokens for s in stats)
+    width = max((len(s.accepted_per_position) for s in stats), default=0)
+    per_pos = []
+    for j in range(width):
+        vals = [s.accepted_per_position[j] for s in stats if len(s.accepted_per_position) > j]
+        per_pos.append(sum(vals) / len(vals))
+    wins: dict[str, int] = {}
+    for s in stats:
+        for k, v in s.pool_wins.items():
+            wins[k] = wins.get(k, 0) + v
+    return {
+        "verify_steps": steps, "drafted_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": (accepted + steps) / steps if steps else None,
+        "accepted_per_position": per_pos,
+        "draft_tokens_per_step": drafted / steps if steps else 0.0,
+        "draft_forwards_per_step": sum(s.draft_forwards for s in stats) / steps if steps else 0.0,
+        "pool_wins": wins,
+        "speculation_disabled": sum(1 for s in stats if s.speculation_disabled),
+    }
+
+
+def _verify_size(cfg: Config, acc: dict[str, Any]) -> int:
+    """Tokens the target scores per step: gamma + 1 for a fixed chain, else drafted/step + 1."""
+    if cfg.gamma is not None and len(cfg.drafters) == 1:
+        return cfg.gamma + 1
+    return max(1, round(acc["draft_tokens_per_step"])) + 1
+
+
+def bound_for(cfg: Config, acc: dict[str, Any], costs: CostTable) -> dict[str, Any]:
+    """Leviathan et al.'s bound from the measured acceptance and the measured step costs.
+
+    Tokens per step: the measured mean acceptance length. Cost of a step, in target steps: draft
+    forwards per step x c (mean c of the pool's model drafters; n-gram costs ~0) + T(k) / T(1),
+    with k = gamma + 1 for a fixed chain, else drafted tokens per step + 1 (for a pool, an upper
+    estimate of the merged tree). ``alpha`` is the i.i.d. acceptance that gives the measured tokens
+    per step at the mean draft length (single drafters only).
+    """
+    mal = acc["mean_acceptance_length"]
+    if mal is None or acc["draft_tokens_per_step"] <= 0:
+        return {"alpha": None, "gamma_mean": 0.0, "c": None, "draft_cost_per_step": 0.0,
+                "verify_tokens": 1, "verify_cost_ratio": 1.0, "bound": None}
+    models = [d for d in cfg.drafters if d != NGRAM]
+    c = sum(costs.c(d) for d in models) / len(models) if models else 0.0
+    draft_cost = acc["draft_forwards_per_step"] * c
+    k = _verify_size(cfg, acc)
+    ratio = costs.verify_ratio(k)
+    depth = acc["draft_tokens_per_step"] if cfg.gamma is None else float(cfg.gamma)
+    alpha = bnd.fit_alpha(mal, depth) if len(cfg.drafters) == 1 else None
+    return {"alpha": alpha, "gamma_mean": depth, "c": c, "draft_cost_per_step": draft_cost,
+            "verify_tokens": k, "verify_cost_ratio": ratio,
+            "bound": bnd.bound_from_measurements(mal, draft_cost, ratio)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def _encode(encoder: Any, p: BenchPrompt) -> list[int]:
+    tok = encoder.target.tokenizer
+    if getattr(tok, "chat_template", None):
+        return encoder.encode(messages=p.as_messages())
+    text = p.prompt if p.prompt is not None else "\n".join(m["content"] for m in p.messages or ())
+    return encoder.encode(prompt=text)
+
+
+def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str, LoadedModel],
+                   opts: BenchOptions) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]:
+    from specbatch.engine import Engine
+
+    runners: dict[str, Any] = {}
+    engines: dict[tuple[str, ...], Any] = {}
+    for cfg in configs:
+        if cfg.kind == "target":
+            runners[cfg.name] = HFRunner(target)
+        elif cfg.kind == "hf-assisted":
+            runners[cfg.name] = HFRunner(target, drafts[cfg.drafters[0]],
+                                         HF_ASSISTED_SETTINGS[cfg.hf_setting or "default"])
+        elif cfg.kind == "hf-prompt-lookup":
+            runners[cfg.name] = HFRunner(target, prompt_lookup_num_tokens=opts.prompt_lookup_num_tokens)
+        else:
+            if cfg.name not in engines:  # one engine per configuration: its cost model is its own
+                models = [drafts[d] for d in cfg.drafters if d != NGRAM]
+                engines[cfg.name] = Engine(target, models, ngram=NGRAM in cfg.drafters)
+            runners[cfg.name] = EngineRunner(engines[cfg.name], gamma=cfg.gamma, adaptive=cfg.adaptive)
+    return runners, engines
+
+
+def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
+    """Run everything; returns the JSON-able result (``configs``, ``costs``, ``throughput``, ...)."""
+    from specbatch.engine import Engine
+
+    say = progress or (lambda what, done, total: None)
+    t_start = time.perf_counter()
+    say("loading models", 0, 1)
+    target, drafts = load_models(opts)
+    drafter_names = list(drafts) + ([NGRAM] if opts.ngram else [])
+    configs = plan_configs(opts, drafter_names)
+    encoder = Engine(target)
+    prompts = select(load_prompts(opts.prompts), opts.num_prompts)
+    ids = [_encode(encoder, p) for p in prompts]
+    runners, _ = _build_runners(configs, target, drafts, opts)
+    n = opts.max_new_tokens
+
+    # warm-up: one short untimed run per configuration (first-call allocations, lazy imports)
+    for i, cfg in enumerate(configs):
+        say(f"warm-up {cfg.name}", i, len(configs))
+        runners[cfg.name](ids[0], min(8, n))
+
+    # interleaved timed runs: for each repeat, for each prompt, every configuration in turn
+    accs = {cfg.name: _Acc() for cfg in configs}
+    reference: list[list[int] | None] = [None] * len(prompts)
+    total, done = opts.repeats * len(prompts) * len(configs), 0
+    for r in range(opts.repeats):
+        for pi, prompt_ids in enumerate(ids):
+            for cfg in configs:
+                say(f"repeat {r + 1}/{opts.repeats} prompt {prompts[pi].id} {cfg.name}", done, total)
+                acc = accs[cfg.name]
+                try:
+                    out = runners[cfg.name](prompt_ids, n)
+                except Exception as e:  # noqa: BLE001 - a crash is a failure of that config
+                    logger.exception("config %s failed on %s", cfg.name, prompts[pi].id)
+                    acc.errors.append(f"{prompts[pi].id}: {type(e).__name__}: {e}")
+                    done += 1
+                    continue
+                if cfg.kind == "target" and reference[pi] is None:
+                    reference[pi] = out.tokens
+                ref = reference[pi]
+                if ref is not None and out.tokens != ref:
+                    acc.mismatches.append({"prompt": prompts[pi].id, "repeat": r,
+                                           "first_difference": first_difference(out.tokens, ref),
+                                           "tokens": len(out.tokens), "reference_tokens": len(ref)})
+                acc.add(out)
+                done += 1
+
+    # step costs, measured directly at a realistic prefix: prompt 0 + its reference output
+    ours = [(cfg, _acceptance(accs[cfg.name].stats)) for cfg in configs if cfg.kind == "ours"]
+    ks = {_verify_size(cfg, a) for cfg, a in ours} | {g + 1 for g in opts.gamma_grid}
+    prefix = ids[0] + (reference[0] or [])[: n // 2]
+    say("measuring step costs", 0, 1)
+    model_drafts = {name: lm.model for name, lm in drafts.items()}
+    costs = measure_costs(target.model, model_drafts, target.device, prefix, ks,
+                          repeats=opts.cost_repeats)
+
+    result_configs = _summarise(configs, accs, costs)
+    throughput = (_throughput(opts, target, drafts, drafter_names, encoder, load_prompts(opts.prompts),
+                              say) if opts.batch_sizes else None)
+    failures = [f"{c['name']}: {m['prompt']} differs from the target at token {m['first_difference']}"
+                for c in result_configs if c["kind"] == "ours" for m in c["mismatches"]]
+    failures += [f"{c['name']}: {e}" for c in result_configs for e in c["errors"]]
+    if throughput:
+        failures += [f"throughput B={t['batch_size']} {t['mode']}: {m}" for t in throughput
+                     if t["mode"] == "speculative" for m in t["mismatches"]]
+    warnings = [f"{c['name']} (baseline): {m['prompt']} differs from the target at token "
+                f"{m['first_difference']}" for c in result_configs if c["kind"] != "ours"
+                for m in c["mismatches"]]
+    if throughput:
+        warnings += [f"throughput B={t['batch_size']} target (HF padded batch): {m}"
+                     for t in throughput if t["mode"] == "target" for m in t["mismatches"]]
+    return {
+        "target": target.name, "drafters": drafter_names,
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.__dict__.items()},
+        "prompts": [{"id": p.id, "category": p.category, "prompt_tokens": len(x)}
+                    for p, x in zip(prompts, ids, strict=True)],
+        "environment": {"torch": torch.__version__, "python": platform.python_version(),
+                        "device": str(target.device), "threads": torch.get_num_threads(),
+                        "machine": platform.machine()},
+        "costs": costs.to_dict(),
+        "configs": result_configs,
+        "throughput": throughput,
+        "best_hf_assisted": _best_hf(result_configs),
+        "failures": failures,
+        "warnings": warnings,
+        "identical": not failures,
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def _best_hf(configs: list[dict[str, Any]]) -> str | None:
+    hf = [c for c in configs if c["kind"] == "hf-assisted" and c["tokens_per_second"]]
+    return max(hf, key=lambda c: c["tokens_per_second"])["name"] if hf else None
+
+
+def _summarise(configs: list[Config], accs: dict[str, _Acc], costs: CostTable) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for cfg in configs:
+        a = accs[cfg.name]
+        row: dict[str, Any] = {
+            "name": cfg.name, "kind": cfg.kind, "group": cfg.group, "drafters": list(cfg.drafters),
+            "n_drafters": len(cfg.drafters), "gamma": cfg.gamma, "adaptive": cfg.adaptive,
+            "hf_setting": cfg.hf_setting, "runs": a.runs, "new_tokens": a.tokens,
+            "seconds": a.seconds,
+            "tokens_per_second": a.tokens / a.seconds if a.seconds > 0 else None,
+            "identical": not a.mismatches and not a.errors, "mismatches": a.mismatches,
+            "errors": a.errors,
+        }
+        if cfg.kind == "ours" and a.stats:
+            acc = _acceptance(a.stats)
+            row.update(acc)
+            row.update(bound_for(cfg, acc, costs))
+        else:
+            row.update({"acceptance_rate": None, "mean_acceptance_length": None,
+                        "accepted_per_position": [], "alpha": None, "c": None, "bound": None,
+                        "gamma_mean": None, "draft_cost_per_step": None,
+                        "verify_tokens": None, "verify_cost_ratio": None})
+        rows.append(row)
+    base = next((r["tokens_per_second"] for r in rows if r["kind"] == "target"), None)
+    best = _best_hf(rows)
+    best_tps = next((r["tokens_per_second"] for r in rows if r["name"] == best), None)
+    for r in rows:
+        tps = r["tokens_per_second"]
+        r["speedup_vs_target"] = tps / base if tps and base else None
+        r["ratio_vs_hf_assisted"] = tps / best_tps if tps and best_tps else None
+        r["efficiency"] = bnd.efficiency(r["speedup_vs_target"], r.get("bound"))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# throughput mode
+
+
+def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, LoadedModel],
+                drafter_names: list[str], encoder: Any, all_prompts: list[BenchPrompt],
+                say: Progress) -> list[dict[str, Any]]:
+    """Total tokens/s over ``throughput_prompts`` prompts at each batch size, ours and target alone.
+
+    Speculative: ``Engine.generate_many(requests, batch_size=B)`` with the first drafter (adaptive).
+    Target: Hugging Face ``generate`` on left-padded batches of B. Both checked against the target's
+    own unbatched greedy output of each prompt.
+    """
+    from specbatch.engine import Engine
+
+    prompts = [all_prompts[i % len(all_prompts)] for i in range(opts.throughput_prompts)]
+    ids = [_encode(encoder, p) for p in prompts]
+    n = opts.max_new_tokens
+    hf = HFRunner(target)
+    first = drafter_names[0] if drafter_names else None
+    models = [drafts[first]] if first and first != NGRAM else []
+    engine = Engine(target, models, ngram=first == NGRAM)
+    spec = EngineRunner(engine)
+    say("throughput: reference outputs", 0, 1)
+    reference: dict[tuple[int, ...], list[int]] = {}
+    for x in ids:
+        reference.setdefault(tuple(x), hf(x, n).tokens)
+    spec.batch(ids[:2], min(8, n), batch_size=2)   # warm-up
+    rows: list[dict[str, Any]] = []
+    for bi, b in enumerate(opts.batch_sizes):
+        for mode in ("speculative", "target"):
+            say(f"throughput B={b} {mode}", 2 * bi + (mode == "target"), 2 * len(opts.batch_sizes))
+            if mode == "speculative":
+                outs, seconds = spec.batch(ids, n, batch_size=b)
+            else:
+                outs, seconds = [], 0.0
+                for s in range(0, len(ids), b):
+                    chunk, sec = hf.batch(ids[s: s + b], n)
+                    outs.extend(chunk)
+                    seconds += sec
+            mism: list[str] = []
+            tokens = 0
+            for p, x, out in zip(prompts, ids, outs, strict=True):
+                if isinstance(out, Exception):
+                    mism.append(f"{p.id}: {type(out).__name__}: {out}")
+                    continue
+                tokens += len(out)
+                ref = reference[tuple(x)]
+                if out != ref:
+                    mism.append(f"{p.id} differs from the target at token {first_difference(out, ref)}")
+            rows.append({"batch_size": b, "mode": mode, "prompts": len(ids), "new_tokens": tokens,
+                         "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None,
+                         "identical": not mism, "mismatches": mism,
+                         "drafters": [first] if mode == "speculative" and first else []})
+    base = {r["mode"]: r["tokens_per_second"] for r in rows if r["batch_size"] == opts.batch_sizes[0]}
+    for r in rows:
+        b0 = base.get(r["mode"])
+        r["vs_first_batch_size"] = r["tokens_per_second"] / b0 if b0 and r["tokens_per_second"] else None
+    by_b = {(r["batch_size"], r["mode"]): r["tokens_per_second"] for r in rows}
+    for r in rows:
+        t = by_b.get((r["batch_size"], "target"))
+        r["speedup_vs_target"] = r["tokens_per_second"] / t if t and r["tokens_per_second"] else None
+    return rows

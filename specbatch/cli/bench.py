@@ -1,0 +1,103 @@
+"""`specbatch bench`: ours against the baselines, same prompts, same run; tables, JSON and plots."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import click
+
+from specbatch.cli.common import echo_json, warn
+from specbatch.config import get_settings
+
+
+def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    try:
+        out = tuple(int(x) for x in value.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give comma-separated integers, e.g. 1,2,4", param_hint=option) from None
+    if not out or any(x < 1 for x in out):
+        raise click.BadParameter(f"{value!r}: give integers >= 1", param_hint=option)
+    return out
+
+
+@click.command()
+@click.option("--target", default=None, help="Target model (default: the configured default target).")
+@click.option("--draft", "drafts", multiple=True, help="Draft model; repeat for a pool (default: the configured draft).")
+@click.option("--ngram/--no-ngram", default=True, show_default=True, help="Add the n-gram (prompt lookup) drafter.")
+@click.option("--prompts", default="all", show_default=True,
+              help="A JSONL file, 'all', or a comma list of bundled sets: code, chat, grounded.")
+@click.option("--num-prompts", type=int, default=None, help="Prompts to use, round-robin across categories [12; quick 3].")
+@click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt [128; quick 48].")
+@click.option("--repeats", type=int, default=None, help="Interleaved repeats of every configuration [2].")
+@click.option("--gamma-grid", default=None, help="Fixed draft lengths to measure [1,2,3,4,6,8; quick 2,4,6].")
+@click.option("--batch-sizes", default=None, help="Throughput mode: batch sizes, e.g. 1,4,8,16.")
+@click.option("--throughput-prompts", type=int, default=32, show_default=True, help="Prompts in throughput mode.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,
+              help="Directory for report.md, result.json and the PNG plots.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the Markdown table.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: configured).")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: configured).")
+@click.option("--random-weights", is_flag=True,
+              help="Random-weight models of the same shapes (speed only); adds a self-draft for acceptance.")
+@click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
+def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, batch_sizes,
+          throughput_prompts, out_dir, as_json, device, dtype, random_weights, quick) -> None:
+    """Benchmark speculative decoding against the target alone and Hugging Face assisted generation."""
+    from specbatch.bench.harness import BenchOptions, run_bench
+    from specbatch.bench.report import markdown, write_all
+
+    settings = get_settings()
+    given = {
+        "target": target or settings.default_target,
+        "drafts": tuple(drafts) if drafts else (settings.default_draft,),
+        "ngram": ngram, "prompts": prompts, "device": device or settings.device,
+        "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None,
+        "random_weights": random_weights, "throughput_prompts": throughput_prompts,
+        "batch_sizes": _ints(batch_sizes, "--batch-sizes") or (),
+    }
+    for key, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens),
+                       ("repeats", repeats), ("gamma_grid", _ints(gamma_grid, "--gamma-grid"))):
+        if value is not None:
+            if isinstance(value, int) and value < 1:
+                raise click.BadParameter("must be >= 1", param_hint=f"--{key.replace('_', '-')}")
+            given[key] = value
+    opts = BenchOptions.quick_defaults(**given) if quick else BenchOptions(**given)
+
+    result = _run_with_progress(run_bench, opts, quiet=as_json)
+    command = "specbatch " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "specbatch" else None
+    result["command"] = command
+    files = write_all(result, Path(out_dir), command)
+    result["files"] = files
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(markdown(result, command))
+        click.echo(f"wrote {', '.join(files.values())}", err=True)
+    for w in result["warnings"]:
+        warn(w)
+    if result["failures"]:
+        for f in result["failures"]:
+            click.secho(f"FAILED: {f}", err=True, fg="red")
+        sys.exit(1)
+
+
+def _run_with_progress(run, opts, quiet: bool):  # type: ignore[no-untyped-def]
+    """Run with a progress bar on stderr (a terminal only; silent under --json pipes)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        return run(opts)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=1)
+
+        def update(what: str, done: int, total: int) -> None:
+            bar.update(task, description=what[:80], completed=done, total=max(total, 1))
+
+        return run(opts, update)
