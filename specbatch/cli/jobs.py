@@ -1,0 +1,368 @@
+"""Commands over the job store: jobs, status, export, cancel, retry, db."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.config import Settings, get_settings
+from specbatch.db.models import REQUEST_STATUSES
+from specbatch.errors import BrokerUnavailable
+
+JSON_HELP = "Print machine-readable JSON on stdout."
+
+
+def _when(iso: str | None) -> str:
+    return iso[:19].replace("T", " ") if iso else "-"
+
+
+def _num(x: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _models(d: dict[str, Any]) -> str:
+    drafts = list(d["drafts"]) + (["ngram"] if d.get("ngram") else [])
+    return d["target"] + (f" <- {', '.join(drafts)}" if drafts else "")
+
+
+def _counts_line(c: dict[str, int]) -> str:
+    return "  ".join(f"{k} {c[k]}" for k in ("total", "pending", "running", "completed", "failed",
+                                             "cancelled"))
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(file=sys.stdout, highlight=False)
+
+
+# ---------------------------------------------------------------- jobs
+
+
+@click.command()
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1),
+              help="How many jobs to show, newest first.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def jobs(limit: int, as_json: bool) -> None:
+    """List jobs, newest first.
+
+    \b
+    Example:
+      specbatch jobs --limit 10
+      specbatch jobs --json | jq -r '.[] | select(.status == "running") | .id'
+    """
+    from specbatch.jobs import store
+
+    with open_db(get_settings(), readonly=True).begin() as s:
+        rows = store.list_jobs(s, limit=limit)
+        counts = store.request_counts(s, [j.id for j in rows])
+        data = [store.job_dict(j, counts[j.id]) for j in rows]
+    if as_json:
+        echo_json(data)
+        return
+    if not data:
+        click.echo("no jobs yet; create one with `specbatch submit FILE` or `specbatch run FILE`")
+        return
+    from rich.table import Table
+
+    table = Table(box=None)
+    for col in ("id", "status", "models", "done", "failed", "created"):
+        table.add_column(col, no_wrap=col != "models")
+    for d in data:
+        c = d["request_counts"]
+        table.add_row(d["id"], d["status"], _models(d), f"{c['completed']}/{c['total']}", str(c["failed"]),
+                      _when(d["created_at"]))
+    _console().print(table)
+
+
+# ---------------------------------------------------------------- status
+
+
+def _check_workers(settings: Settings, queue: str) -> None:
+    """Warn on stderr when no live worker consumes the job's queue (skipped without the worker extra)."""
+    try:
+        from specbatch.worker.monitor import queue_has_consumer
+    except ImportError:
+        return
+    has = queue_has_consumer(settings, queue)
+    if has is False:
+        warn(f"no live worker consumes queue {queue}: nothing will progress until one starts "
+             "(`specbatch worker` with this job's --target/--draft)")
+    elif has is None:
+        warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
+
+
+def _print_status(d: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    st = d["stats"]
+    info = Table(box=None, show_header=False, title=f"job {d['id']}", title_justify="left")
+    info.add_column(style="bold")
+    info.add_column()
+    info.add_row("status", d["status"])
+    info.add_row("models", _models(d))
+    info.add_row("queue", d["queue"])
+    if d["source"]:
+        info.add_row("source", d["source"])
+    for key in ("created_at", "started_at", "finished_at", "cancel_requested_at", "cancelled_at"):
+        if d[key]:
+            info.add_row(key.removesuffix("_at").replace("_", " "), _when(d[key]))
+    info.add_row("requests", _counts_line(d["request_counts"]))
+    if st["results"]:
+        ar, mal, lat = st["acceptance_rate"], st["mean_acceptance_length"], st["latency_seconds"]
+        info.add_row("acceptance rate", f"{_num(ar['token_weighted'])} token-weighted, "
+                                        f"{_num(ar['request_mean'])} request mean")
+        info.add_row("mean acceptance length", f"{_num(mal['token_weighted'], '{:.2f}')} token-weighted, "
+                                               f"{_num(mal['request_mean'], '{:.2f}')} request mean")
+        info.add_row("tokens generated", str(st["tokens_generated"]))
+        info.add_row("throughput", f"{_num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
+                                   f"{st['wall_clock_seconds']:.1f} s wall clock")
+        info.add_row("latency", f"p50 {_num(lat['p50'], '{:.2f}')} s, p95 {_num(lat['p95'], '{:.2f}')} s")
+        if st["pool_wins"]:
+            info.add_row("pool wins", ", ".join(f"{k} {v}" for k, v in st["pool_wins"].items()))
+    console = _console()
+    console.print(info)
+    if st["workers"]:
+        workers = Table(title="workers", title_justify="left", box=None)
+        for col in ("worker", "requests", "tokens", "tokens/s", "busy tokens/s"):
+            workers.add_column(col, justify="left" if col == "worker" else "right")
+        for w in st["workers"]:
+            workers.add_row(w["worker"], str(w["requests"]), str(w["tokens_generated"]),
+                            _num(w["tokens_per_second"], "{:.1f}"), _num(w["busy_tokens_per_second"], "{:.1f}"))
+        console.print(workers)
+
+
+@click.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def status(job_id: str, as_json: bool) -> None:
+    """Show a job's status, request counts and speculative-decoding statistics.
+
+    JOB is a job id (or a unique prefix of one, 4 characters or more).
+
+    \b
+    Example:
+      specbatch status 3f9a2c
+      specbatch status 3f9a2c --json | jq .stats.acceptance_rate
+    """
+    from specbatch.db.models import JobStatus
+    from specbatch.jobs import store
+
+    settings = get_settings()
+    with open_db(settings).begin() as s:      # short write: counters and status from the rows
+        job = store.refresh_job(s, job_id)
+        jid, queue, finished = job.id, job.queue, JobStatus(job.status).finished
+    with open_db(settings, readonly=True).begin() as s:
+        summary = store.job_summary(s, jid)
+    if not finished:
+        _check_workers(settings, queue)
+    if as_json:
+        echo_json(summary)
+    else:
+        _print_status(summary)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _statuses(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]) -> list[str]:
+    out = [x.strip() for v in value for x in v.split(",") if x.strip()]
+    bad = [x for x in out if x not in REQUEST_STATUSES]
+    if bad:
+        raise click.BadParameter(f"{', '.join(bad)}: choose from {', '.join(REQUEST_STATUSES)}")
+    return out
+
+
+@click.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default="jsonl",
+              show_default=True, help="jsonl: OpenAI batch output lines + stats; csv/parquet: one flat row "
+                                      "per request.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
+              help="File to write ('-': stdout). Default: stdout for jsonl/csv, JOB.parquet for parquet.")
+@click.option("--status", "statuses", multiple=True, callback=_statuses, metavar="STATUS[,STATUS]",
+              help=f"Only requests with these statuses ({', '.join(REQUEST_STATUSES)}); repeatable.")
+@click.option("--json", "as_json", is_flag=True, help="Print {id, format, path, rows} as JSON (file output).")
+def export(job_id: str, fmt: str, output: Path | None, statuses: list[str], as_json: bool) -> None:
+    """Export a job's requests and results as JSONL, CSV or Parquet.
+
+    Rows follow the prompt file's order. Parquet loads with pandas.read_parquet and
+    datasets.load_dataset("parquet", data_files=...).
+
+    \b
+    Example:
+      specbatch export 3f9a2c -f parquet -o answers.parquet --status completed
+      specbatch export 3f9a2c > answers.jsonl
+    """
+    from specbatch.jobs import export as exporter
+    from specbatch.jobs import store
+
+    to_stdout = (output is None and fmt != "parquet") or str(output) == "-"
+    if to_stdout and fmt == "parquet":
+        raise click.UsageError("parquet is binary: give a file with -o PATH")
+    if to_stdout and as_json:
+        raise click.UsageError("--json reports on a written file: give one with -o PATH")
+    with open_db(get_settings(), readonly=True).begin() as s:
+        jid = store.get_job(s, job_id).id
+        if to_stdout:
+            exporter.export_job(s, jid, fmt, click.get_text_stream("stdout"), statuses)
+            return
+        path = output if output is not None else Path(f"{jid}.parquet")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            n = exporter.export_job(s, jid, fmt, path, statuses)
+        except OSError as e:
+            raise click.ClickException(f"cannot write {path}: {e.strerror or e}") from e
+    if as_json:
+        echo_json({"id": jid, "format": fmt, "path": str(path), "rows": n})
+    else:
+        click.echo(f"wrote {n} rows to {path}", err=True)
+
+
+# ---------------------------------------------------------------- cancel / retry
+
+
+@click.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def cancel(job_id: str, as_json: bool) -> None:
+    """Cancel a job: pending requests are dropped, finished results are kept.
+
+    Requests already generating finish first (the job is "cancelling" until they do).
+
+    \b
+    Example:
+      specbatch cancel 3f9a2c
+    """
+    from specbatch.db.models import JobStatus
+    from specbatch.jobs import store
+
+    with open_db(get_settings()).begin() as s:
+        before = store.get_job(s, job_id)
+        was = JobStatus(before.status)
+        pending_before = store.request_counts(s, [before.id])[before.id]["pending"]
+        job = store.cancel_job(s, before.id)
+        summary = store.job_dict(job)
+    if as_json:
+        echo_json(summary)
+        return
+    c = summary["request_counts"]
+    if was.finished:
+        click.echo(f"job {summary['id']} is already {was.value}; nothing to cancel")
+    elif summary["status"] == JobStatus.cancelled.value:
+        click.echo(f"job {summary['id']} cancelled: {pending_before} pending requests dropped, "
+                   f"{c['completed']} results kept")
+    else:
+        click.echo(f"job {summary['id']} is cancelling: {pending_before} pending requests dropped; "
+                   f"{c['running']} running requests finish first")
+
+
+@click.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def retry(job_id: str, as_json: bool) -> None:
+    """Re-run a job's failed requests (only those; finished results are never redone).
+
+    \b
+    Example:
+      specbatch retry 3f9a2c
+    """
+    from specbatch.jobs import store
+
+    settings = get_settings()
+    with open_db(settings).begin() as s:
+        ids = store.retry_failed(s, job_id)
+        job = store.get_job(s, job_id)
+        jid, queue = job.id, job.queue
+    report = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
+    if ids:
+        # the rows are committed as pending first: whatever happens to the broker, `resume` finishes them
+        later = f"they are pending again; run `specbatch resume {jid}` once the queue is up"
+        try:
+            from specbatch.worker.enqueue import enqueue_requests
+        except ImportError as e:
+            raise click.ClickException(f"{len(ids)} failed requests of job {jid} reset, but the queue is not "
+                                       f"available ({e}); {later}") from e
+        try:
+            report["tasks"] = enqueue_requests(settings, jid, ids, queue)
+        except BrokerUnavailable as e:
+            raise click.ClickException(f"the broker is unreachable ({e}): {len(ids)} failed requests of job "
+                                       f"{jid} were not queued; {later}") from e
+    if as_json:
+        echo_json(report)
+    elif ids:
+        click.echo(f"job {jid}: {len(ids)} failed requests queued again on {queue}")
+    else:
+        click.echo(f"job {jid} has no failed requests; nothing to retry")
+
+
+# ---------------------------------------------------------------- db
+
+
+@click.group()
+def db() -> None:
+    """Database maintenance: migrations and where the database is.
+
+    \b
+    Example:
+      specbatch db upgrade
+      SPECBATCH_DATABASE_URL=postgresql+psycopg://user@host/specbatch specbatch db upgrade
+    """
+
+
+@db.command("upgrade")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def db_upgrade(as_json: bool) -> None:
+    """Migrate the database to the newest schema (creates a new SQLite file if needed).
+
+    \b
+    Example:
+      specbatch db upgrade
+    """
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    from specbatch import db as store_db
+
+    url = get_settings().database_url
+    shown = make_url(url).render_as_string(hide_password=True)
+    path = store_db.sqlite_path(url)
+    is_new = path is not None and not path.exists()
+    try:
+        store_db.upgrade(url)
+        revision = store_db.current_revision(url)
+    except OperationalError as e:
+        raise click.ClickException(f"cannot migrate the database {shown}: {e.orig}") from e
+    if is_new:
+        click.echo(f"specbatch: created a new database at {path}", err=True)
+    if as_json:
+        echo_json({"url": shown, "revision": revision})
+    else:
+        click.echo(f"database {shown} is at revision {revision}")
+
+
+@db.command("url")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def db_url(as_json: bool) -> None:
+    """Print the database URL in use (password hidden).
+
+    \b
+    Example:
+      sqlite3 "$(specbatch db url | sed 's|sqlite:///||')" 'select * from specbatch_results limit 5'
+    """
+    from sqlalchemy.engine import make_url
+
+    from specbatch.db import sqlite_path
+
+    url = get_settings().database_url
+    shown = make_url(url).render_as_string(hide_password=True)
+    path = sqlite_path(url)
+    if as_json:
+        echo_json({"url": shown, "path": str(path) if path else None,
+                   "exists": path.exists() if path else None})
+    else:
+        click.echo(shown)
