@@ -136,6 +136,16 @@ def upgrade(url: str, revision: str = "head") -> None:
         _engines.setdefault(url, engine)
 
 
+def downgrade(url: str, revision: str) -> None:
+    """Alembic downgrade to ``revision`` ("base": drop everything). For developers and tests."""
+    from alembic import command
+
+    with _lock:
+        engine = _engines.get(url) or _create(url)
+        command.downgrade(_alembic_config(engine), revision)
+        _engines.setdefault(url, engine)
+
+
 def current_revision(url: str) -> str | None:
     """The database's Alembic revision (None: not migrated)."""
     from alembic.runtime.migration import MigrationContext
@@ -160,5 +170,5 @@ def forget_engines() -> None:
         _factories.clear()
 
 
-__all__ = ["current_revision", "dispose_engines", "forget_engines", "get_engine", "session_factory",
+__all__ = ["current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "session_factory",
            "sqlite_path", "upgrade"]

@@ -1,0 +1,128 @@
+"""Migrations, the models they must match, the SQL view, and SQLite's connection settings."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
+
+from specbatch import db
+from specbatch.db.models import RESULTS_VIEW, Base, Job, JobStatus, Request
+from specbatch.jobs import store
+from specbatch.jobs.intake import ParsedRequest
+
+PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+
+
+def _req(i: int, custom_id: str | None = None) -> ParsedRequest:
+    return ParsedRequest(line_no=i, custom_id=custom_id or f"c{i}", kind="completion", prompt=f"p{i}",
+                         messages=None, params=PARAMS)
+
+
+def test_migrated_schema_matches_the_models(db_url):
+    with db.get_engine(db_url).connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata)
+    assert diff == []
+
+
+def test_tables_view_and_revision(db_url):
+    insp = inspect(db.get_engine(db_url))
+    assert {"jobs", "requests", "results", "alembic_version"} <= set(insp.get_table_names())
+    assert RESULTS_VIEW in insp.get_view_names()
+    assert db.current_revision(db_url) == "0001"
+    uniques = {tuple(u["column_names"]) for u in insp.get_unique_constraints("requests")}
+    assert ("job_id", "custom_id") in uniques
+    assert ("request_id",) in {tuple(u["column_names"]) for u in insp.get_unique_constraints("results")}
+
+
+def test_upgrade_is_idempotent_and_downgrade_round_trips(db_url):
+    db.upgrade(db_url)                      # already at head: nothing to do
+    db.downgrade(db_url, "base")
+    insp = inspect(db.get_engine(db_url))
+    assert not {"jobs", "requests", "results"} & set(insp.get_table_names())
+    assert RESULTS_VIEW not in insp.get_view_names()
+    db.upgrade(db_url)
+    insp = inspect(db.get_engine(db_url))
+    assert "jobs" in insp.get_table_names() and RESULTS_VIEW in insp.get_view_names()
+
+
+def test_unique_custom_id_per_job(db_url):
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        job = store.create_job(s, target="t", drafts=[], ngram=True, params={}, requests=[_req(1, "a")],
+                               queue="q")
+        job_id = job.id
+    with pytest.raises(IntegrityError), factory.begin() as s:
+        s.add(Request(job_id=job_id, custom_id="a", line_no=2, kind="completion", prompt="x", params={}))
+    with factory.begin() as s:    # another job may reuse the custom_id
+        store.create_job(s, target="t", drafts=[], ngram=True, params={}, requests=[_req(1, "a")], queue="q")
+
+
+def test_datetimes_come_back_aware_utc(db_url):
+    t = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        s.add(Job(id="tzjob", status=JobStatus.queued, target="t", drafts=[], ngram=False, queue="q",
+                  params={}, meta={}, created_at=t, updated_at=t))
+    with factory.begin() as s:
+        got = s.get(Job, "tzjob").created_at
+    assert got == t and got.tzinfo is not None and got.utcoffset() == timedelta(0)
+    with pytest.raises(Exception, match="naive"), factory.begin() as s:
+        s.add(Job(id="naive", status=JobStatus.queued, target="t", drafts=[], ngram=False, queue="q",
+                  params={}, meta={}, created_at=datetime(2024, 1, 1), updated_at=t))
+
+
+def test_view_joins_requests_and_results_in_plain_sql(db_url):
+    from specbatch.engine.types import GenerationOutput, GenerationStats
+
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        job = store.create_job(s, target="t", drafts=["d"], ngram=False, params={},
+                               requests=[_req(1), _req(2)], queue="q")
+        job_id = job.id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids, "w", 60, 3)
+        out = GenerationOutput("hi", [5, 6], "stop", GenerationStats(prompt_tokens=3, new_tokens=2,
+                               verify_steps=1, drafted_tokens=4, accepted_tokens=1, wall_seconds=0.5))
+        store.record_result(s, ids[0], out, "w")
+    with db.get_engine(db_url).connect() as conn:
+        rows = conn.execute(text(f"SELECT custom_id, status, text, completion_tokens, acceptance_rate, "
+                                 f"worker FROM {RESULTS_VIEW} WHERE job_id = :j ORDER BY line_no"),
+                            {"j": job_id}).all()
+    assert [tuple(r) for r in rows] == [("c1", "completed", "hi", 2, 0.25, "w"),
+                                        ("c2", "running", None, None, None, None)]
+
+
+def test_sqlite_runs_wal_with_busy_timeout_and_foreign_keys(tmp_path):
+    url = f"sqlite:///{tmp_path / 'a' / 'b' / 'new.db'}"
+    assert db.sqlite_path(url) == tmp_path / "a" / "b" / "new.db"
+    try:
+        with db.get_engine(url).connect() as conn:       # creates parents, file, schema
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == db.SQLITE_BUSY_TIMEOUT_MS
+            assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+        assert (tmp_path / "a" / "b" / "new.db").exists()
+        assert db.current_revision(url) == "0001"
+    finally:
+        db.forget_engines()
+
+
+def test_sqlite_path_of_other_urls():
+    assert db.sqlite_path("sqlite://") is None
+    assert db.sqlite_path("sqlite:///:memory:") is None
+    assert db.sqlite_path("postgresql+psycopg://u@h/db") is None
+
+
+def test_in_memory_sqlite_keeps_its_tables():
+    try:
+        factory = db.session_factory("sqlite://")
+        with factory.begin() as s:
+            store.create_job(s, target="t", drafts=[], ngram=True, params={}, requests=[_req(1)], queue="q")
+        with factory.begin() as s:
+            assert len(store.list_jobs(s)) == 1
+    finally:
+        db.forget_engines()
