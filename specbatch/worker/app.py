@@ -25,7 +25,10 @@ TASK_NAME = "specbatch.process_chunk"
 
 def celery_config(settings: Settings) -> dict:
     """The Celery configuration for ``settings`` (plain data; the app adds nothing else)."""
-    transport = {"visibility_timeout": settings.visibility_timeout}
+    # Redis restores a dead worker's unacked messages once they are visibility_timeout old; kombu
+    # only looks every interval * throttle seconds (100 s by default): look every vt / 10 instead.
+    transport = {"visibility_timeout": settings.visibility_timeout, "unacked_restore_throttle": 1,
+                 "unacked_restore_interval": max(1, min(60, settings.visibility_timeout // 10))}
     return {
         "broker_url": settings.broker_url,
         "broker_transport_options": transport,

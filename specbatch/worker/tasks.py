@@ -96,12 +96,18 @@ def _should_stop() -> bool:
     return bool(state.should_stop is not None or state.should_terminate is not None)
 
 
+def _countdown(settings: Any, seconds: float) -> float:
+    """A retry delay kept under half the visibility timeout: Redis would redeliver a longer ETA."""
+    return max(0.5, min(seconds, settings.visibility_timeout / 2))
+
+
 class EngineTask(Task):
     """Holds the loaded engine for the process; ids in, nothing out (results live in our tables)."""
 
     ignore_result = True
     acks_late = True
     max_retries = MAX_RETRIES
+    default_retry_delay = 1   # the worker-lost resend; Task's own default is 180 s
 
     @property
     def engine(self) -> Any:
@@ -116,12 +122,12 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
         report = process_chunk(settings, self.engine, request_ids, _worker_name(self),
                                should_stop=_should_stop)
     except TRANSIENT_DB_ERRORS + (KombuOperationalError, ConnectionError) as e:
-        countdown = min(2 ** self.request.retries, 60)
+        countdown = _countdown(settings, 2 ** min(self.request.retries, 6))
         logger.warning("chunk of job %s: transient error, retry in %ss: %s", job_id, countdown, e)
         raise self.retry(exc=e, countdown=countdown) from e
     if report.unstarted:  # warm shutdown: back to the queue, the finished part is skipped there
         raise Reject("worker shutting down", requeue=True)
     if report.held:  # another worker holds a lease on some: look again once it has expired
-        countdown = max(1.0, min(report.retry_after + 0.5, settings.lease_seconds + 1.0))
-        raise self.retry(countdown=countdown)
+        raise self.retry(countdown=_countdown(settings, min(report.retry_after + 0.5,
+                                                            settings.lease_seconds + 1.0)))
     return report.to_dict()

@@ -1,0 +1,151 @@
+"""Real services for worker tests: a redis-server on a free port, worker and Flower subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.2) -> object:
+    """Poll ``predicate`` until truthy; fail the test with ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+class RedisServer:
+    """``redis-server`` on a free port, no persistence; ``restart()`` keeps the port."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        client = redis.Redis.from_url(self.url)
+        wait_for(lambda: _ping(client), 10, "redis-server to answer")
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        self.stop()
+        time.sleep(down_seconds)
+        self.start()
+
+    def client(self):  # noqa: ANN201
+        import redis
+
+        return redis.Redis.from_url(self.url)
+
+
+def _ping(client) -> bool:  # noqa: ANN001
+    try:
+        return bool(client.ping())
+    except Exception:
+        return False
+
+
+class Proc:
+    """A subprocess with its output in a log file (read it in assertion messages)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.log = log
+        self._fh = open(log, "wb")
+        self.proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=self._fh, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def output(self) -> str:
+        if not self._fh.closed:
+            self._fh.flush()
+        return self.log.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def children(self) -> list[int]:
+        """Pids of this process's direct children (a prefork worker's pool processes)."""
+        out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(self.proc.pid)], capture_output=True,
+                             text=True).stdout
+        return [int(x) for x in out.split()]
+
+    def pool_children(self) -> list[int]:
+        """The prefork pool processes (not billiard's semaphore tracker, also a child)."""
+        pids = []
+        for pid in self.children():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "spawn_main" in cmd or ("tracker import" not in cmd and "billiard" not in cmd):
+                pids.append(pid)
+        return pids
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 20) -> None:
+        """Warm shutdown, then SIGKILL of the whole process group if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+        else:  # leftover pool children of a killed parent
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._fh.close()
+
+
+def python_argv(*args: str) -> list[str]:
+    return [sys.executable, *args]
