@@ -1,0 +1,278 @@
+"""Intake: every bad line is reported as FILE:LINE: field: problem, and nothing is written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+
+from specbatch import db
+from specbatch.config import Settings
+from specbatch.db.models import Job, Request, Result
+from specbatch.errors import IntakeError
+from specbatch.jobs import intake, store
+
+BOM = b"\xef\xbb\xbf"
+KNOWN_LINE_KEYS = "custom_id, prompt, messages, max_tokens, max_new_tokens, temperature, top_p, top_k, seed, stop"
+
+
+def submit(settings: Settings, path: Path | str, defaults: dict | None = None) -> str:
+    """What `specbatch submit` does with the store: validate everything, then write in one transaction."""
+    parsed = intake.parse_file(path, defaults or {}, settings)
+    with db.session_factory(settings.database_url).begin() as s:
+        return store.create_job(s, target="t", drafts=["d"], ngram=False, params=intake.job_params(defaults),
+                                requests=parsed, queue="q", source=str(path)).id
+
+
+def snapshot(url: str) -> tuple:
+    with db.session_factory(url).begin() as s:
+        return tuple(s.scalar(select(func.count()).select_from(t)) for t in (Job, Request, Result)) + (
+            tuple(s.scalars(select(Request.custom_id).order_by(Request.id))),)
+
+
+@pytest.fixture(scope="module")
+def seeded_url(tmp_path_factory) -> str:
+    """A SQLite store that already holds one job, so "unchanged" is not just "empty"."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('intake') / 'store.db'}"
+    p = tmp_path_factory.mktemp("seed") / "seed.jsonl"
+    p.write_text('{"custom_id": "seed", "prompt": "already here"}\n')
+    submit(Settings(database_url=url), p)
+    yield url
+    db.forget_engines()
+
+
+def L(**obj) -> bytes:  # noqa: N802 - one JSONL line
+    return (json.dumps(obj) + "\n").encode()
+
+
+GOOD = L(custom_id="ok", prompt="fine")
+BAD_CASES = {
+    "invalid_json": (GOOD + b'{"prompt": "b",}\n',
+                     ["2: invalid JSON: Expecting property name enclosed in double quotes (column 16)"]),
+    "not_an_object_array": (b'["a", "b"]\n', ["1: must be a JSON object, got an array"]),
+    "not_an_object_string": (GOOD + b'"hello"\n', ["2: must be a JSON object, got a string"]),
+    "not_an_object_null": (b"null\n", ["1: must be a JSON object, got null"]),
+    "neither_prompt_nor_messages": (L(custom_id="x", max_tokens=5), ['1: "prompt" or "messages" is required']),
+    "both_prompt_and_messages": (L(prompt="a", messages=[{"role": "user", "content": "b"}]),
+                                 ['1: prompt: give "prompt" or "messages", not both']),
+    "prompt_wrong_type": (L(prompt=5), ["1: prompt: must be a string, got a number"]),
+    "prompt_empty": (L(prompt=""), ["1: prompt: must not be empty"]),
+    "messages_wrong_type": (L(messages="hi"),
+                            ['1: messages: must be an array of {"role", "content"} objects, got a string']),
+    "messages_empty": (L(messages=[]), ["1: messages: must not be empty"]),
+    "message_not_object": (L(messages=["hi"]),
+                           ['1: messages[0]: must be an object with "role" and "content", got a string']),
+    "message_bad_role": (L(messages=[{"role": "robot", "content": "x"}]),
+                         ['1: messages[0].role: must be one of system, developer, user, assistant, tool '
+                          '(got "robot")']),
+    "message_missing_content": (L(messages=[{"role": "user"}]),
+                                ["1: messages[0].content: must be a string (missing)"]),
+    "message_unknown_key": (L(messages=[{"role": "user", "content": "x", "tool_calls": []}]),
+                            ["1: messages[0].tool_calls: unknown key; known keys: role, content, name"]),
+    "message_image_part": (L(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+                           ['1: messages[0].content[0]: only {"type": "text", "text": ...} parts are supported']),
+    "max_tokens_string": (L(prompt="a", max_tokens="64"), ["1: max_tokens: must be an integer >= 1, got a string"]),
+    "max_tokens_boolean": (L(prompt="a", max_tokens=True), ["1: max_tokens: must be an integer >= 1, got a boolean"]),
+    "max_tokens_float": (L(prompt="a", max_tokens=64.5), ["1: max_tokens: must be an integer >= 1, got a number"]),
+    "temperature_string": (L(prompt="a", temperature="hot"),
+                           ["1: temperature: must be a number >= 0, got a string"]),
+    "top_k_float": (L(prompt="a", top_k=1.5), ["1: top_k: must be an integer >= 0 (0: no top-k), got a number"]),
+    "seed_string": (L(prompt="a", seed="1"), ["1: seed: must be an integer, got a string"]),
+    "stop_number": (L(prompt="a", stop=5), ["1: stop: must be a string or a list of strings, got a number"]),
+    "stop_empty_string": (L(prompt="a", stop=["ok", ""]), ["1: stop: stop strings must not be empty"]),
+    "custom_id_number": (L(custom_id=7, prompt="a"), ["1: custom_id: must be a non-empty string, got a number"]),
+    "custom_id_empty": (L(custom_id="", prompt="a"), ["1: custom_id: must not be empty"]),
+    "custom_id_too_long": (L(custom_id="x" * 513, prompt="a"),
+                           ["1: custom_id: is 513 characters; the limit is 512"]),
+    "temperature_negative": (L(prompt="a", temperature=-1), ["1: temperature: must be >= 0, got -1"]),
+    "top_p_zero": (L(prompt="a", top_p=0), ["1: top_p: must be in (0, 1], got 0"]),
+    "top_p_above_one": (L(prompt="a", top_p=1.5), ["1: top_p: must be in (0, 1], got 1.5"]),
+    "top_k_negative": (L(prompt="a", top_k=-1), ["1: top_k: must be >= 0, got -1"]),
+    "max_tokens_zero": (L(prompt="a", max_tokens=0), ["1: max_tokens: must be >= 1, got 0"]),
+    "max_new_tokens_negative": (L(prompt="a", max_new_tokens=-3), ["1: max_new_tokens: must be >= 1, got -3"]),
+    "seed_negative": (L(prompt="a", seed=-1), ["1: seed: must be in [0, 2**63 - 1], got -1"]),
+    "seed_too_big": (L(prompt="a", seed=2**64), [f"1: seed: must be in [0, 2**63 - 1], got {2**64}"]),
+    "nan_temperature": (b'{"prompt": "a", "temperature": NaN}\n', ["1: invalid JSON: NaN is not valid JSON"]),
+    "duplicate_json_key": (b'{"prompt": "a", "prompt": "b"}\n', ['1: invalid JSON: duplicate key "prompt"']),
+    "max_tokens_conflict": (L(prompt="a", max_tokens=5, max_new_tokens=6),
+                            ["1: max_new_tokens: conflicts with max_tokens; give one of them"]),
+    "duplicate_custom_id": (L(custom_id="q1", prompt="a") + L(custom_id="q2", prompt="b")
+                            + L(custom_id="q1", prompt="c"),
+                            ['3: custom_id: duplicate "q1" (first on line 1)']),
+    "default_custom_id_taken": (L(custom_id="line-2", prompt="a") + L(prompt="b"),
+                                ['2: custom_id: missing, and the default "line-2" is taken by line 1; '
+                                 "give this line a custom_id"]),
+    "unknown_key": (L(prompt="a", temprature=0.5), [f"1: temprature: unknown key; known keys: {KNOWN_LINE_KEYS}"]),
+    "invalid_utf8": (GOOD + b'{"prompt": "caf\xe9"}\n',
+                     ["2: invalid UTF-8 (byte 0xe9 at byte 16); save the file as UTF-8"]),
+    "over_long_line": (GOOD + L(prompt="x" * 2000) + GOOD.replace(b"ok", b"ok2"),
+                       ["2: line is 2014 bytes; the limit is 1000 (SPECBATCH_MAX_LINE_BYTES)"]),
+    "batch_method": (L(method="GET", url="/v1/chat/completions", body={"messages": [{"role": "user",
+                                                                                     "content": "x"}]}),
+                     ['1: method: must be "POST", got "GET"']),
+    "batch_url": (L(method="POST", url="/v1/embeddings", body={"prompt": "x"}),
+                  ['1: url: must be one of /v1/chat/completions, /v1/completions (got "/v1/embeddings")']),
+    "batch_body_not_object": (L(method="POST", url="/v1/completions", body="x"),
+                              ["1: body: must be an object, got a string"]),
+    "batch_body_missing": (L(method="POST", url="/v1/completions"), ["1: body: is required"]),
+    "batch_chat_without_messages": (L(method="POST", url="/v1/chat/completions", body={"prompt": "x"}),
+                                    ["1: body.messages: is required for /v1/chat/completions"]),
+    "batch_unknown_body_key": (L(method="POST", url="/v1/completions", body={"prompt": "x",
+                                                                             "frequency_penalty": 1}),
+                               ["1: body.frequency_penalty: unknown key; known keys: messages, prompt, model"]),
+    "batch_n": (L(method="POST", url="/v1/completions", body={"prompt": "x", "n": 2}),
+                ["1: body.n: must be 1 (one completion per line)"]),
+    "batch_stream": (L(method="POST", url="/v1/completions", body={"prompt": "x", "stream": True}),
+                     ["1: body.stream: must be false"]),
+    "batch_top_level_param": (L(method="POST", url="/v1/completions", body={"prompt": "x"}, max_tokens=4),
+                              ["1: max_tokens: unknown key; known keys: custom_id, method, url, body"]),
+    "batch_prompt_list": (L(method="POST", url="/v1/completions", body={"prompt": ["a", "b"]}),
+                          ["1: body.prompt: must be a string, got an array"]),
+    "batch_bad_temperature": (L(method="POST", url="/v1/completions", body={"prompt": "x", "temperature": -2}),
+                              ["1: body.temperature: must be >= 0, got -2"]),
+    "too_many_requests": (GOOD + L(prompt="b") + b"\n" + L(prompt="c") + L(prompt="d"),
+                          [": 4 requests; the limit is 3 per file (SPECBATCH_MAX_REQUESTS): split the file"]),
+    "empty_file": (b"", [": no requests (the file is empty); one JSON object per line is expected"]),
+    "blank_lines_only": (b"\n   \r\n\n", [": no requests (the file is empty)"]),
+    "bom_only": (BOM, [": no requests (the file is empty)"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_input_is_reported_and_nothing_is_written(case, seeded_url, tmp_path):
+    content, expected = BAD_CASES[case]
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    settings = Settings(database_url=seeded_url, max_requests=3, max_line_bytes=1000)
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(settings, path)
+    message = str(e.value)
+    assert message.splitlines()[0] == "1 error; nothing was written:"
+    for want in expected:       # "N: ..." for a line, ": ..." for the whole file
+        assert f"{path}{':' if want[0].isdigit() else ''}{want}" in message, message
+    assert snapshot(seeded_url) == before
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory"])
+def test_missing_file_or_directory(kind, seeded_url, tmp_path):
+    path = tmp_path / "nope.jsonl"
+    if kind == "directory":
+        path.mkdir()
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    want = "no such file" if kind == "missing" else "is a directory, not a JSONL file"
+    assert str(e.value).splitlines()[1] == f"{path}: {want}"
+    assert snapshot(seeded_url) == before
+
+
+def test_every_error_of_every_line_is_listed_in_line_order(seeded_url, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="a", prompt="x") + b"{oops\n" + GOOD
+                     + L(custom_id="a", prompt="y", temperature=-1, top_p=2) + L(custom_id="a", prompt="z"))
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "4 errors; nothing was written:"
+    assert lines[1].startswith(f"{path}:2: invalid JSON")
+    assert lines[2:] == [f"{path}:4: temperature: must be >= 0, got -1", f"{path}:4: top_p: must be in (0, 1], got 2",
+                         f'{path}:5: custom_id: duplicate "a" (first on line 1)']
+    assert snapshot(seeded_url) == before
+
+
+def test_error_list_is_capped_with_the_total(seeded_url, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"".join(L(prompt="a", top_k=-1) for _ in range(120)))
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url, max_requests=1000), path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "120 errors; nothing was written:"
+    assert lines[1] == f"{path}:1: top_k: must be >= 0, got -1"
+    assert lines[50] == f"{path}:50: top_k: must be >= 0, got -1"
+    assert lines[51:] == ["... and 70 more"]
+    assert e.value.total == 120
+
+
+def test_bad_job_defaults_name_the_option(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(GOOD)
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, {"temperature": -1.0, "top_p": 0.5}, Settings(database_url="sqlite://"))
+    assert str(e.value).splitlines()[1:] == ["--temperature: must be >= 0, got -1.0"]
+
+
+# ---------------------------------------------------------------- valid files
+
+
+def test_three_forms_bom_crlf_blank_lines_and_default_ids(tmp_path):
+    path = tmp_path / "p.jsonl"
+    lines = [
+        BOM + L(custom_id="q1", prompt="Write a haiku about queues").rstrip(b"\n"),
+        b"",
+        L(messages=[{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}],
+          max_tokens=64, temperature=0.7, seed=1).rstrip(b"\n"),
+        L(custom_id="q3", method="POST", url="/v1/chat/completions",
+          body={"model": "gpt-4o", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                             {"type": "text", "text": "b"}]}],
+                "max_completion_tokens": 9, "stop": "END"}).rstrip(b"\n"),
+        L(custom_id="q4", method="POST", url="/v1/completions", body={"prompt": "def f(", "top_k": 5}).rstrip(b"\n"),
+        b"   ",
+    ]
+    path.write_bytes(b"\r\n".join(lines) + b"\r\n")
+    got = intake.parse_file(path, {"max_new_tokens": 32, "top_p": 0.9, "stop": None},
+                            Settings(database_url="sqlite://"))
+    assert [(r.line_no, r.custom_id, r.kind) for r in got] == [
+        (1, "q1", "completion"), (3, "line-3", "chat"), (4, "q3", "chat"), (5, "q4", "completion")]
+    q1, line3, q3, q4 = got
+    assert q1.prompt == "Write a haiku about queues" and q1.messages is None
+    assert q1.params == {"max_new_tokens": 32, "temperature": 0.0, "top_p": 0.9, "top_k": 0, "seed": None,
+                         "stop": []}
+    assert line3.messages == [{"role": "system", "content": "Be brief"}, {"role": "user", "content": "Hi"}]
+    assert line3.params == {"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 1,
+                            "stop": []}
+    assert q3.messages == [{"role": "user", "content": "a\nb"}]
+    assert q3.params["max_new_tokens"] == 9 and q3.params["stop"] == ["END"]
+    assert q4.prompt == "def f(" and q4.params["top_k"] == 5 and q4.params["max_new_tokens"] == 32
+    gp = q3.generation_params()
+    assert gp.stop == ("END",) and gp.max_new_tokens == 9 and gp.top_p == 0.9
+
+
+def test_job_defaults_and_line_overrides(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(prompt="a") + L(prompt="b", temperature=0, stop=["x", "y"], max_new_tokens=3))
+    defaults = {"max_new_tokens": 16, "temperature": 0.5, "top_k": 40, "seed": 7, "stop": ("###",)}
+    a, b = intake.parse_file(path, defaults, Settings(database_url="sqlite://"))
+    assert a.params == {"max_new_tokens": 16, "temperature": 0.5, "top_p": 1.0, "top_k": 40, "seed": 7,
+                        "stop": ["###"]}
+    assert b.params == {"max_new_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 40, "seed": 7,
+                        "stop": ["x", "y"]}
+    assert intake.job_params(defaults)["stop"] == ["###"]
+
+
+def test_a_line_at_the_byte_limit_is_accepted(tmp_path):
+    line = L(prompt="x" * 86).rstrip(b"\n")
+    assert len(line) == 100
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(line + b"\r\n" + line.replace(b'"x', b'"y'))        # CRLF, no final newline
+    got = intake.parse_file(path, {}, Settings(database_url="sqlite://", max_line_bytes=100))
+    assert [r.custom_id for r in got] == ["line-1", "line-2"]
+
+
+def test_valid_file_lands_in_the_store(db_url, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="a", prompt="x", seed=3) + L(messages=[{"role": "user", "content": "hi"}]))
+    job_id = submit(Settings(database_url=db_url), path, {"max_new_tokens": 8})
+    with db.session_factory(db_url).begin() as s:
+        rows = s.execute(select(Request.custom_id, Request.line_no, Request.kind, Request.prompt,
+                                Request.messages, Request.params, Request.status)
+                         .where(Request.job_id == job_id).order_by(Request.line_no)).all()
+        job = store.get_job(s, job_id)
+        assert (job.total, job.pending, job.status.value, job.params["max_new_tokens"]) == (2, 2, "queued", 8)
+    assert [tuple(r)[:5] for r in rows] == [("a", 1, "completion", "x", None),
+                                            ("line-2", 2, "chat", None, [{"role": "user", "content": "hi"}])]
+    assert rows[0].params["seed"] == 3 and rows[1].params["max_new_tokens"] == 8
+    assert {r.status.value for r in rows} == {"pending"}
