@@ -185,42 +185,37 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
 
 def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None) -> None:
-    """Generate the claimed requests of ``run`` together, writing each result as it arrives."""
+    """Generate the claimed requests of ``run`` together, writing each result as it arrives.
+
+    If anything else escapes (an engine bug, the database down for good), the unfinished claims
+    are left as they are: their lease stops being renewed and expires, then a later claim takes
+    them with one more attempt, so a request that keeps crashing ends failed after max_attempts.
+    (``release_requests`` would undo the attempt and could loop forever.)
+    """
     from specbatch.jobs import store
 
-    done: set[int] = set()
-    try:
-        with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
-            requests = [_engine_request(c) for c in run]
-            for idx, out in engine.generate_many(requests, batch_size=len(run)):
-                c = run[idx]
-                if isinstance(out, SpecBatchError):  # the request's own fault: failed at once
-                    msg = str(out)
+    with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
+        requests = [_engine_request(c) for c in run]
+        for idx, out in engine.generate_many(requests, batch_size=len(run)):
+            c = run[idx]
+            if isinstance(out, SpecBatchError):  # the request's own fault: failed at once
+                msg = str(out)
 
-                    def fail(c: Any = c, msg: str = msg) -> None:
-                        with sf.begin() as s:
-                            store.record_failure(s, c.id, msg, worker)
-                            store.refresh_job(s, c.job_id)
-                    with_db_retry(fail)
-                    report.failed.append(c.id)
-                    event = ResultEvent(c.id, c.job_id, error=msg)
-                else:
-                    def write(c: Any = c, out: Any = out) -> None:
-                        with sf.begin() as s:
-                            store.record_result(s, c.id, out, worker)
-                            store.refresh_job(s, c.job_id)
-                    with_db_retry(write)
-                    report.completed.append(c.id)
-                    report.new_tokens += len(out.token_ids)
-                    event = ResultEvent(c.id, c.job_id, output=out)
-                done.add(c.id)
-                if on_result is not None:
-                    on_result(event)
-    finally:
-        left = [c.id for c in run if c.id not in done]
-        if left:  # an exception escaped: give the unfinished claims back (they keep their attempts)
-            try:
-                with sf.begin() as s:
-                    store.release_requests(s, left)
-            except Exception as e:
-                logger.warning("could not release %s (their lease will expire): %s", left, e)
+                def fail(c: Any = c, msg: str = msg) -> None:
+                    with sf.begin() as s:
+                        store.record_failure(s, c.id, msg, worker)
+                        store.refresh_job(s, c.job_id)
+                with_db_retry(fail)
+                report.failed.append(c.id)
+                event = ResultEvent(c.id, c.job_id, error=msg)
+            else:
+                def write(c: Any = c, out: Any = out) -> None:
+                    with sf.begin() as s:
+                        store.record_result(s, c.id, out, worker)
+                        store.refresh_job(s, c.job_id)
+                with_db_retry(write)
+                report.completed.append(c.id)
+                report.new_tokens += len(out.token_ids)
+                event = ResultEvent(c.id, c.job_id, output=out)
+            if on_result is not None:
+                on_result(event)

@@ -1,0 +1,83 @@
+"""Queue commands through the CLI: `specbatch run` with no broker at all, `submit` with the broker down."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when this returns: nothing listens there
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'specbatch.db'}")
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", f"redis://127.0.0.1:{_closed_port()}/0")
+    monkeypatch.setenv("SPECBATCH_CHUNK_SIZE", "2")
+
+
+def _prompts(tmp_path: Path, n: int = 3, max_tokens: int = 6) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"custom_id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_tokens": max_tokens}
+             for i in range(n)]
+    lines.append({"custom_id": "chat", "messages": [{"role": "user", "content": "hello"}],
+                  "max_tokens": max_tokens})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def test_run_embedded_without_redis(tmp_path: Path, tiny_models: Path) -> None:
+    """`specbatch run` does intake + generation + summary in-process; no broker is listening."""
+    prompts = _prompts(tmp_path)
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"),
+                                      "--draft", str(tiny_models / "llama-partial"), "--json",
+                                      "--batch-size", "1"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert summary["status"] == "completed", summary
+    assert summary["request_counts"]["completed"] == 4
+    assert summary["request_counts"]["total"] == 4
+
+    from specbatch.config import get_settings
+    from specbatch.db import session_factory
+    from specbatch.db.models import Result
+
+    get_settings.cache_clear()
+    with session_factory(get_settings().database_url).begin() as s:
+        assert s.query(Result).count() == 4
+
+
+def test_run_prints_summary_table(tmp_path: Path, tiny_models: Path) -> None:
+    prompts = _prompts(tmp_path, n=1, max_tokens=4)
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"),
+                                      "--draft", str(tiny_models / "llama-partial")])
+    assert result.exit_code == 0, result.output
+    assert "completed" in result.output and "specbatch export" in result.output
+
+
+def test_submit_with_broker_down_writes_nothing(tmp_path: Path, tiny_models: Path) -> None:
+    prompts = _prompts(tmp_path, n=2)
+    result = CliRunner().invoke(cli, ["submit", str(prompts), "--target", str(tiny_models / "llama")])
+    assert result.exit_code != 0
+    assert "cannot reach the broker" in result.output
+    from specbatch.config import get_settings
+    from specbatch.db import session_factory
+    from specbatch.db.models import Job
+
+    get_settings.cache_clear()
+    with session_factory(get_settings().database_url).begin() as s:
+        assert s.query(Job).count() == 0
+
+
+def test_worker_help_lists_batch_size() -> None:
+    result = CliRunner().invoke(cli, ["worker", "--help"])
+    assert result.exit_code == 0 and "--batch-size" in result.output
