@@ -1,0 +1,33 @@
+"""Tests only, imported in a pool child: a prompt containing POISON kills the process (os._exit).
+
+Stands in for a request that crashes its worker (segfault, OOM kill) every time it is tried.
+"""
+
+from __future__ import annotations
+
+import os
+
+from specbatch.worker import tasks
+
+_real_build = tasks.build_engine
+
+
+class _PoisonedEngine:
+    def __init__(self, engine):  # noqa: ANN001
+        self._engine = engine
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._engine, name)
+
+    def generate_many(self, requests, batch_size=None):  # noqa: ANN001, ANN201
+        for r in requests:
+            if r.prompt and "POISON" in r.prompt:
+                os._exit(13)
+        return self._engine.generate_many(requests, batch_size=batch_size)
+
+
+def _build(spec):  # noqa: ANN001, ANN202
+    return _PoisonedEngine(_real_build(spec))
+
+
+tasks.build_engine = _build
