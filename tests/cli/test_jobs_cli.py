@@ -1,0 +1,254 @@
+"""specbatch jobs / status / export / cancel / retry / db, through the real Click entry point."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import func, select
+
+from specbatch import db
+from specbatch.cli.main import cli
+from specbatch.config import get_settings
+from specbatch.db.models import Job, Request, RequestStatus
+from specbatch.errors import BrokerUnavailable
+from specbatch.jobs import store
+from specbatch.jobs.intake import ParsedRequest
+
+PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+COUNT_KEYS = {"total", "pending", "running", "completed", "failed", "cancelled"}
+
+
+@pytest.fixture(autouse=True)
+def db_url(tmp_path, monkeypatch) -> str:
+    """Every test gets its own SQLite file (not created yet) and an unreachable broker."""
+    url = f"sqlite:///{tmp_path / 'data' / 'cli.db'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    yield url
+    db.forget_engines()
+
+
+@pytest.fixture
+def no_worker_check(monkeypatch) -> list[str]:
+    """Replace the live-worker probe; records the queues asked about. Returns False (no consumer)."""
+    import specbatch.worker.monitor as monitor
+
+    asked: list[str] = []
+
+    def fake(settings, queue):
+        asked.append(queue)
+        return False
+
+    monkeypatch.setattr(monitor, "queue_has_consumer", fake)
+    return asked
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), obj={})
+
+
+def make_job(url: str, results: int = 2, failures: int = 1, pending: int = 1) -> tuple[str, list[int]]:
+    """A job with ``results`` completed, ``failures`` failed and ``pending`` untouched requests."""
+    from tests.jobs.test_store import output
+
+    n = results + failures + pending
+    reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(n)]
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+                                  queue="sb.q1").id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids[: results + failures], "w1", 60, 3)
+        for i in ids[:results]:
+            store.record_result(s, i, output(), "w1")
+        for i in ids[results: results + failures]:
+            store.record_failure(s, i, "boom", "w1")
+        store.refresh_job(s, job_id)
+    return job_id, ids
+
+
+def statuses(url: str, job_id: str) -> list[str]:
+    with db.session_factory(url).begin() as s:
+        return [RequestStatus(x).value for x in
+                s.scalars(select(Request.status).where(Request.job_id == job_id).order_by(Request.id))]
+
+
+@pytest.mark.parametrize("command", [["jobs"], ["status"], ["export"], ["cancel"], ["retry"], ["db"],
+                                     ["db", "upgrade"], ["db", "url"]])
+def test_every_command_has_help_with_an_example(command):
+    result = run(*command, "--help")
+    assert result.exit_code == 0, result.output
+    assert "Example:" in result.output and "specbatch" in result.output.split("Example:")[1]
+
+
+def test_first_use_creates_the_database_and_says_where(db_url, tmp_path):
+    first = run("jobs")
+    assert first.exit_code == 0
+    assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in first.stderr
+    assert "no jobs yet" in first.stdout
+    second = run("jobs", "--json")
+    assert second.exit_code == 0 and "created" not in second.stderr
+    assert json.loads(second.stdout) == []
+
+
+def test_jobs_lists_newest_first(db_url):
+    a, _ = make_job(db_url)
+    b, _ = make_job(db_url, results=1, failures=0, pending=0)
+    data = json.loads(run("jobs", "--json").stdout)
+    assert [d["id"] for d in data] == [b, a]
+    by_id = {d["id"]: d for d in data}
+    assert by_id[a]["status"] == "running" and by_id[b]["status"] == "completed"
+    assert by_id[a]["request_counts"] == {"total": 4, "pending": 1, "running": 0, "completed": 2, "failed": 1,
+                                          "cancelled": 0}
+    table = run("jobs")
+    assert table.exit_code == 0 and a in table.stdout and "2/4" in table.stdout
+
+
+def test_status_json_and_warning_when_no_worker(db_url, no_worker_check):
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id, "--json")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)                  # the warning is not mixed into the JSON
+    assert data["id"] == job_id and data["status"] == "running"
+    assert set(data["request_counts"]) == COUNT_KEYS and data["request_counts"]["completed"] == 2
+    assert data["stats"]["tokens_generated"] == 6
+    assert set(data["stats"]["acceptance_rate"]) == {"token_weighted", "request_mean"}
+    assert no_worker_check == ["sb.q1"]
+    assert "no live worker consumes queue sb.q1" in result.stderr
+
+
+def test_status_table(db_url, no_worker_check):
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id[:6])                  # a unique prefix is enough
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for text in (f"job {job_id}", "running", "tgt <- d1", "completed 2", "failed 1", "acceptance rate",
+                 "token-weighted", "request mean", "tokens generated", "p50", "p95", "w1"):
+        assert text in out, out
+
+
+def test_status_of_a_finished_job_does_not_probe_workers(db_url, monkeypatch):
+    import specbatch.worker.monitor as monitor
+
+    def boom(*a, **k):
+        raise AssertionError("probed the broker for a finished job")
+
+    monkeypatch.setattr(monitor, "queue_has_consumer", boom)
+    job_id, _ = make_job(db_url, results=1, failures=0, pending=0)
+    result = run("status", job_id, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["status"] == "completed"
+
+
+def test_status_unknown_job_is_one_line_exit_1(db_url):
+    run("jobs")
+    result = run("status", "nope")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == "Error: no job 'nope'; `specbatch jobs` lists the jobs"
+
+
+def test_usage_errors_exit_2(db_url, monkeypatch):
+    assert run("status").exit_code == 2
+    assert run("export", "x", "--format", "xml").exit_code == 2
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", "not a url")
+    get_settings.cache_clear()
+    result = run("jobs")
+    assert result.exit_code == 2 and "is not a database URL" in result.stderr
+
+
+def test_export_formats_and_filters(db_url, tmp_path, monkeypatch):
+    pd = pytest.importorskip("pandas")
+    job_id, _ = make_job(db_url)
+    result = run("export", job_id)
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(x) for x in result.stdout.splitlines()]
+    assert [x["custom_id"] for x in lines] == ["c0", "c1", "c2", "c3"]
+    assert lines[0]["response"]["body"]["choices"][0]["text"] == "out" and "stats" in lines[0]
+
+    only = run("export", job_id, "--status", "failed,pending")
+    assert [json.loads(x)["custom_id"] for x in only.stdout.splitlines()] == ["c2", "c3"]
+    assert run("export", job_id, "--status", "done").exit_code == 2
+
+    out = tmp_path / "sub" / "r.csv"
+    result = run("export", job_id, "-f", "csv", "-o", str(out), "--status", "completed", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"id": job_id, "format": "csv", "path": str(out), "rows": 2}
+    assert len(out.read_text().splitlines()) == 3
+
+    monkeypatch.chdir(tmp_path)
+    result = run("export", job_id, "-f", "parquet")
+    assert result.exit_code == 0, result.output
+    assert f"wrote 4 rows to {job_id}.parquet" in result.stderr
+    assert list(pd.read_parquet(tmp_path / f"{job_id}.parquet")["custom_id"]) == ["c0", "c1", "c2", "c3"]
+    assert run("export", job_id, "-f", "parquet", "-o", "-").exit_code == 2
+
+
+def test_cancel(db_url):
+    job_id, ids = make_job(db_url)
+    result = run("cancel", job_id)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"job {job_id} cancelled: 1 pending requests dropped, 2 results kept"
+    assert statuses(db_url, job_id) == ["completed", "completed", "failed", "cancelled"]
+    again = run("cancel", job_id, "--json")
+    assert json.loads(again.stdout)["status"] == "cancelled"
+    assert run("cancel", job_id).stdout.strip() == f"job {job_id} is already cancelled; nothing to cancel"
+
+
+def test_retry_requeues_only_failed_requests(db_url, monkeypatch):
+    import specbatch.worker.enqueue as enqueue
+
+    calls = []
+    monkeypatch.setattr(enqueue, "enqueue_requests",
+                        lambda settings, job_id, ids, queue: calls.append((job_id, list(ids), queue)) or 1)
+    job_id, ids = make_job(db_url, results=1, failures=2, pending=0)
+    result = run("retry", job_id, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {"id": job_id, "retried": 2, "request_ids": ids[1:], "queue": "sb.q1",
+                                         "tasks": 1}
+    assert calls == [(job_id, ids[1:], "sb.q1")]
+    assert statuses(db_url, job_id) == ["completed", "pending", "pending"]
+    nothing = run("retry", job_id)
+    assert nothing.exit_code == 0 and "no failed requests; nothing to retry" in nothing.stdout
+
+
+def test_retry_with_the_broker_down_leaves_requests_pending(db_url, monkeypatch):
+    import specbatch.worker.enqueue as enqueue
+
+    def down(*a, **k):
+        raise BrokerUnavailable("cannot reach redis://127.0.0.1:1/0")
+
+    monkeypatch.setattr(enqueue, "enqueue_requests", down)
+    job_id, _ = make_job(db_url, results=1, failures=1, pending=0)
+    result = run("retry", job_id)
+    assert result.exit_code == 1
+    assert "the broker is unreachable" in result.stderr and f"specbatch resume {job_id}" in result.stderr
+    assert statuses(db_url, job_id) == ["completed", "pending"]
+
+
+def test_db_upgrade_and_url(db_url, tmp_path):
+    result = run("db", "upgrade")
+    assert result.exit_code == 0, result.output
+    assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in result.stderr
+    assert result.stdout.strip() == f"database {db_url} is at revision 0001"
+    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": "0001"}
+    assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
+                                                             "exists": True}
+
+
+def test_submit_of_a_bad_file_writes_nothing(db_url, tmp_path, monkeypatch):
+    import specbatch.worker.enqueue as enqueue
+
+    monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
+    make_job(db_url)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y", "top_p": 0}\n')
+    with db.session_factory(db_url).begin() as s:
+        before = (s.scalar(select(func.count()).select_from(Job)), s.scalar(select(func.count()).select_from(Request)))
+    result = run("submit", str(bad))
+    assert result.exit_code == 1
+    assert f"{bad}:2: top_p: must be in (0, 1], got 0" in result.stderr
+    with db.session_factory(db_url).begin() as s:
+        after = (s.scalar(select(func.count()).select_from(Job)), s.scalar(select(func.count()).select_from(Request)))
+    assert after == before
