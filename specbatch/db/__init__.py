@@ -94,11 +94,19 @@ def _needs_upgrade(engine: Engine) -> bool:
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
 
-    head = set(ScriptDirectory.from_config(_alembic_config(engine)).get_heads())
+    from specbatch.errors import SpecBatchError
+
+    script = ScriptDirectory.from_config(_alembic_config(engine))
     with engine.connect() as conn:
         if not inspect(conn).has_table("alembic_version"):
             return True
-        return set(MigrationContext.configure(conn).get_current_heads()) != head
+        current = set(MigrationContext.configure(conn).get_current_heads())
+    known = {rev.revision for rev in script.walk_revisions()}
+    if current - known:
+        raise SpecBatchError(f"the database {engine.url.render_as_string(hide_password=True)} is at schema "
+                             f"revision {', '.join(sorted(current - known))}, newer than this specbatch "
+                             "knows; upgrade specbatch")
+    return current != set(script.get_heads())
 
 
 def get_engine(url: str) -> Engine:

@@ -54,10 +54,12 @@ class ParsedRequest:
         return params_from_dict(self.params)
 
 
+_GENERATION_FIELDS = frozenset(f.name for f in fields(GenerationParams))
+
+
 def params_from_dict(params: dict[str, Any]) -> GenerationParams:
     """GenerationParams from a stored params dict (``stop`` is a JSON list there)."""
-    known = {f.name for f in fields(GenerationParams)}
-    values = {k: v for k, v in params.items() if k in known}
+    values = {k: v for k, v in params.items() if k in _GENERATION_FIELDS}
     if "stop" in values:
         values["stop"] = tuple(values["stop"] or ())
     return GenerationParams(**values)
@@ -254,7 +256,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str,
 
     params = dict(base_params)
     given = [k for k in MAX_TOKENS_KEYS if k in fields_]
-    if len({json.dumps(fields_[k]) for k in given}) > 1:
+    if len(given) > 1 and len({json.dumps(fields_[k]) for k in given}) > 1:
         problems.append((prefix + given[1], f"conflicts with {prefix}{given[0]}; give one of them"))
     for key in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:]):
         if key not in fields_:

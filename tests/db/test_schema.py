@@ -126,3 +126,17 @@ def test_in_memory_sqlite_keeps_its_tables():
             assert len(store.list_jobs(s)) == 1
     finally:
         db.forget_engines()
+
+
+def test_a_database_from_a_newer_specbatch_is_refused(tmp_path):
+    from specbatch.errors import SpecBatchError
+
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    try:
+        with db.get_engine(url).begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+        db.forget_engines()
+        with pytest.raises(SpecBatchError, match="revision 9999, newer than this specbatch knows"):
+            db.get_engine(url)
+    finally:
+        db.forget_engines()
