@@ -34,6 +34,8 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt [128; quick 48].")
 @click.option("--repeats", type=int, default=None, help="Interleaved repeats of every configuration [2].")
 @click.option("--gamma-grid", default=None, help="Fixed draft lengths to measure [1,2,3,4,6,8; quick 2,4,6].")
+@click.option("--hf-settings", default=None,
+              help="HF assisted settings to run: default,const3,const5,heuristic5 [all; quick default,const5].")
 @click.option("--batch-sizes", default=None, help="Throughput mode: batch sizes, e.g. 1,4,8,16.")
 @click.option("--throughput-prompts", type=int, default=32, show_default=True, help="Prompts in throughput mode.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,
@@ -43,13 +45,22 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: configured).")
 @click.option("--random-weights", is_flag=True,
               help="Random-weight models of the same shapes (speed only); adds a self-draft for acceptance.")
+@click.option("--threads", type=int, default=None,
+              help="torch CPU threads (default: torch's choice); 1 helps on a busy shared machine.")
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
-def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, batch_sizes,
-          throughput_prompts, out_dir, as_json, device, dtype, random_weights, quick) -> None:
+def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
+          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation."""
     from specbatch.bench.harness import BenchOptions, run_bench
     from specbatch.bench.report import markdown, write_all
+    from specbatch.bench.runners import HF_ASSISTED_SETTINGS
 
+    if threads is not None:
+        if threads < 1:
+            raise click.BadParameter("must be >= 1", param_hint="--threads")
+        import torch
+
+        torch.set_num_threads(threads)
     settings = get_settings()
     given = {
         "target": target or settings.default_target,
@@ -65,6 +76,13 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
             if isinstance(value, int) and value < 1:
                 raise click.BadParameter("must be >= 1", param_hint=f"--{key.replace('_', '-')}")
             given[key] = value
+    if hf_settings is not None:
+        names = tuple(x.strip() for x in hf_settings.split(",") if x.strip())
+        unknown = [x for x in names if x not in HF_ASSISTED_SETTINGS]
+        if unknown:
+            raise click.BadParameter(f"unknown setting(s) {', '.join(unknown)}; choose from "
+                                     f"{', '.join(HF_ASSISTED_SETTINGS)}", param_hint="--hf-settings")
+        given["hf_settings"] = names
     opts = BenchOptions.quick_defaults(**given) if quick else BenchOptions(**given)
 
     result = _run_with_progress(run_bench, opts, quiet=as_json)
@@ -92,7 +110,17 @@ def _run_with_progress(run, opts, quiet: bool):  # type: ignore[no-untyped-def]
 
     console = Console(stderr=True)
     if not console.is_terminal:
-        return run(opts)
+        if quiet:
+            return run(opts)
+        last: list[str] = [""]
+
+        def log(what: str, done: int, total: int) -> None:  # one line per stage, for logs
+            stage = what.split(" prompt ")[0]
+            if stage != last[0]:
+                last[0] = stage
+                click.echo(f"[{done}/{total}] {stage}", err=True)
+
+        return run(opts, log)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting", total=1)

@@ -1,0 +1,119 @@
+"""`specbatch bench` end to end on tiny models: JSON schema, identity, files written, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.bench.harness import BenchOptions, plan_configs
+from specbatch.bench.prompts import BUNDLED, bundled, load_prompts, select
+from specbatch.cli.main import cli
+
+PROMPTS = [
+    {"id": "t1", "category": "code", "prompt": "def fibonacci(n):"},
+    {"id": "t2", "category": "chat", "prompt": "Write a haiku about queues"},
+    {"id": "t3", "category": "grounded", "prompt": "Summarise: the meeting moved to Tuesday."},
+]
+
+
+@pytest.fixture()
+def prompt_file(tmp_path: Path) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def _args(tiny_models: Path, prompt_file: Path, out: Path, *extra: str) -> list[str]:
+    return ["bench", "--quick", "--target", str(tiny_models / "llama"),
+            "--draft", str(tiny_models / "llama-partial"), "--prompts", str(prompt_file),
+            "--num-prompts", "2", "--max-new-tokens", "10", "--repeats", "1",
+            "--gamma-grid", "2,3", "--out", str(out), *extra]
+
+
+def test_bench_json_schema_identity_and_files(tiny_models: Path, prompt_file: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, _args(tiny_models, prompt_file, out, "--json", "--batch-sizes", "1,2",
+                                        "--throughput-prompts", "3"), obj={})
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    names = [c["name"] for c in data["configs"]]
+    assert names[0] == "target"
+    assert any(n.startswith("hf-assisted[") for n in names)
+    assert any(n.startswith("hf-prompt-lookup[") for n in names)
+    assert "ours[llama-partial]" in names and "ours[ngram]" in names
+    assert "ours[llama-partial+ngram]" in names
+    assert {"ours[llama-partial,gamma=2]", "ours[llama-partial,gamma=3]"} <= set(names)
+    for c in data["configs"]:
+        for key in ("name", "tokens_per_second", "speedup_vs_target", "ratio_vs_hf_assisted",
+                    "efficiency", "identical", "acceptance_rate", "mean_acceptance_length",
+                    "accepted_per_position", "c", "verify_cost_ratio", "bound"):
+            assert key in c, (c["name"], key)
+        assert c["identical"] is True, (c["name"], c["mismatches"], c["errors"])
+        assert c["tokens_per_second"] > 0
+    target = data["configs"][0]
+    assert target["speedup_vs_target"] == pytest.approx(1.0)
+    ours = [c for c in data["configs"] if c["kind"] == "ours"]
+    for c in ours:
+        assert c["runs"] == 2 and c["mean_acceptance_length"] >= 1.0
+    fixed = next(c for c in ours if c["name"] == "ours[llama-partial,gamma=3]")
+    assert fixed["verify_tokens"] == 4 and fixed["bound"] > 0 and fixed["efficiency"] > 0
+    assert len(fixed["accepted_per_position"]) == 3
+    assert data["best_hf_assisted"].startswith("hf-assisted[")
+    assert data["identical"] is True and data["failures"] == []
+    assert {"1", "4"} <= set(data["costs"]["target_step_ms"])
+    tp = data["throughput"]
+    assert [(t["batch_size"], t["mode"]) for t in tp] == [
+        (1, "speculative"), (1, "target"), (2, "speculative"), (2, "target")]
+    for t in tp:
+        assert t["tokens_per_second"] > 0 and t["identical"] is True, t
+    for name in ("report.md", "result.json", "speedup_vs_drafters.png", "speedup_vs_gamma.png",
+                 "acceptance_per_position.png", "throughput.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "speedup_vs_gamma.png").read_bytes()[:4] == b"\x89PNG"
+    md = (out / "report.md").read_text()
+    assert "| config | tok/s | speedup vs target |" in md and "ours[llama-partial,gamma=2]" in md
+
+
+def test_bench_reports_a_mismatch_as_failure(tiny_models: Path, prompt_file: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch):
+    from specbatch.bench import runners
+
+    real = runners.EngineRunner.__call__
+
+    def corrupted(self, ids, max_new_tokens):  # type: ignore[no-untyped-def]
+        out = real(self, ids, max_new_tokens)
+        out.tokens = out.tokens[:-1] + [(out.tokens[-1] + 1) % 50] if out.tokens else [1]
+        return out
+
+    monkeypatch.setattr(runners.EngineRunner, "__call__", corrupted)
+    out = tmp_path / "out"
+    args = _args(tiny_models, prompt_file, out, "--no-ngram", "--gamma-grid", "2", "--num-prompts", "1")
+    res = CliRunner().invoke(cli, args, obj={})
+    assert res.exit_code == 1, res.output
+    assert "FAILED: ours[llama-partial]" in res.stderr
+    assert "| config | tok/s |" in res.stdout          # the table is still printed
+    assert (out / "report.md").read_text().count("differs from the target") >= 1
+
+
+def test_bundled_prompt_sets():
+    for name in BUNDLED:
+        prompts = bundled(name)
+        assert len(prompts) >= 30, name
+        assert len({p.id for p in prompts}) == len(prompts)
+        assert all(p.category == name and p.prompt for p in prompts)
+    assert all("Text:\n" in p.prompt for p in bundled("grounded"))
+    assert len(load_prompts("all")) == sum(len(bundled(n)) for n in BUNDLED)
+    assert [p.category for p in select(load_prompts("all"), 4)] == ["code", "chat", "grounded", "code"]
+
+
+def test_plan_configs_covers_baselines_pools_and_gamma_grid():
+    opts = BenchOptions(gamma_grid=(2, 4), hf_settings=("default", "const5"))
+    names = [c.name for c in plan_configs(opts, ["a-int8", "a", "ngram"])]
+    assert names == [
+        "target", "hf-assisted[a-int8,default]", "hf-assisted[a-int8,const5]",
+        "hf-assisted[a,default]", "hf-assisted[a,const5]", "hf-prompt-lookup[10]",
+        "ours[a-int8]", "ours[a]", "ours[ngram]", "ours[a-int8+a]", "ours[a-int8+a+ngram]",
+        "ours[a-int8,gamma=2]", "ours[a-int8,gamma=4]"]
