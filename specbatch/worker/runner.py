@@ -1,11 +1,15 @@
 """``specbatch worker``: one Celery worker process holding one model pair, consuming its queue.
 
-Pool choice, measured here (celery 5.7, Redis, tests/worker/test_pool_crash.py):
-  - ``--pool solo``, SIGQUIT (cold shutdown) mid-task: the worker exits at once and the in-flight
-    message is gone from the queue, so the chunk is lost until someone runs ``resume``;
-  - ``--pool prefork --concurrency 1 --pool-start-method spawn``, SIGQUIT mid-task: the message
-    is requeued and the next worker runs it; SIGKILL of the pool child: the parent resends the
-    task (``task_retry_on_worker_lost``) and starts a new child.
+Pool choice, measured here (celery 5.7.0, kombu 5.7.0, redis-server, one 8-30 s task in flight;
+tests/worker/test_pool_crash.py keeps the SIGQUIT rows honest):
+
+  pool                        signal              in-flight message right after      re-run
+  solo                        SIGQUIT (cold)      queue 0, unacked 0: acked, GONE    never
+  prefork, spawn, 1 child     SIGQUIT (cold)      queue 1: requeued at once          ~3 s, next worker
+  solo                        SIGKILL             unacked 1                          after visibility_timeout
+  prefork, spawn              SIGKILL pool child  parent resends it (worker lost)    ~1 s, new child
+  prefork, spawn              SIGKILL parent      unacked 1                          after visibility_timeout
+
 So a worker is prefork with exactly one spawned child: the child, a fresh interpreter, is the
 only process that loads models or touches CUDA; the parent never forks a process that has.
 The parent waits (``EngineReady`` bootstep, before the consumer starts) until the child reports
