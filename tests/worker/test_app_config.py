@@ -1,0 +1,31 @@
+"""The queue's promises as configuration, and queue naming (no services needed)."""
+
+from __future__ import annotations
+
+from specbatch.config import Settings
+from specbatch.worker.app import celery_config
+from specbatch.worker.enqueue import chunks
+from specbatch.worker.queues import queue_name
+
+
+def test_celery_config_keeps_the_queue_promises() -> None:
+    conf = celery_config(Settings(database_url="sqlite://", visibility_timeout=123))
+    assert conf["accept_content"] == ["json"] and conf["task_serializer"] == "json"
+    assert conf["result_backend"] is None and conf["task_ignore_result"] is True
+    assert conf["task_acks_late"] and conf["task_reject_on_worker_lost"] and conf["task_retry_on_worker_lost"]
+    assert conf["worker_prefetch_multiplier"] == 1
+    assert conf["worker_send_task_events"] and conf["task_send_sent_event"]
+    assert conf["broker_transport_options"]["visibility_timeout"] == 123
+
+
+def test_queue_name_is_derived_from_the_pair(tmp_path) -> None:  # noqa: ANN001
+    (tmp_path / "m").mkdir()
+    a = queue_name(str(tmp_path / "m"), ["smollm2-135m-int8"])
+    assert a == queue_name(str(tmp_path / "m") + "/", ["smollm2-135m-int8"])
+    assert a != queue_name(str(tmp_path / "m"), ["other"])
+    assert a != queue_name(str(tmp_path / "m"), ["smollm2-135m-int8"], ngram=True)
+    assert a.startswith("specbatch.m+smollm2-135m-int8.")
+
+
+def test_chunks() -> None:
+    assert list(chunks([1, 2, 3, 4, 5], 2)) == [[1, 2], [3, 4], [5]]
