@@ -4,6 +4,11 @@ T(k) is the median time of a target forward scoring k new tokens on top of a KV 
 realistic prefix (the cache is cropped back after each timing, so every timing sees the same
 length). c = T_draft(1) / T_target(1). Sizes and models are timed round-robin (k=1, 2, ...,
 draft, k=1, 2, ...) so drift on a shared machine hits them alike.
+
+Ratios use a least-squares line T(k) = a + b k through every measured size: a forward's cost is
+close to affine in k (flat on a memory-bound GPU, rising on a compute-bound CPU), the line smooths
+timing noise, and it makes the cost of a mean draft length the mean cost when the length varies
+from step to step (adaptive gamma, speculation switched off on some steps).
 """
 
 from __future__ import annotations
@@ -55,21 +60,38 @@ class CostTable:
     target: dict[int, float] = field(default_factory=dict)   # k -> T(k)
     drafts: dict[str, float] = field(default_factory=dict)   # draft name -> T_draft(1)
 
+    def line(self) -> tuple[float, float]:
+        """(a, b) of the least-squares fit T(k) = a + b k (b >= 0); a single size gives b = 0."""
+        ks = sorted(self.target)
+        if len(ks) < 2:
+            return self.target[ks[0]], 0.0
+        mk = sum(ks) / len(ks)
+        mt = sum(self.target[k] for k in ks) / len(ks)
+        b = sum((k - mk) * (self.target[k] - mt) for k in ks) / sum((k - mk) ** 2 for k in ks)
+        b = max(b, 0.0)
+        return mt - b * mk, b
+
+    def t(self, k: float) -> float:
+        """Fitted T(k) in seconds."""
+        a, b = self.line()
+        return a + b * k
+
     def c(self, draft: str) -> float:
-        """Cost ratio c of a drafter (0 for a model-free one such as ngram)."""
+        """Cost ratio c of a drafter: T_draft(1) / T(1) (0 for a model-free one such as ngram)."""
         if draft not in self.drafts:
             return 0.0
-        return self.drafts[draft] / self.target[1]
+        return self.drafts[draft] / self.t(1)
 
-    def verify_ratio(self, k: int) -> float:
-        """T(k) / T(1)."""
-        return self.target[k] / self.target[1]
+    def verify_ratio(self, k: float) -> float:
+        """T(k) / T(1) from the fitted line."""
+        return self.t(k) / self.t(1)
 
     def to_dict(self) -> dict[str, Any]:
-        t1 = self.target.get(1)
+        a, b = self.line()
         return {"prefix_tokens": self.prefix_tokens,
                 "target_step_ms": {str(k): v * 1e3 for k, v in sorted(self.target.items())},
-                "verify_ratio": {str(k): v / t1 for k, v in sorted(self.target.items())} if t1 else {},
+                "target_step_fit_ms": {"a": a * 1e3, "b": b * 1e3},
+                "verify_ratio": {str(k): self.verify_ratio(k) for k in sorted(self.target)},
                 "draft_step_ms": {n: v * 1e3 for n, v in self.drafts.items()},
                 "c": {n: self.c(n) for n in self.drafts}}
 

@@ -200,32 +200,36 @@ def _acceptance(stats: list[Any]) -> dict[str, Any]:
     }
 
 
-def _verify_size(cfg: Config, acc: dict[str, Any]) -> int:
-    """Tokens the target scores per step: gamma + 1 for a fixed chain, else drafted/step + 1."""
+def _verify_size(cfg: Config, acc: dict[str, Any]) -> float:
+    """Tokens the target scores per step: gamma + 1 for a fixed chain, else mean depth + 1.
+
+    For a pool the engine reports the depth of the draft tree (its longest chain); the tree may
+    hold more nodes than that, so for pools this is a lower estimate of the verify cost.
+    """
     if cfg.gamma is not None and len(cfg.drafters) == 1:
-        return cfg.gamma + 1
-    return max(1, round(acc["draft_tokens_per_step"])) + 1
+        return cfg.gamma + 1.0
+    return acc["draft_tokens_per_step"] + 1.0
 
 
 def bound_for(cfg: Config, acc: dict[str, Any], costs: CostTable) -> dict[str, Any]:
     """Leviathan et al.'s bound from the measured acceptance and the measured step costs.
 
     Tokens per step: the measured mean acceptance length. Cost of a step, in target steps: draft
-    forwards per step x c (mean c of the pool's model drafters; n-gram costs ~0) + T(k) / T(1),
-    with k = gamma + 1 for a fixed chain, else drafted tokens per step + 1 (for a pool, an upper
-    estimate of the merged tree). ``alpha`` is the i.i.d. acceptance that gives the measured tokens
-    per step at the mean draft length (single drafters only).
+    forwards per step x c (mean c of the pool's model drafters; n-gram costs ~0) + T(k) / T(1)
+    with k = gamma + 1 for a fixed chain, else the mean draft depth + 1 (on the fitted line, so
+    the mean cost of varying lengths). ``alpha``: the i.i.d. acceptance that gives the measured
+    tokens per step at that draft length (single drafters only).
     """
     mal = acc["mean_acceptance_length"]
     if mal is None or acc["draft_tokens_per_step"] <= 0:
         return {"alpha": None, "gamma_mean": 0.0, "c": None, "draft_cost_per_step": 0.0,
-                "verify_tokens": 1, "verify_cost_ratio": 1.0, "bound": None}
+                "verify_tokens": 1.0, "verify_cost_ratio": 1.0, "bound": None}
     models = [d for d in cfg.drafters if d != NGRAM]
     c = sum(costs.c(d) for d in models) / len(models) if models else 0.0
     draft_cost = acc["draft_forwards_per_step"] * c
     k = _verify_size(cfg, acc)
     ratio = costs.verify_ratio(k)
-    depth = acc["draft_tokens_per_step"] if cfg.gamma is None else float(cfg.gamma)
+    depth = k - 1.0
     alpha = bnd.fit_alpha(mal, depth) if len(cfg.drafters) == 1 else None
     return {"alpha": alpha, "gamma_mean": depth, "c": c, "draft_cost_per_step": draft_cost,
             "verify_tokens": k, "verify_cost_ratio": ratio,
@@ -315,7 +319,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
 
     # step costs, measured directly at a realistic prefix: prompt 0 + its reference output
     ours = [(cfg, _acceptance(accs[cfg.name].stats)) for cfg in configs if cfg.kind == "ours"]
-    ks = {_verify_size(cfg, a) for cfg, a in ours} | {g + 1 for g in opts.gamma_grid}
+    k_max = max([_verify_size(cfg, a) for cfg, a in ours] + [g + 1.0 for g in opts.gamma_grid] + [2.0])
+    ks = range(1, int(k_max + 0.999) + 1)                    # every size up to the largest needed
     prefix = ids[0] + (reference[0] or [])[: n // 2]
     say("measuring step costs", 0, 1)
     model_drafts = {name: lm.model for name, lm in drafts.items()}

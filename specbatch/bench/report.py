@@ -38,12 +38,14 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
             f"| {_f(c['ratio_vs_hf_assisted'], '.2f', 'x')} | {_f(c['acceptance_rate'])} "
             f"| {_f(c['mean_acceptance_length'])} | {_f(c['alpha'])} | {_f(c['gamma_mean'], '.1f')} "
             f"| {_f(c['c'], '.3f')} | {_f(c['draft_cost_per_step'])} "
-            f"| {_f(vr) + (f' (k={vt})' if vt else '')} | {_f(c['bound'], '.2f', 'x')} "
+            f"| {_f(vr) + (f' (k={vt:.1f})' if vt else '')} | {_f(c['bound'], '.2f', 'x')} "
             f"| {_f(c['efficiency'])} | {_f(c['identical'])} |")
     costs = result["costs"]
+    fit = costs["target_step_fit_ms"]
     lines += ["", f"Step costs measured directly (median, prefix of {costs['prefix_tokens']} tokens): "
-              "target T(k) for scoring k tokens in one forward, each draft's one-token step.", "",
-              "| k | T(k) ms | T(k)/T(1) |", "|---:|---:|---:|"]
+              "target T(k) for scoring k tokens in one forward, each draft's one-token step. Ratios "
+              f"use the least-squares line T(k) = {fit['a']:.1f} + {fit['b']:.1f} k ms.", "",
+              "| k | T(k) ms measured | T(k)/T(1) fitted |", "|---:|---:|---:|"]
     for k, ms in costs["target_step_ms"].items():
         lines.append(f"| {k} | {ms:.1f} | {costs['verify_ratio'][k]:.2f} |")
     for name, ms in costs["draft_step_ms"].items():

@@ -19,6 +19,16 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    """--threads 1 (fast on a busy 2-core machine) sets a process-wide torch setting: put it back."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture()
 def prompt_file(tmp_path: Path) -> Path:
     path = tmp_path / "prompts.jsonl"
@@ -30,7 +40,7 @@ def _args(tiny_models: Path, prompt_file: Path, out: Path, *extra: str) -> list[
     return ["bench", "--quick", "--target", str(tiny_models / "llama"),
             "--draft", str(tiny_models / "llama-partial"), "--prompts", str(prompt_file),
             "--num-prompts", "2", "--max-new-tokens", "10", "--repeats", "1",
-            "--gamma-grid", "2,3", "--out", str(out), *extra]
+            "--gamma-grid", "2,3", "--threads", "1", "--out", str(out), *extra]
 
 
 def test_bench_json_schema_identity_and_files(tiny_models: Path, prompt_file: Path, tmp_path: Path):
