@@ -1,9 +1,10 @@
 """Micro-measurements of step costs: one forward of k tokens after a cached prefix.
 
-T(k) is the median time of a target forward scoring k new tokens on top of a KV cache of a
+T(k) is the fastest of several timings of a target forward scoring k new tokens on top of a KV cache of a
 realistic prefix (the cache is cropped back after each timing, so every timing sees the same
 length). c = T_draft(1) / T_target(1). Sizes and models are timed round-robin (k=1, 2, ...,
-draft, k=1, 2, ...) so drift on a shared machine hits them alike.
+draft, k=1, 2, ...) so drift on a shared machine hits them alike, and the minimum is kept: other
+load only ever adds time, so the fastest timing is the most reproducible estimate of the cost.
 
 Ratios use a least-squares line T(k) = a + b k through every measured size: a forward's cost is
 close to affine in k (flat on a memory-bound GPU, rising on a compute-bound CPU), the line smooths
@@ -59,6 +60,7 @@ class CostTable:
     prefix_tokens: int
     target: dict[int, float] = field(default_factory=dict)   # k -> T(k)
     drafts: dict[str, float] = field(default_factory=dict)   # draft name -> T_draft(1)
+    spread: dict[str, float] = field(default_factory=dict)   # "model:k" -> median / min (noise)
 
     def line(self) -> tuple[float, float]:
         """(a, b) of the least-squares fit T(k) = a + b k (b >= 0); a single size gives b = 0."""
@@ -93,12 +95,13 @@ class CostTable:
                 "target_step_fit_ms": {"a": a * 1e3, "b": b * 1e3},
                 "verify_ratio": {str(k): self.verify_ratio(k) for k in sorted(self.target)},
                 "draft_step_ms": {n: v * 1e3 for n, v in self.drafts.items()},
-                "c": {n: self.c(n) for n in self.drafts}}
+                "c": {n: self.c(n) for n in self.drafts},
+                "median_over_min": self.spread}
 
 
 def measure_costs(target: Any, drafts: dict[str, Any], device: torch.device, prefix: list[int],
                   ks: Iterable[int], *, repeats: int = 7, warmup: int = 2) -> CostTable:
-    """T(k) of the target for every k in ``ks`` (1 always), T(1) of each draft model (medians)."""
+    """T(k) of the target for every k in ``ks`` (1 always), T(1) of each draft model (minima)."""
     sizes = sorted(set(ks) | {1})
     timers: dict[tuple[str, int], Callable[[], float]] = {
         ("", k): _timer(target, device, prefix, k, full_logits=True) for k in sizes}
@@ -113,7 +116,8 @@ def measure_costs(target: Any, drafts: dict[str, Any], device: torch.device, pre
     table = CostTable(prefix_tokens=len(prefix))
     for (name, k), values in samples.items():
         if name:
-            table.drafts[name] = statistics.median(values)
+            table.drafts[name] = min(values)
         else:
-            table.target[k] = statistics.median(values)
+            table.target[k] = min(values)
+        table.spread[f"{name or 'target'}:{k}"] = statistics.median(values) / min(values)
     return table
