@@ -136,8 +136,8 @@ def load_models(opts: BenchOptions) -> tuple[LoadedModel, dict[str, LoadedModel]
     target = load_model(opts.target, **kw)
     drafts = {d: load_model(d, **kw) for d in opts.drafts}
     if opts.random_weights:
-        target = _random_like(target, seed=0)
-        drafts = {d: _random_like(lm, seed=i + 1) for i, (d, lm) in enumerate(drafts.items())}
+        target = _random_like(target, seed=1234)
+        drafts = {d: _random_like(lm, seed=1235 + i) for i, (d, lm) in enumerate(drafts.items())}
         # the target's own weights as a draft: acceptance comes from here (shares the module)
         self_draft = copy.copy(target)
         self_draft.name = f"{target.name}-self"

@@ -127,3 +127,22 @@ def test_plan_configs_covers_baselines_pools_and_gamma_grid():
         "hf-assisted[a,default]", "hf-assisted[a,const5]", "hf-prompt-lookup[10]",
         "ours[a-int8]", "ours[a]", "ours[ngram]", "ours[a-int8+a]", "ours[a-int8+a+ngram]",
         "ours[a-int8,gamma=2]", "ours[a-int8,gamma=4]"]
+
+
+def test_random_weights_keep_shapes_and_add_a_self_draft(tiny_models: Path):
+    import torch
+
+    from specbatch.bench.harness import load_models
+
+    opts = BenchOptions(target=str(tiny_models / "llama"), drafts=(str(tiny_models / "llama-partial"),),
+                        random_weights=True)
+    target, drafts = load_models(opts)
+    assert list(drafts) == [f"{target.name}-self", str(tiny_models / "llama-partial")]
+    assert drafts[f"{target.name}-self"].model is target.model
+    assert target.info["random_weights"] is True
+    from specbatch.engine.loading import load_model
+
+    orig = load_model(str(tiny_models / "llama"))
+    for (n1, p1), (n2, p2) in zip(orig.model.named_parameters(), target.model.named_parameters(), strict=True):
+        assert n1 == n2 and p1.shape == p2.shape
+    assert not torch.equal(orig.model.lm_head.weight, target.model.lm_head.weight)
