@@ -411,7 +411,7 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
 
     Speculative: ``Engine.generate_many(requests, batch_size=B)`` with the first drafter (adaptive).
     Target: Hugging Face ``generate`` on left-padded batches of B. Both checked against the target's
-    own unbatched greedy output of each prompt.
+    own unbatched greedy output of each prompt (the B=1 target row when there is one).
     """
     from specbatch.engine import Engine
 
@@ -423,37 +423,42 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     models = [drafts[first]] if first and first != NGRAM else []
     engine = Engine(target, models, ngram=first == NGRAM)
     spec = EngineRunner(engine)
-    say("throughput: reference outputs", 0, 1)
-    reference: dict[tuple[int, ...], list[int]] = {}
-    for x in ids:
-        reference.setdefault(tuple(x), hf(x, n).tokens)
+    order = [(b, mode) for b in opts.batch_sizes for mode in ("speculative", "target")]
+    reference: list[list[int]] | None = None
+    if 1 in opts.batch_sizes:   # the target at B=1 is the reference: run it first, timed
+        order.remove((1, "target"))
+        order.insert(0, (1, "target"))
+    else:
+        say("throughput: reference outputs", 0, 1)
+        reference = [hf(x, n).tokens for x in ids]
     spec.batch(ids[:2], min(8, n), batch_size=2)   # warm-up
     rows: list[dict[str, Any]] = []
-    for bi, b in enumerate(opts.batch_sizes):
-        for mode in ("speculative", "target"):
-            say(f"throughput B={b} {mode}", 2 * bi + (mode == "target"), 2 * len(opts.batch_sizes))
-            if mode == "speculative":
-                outs, seconds = spec.batch(ids, n, batch_size=b)
-            else:
-                outs, seconds = [], 0.0
-                for s in range(0, len(ids), b):
-                    chunk, sec = hf.batch(ids[s: s + b], n)
-                    outs.extend(chunk)
-                    seconds += sec
-            mism: list[str] = []
-            tokens = 0
-            for p, x, out in zip(prompts, ids, outs, strict=True):
-                if isinstance(out, Exception):
-                    mism.append(f"{p.id}: {type(out).__name__}: {out}")
-                    continue
-                tokens += len(out)
-                ref = reference[tuple(x)]
-                if out != ref:
-                    mism.append(f"{p.id} differs from the target at token {first_difference(out, ref)}")
-            rows.append({"batch_size": b, "mode": mode, "prompts": len(ids), "new_tokens": tokens,
-                         "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None,
-                         "identical": not mism, "mismatches": mism,
-                         "drafters": [first] if mode == "speculative" and first else []})
+    for i, (b, mode) in enumerate(order):
+        say(f"throughput B={b} {mode}", i, len(order))
+        if mode == "speculative":
+            outs, seconds = spec.batch(ids, n, batch_size=b)
+        else:
+            outs, seconds = [], 0.0
+            for s in range(0, len(ids), b):
+                chunk, sec = hf.batch(ids[s: s + b], n)
+                outs.extend(chunk)
+                seconds += sec
+        if reference is None:
+            reference = [o if isinstance(o, list) else [] for o in outs]
+        mism: list[str] = []
+        tokens = 0
+        for p, out, ref in zip(prompts, outs, reference, strict=True):
+            if isinstance(out, Exception):
+                mism.append(f"{p.id}: {type(out).__name__}: {out}")
+                continue
+            tokens += len(out)
+            if out != ref:
+                mism.append(f"{p.id} differs from the target at token {first_difference(out, ref)}")
+        rows.append({"batch_size": b, "mode": mode, "prompts": len(ids), "new_tokens": tokens,
+                     "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None,
+                     "identical": not mism, "mismatches": mism,
+                     "drafters": [first] if mode == "speculative" and first else []})
+    rows.sort(key=lambda r: (opts.batch_sizes.index(r["batch_size"]), r["mode"] != "speculative"))
     base = {r["mode"]: r["tokens_per_second"] for r in rows if r["batch_size"] == opts.batch_sizes[0]}
     for r in rows:
         b0 = base.get(r["mode"])
