@@ -210,9 +210,14 @@ def _quantize_int8(model: Any, device: torch.device) -> Any:
         logger.warning("int8 dynamic quantization is CPU-only; using the unquantized model on %s",
                        device)
         return model
-    from torch.ao.quantization import quantize_dynamic
+    import warnings
 
-    return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    # per-channel weight scales: measured 65% vs 50% argmax agreement with the fp32 SmolLM2-135M
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
 def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",

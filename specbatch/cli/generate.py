@@ -1,0 +1,86 @@
+"""Single-prompt commands: generate (one prompt, speculative), models (what can be loaded)."""
+
+from __future__ import annotations
+
+import click
+
+from specbatch.cli.common import echo_json
+from specbatch.config import get_settings
+
+
+@click.command()
+@click.option("--target", metavar="MODEL", help="Target model: known name, directory, .gguf file or HF id.")
+@click.option("--draft", "drafts", multiple=True, metavar="MODEL", help="Draft model (repeat for a pool).")
+@click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool.")
+@click.option("--prompt", help="Prompt text, tokenized as is.")
+@click.option("--message", "messages", multiple=True, metavar="TEXT",
+              help="A user message (chat template applied); repeat for several turns.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--gamma", type=int, default=None, help="Initial draft length (default 4).")
+@click.option("--fixed-gamma", is_flag=True, help="Keep gamma fixed (no adaptation, no switch-off).")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
+@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default from settings).")
+@click.option("--dtype", default=None, help="float32, bfloat16 or float16.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fixed_gamma, temperature,
+             top_p, top_k, seed, stop, device, dtype, as_json) -> None:
+    """Generate for one prompt with speculative decoding.
+
+    \b
+    Example:
+      specbatch generate --prompt "Write a haiku about queues" --max-new-tokens 32 --json
+      specbatch generate --target DIR --draft DIR2 --ngram --message "Hi" --temperature 0.7 --seed 1
+    """
+    from specbatch.engine import Engine, GenerationParams
+
+    settings = get_settings()
+    if (prompt is None) == (not messages):
+        raise click.UsageError("give exactly one of --prompt or --message")
+    if target is None and not drafts:
+        target, drafts = settings.default_target, (settings.default_draft,)
+    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                              top_k=top_k, seed=seed, stop=tuple(stop), gamma=gamma,
+                              adaptive=not fixed_gamma).validate()
+    engine = Engine.load(target or settings.default_target, list(drafts), ngram=ngram,
+                         device=device or settings.device, dtype=dtype or settings.dtype,
+                         cache_dir=settings.cache_dir)
+    msgs = [{"role": "user", "content": m} for m in messages] if messages else None
+    out = engine.generate(prompt=prompt, messages=msgs, params=params)
+    if as_json:
+        echo_json(out.to_dict())
+        return
+    s = out.stats
+    click.echo(out.text)
+    click.echo(
+        f"\n[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, finish={out.finish_reason}, "
+        f"acceptance {s.acceptance_rate:.2f}, {s.mean_acceptance_length:.2f} tokens/step, "
+        f"drafters {', '.join(engine.drafter_names) or 'none'}]", err=True)
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list.")
+def models(as_json: bool) -> None:
+    """List the known model names and whether their weights are installed.
+
+    \b
+    Example:
+      specbatch models
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from specbatch.engine.loading import known_model_status
+
+    rows = known_model_status()
+    if as_json:
+        echo_json(rows)
+        return
+    table = Table("name", "installed", "description", "install")
+    for r in rows:
+        table.add_row(r["name"], "yes" if r["installed"] else "no", r["description"],
+                      "" if r["installed"] else r["install"])
+    Console().print(table)
