@@ -24,15 +24,18 @@ def model_options(f: Any) -> Any:
 
 
 def sampling_options(f: Any) -> Any:
-    """Job-wide defaults for lines that do not set them."""
+    """Job-wide defaults for lines that do not set them (same names as `specbatch generate`)."""
+    f = click.option("--stop", multiple=True, metavar="TEXT",
+                     help="Default stop string (repeatable); the text ends before it.")(f)
     for name, kind, help_ in (
         ("--seed", int, "Default seed."),
         ("--top-k", int, "Default top-k (0: off)."),
         ("--top-p", float, "Default top-p."),
         ("--temperature", float, "Default temperature (0: greedy)."),
-        ("--max-tokens", int, "Default max new tokens per request."),
     ):
         f = click.option(name, type=kind, default=None, help=help_)(f)
+    f = click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", type=int, default=None,
+                     help="Default max new tokens per request (alias --max-tokens).")(f)
     return f
 
 
@@ -42,10 +45,10 @@ def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]
     return target or settings.default_target, list(drafts)
 
 
-def _defaults(max_tokens: int | None, temperature: float | None, top_p: float | None,
-              top_k: int | None, seed: int | None) -> dict[str, Any]:
-    d = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-         "seed": seed}
+def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: float | None,
+              top_k: int | None, seed: int | None, stop: tuple[str, ...] = ()) -> dict[str, Any]:
+    d = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+         "seed": seed, "stop": list(stop) or None}
     return {k: v for k, v in d.items() if v is not None}
 
 
@@ -75,11 +78,22 @@ def _warn_no_consumer(settings: Settings, queue: str) -> None:
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @model_options
 @sampling_options
-@click.option("--json", "as_json", is_flag=True, help="Print the job id and queue as JSON.")
-def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_tokens: int | None,
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
+def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
            temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           as_json: bool) -> None:
-    """Validate a JSONL prompt file, store it as a job and queue it for the workers."""
+           stop: tuple[str, ...], as_json: bool) -> None:
+    """Validate a JSONL prompt file, store it as a job and queue it for the workers.
+
+    Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
+    --target/--draft/--ngram options; prints the job id.
+
+    \b
+    Example:
+      specbatch submit examples/prompts.jsonl --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
+      specbatch submit prompts.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 --json
+    """
+    from specbatch.jobs import store
     from specbatch.worker.enqueue import check_broker, enqueue_requests
     from specbatch.worker.queues import queue_name
 
@@ -88,10 +102,12 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     queue = queue_name(target_, drafts_, ngram)
     check_broker(settings)  # broker down: fail before anything is written
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_tokens, temperature, top_p, top_k, seed), queue)
+                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
     tasks = enqueue_requests(settings, job_id, ids, queue)
     if as_json:
-        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks})
+        with open_db(settings, readonly=True).begin() as s:
+            summary = store.job_summary(s, job_id)
+        echo_json({**summary, "job_id": job_id, "requests": len(ids), "tasks": tasks})
     else:
         click.echo(f"job {job_id}: {len(ids)} requests in {tasks} tasks on queue {queue}")
     _warn_no_consumer(settings, queue)
@@ -101,7 +117,15 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Print what was re-enqueued as JSON.")
 def resume(job_id: str, as_json: bool) -> None:
-    """Re-enqueue a job's pending and lease-expired requests now."""
+    """Re-enqueue a job's pending and lease-expired requests now.
+
+    Use it after a broker flush or restart, or when a worker died holding requests; a request that
+    already has a result is never generated again.
+
+    \b
+    Example:
+      specbatch resume 3f9a2c
+    """
     from specbatch.jobs import store
     from specbatch.worker.enqueue import enqueue_requests
 
@@ -130,7 +154,15 @@ def resume(job_id: str, as_json: bool) -> None:
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
            batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
-    """Run a Celery worker that holds one model pair and consumes that pair's queue."""
+    """Run a Celery worker that holds one model pair and consumes that pair's queue.
+
+    Both models load before the worker consumes; start one worker per GPU.
+
+    \b
+    Example:
+      specbatch worker --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 -n gpu0@%h
+      specbatch worker                     # the default pair on the CPU
+    """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.runner import run_worker
 
@@ -150,7 +182,14 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None:
-    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set)."""
+    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set).
+
+    Extra arguments after `--` go to Flower as they are.
+
+    \b
+    Example:
+      SPECBATCH_FLOWER_PASSWORD=s3cret specbatch flower --port 5555 --address 0.0.0.0
+    """
     settings = get_settings()
     env = dict(os.environ)
     if settings.flower_password:
@@ -170,10 +209,20 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=int, default=None, help="Requests generated together.")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
-def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_tokens: int | None,
+def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-        device: str | None, dtype: str | None, batch_size: int | None, as_json: bool) -> None:
-    """Submit, generate and summarise a prompt file in this process (no Redis needed)."""
+        stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | None,
+        as_json: bool) -> None:
+    """Submit, generate and summarise a prompt file in this process (no Redis needed).
+
+    With no model option it uses the default pair (see `specbatch models`). Results go to the
+    database (SPECBATCH_DATABASE_URL); `specbatch export JOB` writes them to a file.
+
+    \b
+    Example:
+      specbatch run examples/prompts.jsonl
+      specbatch run prompts.jsonl --target DIR --draft DIR2 --ngram --max-new-tokens 64 --json
+    """
     from rich.console import Console
 
     from specbatch.engine import Engine
@@ -185,7 +234,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     queue = queue_name(target_, drafts_, ngram)
     batch = batch_size or settings.batch_size
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_tokens, temperature, top_p, top_k, seed), queue)
+                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
     console = Console(stderr=True)
     with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
         engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
