@@ -23,6 +23,16 @@ class Proposal:
     q: torch.Tensor | None = None     # (k, V) draft probabilities; None: point masses (greedy / n-gram)
 
 
+def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft logits (..., V_draft) on the target's support (..., V_target): q must live where p does."""
+    v = logits.shape[-1]
+    if v > vocab_size:
+        return logits[..., :vocab_size]
+    if v < vocab_size:
+        return torch.nn.functional.pad(logits, (0, vocab_size - v), value=float("-inf"))
+    return logits
+
+
 class Drafter(Protocol):
     name: str
 
@@ -56,13 +66,7 @@ class ModelDrafter:
         out = self.draft.forward(inp, self.cache, logits_to_keep=1)
         self.forwards += 1
         self.seq.extend(new_ids)
-        logits = out.logits[0, -1]
-        v = logits.shape[-1]
-        if v > self.vocab_size:
-            return logits[: self.vocab_size]
-        if v < self.vocab_size:
-            return torch.nn.functional.pad(logits, (0, self.vocab_size - v), value=float("-inf"))
-        return logits
+        return fit_vocab(out.logits[0, -1], self.vocab_size)
 
     def propose(self, ids: list[int], k: int, warp: Warp | None,
                 generator: torch.Generator | None) -> Proposal | None:

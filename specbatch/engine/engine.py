@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from specbatch.engine.batch import BatchDecoder
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
@@ -40,6 +41,7 @@ class Engine:
         self.gamma = gamma
         self.batch_size = batch_size
         self.costs = CostModel()      # measured step costs, shared by every request
+        self.batch_costs: dict[int, CostModel] = {}  # per batch-size bucket
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
@@ -111,9 +113,32 @@ class Engine:
 
     def generate_many(self, requests: Sequence[EngineRequest], batch_size: int | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
-        """Yield (index, output or the request's own error) as each request finishes."""
+        """Yield (index, output or the request's own error) as each request finishes.
+
+        batch_size > 1 decodes up to that many requests together (continuous batching), except
+        with a pool of several draft models, which decodes request by request.
+        """
+        batch_size = batch_size or self.batch_size
+        if batch_size <= 1 or len(self.drafts) > 1:
+            for i, req in enumerate(requests):
+                try:
+                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
+                except SpecBatchError as e:
+                    yield i, e
+            return
+        valid = []
         for i, req in enumerate(requests):
             try:
-                yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
+                params = req.params.validate()
+                ids = list(req.input_ids) if req.input_ids is not None else self.encode(req.prompt, req.messages)
+                if not ids:
+                    raise RequestError("prompt is empty", field="input_ids")
+                self._check_fits(ids, params)
             except SpecBatchError as e:
                 yield i, e
+                continue
+            valid.append((i, ids, params))
+        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
+                               self.batch_costs, self.gamma, batch_size)
+        with torch.inference_mode():
+            yield from decoder.run(valid)

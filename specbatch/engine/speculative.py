@@ -93,8 +93,10 @@ def speculative_step(target: LoadedModel, cache: DynamicCache, drafters: list[Dr
     # 3. roll back the target cache to the accepted path (the bonus token is not cached yet)
     rollback(cache, len(ids), [len(ids) - 1 + j for j in verdict.path])
     # 4. tell each drafter how much of its own proposal is now the accepted sequence
+    #    (never past the last accepted token: the next proposal starts by feeding it)
     for d, prop in zip(drafters, proposals):
-        d.observe(len(ids) + _common_prefix(prop.tokens if prop else [], verdict.tokens))
+        agreed = common_prefix(prop.tokens if prop else [], verdict.tokens)
+        d.observe(len(ids) + min(agreed, len(verdict.tokens) - 1))
     drafted = max((len(c) for c in tree.chains), default=0)
     return StepResult(verdict, drafted, n_fed + tree.n_nodes, t1 - t0, t2 - t1,
                       sum(d.forwards for d in drafters) - forwards0)
@@ -132,8 +134,8 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
         stats.accepted_tokens += v.n_accepted
         stats.draft_seconds += step.draft_seconds
         stats.verify_seconds += step.verify_seconds
-        _grow(drafted_at, step.drafted)
-        _grow(accepted_at, v.n_accepted)
+        grow_counts(drafted_at, step.drafted)
+        grow_counts(accepted_at, v.n_accepted)
         stats.step_winners.append(v.winner)
         if v.winner >= 0:
             name = drafters[v.winner].name
@@ -160,7 +162,7 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
                             finish_reason=reason, stats=stats)
 
 
-def _grow(counts: list[int], n: int) -> None:
+def grow_counts(counts: list[int], n: int) -> None:
     """counts[j] += 1 for j < n."""
     if len(counts) < n:
         counts.extend([0] * (n - len(counts)))
@@ -168,7 +170,7 @@ def _grow(counts: list[int], n: int) -> None:
         counts[j] += 1
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
