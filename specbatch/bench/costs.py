@@ -6,10 +6,10 @@ length). c = T_draft(1) / T_target(1). Sizes and models are timed round-robin (k
 draft, k=1, 2, ...) so drift on a shared machine hits them alike, and the minimum is kept: other
 load only ever adds time, so the fastest timing is the most reproducible estimate of the cost.
 
-Ratios use a least-squares line T(k) = a + b k through every measured size: a forward's cost is
-close to affine in k (flat on a memory-bound GPU, rising on a compute-bound CPU), the line smooths
-timing noise, and it makes the cost of a mean draft length the mean cost when the length varies
-from step to step (adaptive gamma, speculation switched off on some steps).
+Ratios use the measured T(k) directly; a non-integer k (the mean draft length of adaptive gamma
+or of a pool) is interpolated linearly between its integer neighbours, which is the mean cost
+when the length alternates between them. T(1) is not on a line with T(k >= 2) on a CPU (one
+token is a matrix-vector product; two or more are a matrix-matrix product), so nothing is fitted.
 """
 
 from __future__ import annotations
@@ -62,21 +62,18 @@ class CostTable:
     drafts: dict[str, float] = field(default_factory=dict)   # draft name -> T_draft(1)
     spread: dict[str, float] = field(default_factory=dict)   # "model:k" -> median / min (noise)
 
-    def line(self) -> tuple[float, float]:
-        """(a, b) of the least-squares fit T(k) = a + b k (b >= 0); a single size gives b = 0."""
-        ks = sorted(self.target)
-        if len(ks) < 2:
-            return self.target[ks[0]], 0.0
-        mk = sum(ks) / len(ks)
-        mt = sum(self.target[k] for k in ks) / len(ks)
-        b = sum((k - mk) * (self.target[k] - mt) for k in ks) / sum((k - mk) ** 2 for k in ks)
-        b = max(b, 0.0)
-        return mt - b * mk, b
-
     def t(self, k: float) -> float:
-        """Fitted T(k) in seconds."""
-        a, b = self.line()
-        return a + b * k
+        """T(k) in seconds: measured at integer k, linear between measured neighbours, flat beyond."""
+        if k in self.target:
+            return self.target[k]  # type: ignore[index]
+        ks = sorted(self.target)
+        below = [m for m in ks if m < k]
+        above = [m for m in ks if m > k]
+        if below and above:
+            lo, hi = below[-1], above[0]
+            w = (k - lo) / (hi - lo)
+            return self.target[lo] * (1 - w) + self.target[hi] * w
+        return self.target[below[-1] if below else above[0]]
 
     def c(self, draft: str) -> float:
         """Cost ratio c of a drafter: T_draft(1) / T(1) (0 for a model-free one such as ngram)."""
@@ -85,14 +82,12 @@ class CostTable:
         return self.drafts[draft] / self.t(1)
 
     def verify_ratio(self, k: float) -> float:
-        """T(k) / T(1) from the fitted line."""
+        """T(k) / T(1)."""
         return self.t(k) / self.t(1)
 
     def to_dict(self) -> dict[str, Any]:
-        a, b = self.line()
         return {"prefix_tokens": self.prefix_tokens,
                 "target_step_ms": {str(k): v * 1e3 for k, v in sorted(self.target.items())},
-                "target_step_fit_ms": {"a": a * 1e3, "b": b * 1e3},
                 "verify_ratio": {str(k): self.verify_ratio(k) for k in sorted(self.target)},
                 "draft_step_ms": {n: v * 1e3 for n, v in self.drafts.items()},
                 "c": {n: self.c(n) for n in self.drafts},

@@ -197,6 +197,10 @@ def _acceptance(stats: list[Any]) -> dict[str, Any]:
         "draft_forwards_per_step": sum(s.draft_forwards for s in stats) / steps if steps else 0.0,
         "pool_wins": wins,
         "speculation_disabled": sum(1 for s in stats if s.speculation_disabled),
+        # in-situ costs the engine measured while decoding (cross-check of the micro-measurements)
+        "engine_draft_ms_per_forward": 1e3 * sum(s.draft_seconds for s in stats) / max(
+            1, sum(s.draft_forwards for s in stats)),
+        "engine_verify_ms_per_step": 1e3 * sum(s.verify_seconds for s in stats) / steps if steps else None,
     }
 
 
@@ -216,8 +220,8 @@ def bound_for(cfg: Config, acc: dict[str, Any], costs: CostTable) -> dict[str, A
 
     Tokens per step: the measured mean acceptance length. Cost of a step, in target steps: draft
     forwards per step x c (mean c of the pool's model drafters; n-gram costs ~0) + T(k) / T(1)
-    with k = gamma + 1 for a fixed chain, else the mean draft depth + 1 (on the fitted line, so
-    the mean cost of varying lengths). ``alpha``: the i.i.d. acceptance that gives the measured
+    with k = gamma + 1 for a fixed chain, else the mean draft depth + 1 (interpolated between the
+    measured sizes). ``alpha``: the i.i.d. acceptance that gives the measured
     tokens per step at that draft length (single drafters only).
     """
     mal = acc["mean_acceptance_length"]

@@ -41,12 +41,11 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
             f"| {_f(vr) + (f' (k={vt:.1f})' if vt else '')} | {_f(c['bound'], '.2f', 'x')} "
             f"| {_f(c['efficiency'])} | {_f(c['identical'])} |")
     costs = result["costs"]
-    fit = costs["target_step_fit_ms"]
     lines += ["", f"Step costs measured directly (fastest of repeated timings, prefix of {costs['prefix_tokens']} tokens): "
-              "target T(k) for scoring k tokens in one forward, each draft's one-token step. Ratios "
-              f"use the least-squares line T(k) = {fit['a']:.1f} + {fit['b']:.1f} k ms. "
+              "target T(k) for scoring k tokens in one forward, each draft's one-token step. A mean "
+              "draft length between two sizes is interpolated. "
               f"Noise: median/min of the timings up to {max(costs.get('median_over_min', {}).values(), default=1):.2f}.",
-              "", "| k | T(k) ms measured | T(k)/T(1) fitted |", "|---:|---:|---:|"]
+              "", "| k | T(k) ms | T(k)/T(1) |", "|---:|---:|---:|"]
     for k, ms in costs["target_step_ms"].items():
         lines.append(f"| {k} | {ms:.1f} | {costs['verify_ratio'][k]:.2f} |")
     for name, ms in costs["draft_step_ms"].items():

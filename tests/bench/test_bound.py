@@ -72,12 +72,10 @@ def test_bound_for_an_ngram_pool_member_costs_nothing_to_draft():
     assert b["alpha"] is None
 
 
-def test_cost_line_fit_smooths_noise_and_never_slopes_down():
-    costs = CostTable(prefix_tokens=10, target={1: 0.010, 2: 0.014, 3: 0.016})
-    a, b = costs.line()
-    assert b == pytest.approx(0.003) and a == pytest.approx(0.04 / 3 - 0.006)
-    assert costs.verify_ratio(3) == pytest.approx((a + 3 * b) / (a + b))
-    # a mean draft length of 1.5 costs the mean of T(2) and T(3) on the line
-    assert costs.t(2.5) == pytest.approx((costs.t(2) + costs.t(3)) / 2)
-    flat = CostTable(prefix_tokens=10, target={1: 0.010, 2: 0.009})
-    assert flat.line()[1] == 0.0 and flat.verify_ratio(2) == pytest.approx(1.0)
+def test_cost_table_interpolates_between_measured_sizes():
+    costs = CostTable(prefix_tokens=10, target={1: 0.010, 2: 0.020, 3: 0.022})
+    assert costs.verify_ratio(3) == pytest.approx(2.2)
+    # a mean draft length of 1.5 (k = 2.5) costs the mean of T(2) and T(3)
+    assert costs.t(2.5) == pytest.approx(0.021)
+    assert costs.t(1.25) == pytest.approx(0.0125)
+    assert costs.t(9) == pytest.approx(0.022)          # flat beyond the largest measured size
