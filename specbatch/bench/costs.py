@@ -1,10 +1,11 @@
 """Micro-measurements of step costs: one forward of k tokens after a cached prefix.
 
-T(k) is the fastest of several timings of a target forward scoring k new tokens on top of a KV cache of a
+T(k) is the time of a target forward scoring k new tokens on top of a KV cache of a
 realistic prefix (the cache is cropped back after each timing, so every timing sees the same
 length). c = T_draft(1) / T_target(1). Sizes and models are timed round-robin (k=1, 2, ...,
-draft, k=1, 2, ...) so drift on a shared machine hits them alike, and the minimum is kept: other
-load only ever adds time, so the fastest timing is the most reproducible estimate of the cost.
+draft, k=1, 2, ...). The harness samples them between its rounds of runs (``CostSampler``) and
+keeps medians, so the costs see the same machine load as the runs; ``measure_costs`` is the
+stand-alone version (minima of back-to-back timings).
 
 Ratios use the measured T(k) directly; a non-integer k (the mean draft length of adaptive gamma
 or of a pool) is interpolated linearly between its integer neighbours, which is the mean cost
@@ -60,7 +61,7 @@ class CostTable:
     prefix_tokens: int
     target: dict[int, float] = field(default_factory=dict)   # k -> T(k)
     drafts: dict[str, float] = field(default_factory=dict)   # draft name -> T_draft(1)
-    spread: dict[str, float] = field(default_factory=dict)   # "model:k" -> median / min (noise)
+    spread: dict[str, float] = field(default_factory=dict)   # "model:k" -> max / min of timings
 
     def t(self, k: float) -> float:
         """T(k) in seconds: measured at integer k, linear between measured neighbours, flat beyond."""
@@ -91,7 +92,39 @@ class CostTable:
                 "verify_ratio": {str(k): self.verify_ratio(k) for k in sorted(self.target)},
                 "draft_step_ms": {n: v * 1e3 for n, v in self.drafts.items()},
                 "c": {n: self.c(n) for n in self.drafts},
-                "median_over_min": self.spread}
+                "max_over_min": self.spread}
+
+
+class CostSampler:
+    """Times every size and model once per ``sample()`` call; call it between benchmark rounds so
+    the step costs see the same machine load as the runs they explain."""
+
+    def __init__(self, target: Any, drafts: dict[str, Any], device: torch.device, prefix: list[int],
+                 ks: Iterable[int]) -> None:
+        self.prefix_tokens = len(prefix)
+        self.timers: dict[tuple[str, int], Callable[[], float]] = {
+            ("", k): _timer(target, device, prefix, k, full_logits=True) for k in sorted(set(ks) | {1})}
+        for name, model in drafts.items():
+            self.timers[(name, 1)] = _timer(model, device, prefix, 1, full_logits=False)
+        self.samples: dict[tuple[str, int], list[float]] = {key: [] for key in self.timers}
+
+    def sample(self, times: int = 1) -> None:
+        for _ in range(times):
+            for key, once in self.timers.items():
+                self.samples[key].append(once())
+
+    def table(self) -> CostTable:
+        """Medians of the samples (they span the run, so the median is the run's typical cost)."""
+        table = CostTable(prefix_tokens=self.prefix_tokens)
+        for (name, k), values in self.samples.items():
+            if not values:
+                continue
+            if name:
+                table.drafts[name] = statistics.median(values)
+            else:
+                table.target[k] = statistics.median(values)
+            table.spread[f"{name or 'target'}:{k}"] = max(values) / min(values)
+        return table
 
 
 def measure_costs(target: Any, drafts: dict[str, Any], device: torch.device, prefix: list[int],

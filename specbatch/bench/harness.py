@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from specbatch.bench import bound as bnd
-from specbatch.bench.costs import CostTable, measure_costs
+from specbatch.bench.costs import CostSampler, CostTable
 from specbatch.bench.prompts import BenchPrompt, load_prompts, select
 from specbatch.bench.runners import HF_ASSISTED_SETTINGS, EngineRunner, HFRunner, RunOutput
 from specbatch.engine.loading import LoadedModel, load_model
@@ -295,6 +295,14 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         say(f"warm-up {cfg.name}", i, len(configs))
         runners[cfg.name](ids[0], min(8, n))
 
+    # step costs are sampled between rounds, so they see the same load as the runs
+    k_max = max([g + 1 for g in opts.gamma_grid] + [5])
+    prefix = (ids[0] + [t for x in ids for t in x])[: len(ids[0]) + n // 2]
+    sampler = CostSampler(target.model, {name: lm.model for name, lm in drafts.items()}, target.device,
+                          prefix, range(1, k_max + 1))
+    sampler.sample()   # warm-up of the timers (discarded)
+    sampler.samples = {key: [] for key in sampler.samples}
+
     # interleaved timed runs: for each repeat, for each prompt, every configuration in turn
     accs = {cfg.name: _Acc() for cfg in configs}
     reference: list[list[int] | None] = [None] * len(prompts)
@@ -320,16 +328,11 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
                                            "tokens": len(out.tokens), "reference_tokens": len(ref)})
                 acc.add(out)
                 done += 1
+            sampler.sample()
 
-    # step costs, measured directly at a realistic prefix: prompt 0 + its reference output
-    ours = [(cfg, _acceptance(accs[cfg.name].stats)) for cfg in configs if cfg.kind == "ours"]
-    k_max = max([_verify_size(cfg, a) for cfg, a in ours] + [g + 1.0 for g in opts.gamma_grid] + [2.0])
-    ks = range(1, int(k_max + 0.999) + 1)                    # every size up to the largest needed
-    prefix = ids[0] + (reference[0] or [])[: n // 2]
     say("measuring step costs", 0, 1)
-    model_drafts = {name: lm.model for name, lm in drafts.items()}
-    costs = measure_costs(target.model, model_drafts, target.device, prefix, ks,
-                          repeats=opts.cost_repeats)
+    sampler.sample(max(0, opts.cost_repeats - opts.repeats * len(prompts)))   # at least cost_repeats
+    costs = sampler.table()
 
     result_configs = _summarise(configs, accs, costs)
     throughput = (_throughput(opts, target, drafts, drafter_names, encoder, load_prompts(opts.prompts),

@@ -41,10 +41,10 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
             f"| {_f(vr) + (f' (k={vt:.1f})' if vt else '')} | {_f(c['bound'], '.2f', 'x')} "
             f"| {_f(c['efficiency'])} | {_f(c['identical'])} |")
     costs = result["costs"]
-    lines += ["", f"Step costs measured directly (fastest of repeated timings, prefix of {costs['prefix_tokens']} tokens): "
+    lines += ["", f"Step costs measured directly (medians of timings taken between the rounds of runs, prefix of {costs['prefix_tokens']} tokens): "
               "target T(k) for scoring k tokens in one forward, each draft's one-token step. A mean "
               "draft length between two sizes is interpolated. "
-              f"Noise: median/min of the timings up to {max(costs.get('median_over_min', {}).values(), default=1):.2f}.",
+              f"Noise: max/min of the timings up to {max(costs.get('max_over_min', {}).values(), default=1):.2f}.",
               "", "| k | T(k) ms | T(k)/T(1) |", "|---:|---:|---:|"]
     for k, ms in costs["target_step_ms"].items():
         lines.append(f"| {k} | {ms:.1f} | {costs['verify_ratio'][k]:.2f} |")
