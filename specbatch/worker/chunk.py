@@ -154,7 +154,10 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         if should_stop is not None and should_stop():
             report.unstarted.extend(todo)
             break
-        group, todo = todo[:batch], todo[batch:]
+        # batch 1 claims one request at a time (the claim doubles as the cancellation check);
+        # a batch claims the whole chunk so rows that finish are replaced from it at once
+        # (continuous batching inside the chunk; make chunk_size > batch_size to benefit)
+        group, todo = (todo[:1], todo[1:]) if batch == 1 else (todo, [])
 
         def claim(group: list[int] = group) -> list[Any]:
             with sf.begin() as s:
@@ -171,7 +174,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
         for run in runs:
-            _generate_run(settings, engine, sf, run, worker_name, report, on_result)
+            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch)
 
     if not_claimed:
         touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
@@ -184,7 +187,8 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
 
 
 def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
-                  report: ChunkReport, on_result: Callable[[ResultEvent], None] | None) -> None:
+                  report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
+                  batch: int = 1) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
@@ -196,7 +200,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
 
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
-        for idx, out in engine.generate_many(requests, batch_size=len(run)):
+        for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
             c = run[idx]
             if isinstance(out, SpecBatchError):  # the request's own fault: failed at once
                 msg = str(out)

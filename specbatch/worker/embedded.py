@@ -29,7 +29,10 @@ def run_embedded(settings: Settings, job_id: str, engine: Any,
             return list(store.resumable_request_ids(s, job_id))
 
     worker = f"embedded@{socket.gethostname()}:{os.getpid()}"
-    for chunk in chunks(with_db_retry(resumable), settings.chunk_size):
+    batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
+    # with batching, chunks several batches long keep the batch full as rows finish
+    size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
+    for chunk in chunks(with_db_retry(resumable), size):
         report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
                                on_result=on_progress, should_stop=should_stop)
         if report.unstarted:
