@@ -1,0 +1,214 @@
+"""specbatch generate / models through the real Click entry point, on tiny models.
+
+``generate --json`` prints one object, a contract other tools parse:
+{"text", "token_ids" (new tokens only), "finish_reason", "stats"}.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+from specbatch.config import get_settings
+
+DESIGN_FIELDS = {"drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+                 "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds",
+                 "verify_seconds", "wall_seconds", "tokens_per_second"}
+KNOWN = {"smollm2-135m", "smollm2-135m-int8", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b-int8",
+         "qwen2.5-coder-1.5b"}
+PROMPT = "Write a haiku about"
+
+
+@pytest.fixture(autouse=True)
+def isolated_settings(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'cli.db'}")
+    monkeypatch.setenv("SPECBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECBATCH_DEVICE", "cpu")
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), obj={})
+
+
+def models(tiny_models, *names: str) -> list[str]:
+    return [str(tiny_models / n) for n in names]
+
+
+def target_greedy(model_dir, prompt: str, n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def generate_json(tiny_models, *extra: str, target: str = "llama", drafts=("llama-partial",)) -> dict:
+    args = ["generate", "--target", str(tiny_models / target)]
+    for d in drafts:
+        args += ["--draft", str(tiny_models / d)]
+    r = run(*args, *extra, "--json")
+    assert r.exit_code == 0, r.output
+    assert "Traceback" not in r.output
+    return json.loads(r.stdout)
+
+
+def test_generate_json_contract(tiny_models):
+    out = generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "24")
+    assert set(out) == {"text", "token_ids", "finish_reason", "stats"}
+    assert out["token_ids"] == target_greedy(tiny_models / "llama", PROMPT, 24)
+    assert out["finish_reason"] in ("stop", "length")
+    assert isinstance(out["text"], str)
+    assert DESIGN_FIELDS <= set(out["stats"])
+    s = out["stats"]
+    assert s["accepted_tokens"] <= s["drafted_tokens"]
+    assert s["new_tokens"] == len(out["token_ids"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_generate_pool_with_ngram_is_exact(tiny_models, arch):
+    out = generate_json(tiny_models, "--ngram", "--prompt", "def fibonacci(n):", "--max-new-tokens", "40",
+                        target=arch, drafts=(f"{arch}-partial", f"{arch}-random"))
+    assert out["token_ids"] == target_greedy(tiny_models / arch, "def fibonacci(n):", 40)
+    names = set(models(tiny_models, f"{arch}-partial", f"{arch}-random")) | {"ngram"}
+    assert set(out["stats"]["pool_wins"]) <= names
+    assert len(out["stats"]["step_winners"]) == out["stats"]["verify_steps"]
+
+
+def test_generate_ngram_only(tiny_models):
+    out = generate_json(tiny_models, "--ngram", "--prompt", PROMPT, "--max-new-tokens", "16", drafts=())
+    assert out["token_ids"] == target_greedy(tiny_models / "llama", PROMPT, 16)
+    assert out["stats"]["draft_forwards"] == 0
+
+
+def test_generate_fixed_gamma(tiny_models):
+    out = generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "20", "--gamma", "3",
+                        "--fixed-gamma", drafts=("llama-same",))
+    assert out["stats"]["final_gamma"] == 3 and out["stats"]["speculation_disabled"] is False
+    assert out["stats"]["acceptance_rate"] == 1.0
+
+
+def test_generate_messages_and_stop(tiny_models):
+    full = generate_json(tiny_models, "--message", "hello", "--max-new-tokens", "24")
+    text = full["text"]
+    if len(text) < 4:
+        pytest.skip("the tiny model's reply is too short to cut")
+    stop = text[2:4]
+    cut = generate_json(tiny_models, "--message", "hello", "--max-new-tokens", "24", "--stop", stop)
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == text[: text.index(stop)]
+
+
+@pytest.mark.parametrize("gamma_mode", [
+    "--fixed-gamma",
+    pytest.param("", marks=pytest.mark.xfail(
+        strict=False, reason="engine bug: with adaptive gamma (the default) a seeded sampled request is "
+        "not reproducible: gamma follows wall-clock costs and the draws from the one generator follow "
+        "gamma")),
+])
+def test_generate_sampling_is_reproducible_with_a_seed(tiny_models, gamma_mode):
+    args = ["--prompt", PROMPT, "--max-new-tokens", "40", "--temperature", "0.9", "--top-p", "0.9",
+            "--top-k", "50", "--seed", "7"] + ([gamma_mode] if gamma_mode else [])
+    runs = [generate_json(tiny_models, *args)["token_ids"] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2] and len(runs[0]) >= 1
+
+
+def test_generate_human_output(tiny_models):
+    r = run("generate", "--target", str(tiny_models / "llama"), "--draft", str(tiny_models / "llama-partial"),
+            "--prompt", PROMPT, "--max-new-tokens", "8")
+    assert r.exit_code == 0, r.output
+    assert "tokens" in r.stderr and "acceptance" in r.stderr
+    assert not r.stdout.lstrip().startswith("{")
+
+
+BAD = {
+    "empty prompt": (["--prompt", ""], ["prompt", "empty"]),
+    "whitespace prompt": (["--prompt", "   "], ["prompt", "empty"]),
+    "top-p 0": (["--prompt", "hi", "--top-p", "0"], ["top_p"]),
+    "top-p > 1": (["--prompt", "hi", "--top-p", "1.5"], ["top_p"]),
+    "temperature < 0": (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
+    "max-new-tokens 0": (["--prompt", "hi", "--max-new-tokens", "0"], ["max_new_tokens"]),
+    "gamma too large": (["--prompt", "hi", "--gamma", "100"], ["gamma"]),
+    "beyond context": (["--prompt", "hi", "--max-new-tokens", "600"], ["512", "context"]),
+    "unknown device": (["--prompt", "hi", "--device", "tpu"], ["tpu"]),
+    "unknown dtype": (["--prompt", "hi", "--dtype", "float64"], ["float64"]),
+    "no prompt": ([], ["--prompt", "--message"]),
+    "prompt and message": (["--prompt", "hi", "--message", "hi"], ["--prompt", "--message"]),
+    "max-new-tokens not a number": (["--prompt", "hi", "--max-new-tokens", "many"], ["max-new-tokens"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_readable_line(tiny_models, case):
+    extra, words = BAD[case]
+    r = run("generate", "--target", str(tiny_models / "llama"), "--draft", str(tiny_models / "llama-partial"),
+            *extra, "--json")
+    assert r.exit_code != 0
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert "Traceback" not in r.output
+    assert r.stdout == "", "an error must not print JSON-looking output on stdout"
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1, r.stderr
+    for w in words:
+        assert w in r.stderr, (case, r.stderr)
+
+
+def test_missing_target_path(tmp_path):
+    missing = tmp_path / "no-such-model"
+    r = run("generate", "--target", str(missing), "--prompt", "hi", "--json")
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit)
+    assert str(missing) in r.stderr and "Traceback" not in r.output
+
+
+def test_draft_with_another_tokenizer(tiny_models, tmp_path):
+    """A draft whose vocabulary differs: the error names both models."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from tests.engine.test_errors import _build_other_tokenizer
+
+    out = tmp_path / "foreign"
+    _build_other_tokenizer(out, 320)
+    tok = AutoTokenizer.from_pretrained(out)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+                     ).save_pretrained(out)
+    r = run("generate", "--target", str(tiny_models / "llama"), "--draft", str(out), "--prompt", "hi", "--json")
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit)
+    assert str(out) in r.stderr and str(tiny_models / "llama") in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_debug_flag_shows_the_exception(tiny_models):
+    r = CliRunner().invoke(cli, ["--debug", "generate", "--target", str(tiny_models / "llama"),
+                                 "--prompt", "hi", "--top-p", "0"], obj={})
+    assert r.exit_code != 0
+    from specbatch.errors import RequestError
+
+    assert isinstance(r.exception, RequestError)
+
+
+def test_models_json():
+    r = run("models", "--json")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert {row["name"] for row in rows} == KNOWN and len(rows) == 5
+    for row in rows:
+        assert {"name", "description", "installed", "install"} <= set(row)
+        assert isinstance(row["installed"], bool)
+
+
+def test_models_table():
+    r = run("models")
+    assert r.exit_code == 0, r.output
+    for name in KNOWN:
+        assert name in r.stdout
