@@ -74,7 +74,9 @@ class Engine:
         if (prompt is None) == (messages is None):
             raise RequestError('give exactly one of "prompt" or "messages"', field="prompt")
         if prompt is not None:
-            if not isinstance(prompt, str) or not prompt.strip():
+            if not isinstance(prompt, str):
+                raise RequestError("must be a string", field="prompt")
+            if not prompt.strip():
                 raise RequestError("prompt is empty", field="prompt")
             ids = tok(prompt)["input_ids"]
         else:
@@ -90,22 +92,33 @@ class Engine:
             raise RequestError("prompt is empty after tokenization", field="prompt")
         return list(ids)
 
+    def _ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+             input_ids: list[int] | None) -> list[int]:
+        if input_ids is None:
+            return self.encode(prompt, messages)
+        if not input_ids or not all(isinstance(i, int) for i in input_ids):
+            raise RequestError("must be a non-empty list of integers", field="input_ids")
+        return list(input_ids)
+
     def _check_fits(self, ids: list[int], params: GenerationParams) -> None:
-        limit = self.target.max_positions
-        if limit is not None and len(ids) + params.max_new_tokens > limit:
-            raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the context of {self.target.name!r} ({limit} tokens); shorten the prompt or "
-                "lower max_new_tokens", field="max_new_tokens")
+        vocab = self.target.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise RequestError(f"token ids must be in [0, {vocab})", field="input_ids")
+        # a draft with a shorter context than the target bounds what the pair can generate
+        for m in (self.target, *self.drafts):
+            limit = m.max_positions
+            if limit is not None and len(ids) + params.max_new_tokens > limit:
+                raise RequestError(
+                    f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                    f"the context of {m.name!r} ({limit} tokens); shorten the prompt or "
+                    "lower max_new_tokens", field="max_new_tokens")
 
     def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                  params: GenerationParams | None = None, *,
                  input_ids: list[int] | None = None) -> GenerationOutput:
         """Decode one request; raises RequestError when the request itself is invalid."""
         params = (params or GenerationParams()).validate()
-        ids = list(input_ids) if input_ids is not None else self.encode(prompt, messages)
-        if not ids:
-            raise RequestError("prompt is empty", field="input_ids")
+        ids = self._ids(prompt, messages, input_ids)
         self._check_fits(ids, params)
         with torch.inference_mode():
             return speculative_generate(self.target, self.new_drafters(), ids, params, self.costs,
@@ -130,9 +143,7 @@ class Engine:
         for i, req in enumerate(requests):
             try:
                 params = req.params.validate()
-                ids = list(req.input_ids) if req.input_ids is not None else self.encode(req.prompt, req.messages)
-                if not ids:
-                    raise RequestError("prompt is empty", field="input_ids")
+                ids = self._ids(req.prompt, req.messages, req.input_ids)
                 self._check_fits(ids, params)
             except SpecBatchError as e:
                 yield i, e

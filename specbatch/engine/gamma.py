@@ -26,15 +26,15 @@ class CostModel:
     """Exponential moving averages of measured step times (seconds)."""
 
     decay: float = 0.2
-    draft_step: float | None = None                       # one draft forward of one token
-    verify: dict[int, float] = field(default_factory=dict)  # target forward over n tokens
+    draft_step: float | None = None                       # drafting one position (whole pool)
+    verify: dict[int, float] = field(default_factory=dict)  # verify of a draft of depth n - 1
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else old + self.decay * (new - old)
 
-    def observe_draft(self, seconds: float, forwards: int) -> None:
-        if forwards > 0:
-            self.draft_step = self._ema(self.draft_step, seconds / forwards)
+    def observe_draft(self, seconds: float, positions: int) -> None:
+        if positions > 0:
+            self.draft_step = self._ema(self.draft_step, seconds / positions)
 
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         self.verify[n_tokens] = self._ema(self.verify.get(n_tokens), seconds)

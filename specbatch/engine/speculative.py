@@ -28,7 +28,6 @@ from specbatch.engine.types import GenerationOutput, GenerationParams, Generatio
 class StepResult:
     verdict: Verdict
     drafted: int           # depth of the draft tree (the step's draft length)
-    scored: int            # tokens the target scored in its forward (fed prefix + tree nodes)
     draft_seconds: float
     verify_seconds: float
     draft_forwards: int
@@ -87,7 +86,7 @@ def speculative_step(target: LoadedModel, cache: DynamicCache, drafters: list[Dr
     t1 = time.perf_counter()
     # 2. verify: one target forward over the last accepted token and the whole draft tree
     tree = build_tree(proposals)
-    logits, n_fed = target_forward(target, cache, ids, tree)
+    logits, _ = target_forward(target, cache, ids, tree)
     verdict = verify(tree, proposals, logits, warp, generator)
     t2 = time.perf_counter()
     # 3. roll back the target cache to the accepted path (the bonus token is not cached yet)
@@ -98,7 +97,7 @@ def speculative_step(target: LoadedModel, cache: DynamicCache, drafters: list[Dr
         agreed = common_prefix(prop.tokens if prop else [], verdict.tokens)
         d.observe(len(ids) + min(agreed, len(verdict.tokens) - 1))
     drafted = max((len(c) for c in tree.chains), default=0)
-    return StepResult(verdict, drafted, n_fed + tree.n_nodes, t1 - t0, t2 - t1,
+    return StepResult(verdict, drafted, t1 - t0, t2 - t1,
                       sum(d.forwards for d in drafters) - forwards0)
 
 
@@ -115,7 +114,7 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
         generator = torch.Generator(device=target.device)
         generator.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
     ctl = GammaController(costs, gamma=params.gamma if params.gamma is not None else default_gamma,
-                          adaptive=params.adaptive)
+                          adaptive=not params.fixed_gamma)
     stop = StopCheck(target.tokenizer, target.eos_token_ids, params.max_new_tokens, params.stop)
     cache = DynamicCache()
     ids, generated = list(prompt_ids), []
@@ -141,9 +140,10 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
             name = drafters[v.winner].name
             stats.pool_wins[name] = stats.pool_wins.get(name, 0) + 1
         # measured costs steer gamma (prefill steps are not representative)
-        costs.observe_draft(step.draft_seconds, step.draft_forwards)
+        # (keyed by draft depth: a pool's tree costs what its depth costs with that pool)
+        costs.observe_draft(step.draft_seconds, step.drafted)
         if stats.verify_steps > 1:
-            costs.observe_verify(step.scored, step.verify_seconds)
+            costs.observe_verify(step.drafted + 1, step.verify_seconds)
         ctl.observe(step.drafted, v.n_accepted)
         # accept the tokens, then stop on EOS, max_new_tokens or a stop string
         ids.extend(v.tokens)

@@ -22,21 +22,41 @@ class GenerationParams:
     gamma: int | None = None            # initial draft length; None: the engine's default
     adaptive: bool = True               # adapt gamma and switch speculation off when it does not pay
 
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):       # one stop string, not its characters
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+
     def validate(self) -> GenerationParams:
         """Raise RequestError naming the bad field; returns self for chaining."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError("must be an integer >= 1", field="max_new_tokens")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError("must be >= 0", field="temperature")
-        if not (0 < self.top_p <= 1):
-            raise RequestError("must be in (0, 1]", field="top_p")
-        if self.top_k < 0:
-            raise RequestError("must be >= 0", field="top_k")
-        if self.gamma is not None and not (0 <= self.gamma <= 64):
-            raise RequestError("must be in [0, 64]", field="gamma")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise RequestError("must be a number >= 0", field="temperature")
+        if not is_num(self.top_p) or not (0 < self.top_p <= 1):
+            raise RequestError("must be a number in (0, 1]", field="top_p")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise RequestError("must be an integer >= 0", field="top_k")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise RequestError("must be an integer in [0, 2**63)", field="seed")
+        if self.gamma is not None and (not is_int(self.gamma) or not 0 <= self.gamma <= 64):
+            raise RequestError("must be an integer in [0, 64]", field="gamma")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
         return self
+
+    @property
+    def fixed_gamma(self) -> bool:
+        """Seeded sampling keeps gamma fixed: adaptation follows wall-clock costs, and the random
+        draws follow gamma, so an adaptive gamma would make a seeded output irreproducible."""
+        return not self.adaptive or (self.temperature > 0 and self.seed is not None)
 
     @property
     def greedy(self) -> bool:

@@ -126,8 +126,6 @@ def test_generate_many_returns_errors_per_request(engine):
     assert len(got[1].token_ids) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: input_ids outside the vocabulary reach torch "
-                                       "(IndexError from the embedding) instead of a RequestError")
 @pytest.mark.parametrize("bad_id", [-1, 384, 10**6])
 def test_input_ids_outside_vocabulary(engine, bad_id):
     with pytest.raises(RequestError) as info:
@@ -135,8 +133,6 @@ def test_input_ids_outside_vocabulary(engine, bad_id):
     assert "input_ids" in _user_readable(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: seed is not validated; a non-integer or a seed "
-                                       "beyond 64 bits raises RuntimeError/ValueError from torch")
 @pytest.mark.parametrize("seed", ["x", 2**70])
 def test_bad_seed(engine, seed):
     with pytest.raises(RequestError) as info:
@@ -144,16 +140,12 @@ def test_bad_seed(engine, seed):
     assert "seed" in _user_readable(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a non-numeric temperature raises TypeError from "
-                                       "math.isfinite inside GenerationParams.validate")
 def test_non_numeric_temperature(engine):
     with pytest.raises(RequestError) as info:
         engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=2, temperature="0.5"))
     assert "temperature" in _user_readable(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason='engine bug: GenerationParams(stop="abc") is iterated as the '
-                                       'stop strings "a", "b", "c" (a str is a sequence)')
 def test_stop_given_as_a_plain_string(engine):
     params = GenerationParams(max_new_tokens=16, stop="<never in the output>")
     try:
@@ -318,9 +310,6 @@ def short_context_draft(tmp_path_factory, tiny_models) -> Path:
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: a draft with a shorter context than the target "
-                                       "is fed past its position table (IndexError mid-generation); "
-                                       "it should be refused at load or stop drafting at its limit")
 def test_draft_with_shorter_context(load, short_context_draft):
     target = load("gpt2")
     engine = Engine(target, [load_model(str(short_context_draft))])

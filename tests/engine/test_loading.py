@@ -230,9 +230,6 @@ def test_gguf_load_in_dtype(gguf_file, tmp_path, dtype):
     assert next(m.model.parameters()).dtype == loading.DTYPES[dtype]
 
 
-@pytest.mark.xfail(strict=True, reason="engine bug: two processes dequantizing the same GGUF at once "
-                                       "share one fixed '<key>.partial' directory; one deletes the "
-                                       "other's files and fails with a SafetensorError")
 def test_concurrent_first_loads_share_the_cache(gguf_file, tmp_path, monkeypatch):
     """Two workers started together on a fresh cache (one per GPU) both load the model."""
     import safetensors.torch as st
