@@ -87,6 +87,8 @@ class GammaController:
         return a / (a + self.rejected + (1 - self.prior) * self.prior_weight)
 
     def next_gamma(self) -> int:
+        if self.adaptive and self.steps >= self.warmup_steps and 1 not in self.costs.verify:
+            return 0  # one plain step measures what plain decoding costs here (at this batch size)
         if self.off:
             self.plain_steps += 1
             if self.plain_steps % self.probe_every:
