@@ -50,7 +50,13 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
           throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick) -> None:
-    """Benchmark speculative decoding against the target alone and Hugging Face assisted generation."""
+    """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
+
+    \b
+    Example:
+      specbatch bench --quick --threads 1 --out bench-results
+      specbatch bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-int8 --ngram --batch-sizes 1,4,8,16
+    """
     from specbatch.bench.harness import BenchOptions, run_bench
     from specbatch.bench.report import markdown, write_all
     from specbatch.bench.runners import HF_ASSISTED_SETTINGS

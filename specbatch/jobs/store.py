@@ -307,7 +307,7 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
     started = req.started_at if req.started_at is not None and req.started_at <= now else None
     latency = (now - started).total_seconds() if started else _finite(st.wall_seconds)
     values = {
-        "request_id": req.id, "job_id": req.job_id, "text": output.text,
+        "request_id": req.id, "job_id": req.job_id, "text": output.text.replace("\x00", "\ufffd"),  # PostgreSQL text cannot hold NUL
         "token_ids": [int(t) for t in output.token_ids], "prompt_tokens": int(st.prompt_tokens),
         "completion_tokens": len(output.token_ids), "finish_reason": output.finish_reason,
         "verify_steps": st.verify_steps, "drafted_tokens": st.drafted_tokens,

@@ -57,12 +57,7 @@ def test_every_issue_command_is_registered() -> None:
         assert cli.get_command(click.Context(cli), name) is not None, name
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="specbatch/cli/bench.py (bench owner): the "
-                                            "docstring has no Example; remove this mark once it does"))
-    if p == "bench" else p
-    for p in _all_commands()
-])
+@pytest.mark.parametrize("path", _all_commands())
 def test_help_has_an_example(path: str) -> None:
     result = CliRunner().invoke(cli, [*path.split(), "--help"])
     assert result.exit_code == 0, result.output
