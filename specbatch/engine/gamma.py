@@ -128,3 +128,7 @@ class GammaController:
         if self.off and not was_off:
             self.ever_off = True
             self.plain_steps = 0
+        elif self.off:   # a probe that lost: probe half as often (each probe costs a slow step)
+            self.probe_every = min(2 * self.probe_every, 256)
+        else:
+            self.probe_every = 16
