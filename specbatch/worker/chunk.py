@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TRANSIENT_DB_ERRORS: tuple[type[BaseException], ...] = (sa_exc.OperationalError, sa_exc.InterfaceError)
+# errors a retry cannot fix (e.g. text PostgreSQL refuses): the request is failed with the reason
+PERMANENT_DB_ERRORS: tuple[type[BaseException], ...] = (sa_exc.DataError, sa_exc.IntegrityError)
 
 
 @dataclass
@@ -202,9 +204,17 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
         requests = [_engine_request(c) for c in run]
         for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
             c = run[idx]
-            if isinstance(out, SpecBatchError):  # the request's own fault: failed at once
-                msg = str(out)
-
+            msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
+            if msg is None:
+                def write(c: Any = c, out: Any = out) -> None:
+                    with sf.begin() as s:
+                        store.record_result(s, c.id, out, worker)
+                        store.refresh_job(s, c.job_id)
+                try:
+                    with_db_retry(write)
+                except PERMANENT_DB_ERRORS as e:  # this result can never be stored: fail it, go on
+                    msg = f"the result could not be stored: {getattr(e, 'orig', e)}"
+            if msg is not None:
                 def fail(c: Any = c, msg: str = msg) -> None:
                     with sf.begin() as s:
                         store.record_failure(s, c.id, msg, worker)
@@ -213,11 +223,6 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                 report.failed.append(c.id)
                 event = ResultEvent(c.id, c.job_id, error=msg)
             else:
-                def write(c: Any = c, out: Any = out) -> None:
-                    with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker)
-                        store.refresh_job(s, c.job_id)
-                with_db_retry(write)
                 report.completed.append(c.id)
                 report.new_tokens += len(out.token_ids)
                 event = ResultEvent(c.id, c.job_id, output=out)
