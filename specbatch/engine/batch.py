@@ -135,7 +135,7 @@ class BatchDecoder:
         t2 = time.perf_counter()
         # roll back: target keeps root + accepted; draft keeps its own tokens that were accepted
         self.tcache.drop_tail([len(c) - v.n_accepted for c, v in zip(chains, verdicts)])
-        if model_chains is not None:
+        if model_chains is not None and self.dcache is not None:
             # (the last accepted token always stays pending: the next draft step starts from it)
             self.dcache.drop_tail([n_fed - min(n_fed, _common_prefix(mc, v.tokens), len(v.tokens) - 1)
                                    for mc, v in zip(model_chains, verdicts)])
@@ -156,12 +156,13 @@ class BatchDecoder:
     def _draft_model(self, k: int) -> tuple[list[list[int]], list[torch.Tensor | None], int]:
         """k draft tokens per row from the draft model, batched. Returns chains, q per row, and how
         many of the chain tokens were fed to the draft (k - 1)."""
-        rows = self.rows
-        feeds = [r.ids[int(n):] for r, n in zip(rows, self.dcache.n_valid.tolist())]
+        rows, dcache = self.rows, self.dcache
+        assert dcache is not None
+        feeds = [r.ids[int(n):] for r, n in zip(rows, dcache.n_valid.tolist())]
         chains: list[list[int]] = [[] for _ in rows]
         qs: list[list[torch.Tensor]] = [[] for _ in rows]
         for j in range(k):
-            logits = fit_vocab(self.dcache.forward(feeds, logits_to_keep=1)[:, -1], self.vocab)
+            logits = fit_vocab(dcache.forward(feeds, logits_to_keep=1)[:, -1], self.vocab)
             greedy = logits.argmax(dim=-1).tolist()
             for b, r in enumerate(rows):
                 if r.warp is None:
@@ -198,6 +199,7 @@ class BatchDecoder:
         for b, (r, c) in enumerate(zip(self.rows, chains)):
             start = k - len(c)
             if r.warp is None:
+                assert argmax is not None
                 a = argmax[b][start:]
                 n = _common_prefix(c, a)
                 v = Verdict(a[: n + 1], n, list(range(1, n + 1)))
@@ -251,5 +253,5 @@ class BatchDecoder:
             s.final_gamma = self.ctl.gamma
             s.speculation_disabled = self.ctl.ever_off
             s.wall_seconds = now - r.t_start
-            yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated, r.finish, s)
+            yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated, r.finish or "length", s)
 

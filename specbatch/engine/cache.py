@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+
+def kv_layers(cache: DynamicCache) -> list[Any]:
+    """The cache's attention layers (each with ``keys`` / ``values`` of shape (B, H, L, D))."""
+    return list(cache.layers)
 
 
 def cache_length(cache: DynamicCache | None) -> int:
@@ -26,7 +32,7 @@ def rollback(cache: DynamicCache, n_keep: int, extra: Sequence[int] = ()) -> Non
             cache.crop(n_keep - length)
         return
     index = torch.tensor(list(range(n_keep)) + list(extra), dtype=torch.long)
-    for layer in cache.layers:
+    for layer in kv_layers(cache):
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
         idx = index.to(layer.keys.device)
@@ -104,7 +110,7 @@ class BatchCache:
             return
         la, lb = self.valid.shape[1], other.valid.shape[1]
         width = max(la, lb)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+        for mine, theirs in zip(kv_layers(self.cache), kv_layers(other.cache)):
             mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
         self.valid = torch.cat([_left_pad_mask(self.valid, width), _left_pad_mask(other.valid, width)])
@@ -120,7 +126,7 @@ class BatchCache:
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:] if width else None
         if order is None:
             return
-        for layer in self.cache.layers:
+        for layer in kv_layers(self.cache):
             idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, idx.to(layer.keys.device))
             layer.values = layer.values.gather(2, idx.to(layer.values.device))

@@ -121,9 +121,9 @@ class NgramDrafter:
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(ids) < n:
                 continue
-            e = self.index.get(tuple(ids[-n:]))
-            if e is not None:
-                cont = ids[e + 1: e + 1 + k]
+            last = self.index.get(tuple(ids[-n:]))
+            if last is not None:
+                cont = ids[last + 1: last + 1 + k]
                 if cont:
                     return Proposal(cont)
         return None

@@ -47,7 +47,7 @@ class Engine:
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
              trust_remote_code: bool = False, gamma: int = 4, batch_size: int = 1) -> Engine:
-        kw = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
+        kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
         return cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,

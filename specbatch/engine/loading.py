@@ -257,7 +257,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
     model.eval()
-    model.to(dev)
+    model = model.to(dev)  # type: ignore[arg-type]  # (transformers' stub for .to)
     if int8:
         model = _quantize_int8(model, dev)
     seconds = time.perf_counter() - t0

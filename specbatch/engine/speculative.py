@@ -69,6 +69,7 @@ def verify(tree: TokenTree, proposals: list[Proposal | None], logits: torch.Tens
     live = [i for i, prop in enumerate(proposals) if prop is not None and prop.tokens]
     if len(live) == 1:
         prop = proposals[live[0]]
+        assert prop is not None
         draft = torch.tensor(prop.tokens, dtype=torch.long, device=logits.device)
         v = verify_sampling(draft, prop.q, p, generator)
         return Verdict(v.tokens, v.n_accepted, v.path, live[0] if v.n_accepted else -1)
@@ -117,7 +118,7 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
                           adaptive=not params.fixed_gamma)
     stop = StopCheck(target.tokenizer, target.eos_token_ids, params.max_new_tokens, params.stop)
     cache = DynamicCache()
-    ids, generated = list(prompt_ids), []
+    ids, generated = list(prompt_ids), list[int]()
     drafted_at: list[int] = []
     accepted_at: list[int] = []
     while True:
@@ -159,7 +160,7 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
     stats.speculation_disabled = ctl.ever_off
     stats.wall_seconds = time.perf_counter() - t_start
     return GenerationOutput(text=stop.final_text(generated), token_ids=generated,
-                            finish_reason=reason, stats=stats)
+                            finish_reason=reason or "length", stats=stats)
 
 
 def grow_counts(counts: list[int], n: int) -> None:

@@ -33,7 +33,7 @@ class TokenTree:
         return all(len(c) <= 1 for c in self.children)
 
     def add(self, tokens: list[int]) -> list[int]:
-        node, chain = 0, []
+        node, chain = 0, list[int]()
         for x in tokens:
             child = self.children[node].get(x)
             if child is None:
@@ -94,7 +94,7 @@ def verify_tree_sampling(tree: TokenTree, proposals: list[Proposal | None], p: t
     token is sampled from the final r. Each member's token is an independent draw from its q given
     the accepted path, so the emitted tokens are distributed exactly as the target's.
     """
-    node, path, depth, winner = 0, [], 0, -1
+    node, path, depth, winner = 0, list[int](), 0, -1
     active = [i for i, chain in enumerate(tree.chains) if chain]
     while True:
         r = p[node]
