@@ -27,8 +27,8 @@ from specbatch.engine.drafters import NgramDrafter, fit_vocab
 from specbatch.engine.gamma import CostModel, GammaController
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.sampling import Verdict, Warp, sample, verify_sampling
+from specbatch.engine.speculative import Tally
 from specbatch.engine.speculative import common_prefix as _common_prefix
-from specbatch.engine.speculative import grow_counts as _grow
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 
@@ -46,10 +46,8 @@ class Row:
     generator: torch.Generator | None
     ngram: NgramDrafter | None
     t_start: float
-    stats: GenerationStats
+    tally: Tally
     generated: list[int] = field(default_factory=list)
-    drafted_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
     score: dict[str, float] = field(default_factory=lambda: {"model": 0.5, "ngram": 0.4})
     finish: str | None = None
 
@@ -99,9 +97,9 @@ class BatchDecoder:
         seconds = time.perf_counter() - t0
         for r, row_logits in zip(new, logits):
             x = int(row_logits.argmax()) if r.warp is None else sample(r.warp.probs(row_logits), r.generator)
-            r.stats.target_forwards += 1
-            r.stats.draft_forwards += int(self.dcache is not None)
-            r.stats.verify_seconds += seconds
+            r.tally.stats.target_forwards += 1
+            r.tally.stats.draft_forwards += int(self.dcache is not None)
+            r.tally.stats.verify_seconds += seconds
             self._accept(r, Verdict([x], 0, [], -1), drafted=0)
         self.rows.extend(new)
 
@@ -113,7 +111,7 @@ class BatchDecoder:
             gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         return Row(index, list(ids), params, stop, warp, gen, NgramDrafter() if self.use_ngram else None,
-                   now, GenerationStats(prompt_tokens=len(ids)))
+                   now, Tally(GenerationStats(prompt_tokens=len(ids))))
 
     # -- one step for every row: draft k, verify, accept per row, roll back per row
     def _step(self) -> None:
@@ -142,10 +140,10 @@ class BatchDecoder:
         costs.observe_draft(t1 - t0, k if model_chains is not None else 0)
         costs.observe_verify(width + 1, t2 - t1)
         for r, v, c in zip(rows, verdicts, chains):
-            r.stats.target_forwards += 1
-            r.stats.draft_forwards += k if model_chains is not None else 0
-            r.stats.draft_seconds += t1 - t0
-            r.stats.verify_seconds += t2 - t1
+            r.tally.stats.target_forwards += 1
+            r.tally.stats.draft_forwards += k if model_chains is not None else 0
+            r.tally.stats.draft_seconds += t1 - t0
+            r.tally.stats.verify_seconds += t2 - t1
             if c:
                 self.ctl.observe(len(c), v.n_accepted)
             self._accept(r, v, drafted=len(c))
@@ -214,17 +212,8 @@ class BatchDecoder:
         return out
 
     def _accept(self, r: Row, v: Verdict, drafted: int) -> None:
-        s = r.stats
-        s.verify_steps += 1
-        s.drafted_tokens += drafted
-        s.accepted_tokens += v.n_accepted
-        _grow(r.drafted_at, drafted)
-        _grow(r.accepted_at, v.n_accepted)
         winner = v.winner if v.n_accepted else -1
-        s.step_winners.append(winner)
-        if winner >= 0:
-            name = self._member_name(winner)
-            s.pool_wins[name] = s.pool_wins.get(name, 0) + 1
+        r.tally.step(drafted, v.n_accepted, winner, self._member_name(winner) if winner >= 0 else "")
         r.ids.extend(v.tokens)
         r.generated.extend(v.tokens)
         keep, reason = r.stop.step(r.generated, len(v.tokens))
@@ -247,11 +236,6 @@ class BatchDecoder:
             self.dcache.select(keep)
         now = time.perf_counter()
         for r in finished:
-            s = r.stats
-            s.new_tokens = len(r.generated)
-            s.accepted_per_position = [a / d for a, d in zip(r.accepted_at + [0] * len(r.drafted_at), r.drafted_at)]
-            s.final_gamma = self.ctl.gamma
-            s.speculation_disabled = self.ctl.ever_off
-            s.wall_seconds = now - r.t_start
+            s = r.tally.close(len(r.generated), self.ctl, now - r.t_start)
             yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated, r.finish or "length", s)
 

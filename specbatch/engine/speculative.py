@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -31,6 +31,36 @@ class StepResult:
     draft_seconds: float
     verify_seconds: float
     draft_forwards: int
+
+
+@dataclass
+class Tally:
+    """Folds each verify step into a request's GenerationStats (single and batched decoding)."""
+
+    stats: GenerationStats
+    drafted_at: list[int] = field(default_factory=list)    # steps that drafted position j
+    accepted_at: list[int] = field(default_factory=list)   # steps that accepted position j
+
+    def step(self, drafted: int, n_accepted: int, winner: int, winner_name: str) -> None:
+        s = self.stats
+        s.verify_steps += 1
+        s.drafted_tokens += drafted
+        s.accepted_tokens += n_accepted
+        grow_counts(self.drafted_at, drafted)
+        grow_counts(self.accepted_at, n_accepted)
+        s.step_winners.append(winner)
+        if winner >= 0:
+            s.pool_wins[winner_name] = s.pool_wins.get(winner_name, 0) + 1
+
+    def close(self, new_tokens: int, ctl: GammaController, wall_seconds: float) -> GenerationStats:
+        s = self.stats
+        s.new_tokens = new_tokens
+        accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
+        s.accepted_per_position = [a / d for a, d in zip(accepted, self.drafted_at)]
+        s.final_gamma = ctl.gamma
+        s.speculation_disabled = ctl.ever_off
+        s.wall_seconds = wall_seconds
+        return s
 
 
 def target_forward(target: LoadedModel, cache: DynamicCache, ids: list[int],
@@ -119,27 +149,18 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
     stop = StopCheck(target.tokenizer, target.eos_token_ids, params.max_new_tokens, params.stop)
     cache = DynamicCache()
     ids, generated = list(prompt_ids), list[int]()
-    drafted_at: list[int] = []
-    accepted_at: list[int] = []
+    tally = Tally(stats)
     while True:
         remaining = params.max_new_tokens - len(generated)
         k = min(ctl.next_gamma(), remaining - 1) if drafters else 0
         step = speculative_step(target, cache, drafters, ids, max(k, 0), warp, generator)
         v = step.verdict
         # statistics, as data
-        stats.verify_steps += 1
+        tally.step(step.drafted, v.n_accepted, v.winner, drafters[v.winner].name if v.winner >= 0 else "")
         stats.target_forwards += 1
         stats.draft_forwards += step.draft_forwards
-        stats.drafted_tokens += step.drafted
-        stats.accepted_tokens += v.n_accepted
         stats.draft_seconds += step.draft_seconds
         stats.verify_seconds += step.verify_seconds
-        grow_counts(drafted_at, step.drafted)
-        grow_counts(accepted_at, v.n_accepted)
-        stats.step_winners.append(v.winner)
-        if v.winner >= 0:
-            name = drafters[v.winner].name
-            stats.pool_wins[name] = stats.pool_wins.get(name, 0) + 1
         # measured costs steer gamma (prefill steps are not representative)
         # (keyed by draft depth: a pool's tree costs what its depth costs with that pool)
         costs.observe_draft(step.draft_seconds, step.drafted)
@@ -153,12 +174,7 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
         if reason is not None:
             del generated[keep:]
             break
-    stats.new_tokens = len(generated)
-    accepted_at += [0] * (len(drafted_at) - len(accepted_at))
-    stats.accepted_per_position = [a / d for a, d in zip(accepted_at, drafted_at)]
-    stats.final_gamma = ctl.gamma
-    stats.speculation_disabled = ctl.ever_off
-    stats.wall_seconds = time.perf_counter() - t_start
+    tally.close(len(generated), ctl, time.perf_counter() - t_start)
     return GenerationOutput(text=stop.final_text(generated), token_ids=generated,
                             finish_reason=reason or "length", stats=stats)
 

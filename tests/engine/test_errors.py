@@ -15,6 +15,7 @@ import torch
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.loading import load_model
 from specbatch.errors import DeviceError, ModelLoadError, RequestError, SpecBatchError
+from tests.tiny import build_tokenizer
 
 OTHER_CORPUS = [
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.",
@@ -240,18 +241,7 @@ def test_corrupt_gguf_file(tmp_path):
 # --- a draft with another tokenizer -------------------------------------------------------------
 
 def _build_other_tokenizer(out: Path, vocab: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(OTHER_CORPUS, trainer=trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                            pad_token="<|endoftext|>").save_pretrained(out)
+    build_tokenizer(out, corpus=OTHER_CORPUS, vocab=vocab, chat_template=None)
 
 
 @pytest.fixture(scope="module", params=[320, 384], ids=["smaller-vocab", "same-size-vocab"])
