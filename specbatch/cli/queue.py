@@ -53,15 +53,22 @@ def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: floa
     return {k: v for k, v in d.items() if v is not None}
 
 
+def cache_option(f: Any) -> Any:
+    return click.option("--no-cache", "no_cache", is_flag=True,
+                        help="Generate every request, even those the results cache holds "
+                             "(the new results still fill it).")(f)
+
+
 def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
-                defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
+                defaults: dict[str, Any], queue: str, cache: bool = True) -> tuple[str, list[int]]:
     from specbatch.jobs import intake, store
 
     parsed = intake.parse_file(file, defaults, settings)
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed, queue=queue, source=str(Path(file).resolve()))
+                               requests=parsed, queue=queue, source=str(Path(file).resolve()),
+                               cache=cache)
         job_id = job.id
         ids = list(store.resumable_request_ids(s, job_id))
     return job_id, ids
@@ -79,11 +86,12 @@ def _warn_no_consumer(settings: Settings, queue: str) -> None:
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @model_options
 @sampling_options
+@cache_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
 def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
            temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           stop: tuple[str, ...], as_json: bool) -> None:
+           stop: tuple[str, ...], no_cache: bool, as_json: bool) -> None:
     """Validate a JSONL prompt file, store it as a job and queue it for the workers.
 
     Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
@@ -103,7 +111,8 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     queue = queue_name(target_, drafts_, ngram)
     check_broker(settings)  # broker down: fail before anything is written
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
+                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
+                              cache=not no_cache)
     tasks = enqueue_requests(settings, job_id, ids, queue)
     if as_json:
         with open_db(settings, readonly=True).begin() as s:
@@ -209,11 +218,12 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
+@cache_option
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
 def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
         stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | None,
-        as_json: bool) -> None:
+        no_cache: bool, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file in this process (no Redis needed).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -235,7 +245,8 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     queue = queue_name(target_, drafts_, ngram)
     batch = batch_size or settings.batch_size
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
+                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
+                              cache=not no_cache)
     console = Console(stderr=True)
     with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
         engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
@@ -256,7 +267,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
 
     from specbatch.worker.embedded import run_embedded
 
-    agg = {"tokens": 0, "drafted": 0, "accepted": 0, "failed": 0}
+    agg = {"tokens": 0, "drafted": 0, "accepted": 0, "failed": 0, "cached": 0}
     start = time.monotonic()
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console,
@@ -269,11 +280,14 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
                 agg["tokens"] += st.new_tokens
                 agg["drafted"] += st.drafted_tokens
                 agg["accepted"] += st.accepted_tokens
+                agg["cached"] += int(event.cached)
             else:
                 agg["failed"] += 1
             elapsed = max(time.monotonic() - start, 1e-9)
             acc = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
             speed = f"{agg['tokens'] / elapsed:.1f} tok/s  acceptance {acc:.0%}"
+            if agg["cached"]:
+                speed += f"  cached {agg['cached']}"
             if agg["failed"]:
                 speed += f"  failed {agg['failed']}"
             progress.update(task, advance=1, speed=speed)

@@ -25,6 +25,8 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
+    true,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -117,6 +119,8 @@ class Job(Base):
     params: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)   # the job's defaults
     source: Mapped[str | None] = mapped_column(Text)                      # the prompt file
     meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONType, default=dict)
+    # look results up in the results cache (jobs.result_cache); False: `--no-cache`
+    cache: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
     # counters, refreshed from the rows by jobs.store.refresh_job
     total: Mapped[int] = mapped_column(Integer, default=0)
     pending: Mapped[int] = mapped_column(Integer, default=0)
@@ -198,6 +202,12 @@ class Result(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime] = mapped_column(UTCDateTime)
     latency_seconds: Mapped[float] = mapped_column(Float)        # finished_at - started_at
+    # the results cache (jobs.result_cache): the key of a deterministic request; a hit is a copy
+    # marked cached, referring to the generated row it copies (a soft reference, see 0002)
+    cache_key: Mapped[str | None] = mapped_column(String(64), index=True)
+    cache_target: Mapped[str | None] = mapped_column(String(64))      # the target's fingerprint
+    cached: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    cached_from: Mapped[int | None] = mapped_column(IdType)
 
     request: Mapped[Request] = relationship(back_populates="result", lazy="raise")
 

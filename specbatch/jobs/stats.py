@@ -1,6 +1,7 @@
 """Job-level statistics from the result rows (the ``stats`` object of ``specbatch status --json``).
 
-Rates come twice: token-weighted (sums over the job, then divided) and the request mean (each
+Results-cache hits count as results (``cache_hits``, ``tokens_from_cache``) but generated nothing:
+``tokens_generated`` and the rates leave them out. Rates come twice: token-weighted (sums over the job, then divided) and the request mean (each
 request's rate, averaged over the requests that drafted at all). Undefined figures are None.
 """
 
@@ -41,10 +42,11 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             Result.mean_acceptance_length, Result.target_forwards, Result.draft_forwards,
             Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
             Result.started_at, Result.finished_at, Result.latency_seconds, Result.pool_wins,
-            Result.accepted_per_position, Result.speculation_disabled)
+            Result.accepted_per_position, Result.speculation_disabled, Result.cached)
     rows = s.execute(select(*cols).where(Result.job_id == job_id).order_by(Result.id)).all()
+    generated = [r for r in rows if not r.cached]        # results-cache hits generated nothing
 
-    tokens = sum(r.completion_tokens for r in rows)
+    tokens = sum(r.completion_tokens for r in generated)
     drafted = sum(r.drafted_tokens for r in rows)
     accepted = sum(r.accepted_tokens for r in rows)
     steps = sum(r.verify_steps for r in rows)
@@ -67,7 +69,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
     workers = []
     for name in sorted(by_worker):
         rs = by_worker[name]
-        w_tokens = sum(r.completion_tokens for r in rs)
+        w_tokens = sum(r.completion_tokens for r in rs if not r.cached)
         w_starts = [r.started_at for r in rs if r.started_at is not None]
         w_span = (max(r.finished_at for r in rs) - min(w_starts)).total_seconds() if w_starts else 0.0
         busy = sum(r.wall_seconds for r in rs)
@@ -82,6 +84,8 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
         "results": len(rows),
         "prompt_tokens": sum(r.prompt_tokens for r in rows),
         "tokens_generated": tokens,
+        "cache_hits": len(rows) - len(generated),
+        "tokens_from_cache": sum(r.completion_tokens for r in rows if r.cached),
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
         "acceptance_rate": {
@@ -100,7 +104,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
         "generation_seconds": sum(r.wall_seconds for r in rows),
         "wall_clock_seconds": span,
         "tokens_per_second": _ratio(tokens, span),                 # wall-clock throughput of the job
-        "request_tokens_per_second_mean": _mean([r.tokens_per_second for r in rows]),
+        "request_tokens_per_second_mean": _mean([r.tokens_per_second for r in generated]),
         "latency_seconds": {
             "p50": percentile(latencies, 0.50),
             "p95": percentile(latencies, 0.95),

@@ -58,11 +58,14 @@ def new_job_id() -> str:
 
 def create_job(s: Session, *, target: str, drafts: list[str], ngram: bool, params: dict[str, Any],
                requests: list[ParsedRequest], queue: str, source: str | None = None,
-               metadata: dict[str, Any] | None = None) -> Job:
-    """A queued job with one pending request row per parsed line (one bulk insert)."""
+               metadata: dict[str, Any] | None = None, cache: bool = True) -> Job:
+    """A queued job with one pending request row per parsed line (one bulk insert).
+
+    ``cache=False`` (``--no-cache``): its requests never take a result from the results cache."""
     now = utcnow()
     job = Job(id=new_job_id(), status=JobStatus.queued, target=target, drafts=list(drafts),
               ngram=ngram, queue=queue, params=dict(params), source=source, meta=dict(metadata or {}),
+              cache=cache,
               total=len(requests), pending=len(requests), created_at=now, updated_at=now)
     s.add(job)
     s.flush()
@@ -295,9 +298,11 @@ def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
         return False
 
 
-def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str) -> bool:
+def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str, *,
+                  cache_key: str | None = None, cache_target: str | None = None) -> bool:
     """Store a request's output and mark it completed. Idempotent: False if a result existed
-    (the stored one is kept, the request still ends completed)."""
+    (the stored one is kept, the request still ends completed). ``cache_key``/``cache_target``:
+    the results cache's key and target fingerprint (jobs.result_cache), for deterministic requests."""
     req = s.get(Request, request_id)
     if req is None:
         logger.warning("result for request %s dropped: no such request (job deleted?)", request_id)
@@ -320,13 +325,39 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "pool_wins": {str(k): int(v) for k, v in st.pool_wins.items()}, "final_gamma": st.final_gamma,
         "speculation_disabled": bool(st.speculation_disabled), "worker": worker,
         "started_at": started, "finished_at": now, "latency_seconds": latency,
+        "cache_key": cache_key, "cache_target": cache_target,
     }
+    return _complete(s, req, values, now)
+
+
+def _complete(s: Session, req: Request, values: dict[str, Any], now: datetime) -> bool:
     written = _insert_ignoring_duplicates(s, values)
     if req.status != RequestStatus.completed:
         req.status, req.finished_at, req.lease_expires_at, req.error = (
             RequestStatus.completed, now, None, None)
     s.flush()
     return written
+
+
+def record_cached_result(s: Session, request_id: int, source: Result, worker: str) -> bool:
+    """Complete a request with a copy of the result ``source`` (a results-cache hit): the same text
+    and tokens, marked ``cached``, referring to the generated row, with zero generation statistics.
+    Idempotent like record_result."""
+    req = s.get(Request, request_id)
+    if req is None:
+        return False
+    now = utcnow()
+    started = req.started_at if req.started_at is not None and req.started_at <= now else None
+    values = {
+        "request_id": req.id, "job_id": req.job_id, "text": source.text, "token_ids": list(source.token_ids),
+        "prompt_tokens": source.prompt_tokens, "completion_tokens": source.completion_tokens,
+        "finish_reason": source.finish_reason, "worker": worker, "started_at": started, "finished_at": now,
+        "latency_seconds": (now - started).total_seconds() if started else 0.0,
+        "accepted_per_position": [], "pool_wins": {}, "cache_key": source.cache_key,
+        "cache_target": source.cache_target, "cached": True,
+        "cached_from": source.cached_from if source.cached else source.id,   # always the generated row
+    }
+    return _complete(s, req, values, now)
 
 
 def record_failure(s: Session, request_id: int, error: str, worker: str) -> None:

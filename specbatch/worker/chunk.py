@@ -3,6 +3,7 @@
 Per request (or per batch of ``batch_size`` requests):
   claim (short transaction: pending or lease-expired only; finished ones are skipped, requests of
   a cancelled job become cancelled: this is the cancellation check between prompts)
+  -> serve what the results cache holds (specbatch.jobs.result_cache), before any model work
   -> generate with no transaction open, a thread renewing the lease meanwhile
   -> write the result (or the request's own error) at once, in its own short transaction.
 Claiming one request at a time means a request that kills its worker only burns its own
@@ -43,6 +44,7 @@ class ResultEvent:
     job_id: str
     output: Any = None
     error: str | None = None
+    cached: bool = False        # served from the results cache: nothing was generated
 
 
 @dataclass
@@ -50,6 +52,7 @@ class ChunkReport:
     """What happened to each id of a chunk."""
 
     completed: list[int] = field(default_factory=list)    # a result row written by this call
+    cached: list[int] = field(default_factory=list)       # ... of those, results-cache hits
     failed: list[int] = field(default_factory=list)       # the request's own error, recorded
     finished: list[int] = field(default_factory=list)     # already done / failed / cancelled: skipped
     held: list[int] = field(default_factory=list)         # running under another worker's live lease
@@ -58,7 +61,7 @@ class ChunkReport:
     new_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"completed": self.completed, "failed": self.failed, "finished": self.finished,
+        return {"completed": self.completed, "cached": self.cached, "failed": self.failed, "finished": self.finished,
                 "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
                 "new_tokens": self.new_tokens}
 
@@ -144,8 +147,10 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
     """
     from specbatch.db import session_factory
     from specbatch.jobs import store
+    from specbatch.jobs.result_cache import ResultCache
 
     sf = session_factory(settings.database_url)
+    cache = ResultCache.for_engine(engine, settings.cache_dir or None)
     report = ChunkReport()
     todo = list(dict.fromkeys(int(i) for i in request_ids))
     batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
@@ -172,11 +177,15 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         if not claimed:
             continue
         touched_jobs.update(c.job_id for c in claimed)
+        hits, claimed = with_db_retry(lambda claimed=claimed: cache.serve(sf, claimed, worker_name))
+        for c, out in hits:
+            _report_cached(report, on_result, c, out)
         # suspects (a worker died holding them before) run alone, so they take no neighbour down
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
-        for run in runs:
-            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch)
+        with LeaseKeeper(sf, cache.waiting_ids(), worker_name, settings.lease_seconds):
+            for run in runs:
+                _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch, cache)
 
     if not_claimed:
         touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
@@ -188,9 +197,17 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
     return report
 
 
+def _report_cached(report: ChunkReport, on_result: Callable[[ResultEvent], None] | None, c: Any,
+                   out: Any) -> None:
+    report.completed.append(c.id)
+    report.cached.append(c.id)
+    if on_result is not None:
+        on_result(ResultEvent(c.id, c.job_id, output=out, cached=True))
+
+
 def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int = 1) -> None:
+                  batch: int = 1, cache: Any = None) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
@@ -208,7 +225,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker)
+                        store.record_result(s, c.id, out, worker, **(cache.columns(c.id) if cache else {}))
                         store.refresh_job(s, c.job_id)
                 try:
                     with_db_retry(write)
@@ -228,3 +245,11 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                 event = ResultEvent(c.id, c.job_id, output=out)
             if on_result is not None:
                 on_result(event)
+            if cache is not None:  # duplicates of this request claimed in the same chunk
+                for dup, dup_out in with_db_retry(lambda c=c, msg=msg: cache.resolve(sf, c.id, worker, msg)):
+                    if dup_out is None:
+                        report.failed.append(dup.id)
+                        if on_result is not None:
+                            on_result(ResultEvent(dup.id, dup.job_id, error=msg))
+                    else:
+                        _report_cached(report, on_result, dup, dup_out)

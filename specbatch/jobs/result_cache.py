@@ -1,0 +1,265 @@
+"""The exact results cache: a deterministic request is generated once per target, then copied.
+
+specbatch is lossless, so a greedy result depends only on the target's weights (and the numerics
+they run with), the prompt's token ids after the chat template, and the parameters that change
+the output. Not on the drafts, gamma or the batch size. ``cache_key`` hashes exactly those, and
+a hit is exact.
+
+The cache is the results table itself: every generated result of a cacheable request carries
+its key (``results.cache_key``, indexed) and the target's fingerprint (``cache_target``). A hit is
+a normal result row marked ``cached`` that refers to the generated row (``cached_from``), with
+zero generation statistics. So it works in ``specbatch run`` and in a cluster, survives restarts
+and needs no other service. In a worker (specbatch.worker.chunk) the lookup happens right after a
+request is claimed, before any model work:
+
+    cache = ResultCache.for_engine(engine, settings.cache_dir)   # once per engine, memoized
+    hits, todo = cache.serve(session_factory, claimed, worker)  # hits are written already
+    ...generate todo, store each with cache.columns(request_id)...
+    copies = cache.resolve(session_factory, request_id, worker)  # duplicates of it in the chunk
+
+Identical requests claimed together (one chunk) are generated once: the first is generated, the
+others wait for it in the chunk and are written as hits. Two workers that claim the same key at
+the same moment both miss and both generate: two identical rows, each request still has exactly
+one result (``results.request_id`` is unique).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from specbatch.db.models import Job, Result
+from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
+from specbatch.errors import SpecBatchError
+from specbatch.jobs import store
+
+logger = logging.getLogger(__name__)
+
+KEY_VERSION = 1   # bump when the key's contents change: old entries then simply miss
+
+
+def cacheable(params: GenerationParams) -> bool:
+    """Whether a request's result may be served from (and stored in) the cache: greedy only.
+
+    Seeded sampling is not cacheable, measured with the tiny Llama pair (tests/tiny.py) on this
+    CPU, torch 2.13, temperature 0.9, seed 7, 24 tokens: the same request gave the same tokens
+    only with the same drafts and batch composition. Another draft (llama-random), no draft, or
+    batch size 4 with 0, 2 or 3 other rows each gave different tokens: the random draws follow the
+    drafts' proposals and the batch's steps, so a seeded sample is a fair sample but not a
+    function of (target, prompt, parameters). Greedy outputs were identical in every case. If
+    the decoder ever makes seeded sampling independent of drafts and batching, return
+    ``params.greedy or params.seed is not None`` here; ``cache_key`` already covers the sampling
+    parameters.
+    """
+    return params.greedy
+
+
+def cache_key(target: str, prompt_ids: Sequence[int], params: GenerationParams) -> str:
+    """sha256 over everything a cacheable result depends on. ``target``: the target's fingerprint."""
+    fields: dict[str, Any] = {
+        "v": KEY_VERSION, "target": target, "prompt": [int(i) for i in prompt_ids],
+        "max_new_tokens": params.max_new_tokens,
+        "stop": sorted(set(params.stop)),   # any stop string ends the text; order and repeats do not matter
+    }
+    if not params.greedy:  # greedy decoding never reads these (sampling.Warp is built for sampling only)
+        fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                      seed=params.seed)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def output_of(row: Result) -> GenerationOutput:
+    """A hit as the engine would return it: the stored text and tokens, nothing generated."""
+    return GenerationOutput(text=row.text, token_ids=list(row.token_ids), finish_reason=row.finish_reason,
+                            stats=GenerationStats(prompt_tokens=row.prompt_tokens, new_tokens=0))
+
+
+def _find_sources(s: Session, keys: set[str]) -> dict[str, Result]:
+    """key -> the row to copy: the first generated row, else (its job deleted) the first copy."""
+    found: dict[str, Result] = {}
+    if not keys:
+        return found
+    for row in s.scalars(select(Result).where(Result.cache_key.in_(sorted(keys)), Result.cached.is_(False))
+                         .order_by(Result.id)):
+        found.setdefault(row.cache_key or "", row)
+    missing = keys - found.keys()
+    if missing:
+        for row in s.scalars(select(Result).where(Result.cache_key.in_(sorted(missing))).order_by(Result.id)):
+            found.setdefault(row.cache_key or "", row)
+    return found
+
+
+_identities: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+
+
+def target_identity(engine: Any, cache_dir: str | None) -> str | None:
+    """The engine's target fingerprint (content of its files + numerics), computed once per engine;
+    None disables the cache (an engine without a local target, e.g. a test fake)."""
+    try:
+        return _identities[engine]
+    except (KeyError, TypeError):
+        pass
+    target = getattr(engine, "target", None)
+    identity = None
+    if target is not None and hasattr(target, "info"):
+        from specbatch.engine.fingerprint import model_fingerprint
+
+        try:
+            identity = model_fingerprint(target, cache_dir)
+        except OSError as e:  # unreadable files: generate as usual, just without the cache
+            logger.warning("results cache off: cannot fingerprint %s: %s", getattr(target, "name", "?"), e)
+    try:
+        _identities[engine] = identity
+    except TypeError:
+        pass
+    return identity
+
+
+@dataclass
+class ResultCache:
+    """The cache as one worker's chunk sees it (see the module docstring)."""
+
+    engine: Any
+    target: str | None                                  # the target's fingerprint; None: off
+    keys: dict[int, str] = field(default_factory=dict)  # request id -> key (cacheable requests)
+    waiting: dict[int, list[Any]] = field(default_factory=dict)  # generated id -> its duplicates
+
+    @classmethod
+    def for_engine(cls, engine: Any, cache_dir: str | None) -> ResultCache:
+        return cls(engine, target_identity(engine, cache_dir))
+
+    def waiting_ids(self) -> list[int]:
+        """Claimed duplicates waiting for a request of this chunk (their leases need renewing)."""
+        return [c.id for cs in self.waiting.values() for c in cs]
+
+    def columns(self, request_id: int) -> dict[str, Any]:
+        """``record_result`` keywords for a generated request: its key and the target fingerprint."""
+        key = self.keys.get(request_id)
+        return {"cache_key": key, "cache_target": self.target} if key else {}
+
+    def _key(self, claimed: Any) -> str | None:
+        if self.target is None or not cacheable(claimed.params):
+            return None
+        try:
+            ids = self.engine.encode(claimed.prompt, claimed.messages)
+        except SpecBatchError:   # the request's own fault: generating it reports the error
+            return None
+        return cache_key(self.target, ids, claimed.params)
+
+    def serve(self, sf: Any, claimed: Sequence[Any], worker: str) -> tuple[list[tuple[Any, GenerationOutput]],
+                                                                          list[Any]]:
+        """Serve ``claimed`` (ClaimedRequests) from the cache: returns (hits written, now completed,
+        with their outputs; the requests left to generate). Idempotent, so safe to retry whole."""
+        if self.target is None or not claimed:
+            return [], list(claimed)
+        for c in claimed:
+            if c.id not in self.keys and (key := self._key(c)) is not None:
+                self.keys[c.id] = key
+        hits: list[tuple[Any, GenerationOutput]] = []
+        todo: list[Any] = []
+        waiting: dict[int, list[Any]] = {}
+        with sf.begin() as s:
+            use = dict(s.execute(select(Job.id, Job.cache).where(Job.id.in_({c.job_id for c in claimed}))).all())
+            keyed = {c.id for c in claimed if c.id in self.keys and use.get(c.job_id, False)}
+            sources = _find_sources(s, {self.keys[i] for i in keyed})
+            first: dict[str, int] = {}
+            for c in claimed:
+                key = self.keys[c.id] if c.id in keyed else None
+                if key is None:
+                    todo.append(c)
+                elif key in sources:
+                    store.record_cached_result(s, c.id, sources[key], worker)
+                    hits.append((c, output_of(sources[key])))
+                elif key in first:             # a duplicate of a request generated in this chunk
+                    waiting.setdefault(first[key], []).append(c)
+                else:
+                    first[key] = c.id
+                    todo.append(c)
+            for job_id in sorted({c.job_id for c, _ in hits}):
+                store.refresh_job(s, job_id)
+        self.waiting = waiting
+        return hits, todo
+
+    def resolve(self, sf: Any, request_id: int, worker: str, error: str | None = None
+                ) -> list[tuple[Any, GenerationOutput | None]]:
+        """The duplicates waiting for ``request_id``, now that it is stored (copied as hits) or
+        failed with ``error`` (they fail alike: the same input fails the same way). Returns
+        (request, output or None when failed)."""
+        waiting = self.waiting.get(request_id, [])
+        if not waiting:
+            return []
+        out: list[tuple[Any, GenerationOutput | None]] = []
+        with sf.begin() as s:
+            source = s.scalar(select(Result).where(Result.request_id == request_id))
+            for c in waiting:
+                if error is None and source is not None:
+                    store.record_cached_result(s, c.id, source, worker)
+                    out.append((c, output_of(source)))
+                else:
+                    store.record_failure(s, c.id, error or "the result it duplicates was not stored", worker)
+                    out.append((c, None))
+            for job_id in sorted({c.job_id for c in waiting}):
+                store.refresh_job(s, job_id)
+        del self.waiting[request_id]
+        return out
+
+
+# ---------------------------------------------------------------- `specbatch cache`
+
+
+def _same_model(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    return os.path.exists(a) and os.path.exists(b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def _fingerprints_of(s: Session, target: str) -> set[str]:
+    """The fingerprints that jobs naming ``target`` stored results under (all its aliases share them)."""
+    pairs = s.execute(select(Job.target, Result.cache_target).join(Result, Result.job_id == Job.id)
+                      .where(Result.cache_target.is_not(None)).distinct()).all()
+    return {fp for name, fp in pairs if _same_model(name, target)}
+
+
+def stats(s: Session) -> dict[str, Any]:
+    """What the cache holds: entries (keys that can be served), hits served, tokens not generated,
+    per target fingerprint with the model names jobs used for it."""
+    per: dict[str | None, dict[str, Any]] = {}
+
+    def bucket(fp: str | None) -> dict[str, Any]:
+        return per.setdefault(fp, {"target": fp, "names": set(), "entries": 0, "hits": 0, "tokens_saved": 0})
+
+    for fp, n in s.execute(select(Result.cache_target, func.count(func.distinct(Result.cache_key)))
+                           .where(Result.cache_key.is_not(None)).group_by(Result.cache_target)):
+        bucket(fp)["entries"] = int(n)
+    for fp, n, tokens in s.execute(select(Result.cache_target, func.count(), func.sum(Result.completion_tokens))
+                                   .where(Result.cached.is_(True)).group_by(Result.cache_target)):
+        bucket(fp).update(hits=int(n), tokens_saved=int(tokens or 0))
+    for name, fp in s.execute(select(Job.target, Result.cache_target).join(Result, Result.job_id == Job.id)
+                              .where(Result.cache_target.is_not(None)).distinct()):
+        bucket(fp)["names"].add(name)
+    targets = [{**b, "names": sorted(b["names"])} for b in per.values()]
+    targets.sort(key=lambda b: (-b["entries"], b["target"] or ""))
+    return {"entries": sum(b["entries"] for b in targets), "hits": sum(b["hits"] for b in targets),
+            "tokens_saved": sum(b["tokens_saved"] for b in targets), "targets": targets}
+
+
+def clear(s: Session, target: str | None = None) -> int:
+    """Forget cache entries (all, or those of ``target`` and its aliases); returns the entries
+    dropped. Results stay: only their keys go, so no later request is served from them."""
+    where = [Result.cache_key.is_not(None)]
+    if target is not None:
+        fps = _fingerprints_of(s, target)
+        if not fps:
+            return 0
+        where.append(Result.cache_target.in_(sorted(fps)))
+    n = s.scalar(select(func.count(func.distinct(Result.cache_key))).where(*where)) or 0
+    s.execute(update(Result).where(*where).values(cache_key=None))
+    return int(n)
