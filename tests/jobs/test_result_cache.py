@@ -1,0 +1,291 @@
+"""The results cache on SQLite and PostgreSQL, with real tiny engines through the worker's chunk code."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from specbatch import db
+from specbatch.config import Settings
+from specbatch.db.models import Request, RequestStatus, Result
+from specbatch.engine import Engine
+from specbatch.engine.fingerprint import model_fingerprint
+from specbatch.engine.loading import load_model
+from specbatch.engine.types import GenerationParams
+from specbatch.jobs import intake, result_cache, store
+from specbatch.jobs.stats import job_stats
+from specbatch.worker.chunk import process_chunk
+
+GREEDY = GenerationParams(max_new_tokens=8)
+PROMPTS = ["Write a haiku about queues", "The quick brown fox", "def fibonacci(n):", "SELECT id FROM jobs"]
+
+
+# ---------------------------------------------------------------- the key and the rule
+
+
+def test_only_greedy_requests_are_cacheable():
+    assert result_cache.cacheable(GREEDY)
+    assert result_cache.cacheable(GenerationParams(temperature=0.0, seed=3, top_k=5))
+    # measured irreproducible across drafts and batch compositions (see cacheable's docstring)
+    assert not result_cache.cacheable(GenerationParams(temperature=0.7, seed=1))
+    assert not result_cache.cacheable(GenerationParams(temperature=0.7))
+
+
+@pytest.mark.parametrize("change, hits", [
+    ({"max_new_tokens": 9}, False),
+    ({"stop": ("\n",)}, False),
+    ({"stop": ("a",)}, False),
+    ({"stop": ("a", "b")}, True),                # the same stop set in another order
+    ({"temperature": 0.5}, False),
+    # greedy decoding never reads these, so the same greedy result serves them
+    ({"seed": 123}, True),
+    ({"top_p": 0.5}, True),
+    ({"top_k": 7}, True),
+    ({"gamma": 2, "adaptive": False}, True),     # lossless: the draft length changes no output
+])
+def test_greedy_key_per_parameter(change, hits):
+    base = result_cache.cache_key("T", [1, 2, 3], dataclasses.replace(GREEDY, stop=("b", "a")))
+    changed = result_cache.cache_key("T", [1, 2, 3],
+                                     dataclasses.replace(GREEDY, **{"stop": ("b", "a"), **change}))
+    assert (changed == base) is hits
+
+
+def test_key_covers_target_prompt_and_stop_set():
+    key = result_cache.cache_key("T", [1, 2, 3], GREEDY)
+    assert result_cache.cache_key("U", [1, 2, 3], GREEDY) != key
+    assert result_cache.cache_key("T", [1, 2, 4], GREEDY) != key
+    assert result_cache.cache_key("T", [1, 2], GREEDY) != key
+    with_stops = dataclasses.replace(GREEDY, stop=("x", "y"))
+    assert result_cache.cache_key("T", [1], with_stops) == result_cache.cache_key(
+        "T", [1], dataclasses.replace(GREEDY, stop=("y", "x", "x")))
+
+
+@pytest.mark.parametrize("field, value", [("temperature", 0.8), ("top_p", 0.8), ("top_k", 3), ("seed", 2)])
+def test_sampled_key_covers_every_sampling_parameter(field, value):
+    """Ready for the day seeded sampling becomes cacheable: each sampling parameter is in the key."""
+    sampled = GenerationParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=5, seed=1)
+    assert result_cache.cache_key("T", [1], sampled) != result_cache.cache_key(
+        "T", [1], dataclasses.replace(sampled, **{field: value}))
+    assert result_cache.cache_key("T", [1], sampled) == result_cache.cache_key("T", [1], sampled)
+
+
+# ---------------------------------------------------------------- through process_chunk
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_models):
+    """Engines sharing one tiny Llama target: different drafts, batch sizes."""
+    target = load_model(str(tiny_models / "llama"))
+    partial = load_model(str(tiny_models / "llama-partial"))
+    rand = load_model(str(tiny_models / "llama-random"))
+    return {"partial-b1": Engine(target, [partial], batch_size=1),
+            "random-b4": Engine(target, [rand], batch_size=4),
+            "none-b3": Engine(target, [], batch_size=3)}
+
+
+def _settings(url: str, tmp_path: Path) -> Settings:
+    return Settings(database_url=url, cache_dir=str(tmp_path / "cache"), chunk_size=16)
+
+
+def make_job(settings: Settings, lines: list[dict], target: str = "llama", cache: bool = True,
+             name: str = "p.jsonl") -> tuple[str, list[int]]:
+    path = Path(settings.cache_dir).parent / name
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    parsed = intake.parse_file(path, {}, settings)
+    with db.session_factory(settings.database_url).begin() as s:
+        job = store.create_job(s, target=target, drafts=["d"], ngram=False, params={}, requests=parsed,
+                               queue="q", cache=cache)
+        return job.id, list(store.resumable_request_ids(s, job.id))
+
+
+def results(url: str, job_id: str) -> list[Result]:
+    with db.session_factory(url).begin() as s:
+        return list(s.scalars(select(Result).join(Request, Request.id == Result.request_id)
+                              .where(Result.job_id == job_id).order_by(Request.line_no)))
+
+
+def stats_of(url: str, job_id: str) -> dict:
+    with db.session_factory(url, readonly=True).begin() as s:
+        return job_stats(s, job_id)
+
+
+def lines(prompts: list[str] = PROMPTS, **params) -> list[dict]:
+    return [{"custom_id": f"q{i}", "prompt": p, "max_tokens": 8, **params} for i, p in enumerate(prompts)]
+
+
+def test_hit_across_drafts_and_batch_sizes_is_exact(db_url, tmp_path, engines):
+    settings = _settings(db_url, tmp_path)
+    first, ids = make_job(settings, lines())
+    report = process_chunk(settings, engines["partial-b1"], ids, "w1")
+    assert report.completed == ids and report.cached == []
+    generated = results(db_url, first)
+    assert all(not r.cached and r.cache_key and r.cache_target for r in generated)
+
+    for name in ("random-b4", "none-b3"):
+        job, ids = make_job(settings, lines(), name=f"{name}.jsonl")
+        events = []
+        report = process_chunk(settings, engines[name], ids, "w2", on_result=events.append)
+        assert report.cached == ids and report.new_tokens == 0
+        assert all(e.cached and e.output.stats.new_tokens == 0 for e in events)
+        hits = results(db_url, job)
+        assert [h.token_ids for h in hits] == [g.token_ids for g in generated]
+        assert [h.text for h in hits] == [g.text for g in generated]
+        assert [h.cached_from for h in hits] == [g.id for g in generated]
+        assert all(h.cached and h.verify_steps == 0 and h.drafted_tokens == 0 and h.wall_seconds == 0
+                   for h in hits)
+        stats = stats_of(db_url, job)
+        assert (stats["cache_hits"], stats["tokens_generated"]) == (4, 0)
+        assert stats["tokens_from_cache"] == sum(len(g.token_ids) for g in generated)
+
+    # exact: the same engine generating for real (a --no-cache job) gives the cached tokens
+    fresh, ids = make_job(settings, lines(), cache=False, name="fresh.jsonl")
+    report = process_chunk(settings, engines["random-b4"], ids, "w3")
+    assert report.cached == [] and report.new_tokens > 0
+    assert [r.token_ids for r in results(db_url, fresh)] == [g.token_ids for g in generated]
+
+
+@pytest.mark.parametrize("change", [{"max_tokens": 7}, {"stop": ["e"]}, {"temperature": 0.7, "seed": 1}])
+def test_a_changed_parameter_misses(db_url, tmp_path, engines, change):
+    settings = _settings(db_url, tmp_path)
+    _, ids = make_job(settings, lines(PROMPTS[:2]))
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    job, ids = make_job(settings, lines(PROMPTS[:2], **change), name="changed.jsonl")
+    report = process_chunk(settings, engines["partial-b1"], ids, "w1")
+    assert report.cached == [] and report.completed == ids
+    assert not any(r.cached for r in results(db_url, job))
+    sampled = "temperature" in change
+    assert all((r.cache_key is None) is sampled for r in results(db_url, job))  # sampled: never stored
+
+
+def test_chat_messages_key_on_the_templated_tokens(db_url, tmp_path, engines):
+    settings = _settings(db_url, tmp_path)
+    chat = [{"custom_id": "c", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}]
+    _, ids = make_job(settings, chat)
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    other = [{"custom_id": "c", "messages": [{"role": "system", "content": "hello"}], "max_tokens": 6}]
+    job, ids = make_job(settings, chat + [{**other[0], "custom_id": "d"}], name="chat2.jsonl")
+    report = process_chunk(settings, engines["random-b4"], ids, "w1")
+    assert report.cached == ids[:1]        # another role is another templated prompt
+
+
+@pytest.mark.parametrize("engine", ["partial-b1", "random-b4"])
+def test_duplicates_within_one_file_are_generated_once(db_url, tmp_path, engines, engine):
+    settings = _settings(db_url, tmp_path)
+    rows = lines(["The quick brown fox"] * 3 + ["SELECT id FROM jobs"] * 2 + ["def fibonacci(n):"])
+    job, ids = make_job(settings, rows)
+    report = process_chunk(settings, engines[engine], ids, "w1")
+    assert sorted(report.completed) == ids and len(report.cached) == 3
+    got = results(db_url, job)
+    assert [r.cached for r in got] == [False, True, True, False, True, False]
+    assert got[1].token_ids == got[2].token_ids == got[0].token_ids
+    assert got[1].cached_from == got[2].cached_from == got[0].id and got[4].cached_from == got[3].id
+    assert stats_of(db_url, job)["tokens_generated"] == sum(
+        len(got[i].token_ids) for i in (0, 3, 5))
+    with db.session_factory(db_url).begin() as s:
+        assert {r.status for r in s.scalars(select(Request).where(Request.job_id == job))} == {
+            RequestStatus.completed}
+        assert store.job_summary(s, job)["status"] == "completed"
+
+
+def test_a_failing_request_fails_its_duplicates_alike(db_url, tmp_path, engines):
+    settings = _settings(db_url, tmp_path)
+    too_long = lines(["The quick brown fox"] * 2, max_tokens=600)   # the tiny model's context is 512
+    job, ids = make_job(settings, too_long + [{"custom_id": "ok", "prompt": "def fibonacci(n):", "max_tokens": 8}])
+    report = process_chunk(settings, engines["random-b4"], ids, "w1")
+    assert sorted(report.failed) == ids[:2] and report.completed == ids[2:]
+    with db.session_factory(db_url).begin() as s:
+        reqs = list(s.scalars(select(Request).where(Request.job_id == job).order_by(Request.line_no)))
+        assert reqs[0].error == reqs[1].error and "exceeds the context" in reqs[0].error
+
+
+def test_no_cache_job_generates_everything_and_still_fills_the_cache(db_url, tmp_path, engines):
+    settings = _settings(db_url, tmp_path)
+    _, ids = make_job(settings, lines(PROMPTS[:2]))
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    job, ids = make_job(settings, lines(PROMPTS[:2] * 2), cache=False, name="nocache.jsonl")
+    report = process_chunk(settings, engines["random-b4"], ids, "w1")
+    assert report.cached == [] and sorted(report.completed) == ids
+    assert all(r.cache_key for r in results(db_url, job))
+    with db.session_factory(db_url).begin() as s:
+        assert result_cache.stats(s)["entries"] == 2
+
+
+def test_stats_and_clear_by_target_name_and_alias(db_url, tmp_path, engines):
+    settings = _settings(db_url, tmp_path)
+    _, ids = make_job(settings, lines(PROMPTS[:3]), target="llama")
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    _, ids = make_job(settings, lines(PROMPTS[:2]), target="alias-of-llama", name="alias.jsonl")
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    sf = db.session_factory(db_url)
+    with sf.begin() as s:
+        st = result_cache.stats(s)
+    assert (st["entries"], st["hits"]) == (3, 2) and len(st["targets"]) == 1
+    assert st["targets"][0]["names"] == ["alias-of-llama", "llama"]
+    assert st["tokens_saved"] > 0
+    with sf.begin() as s:
+        assert result_cache.clear(s, "no-such-model") == 0
+        assert result_cache.clear(s, "alias-of-llama") == 3     # the same weights: all its entries
+    with sf.begin() as s:
+        assert result_cache.stats(s)["entries"] == 0
+    job, ids = make_job(settings, lines(PROMPTS[:1]), name="after.jsonl")
+    assert process_chunk(settings, engines["partial-b1"], ids, "w1").cached == []
+
+
+def test_clear_everything_keeps_the_results(db_url, tmp_path, engines):
+    settings = _settings(db_url, tmp_path)
+    job, ids = make_job(settings, lines(PROMPTS[:2]))
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    with db.session_factory(db_url).begin() as s:
+        assert result_cache.clear(s) == 2
+    assert [r.cache_key for r in results(db_url, job)] == [None, None]
+    assert all(r.text is not None for r in results(db_url, job))
+
+
+# ---------------------------------------------------------------- the target's identity
+
+
+def _perturb_one_weight(model_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] += 1.0
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_same_weights_under_another_name_hit_and_a_rewritten_weight_misses(db_url, tmp_path, tiny_models):
+    settings = _settings(db_url, tmp_path)
+    a, b = tmp_path / "models" / "a", tmp_path / "models" / "b"
+    shutil.copytree(tiny_models / "llama", a)
+    shutil.copytree(tiny_models / "llama", b)
+    draft = load_model(str(tiny_models / "llama-partial"))
+    _, ids = make_job(settings, lines(PROMPTS[:2]), target=str(a))
+    process_chunk(settings, Engine(load_model(str(a)), [draft]), ids, "w1")
+
+    _, ids = make_job(settings, lines(PROMPTS[:2]), target=str(b), name="b.jsonl")
+    assert process_chunk(settings, Engine(load_model(str(b)), [draft]), ids, "w1").cached == ids
+
+    _perturb_one_weight(a)
+    job, ids = make_job(settings, lines(PROMPTS[:2]), target=str(a), name="a2.jsonl")
+    report = process_chunk(settings, Engine(load_model(str(a)), [draft]), ids, "w1")
+    assert report.cached == [] and report.new_tokens > 0
+
+
+def test_fingerprint_is_memoized_on_disk_and_follows_the_numerics(tmp_path, tiny_models):
+    model = load_model(str(tiny_models / "llama"))
+    cache = tmp_path / "cache"
+    fp = model_fingerprint(model, cache)
+    memo = sorted((cache / "fingerprints").iterdir())
+    assert fp and memo                                     # one memo per file, written once
+    assert model_fingerprint(model, cache) == fp and sorted((cache / "fingerprints").iterdir()) == memo
+    assert model_fingerprint(model, None) == fp            # the memo is only a shortcut
+    bf16 = load_model(str(tiny_models / "llama"), dtype="bfloat16")
+    assert model_fingerprint(bf16, cache) != fp            # other numbers, other results
+    assert model_fingerprint(load_model(str(tiny_models / "llama-partial")), cache) != fp
