@@ -48,6 +48,11 @@ COVERAGE: dict[str, str] = {
     "specbatch export JOB -f jsonl -o answers.jsonl": THIS + "test_quick_start",
     "specbatch export JOB -f parquet -o answers.parquet": THIS + "test_quick_start",
     "sqlite3 ~/.local/share/specbatch/specbatch.db < examples/results.sql": THIS + "test_quick_start",
+    # results cache
+    "specbatch run examples/prompts.jsonl --no-cache": "tests/cli/test_cache_cli.py::test_cache_commands",
+    "specbatch cache stats": "tests/cli/test_cache_cli.py::test_cache_commands",
+    "specbatch cache clear --target smollm2-135m": "tests/cli/test_cache_cli.py::test_cache_commands",
+    "specbatch cache clear": "tests/cli/test_cache_cli.py::test_cache_commands",
     # cluster setup
     "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --appendonly yes": THIS + "test_cluster_setup",
     "createdb -h 127.0.0.1 -U postgres specbatch": THIS + "test_cluster_setup",
