@@ -140,3 +140,32 @@ def test_a_database_from_a_newer_specbatch_is_refused(tmp_path):
             db.get_engine(url)
     finally:
         db.forget_engines()
+
+
+def test_0002_adds_the_results_cache_to_existing_rows(db_url):
+    """Upgrading a database with jobs and results: old results are plain generated rows (no key,
+    not cached) and old jobs use the cache; the key is indexed for the lookup."""
+    from specbatch.db.models import Result
+    from specbatch.engine.types import GenerationOutput, GenerationStats
+
+    db.downgrade(db_url, "0001")
+    with db.get_engine(db_url).begin() as conn:
+        conn.execute(text("INSERT INTO jobs (id, status, target, drafts, ngram, queue, params, metadata, total, "
+                          "pending, running, completed, failed, cancelled, created_at, updated_at) VALUES "
+                          "('old', 'queued', 't', '[]', false, 'q', '{}', '{}', 0, 0, 0, 0, 0, 0, "
+                          "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+    db.upgrade(db_url)
+    assert db.current_revision(db_url) == "0002"
+    insp = inspect(db.get_engine(db_url))
+    assert {"ix_results_cache_key": ["cache_key"]}.items() <= {
+        i["name"]: i["column_names"] for i in insp.get_indexes("results")}.items()
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        assert s.get(Job, "old").cache is True
+        job = store.create_job(s, target="t", drafts=[], ngram=False, params={}, requests=[_req(1)], queue="q")
+        ids = store.resumable_request_ids(s, job.id)
+        store.claim_requests(s, ids, "w", 60, 3)
+        store.record_result(s, ids[0], GenerationOutput("hi", [5], "stop", GenerationStats()), "w")
+        row = s.scalars(text("SELECT id FROM results")).one()
+        res = s.get(Result, row)
+        assert (res.cached, res.cache_key, res.cached_from) == (False, None, None)
