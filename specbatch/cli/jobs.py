@@ -119,6 +119,9 @@ def _print_status(d: dict[str, Any]) -> None:
         info.add_row("mean acceptance length", f"{_num(mal['token_weighted'], '{:.2f}')} token-weighted, "
                                                f"{_num(mal['request_mean'], '{:.2f}')} request mean")
         info.add_row("tokens generated", str(st["tokens_generated"]))
+        if st.get("cache_hits"):
+            info.add_row("cache hits", f"{st['cache_hits']} results copied, "
+                                       f"{st['tokens_from_cache']} tokens not generated")
         info.add_row("throughput", f"{_num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
         info.add_row("latency", f"p50 {_num(lat['p50'], '{:.2f}')} s, p95 {_num(lat['p95'], '{:.2f}')} s")
