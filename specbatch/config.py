@@ -32,6 +32,8 @@ class Settings:
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = 5555
+    metrics_port: int = 0               # `specbatch worker` serves Prometheus /metrics here; 0: off
+    metrics_address: str = "0.0.0.0"
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -47,6 +49,22 @@ class Settings:
                 continue
             values[f.name] = int(raw) if f.type in ("int", int) else raw
         return cls(**values)  # type: ignore[arg-type]
+
+
+def otel_traces_exporters(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The span exporters the standard OTEL_* variables ask for (("otlp",), ("console",), ...).
+
+    Empty, so tracing is off, unless OTEL_TRACES_EXPORTER names one or an OTLP endpoint
+    (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; OTEL_SDK_DISABLED
+    switches it off. The OpenTelemetry SDK reads the other OTEL_* variables itself.
+    """
+    env = dict(os.environ if env is None else env)
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ()
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not names and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        names = ["otlp"]
+    return tuple(n for n in names if n != "none")
 
 
 @functools.lru_cache(maxsize=1)

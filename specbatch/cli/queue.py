@@ -94,6 +94,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       specbatch submit prompts.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.enqueue import check_broker, enqueue_requests
     from specbatch.worker.queues import queue_name
 
@@ -101,9 +102,13 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
     check_broker(settings)  # broker down: fail before anything is written
-    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
-    tasks = enqueue_requests(settings, job_id, ids, queue)
+    tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
+    with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
+        with tracing.span("intake"):
+            job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
+                                      _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
+        tracing.set_attributes({"specbatch.job.id": job_id, "specbatch.requests": len(ids)})
+        tasks = enqueue_requests(settings, job_id, ids, queue)
     if as_json:
         with open_db(settings, readonly=True).begin() as s:
             summary = store.job_summary(s, job_id)
@@ -127,6 +132,7 @@ def resume(job_id: str, as_json: bool) -> None:
       specbatch resume 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.enqueue import enqueue_requests
 
     settings = get_settings()
@@ -135,7 +141,9 @@ def resume(job_id: str, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         queue = job.queue
         ids = list(store.resumable_request_ids(s, job_id))
-    tasks = enqueue_requests(settings, job_id, ids, queue) if ids else 0
+    tracing.configure("specbatch")
+    with tracing.span("resume", {"specbatch.job.id": job_id, "specbatch.requests": len(ids)}):
+        tasks = enqueue_requests(settings, job_id, ids, queue) if ids else 0
     if as_json:
         echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks})
     else:
@@ -152,8 +160,11 @@ def resume(job_id: str, as_json: bool) -> None:
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
+           batch_size: int | None, hostname: str | None, loglevel: str, pool: str,
+           metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -162,6 +173,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     Example:
       specbatch worker --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 -n gpu0@%h
       specbatch worker                     # the default pair on the CPU
+      specbatch worker --metrics-port 9400 # Prometheus scrapes http://HOST:9400/metrics
     """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.runner import run_worker
@@ -171,7 +183,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=batch_size or settings.batch_size, hostname=hostname,
-                                  loglevel=loglevel, pool=pool)
+                                  loglevel=loglevel, pool=pool,
+                                  metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
     sys.exit(code)
