@@ -93,3 +93,24 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env=env,
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_a_taken_metrics_port_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SPECBATCH_METRICS_PORT on a port in use: the worker stops before loading anything."""
+    import socket
+
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)   # restored after the test
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setenv("SPECBATCH_METRICS_PORT", str(port))
+        monkeypatch.setenv("SPECBATCH_METRICS_ADDRESS", "127.0.0.1")
+        result = CliRunner().invoke(cli, ["worker", "--target", "/nonexistent/model"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip().splitlines() == [
+        f"Error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; choose another --metrics-port"]

@@ -77,10 +77,10 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(cluster:
 
     port = free_port()
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    env = {**cluster.env, **otel, "SPECBATCH_METRICS_PORT": str(port)}   # the port from the environment
     m = cluster.models
     pair = ["--target", str(m / "llama"), "--draft", str(m / "llama-partial")]
-    proc = Proc([*CLI, "worker", *pair, "-n", "obs@%h"], env, cluster.tmp / "worker-obs.log")
+    proc = Proc([*CLI, "worker", *pair, "-n", "obs@%h", "--metrics-port", str(port)], {**cluster.env, **otel},
+                cluster.tmp / "worker-obs.log")
     cluster.procs.append(proc)
     cluster.wait_consuming(proc)
     before = _scrape(port)   # the gauges are set once the child has its models
