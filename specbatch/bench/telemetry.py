@@ -101,6 +101,7 @@ def run_telemetry_cost(opts: TelemetryOptions, progress: Progress | None = None)
     prepare_multiprocess(metrics_dir.name)
     metrics = WorkerMetrics(pair_labels(opts.target, opts.drafts, opts.ngram, "bench"))
     times: dict[str, list[float]] = {"off": [], "on": []}
+    hook = {"off": 0.0, "on": 0.0, "flush": 0.0}   # seconds inside the on_result hook / the final flush
     tokens: dict[str, list[int]] = {"off": [], "on": []}
     order = [m for r in range(opts.repeats) for m in (("off", "on") if r % 2 == 0 else ("on", "off"))]
     with tempfile.TemporaryDirectory(prefix="specbatch-bench-telemetry-") as tmp:
@@ -114,11 +115,19 @@ def run_telemetry_cost(opts: TelemetryOptions, progress: Progress | None = None)
             on = mode == "on"
             tracing.use(provider if on else None)
             observer = Observer(metrics if on else None)
+
+            def on_result(event: Any, mode: str = mode, observer: Observer = observer) -> None:
+                h0 = time.perf_counter()
+                observer.on_result(event)
+                hook[mode] += time.perf_counter() - h0
+
             t0 = time.perf_counter()
             with tracing.continued({}, "chunk", {"specbatch.request_ids": ids}):
-                report = process_chunk(settings, engine, ids, "bench", on_result=observer.on_result)
+                report = process_chunk(settings, engine, ids, "bench", on_result=on_result)
             if on:
+                f0 = time.perf_counter()
                 provider.force_flush()
+                hook["flush"] += time.perf_counter() - f0
             times[mode].append(time.perf_counter() - t0)
             tokens[mode].append(report.new_tokens)
             tracing.use(None)
@@ -138,6 +147,11 @@ def run_telemetry_cost(opts: TelemetryOptions, progress: Progress | None = None)
         "ratio_on_off_tokens_per_second": rate["on"] / rate["off"],
         "spread_off": (max(times["off"]) - min(times["off"])) / med["off"],
         "otlp_posts": sink.received["posts"], "otlp_bytes": sink.received["bytes"],
+        # the direct cost, steadier than the ratio on a busy machine: the hook per request, and its
+        # share (plus the flushes) of the "on" runs' time
+        "hook_ms_per_request": {m: 1000 * hook[m] / (len(rows) * opts.repeats) for m in ("off", "on")},
+        "flush_ms_per_run": 1000 * hook["flush"] / opts.repeats,
+        "hook_share_of_on_time": (hook["on"] + hook["flush"]) / sum(times["on"]),
         "metrics_multiprocess": multiprocess,
     }
 
@@ -152,7 +166,11 @@ def markdown(result: dict[str, Any], command: str | None) -> str:
         lines.append(f"| {m} | {result['median_seconds'][m]:.3f} | {result['tokens_per_second'][m]:.1f} | {runs} |")
     lines += ["", f"on / off: median time x{result['ratio_on_off_median_seconds']:.3f}, tokens/s "
               f"x{result['ratio_on_off_tokens_per_second']:.3f}; run-to-run spread with it off "
-              f"{result['spread_off']:.1%}; {result['otlp_posts']} OTLP posts, {result['otlp_bytes']} bytes"]
+              f"{result['spread_off']:.1%}; {result['otlp_posts']} OTLP posts, {result['otlp_bytes']} bytes",
+              "", f"direct cost: the result hook takes {result['hook_ms_per_request']['on']:.2f} ms per request "
+              f"with telemetry on ({result['hook_ms_per_request']['off']:.3f} ms off), the span flush "
+              f"{result['flush_ms_per_run']:.1f} ms per run: {result['hook_share_of_on_time']:.2%} of the "
+              "\"on\" runs' time"]
     if command:
         lines += ["", f"command: `{command}`"]
     return "\n".join(lines)

@@ -29,3 +29,4 @@ def test_telemetry_cost_runs_both_modes_on_the_same_work(tiny_models: Path, tmp_
     assert r["tokens"]["on"] == r["tokens"]["off"] == [16, 16]        # 2 prompts x 8 tokens, every run
     assert r["otlp_posts"] >= 2 and r["otlp_bytes"] > 0 and r["metrics_multiprocess"]
     assert r["ratio_on_off_median_seconds"] == r["median_seconds"]["on"] / r["median_seconds"]["off"]
+    assert r["hook_ms_per_request"]["on"] > r["hook_ms_per_request"]["off"] >= 0 and r["flush_ms_per_run"] > 0
