@@ -241,12 +241,14 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
 
     from specbatch.engine import Engine
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
     batch = batch_size or settings.batch_size
+    tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
                               _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
     console = Console(stderr=True)

@@ -109,3 +109,28 @@ def test_one_job_is_one_trace_from_submit_to_each_request(cluster: Any, spans: A
         assert by_id[r.parent.span_id].name == "chunk"
         chunk = by_id[r.parent.span_id]
         assert chunk.start_time <= r.start_time and r.end_time <= chunk.end_time
+
+
+def test_specbatch_run_is_one_trace_too(spans: Any, tiny_models: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specbatch run` (no broker), batched: run -> chunk -> claim + one request span per request."""
+    import json
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'run.db'}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):", "max_new_tokens": 4 + i}) + "\n"
+                               for i in range(3)))
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"),
+                                      "--draft", str(tiny_models / "llama-partial"), "--batch-size", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    finished = spans.get_finished_spans()
+    assert len({s.context.trace_id for s in finished}) == 1
+    (run,) = [s for s in finished if s.name == "run"]
+    assert run.parent is None and run.attributes["specbatch.job.id"] == summary["id"]
+    (chunk,) = [s for s in finished if s.name == "chunk"]       # chunk size 8 >= 3 requests
+    assert chunk.parent.span_id == run.context.span_id
+    requests = [s for s in finished if s.name == "request"]
+    assert len(requests) == 3 and all(r.parent.span_id == chunk.context.span_id for r in requests)
+    assert sorted(r.attributes["gen_ai.usage.output_tokens"] for r in requests) == [4, 5, 6]
+    assert sum(s.name == "claim" for s in finished) == 1            # a batch claims the chunk at once

@@ -71,8 +71,9 @@ def _scrape(port: int) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(cluster: Any,
-                                                                        receiver: OTLPReceiver) -> None:
+def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver: OTLPReceiver,
+                                                                        cluster: Any) -> None:
+    # (the receiver is set up first so it outlives the worker, whose last flush posts to it)
     import subprocess
 
     port = free_port()
