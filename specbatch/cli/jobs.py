@@ -180,21 +180,31 @@ def _statuses(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ..
 @click.command()
 @click.argument("job_id", metavar="JOB")
 @click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default="jsonl",
-              show_default=True, help="jsonl: OpenAI batch output lines + stats; csv/parquet: one flat row "
-                                      "per request.")
+              show_default=True, help="jsonl: OpenAI batch output lines; csv: one flat row per request; "
+                                      "parquet: typed columns for datasets / DuckDB / pandas.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="File to write ('-': stdout). Default: stdout for jsonl/csv, JOB.parquet for parquet.")
+@click.option("--errors", "errors_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="jsonl: write failed/cancelled lines here and only successes to the output "
+                   "(OpenAI's output/error file pair).")
 @click.option("--status", "statuses", multiple=True, callback=_statuses, metavar="STATUS[,STATUS]",
-              help=f"Only requests with these statuses ({', '.join(REQUEST_STATUSES)}); repeatable.")
-@click.option("--json", "as_json", is_flag=True, help="Print {id, format, path, rows} as JSON (file output).")
-def export(job_id: str, fmt: str, output: Path | None, statuses: list[str], as_json: bool) -> None:
-    """Export a job's requests and results as JSONL, CSV or Parquet.
+              help=f"Only requests with these statuses ({', '.join(REQUEST_STATUSES)}); repeatable. "
+                   "Default: jsonl, the finished ones; csv/parquet, all.")
+@click.option("--force", is_flag=True, help="Overwrite existing files.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {id, format, path, rows[, errors_path, error_rows]} as JSON (file output).")
+def export(job_id: str, fmt: str, output: Path | None, errors_path: Path | None, statuses: list[str],
+           force: bool, as_json: bool) -> None:
+    """Export a job's requests and results as JSONL, CSV or Parquet, in input order.
 
-    Rows follow the prompt file's order. Parquet loads with pandas.read_parquet and
-    datasets.load_dataset("parquet", data_files=...).
+    JSONL lines have OpenAI's batch output shape; pending and running requests are left out
+    unless --status asks for them. Parquet loads with pandas.read_parquet, DuckDB and
+    datasets.load_dataset("parquet", data_files=...). Files are written atomically and never
+    overwritten without --force.
 
     \b
     Example:
+      specbatch export 3f9a2c -o output.jsonl --errors errors.jsonl
       specbatch export 3f9a2c -f parquet -o answers.parquet --status completed
       specbatch export 3f9a2c > answers.jsonl
     """
@@ -206,21 +216,37 @@ def export(job_id: str, fmt: str, output: Path | None, statuses: list[str], as_j
         raise click.UsageError("parquet is binary: give a file with -o PATH")
     if to_stdout and as_json:
         raise click.UsageError("--json reports on a written file: give one with -o PATH")
+    if errors_path is not None and fmt != "jsonl":
+        raise click.UsageError("--errors splits OpenAI batch lines: use it with -f jsonl")
+    if errors_path is not None and output is not None and errors_path.resolve() == output.resolve():
+        raise click.UsageError("--errors must name another file than -o")
+    n_err = 0
     with open_db(get_settings(), readonly=True).begin() as s:
         jid = store.get_job(s, job_id).id
-        if to_stdout:
-            exporter.export_job(s, jid, fmt, click.get_text_stream("stdout"), statuses)
-            return
-        path = output if output is not None else Path(f"{jid}.parquet")
+        out: Path | Any = click.get_text_stream("stdout") if to_stdout else (
+            output if output is not None else Path(f"{jid}.parquet"))
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            n = exporter.export_job(s, jid, fmt, path, statuses)
+            for p in (out, errors_path):
+                if isinstance(p, Path):
+                    p.parent.mkdir(parents=True, exist_ok=True)
+            if fmt == "jsonl":
+                n, n_err = exporter.write_openai(s, jid, out, errors_path, statuses=statuses, force=force)
+            else:
+                n = exporter.export_job(s, jid, fmt, out, statuses, force=force)
         except OSError as e:
-            raise click.ClickException(f"cannot write {path}: {e.strerror or e}") from e
+            raise click.ClickException(f"cannot write {e.filename or out}: {e.strerror or e}") from e
+    if to_stdout:
+        if errors_path is not None:
+            click.echo(f"wrote {n_err} error lines to {errors_path}", err=True)
+        return
+    report: dict[str, Any] = {"id": jid, "format": fmt, "path": str(out), "rows": n}
+    if errors_path is not None:
+        report.update(errors_path=str(errors_path), error_rows=n_err)
     if as_json:
-        echo_json({"id": jid, "format": fmt, "path": str(path), "rows": n})
+        echo_json(report)
     else:
-        click.echo(f"wrote {n} rows to {path}", err=True)
+        more = f" and {n_err} error lines to {errors_path}" if errors_path is not None else ""
+        click.echo(f"wrote {n} rows to {out}{more}", err=True)
 
 
 # ---------------------------------------------------------------- cancel / retry

@@ -496,8 +496,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             continue
         try:
             fields_ = _parse_object(obj, base, model_map)
-        except _Problems as p:
-            for field, message in p.problems:
+        except _Problems as bad:
+            for field, message in bad.problems:
                 err(line_no, field, message)
             continue
         for k in fields_.pop("noop"):
