@@ -96,7 +96,9 @@ def _check_workers(settings: Settings, queue: str) -> None:
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
 
 
-def _print_status(d: dict[str, Any]) -> None:
+def _status_view(d: dict[str, Any]) -> Any:
+    """The job's status as one rich renderable (tables)."""
+    from rich.console import Group
     from rich.table import Table
 
     st = d["stats"]
@@ -124,8 +126,7 @@ def _print_status(d: dict[str, Any]) -> None:
         info.add_row("latency", f"p50 {_num(lat['p50'], '{:.2f}')} s, p95 {_num(lat['p95'], '{:.2f}')} s")
         if st["pool_wins"]:
             info.add_row("pool wins", ", ".join(f"{k} {v}" for k, v in st["pool_wins"].items()))
-    console = _console()
-    console.print(info)
+    parts: list[Any] = [info]
     if st["workers"]:
         workers = Table(title="workers", title_justify="left", box=None)
         for col in ("worker", "requests", "tokens", "tokens/s", "busy tokens/s"):
@@ -133,13 +134,28 @@ def _print_status(d: dict[str, Any]) -> None:
         for w in st["workers"]:
             workers.add_row(w["worker"], str(w["requests"]), str(w["tokens_generated"]),
                             _num(w["tokens_per_second"], "{:.1f}"), _num(w["busy_tokens_per_second"], "{:.1f}"))
-        console.print(workers)
+        parts.append(workers)
+    return Group(*parts)
+
+
+def _refreshed_summary(settings: Settings, job_id: str) -> tuple[dict[str, Any], bool]:
+    from specbatch.db.models import JobStatus
+    from specbatch.jobs import store
+
+    with open_db(settings).begin() as s:      # short write: counters and status from the rows
+        job = store.refresh_job(s, job_id)
+        jid, finished = job.id, JobStatus(job.status).finished
+    with open_db(settings, readonly=True).begin() as s:
+        return store.job_summary(s, jid), finished
 
 
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def status(job_id: str, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Refresh until the job ends (Ctrl-C stops watching, not the job).")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between refreshes with --watch.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " With --watch: once the job ends.")
+def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     """Show a job's status, request counts and speculative-decoding statistics.
 
     JOB is a job id (or a unique prefix of one, 4 characters or more).
@@ -147,23 +163,32 @@ def status(job_id: str, as_json: bool) -> None:
     \b
     Example:
       specbatch status 3f9a2c
+      specbatch status 3f9a2c --watch
       specbatch status 3f9a2c --json | jq .stats.acceptance_rate
     """
-    from specbatch.db.models import JobStatus
-    from specbatch.jobs import store
+    import time
 
     settings = get_settings()
-    with open_db(settings).begin() as s:      # short write: counters and status from the rows
-        job = store.refresh_job(s, job_id)
-        jid, queue, finished = job.id, job.queue, JobStatus(job.status).finished
-    with open_db(settings, readonly=True).begin() as s:
-        summary = store.job_summary(s, jid)
+    summary, finished = _refreshed_summary(settings, job_id)
     if not finished:
-        _check_workers(settings, queue)
+        _check_workers(settings, summary["queue"])
+    if watch and not finished and as_json:      # machine output: only the final summary
+        while not finished:
+            time.sleep(interval)
+            summary, finished = _refreshed_summary(settings, summary["id"])
+    elif watch and not finished:
+        from rich.live import Live
+
+        with Live(_status_view(summary), console=_console(), auto_refresh=False) as live:
+            while not finished:
+                time.sleep(interval)
+                summary, finished = _refreshed_summary(settings, summary["id"])
+                live.update(_status_view(summary), refresh=True)
+        return
     if as_json:
         echo_json(summary)
     else:
-        _print_status(summary)
+        _console().print(_status_view(summary))
 
 
 # ---------------------------------------------------------------- export
@@ -303,18 +328,19 @@ def retry(job_id: str, as_json: bool) -> None:
     with open_db(settings).begin() as s:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
-        jid, queue = job.id, job.queue
-    report = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
+        jid, queue, ngram = job.id, job.queue, job.ngram
+        routes = store.request_routes(s, jid, ids)
+    report: dict[str, Any] = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
     if ids:
         # the rows are committed as pending first: whatever happens to the broker, `resume` finishes them
         later = f"they are pending again; run `specbatch resume {jid}` once the queue is up"
         try:
-            from specbatch.worker.enqueue import enqueue_requests
+            from specbatch.worker.enqueue import enqueue_routes
         except ImportError as e:
             raise click.ClickException(f"{len(ids)} failed requests of job {jid} reset, but the queue is not "
                                        f"available ({e}); {later}") from e
         try:
-            report["tasks"] = enqueue_requests(settings, jid, ids, queue)
+            report["tasks"] = sum(enqueue_routes(settings, jid, routes, queue, ngram).values())
         except BrokerUnavailable as e:
             raise click.ClickException(f"the broker is unreachable ({e}): {len(ids)} failed requests of job "
                                        f"{jid} were not queued; {later}") from e

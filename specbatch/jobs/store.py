@@ -208,17 +208,17 @@ Route = tuple[str, tuple[str, ...]]     # (target, drafts): the models a request
 
 
 def request_routes(s: Session, job_id: str, request_ids: Sequence[int] | None = None
-                   ) -> dict[Route, list[int]]:
-    """The job's requests (or ``request_ids`` of them) grouped by the pair they run on: the job's,
-    or the one --model-map routed their body.model to. Ids ascending within a route."""
+                   ) -> dict[Route | None, list[int]]:
+    """The job's requests (or ``request_ids`` of them) grouped by the pair they run on: None for the
+    job's own pair (its ``queue``), else the (target, drafts) --model-map routed their body.model
+    to. Ids ascending within a route."""
     job = get_job(s, job_id)
     stmt = select(Request.id, Request.target, Request.drafts).where(Request.job_id == job.id)
     if request_ids is not None:
         stmt = stmt.where(Request.id.in_(list(request_ids)))
-    out: dict[Route, list[int]] = {}
+    out: dict[Route | None, list[int]] = {}
     for rid, target, drafts in s.execute(stmt.order_by(Request.id)):
-        route = (job.target, tuple(job.drafts or ())) if target is None else (target, tuple(drafts or ()))
-        out.setdefault(route, []).append(rid)
+        out.setdefault(None if target is None else (target, tuple(drafts or ())), []).append(rid)
     return out
 
 
