@@ -254,7 +254,10 @@ def _check_messages(v: Any, field: str) -> tuple[list[dict[str, Any]], list[tupl
                 problems.append((f"{where}.{k}", f"unknown key for a {role} message; known keys: {', '.join(known)}"))
             elif k in openai_fields.ASSISTANT_NULL_KEYS and m[k] not in (None, []):
                 problems.append((f"{where}.{k}", openai_fields.ASSISTANT_NULL_KEYS[k]))
-        content, more = _check_text_content(m.get("content", _MISSING), where)
+        content = m.get("content", _MISSING)
+        if role == "assistant" and content is None:     # OpenAI allows it beside tool calls (refused)
+            content = ""
+        content, more = _check_text_content(content, where)
         problems += more
         msg: dict[str, Any] = {"role": role, "content": content}
         for key in ("name", "tool_call_id"):
@@ -360,6 +363,8 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         if "metadata" in body:
             noop.add("metadata")
         fields_, prefix = body, "body."
+        has_prompt = kind != "chat" and "prompt" in body        # the other URL's key: refused above
+        has_messages = kind != "completion" and "messages" in body
         if kind == "chat" and "messages" not in body:
             problems.append(("body.messages", "is required for /v1/chat/completions"))
         if kind == "completion" and "prompt" not in body:
@@ -367,7 +372,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     else:
         problems += _unknown(obj, LINE_KEYS, "")
         fields_, prefix = obj, ""
-    has_prompt, has_messages = "prompt" in fields_, "messages" in fields_
+        has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt and has_messages:
         problems.append((prefix + "prompt", "give \"prompt\" or \"messages\", not both"))
     elif not has_prompt and not has_messages and not prefix:

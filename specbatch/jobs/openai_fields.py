@@ -16,6 +16,7 @@ A no-op field's check returns None when the value is accepted, else the reason i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -91,9 +92,8 @@ def _empty(why: str, container: type) -> Check:
 def _response_format(v: Any) -> str | None:
     if v is None or (isinstance(v, dict) and v.get("type") == "text"):
         return None
-    kind = v.get("type") if isinstance(v, dict) else None
-    return (f'only {{"type": "text"}} is supported: specbatch does not constrain the output to '
-            f"{kind or 'a format'} (got {_kind(v) if kind is None else repr(kind)})")
+    got = json.dumps(v.get("type")) if isinstance(v, dict) else _kind(v)
+    return f'only {{"type": "text"}}: specbatch does not constrain the output format (got {got})'
 
 
 def _tool_choice(v: Any) -> str | None:

@@ -21,7 +21,6 @@ from specbatch.jobs import export, intake, store
 from specbatch.jobs.openai_output import export_openai
 from tests.jobs.test_store import output
 
-
 # ---------------------------------------------------------------- the line, from OpenAI's batch guide
 
 
