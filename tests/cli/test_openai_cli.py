@@ -185,3 +185,20 @@ def test_status_watch_refreshes_until_the_job_ends(db_url: str, monkeypatch: pyt
     t.join()
     assert result.exit_code == 0, result.output
     assert "completed" in result.stdout and "completed 3" in result.stdout
+
+
+def test_shell_completion() -> None:
+    """The README's completion line: Click's bash script for `specbatch`, and it completes commands."""
+    result = CliRunner().invoke(cli, [], prog_name="specbatch", env={"_SPECBATCH_COMPLETE": "bash_source"})
+    assert result.exit_code == 0 and "_SPECBATCH_COMPLETE=bash_complete" in result.output
+    result = CliRunner().invoke(cli, [], prog_name="specbatch",
+                                env={"_SPECBATCH_COMPLETE": "bash_complete", "COMP_WORDS": "specbatch exp",
+                                     "COMP_CWORD": "1"})
+    assert result.output.strip().splitlines() == ["plain,export"]
+
+
+def test_version() -> None:
+    from importlib.metadata import version
+
+    result = invoke("--version")
+    assert result.exit_code == 0 and version("specbatch") in result.output
