@@ -149,6 +149,17 @@ def _refreshed_summary(settings: Settings, job_id: str) -> tuple[dict[str, Any],
         return store.job_summary(s, jid), finished
 
 
+def _pending_queues(settings: Settings, job_id: str) -> list[str]:
+    """The queues the job's unfinished requests wait on (several with --model-map)."""
+    from specbatch.jobs import store
+    from specbatch.worker.queues import queue_name
+
+    with open_db(settings, readonly=True).begin() as s:
+        job = store.get_job(s, job_id)
+        routes = store.request_routes(s, job.id, store.resumable_request_ids(s, job.id))
+        return [job.queue if r is None else queue_name(r[0], r[1], job.ngram) for r in routes] or [job.queue]
+
+
 @click.command()
 @click.argument("job_id", metavar="JOB")
 @click.option("--watch", is_flag=True, help="Refresh until the job ends (Ctrl-C stops watching, not the job).")
@@ -171,7 +182,8 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     settings = get_settings()
     summary, finished = _refreshed_summary(settings, job_id)
     if not finished:
-        _check_workers(settings, summary["queue"])
+        for queue in _pending_queues(settings, summary["id"]):
+            _check_workers(settings, queue)
     if watch and not finished and as_json:      # machine output: only the final summary
         while not finished:
             time.sleep(interval)

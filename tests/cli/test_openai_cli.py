@@ -153,7 +153,10 @@ def test_submit_wait_exits_by_outcome(db_url: str, tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(monitor, "queue_has_consumer", lambda settings, queue: True)
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
-    result = invoke("submit", str(path), "--wait", "--json")
+    if fail:
+        result = invoke("submit", str(path), "--wait", "--json")
+    else:       # from standard input
+        result = invoke("submit", "-", "--wait", "--json", stdin=path.read_bytes())
     for t in threads:
         t.join()
     summary = json.loads(result.stdout)
@@ -166,6 +169,7 @@ def test_submit_wait_exits_by_outcome(db_url: str, tmp_path: Path, monkeypatch: 
     else:
         assert result.exit_code == 0, result.output
         assert summary["status"] == "completed" and summary["request_counts"]["completed"] == 2
+        assert summary["source"] == "<stdin>"
 
 
 def test_status_watch_refreshes_until_the_job_ends(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
