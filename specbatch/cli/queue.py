@@ -98,13 +98,26 @@ def _warn_no_consumer(settings: Settings, queue: str) -> None:
 
 
 def wait_for_job(settings: Settings, job_id: str, interval: float = 1.0) -> dict[str, Any]:
-    """A progress bar on stderr until the job ends; returns its summary."""
+    """A progress bar on stderr until the job ends; returns its summary. Ctrl-C stops waiting (exit
+    130), not the job."""
+    from specbatch.jobs import store
+
+    factory = open_db(settings)
+    try:
+        _progress_until_finished(factory, job_id, interval)
+    except KeyboardInterrupt:
+        click.echo(f"stopped waiting; job {job_id} goes on (`specbatch status {job_id} --watch`)", err=True)
+        sys.exit(130)
+    with factory.begin() as s:
+        return store.job_summary(s, job_id)
+
+
+def _progress_until_finished(factory: Any, job_id: str, interval: float) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.jobs import store
 
-    factory = open_db(settings)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
                   console=Console(stderr=True)) as progress:
@@ -120,8 +133,6 @@ def wait_for_job(settings: Settings, job_id: str, interval: float = 1.0) -> dict
             if status.finished:
                 break
             time.sleep(interval)
-    with factory.begin() as s:
-        return store.job_summary(s, job_id)
 
 
 def exit_by_outcome(summary: dict[str, Any]) -> None:
