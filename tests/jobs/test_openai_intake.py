@@ -330,3 +330,18 @@ def test_bad_model_map(spec, why):
     assert str(e.value.errors[0]) == f"--model-map: {why}"
     with pytest.raises(IntakeError, match="'a' is mapped twice"):
         intake.parse_model_map(["a=t", "a=u"])
+
+
+def test_the_example_openai_batch_file():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "openai_batch.jsonl"
+    got = intake.read_file(path, {}, SETTINGS)
+    assert [(r.custom_id, r.kind, r.model) for r in got.requests] == [
+        ("request-1", "chat", "gpt-4o-mini"), ("request-2", "chat", "gpt-4o-mini"),
+        ("request-3", "completion", "gpt-3.5-turbo-instruct"), ("request-4", "completion", "gpt-3.5-turbo-instruct")]
+    assert got.requests[1].metadata == {"topic": "physics", "split": "train"}
+    assert got.requests[3].prompt_ids == [504, 2062, 6715]
+    assert set(got.noop_fields) == {"presence_penalty", "frequency_penalty", "logprobs", "store", "service_tier",
+                                    "metadata", "echo", "n"}
+    assert len(got.warnings("t")) == 2
