@@ -54,9 +54,11 @@ def request_models(job: Job, req: Request) -> tuple[str, list[str]]:
 
 
 def stats(job: Job, req: Request, res: Result) -> dict[str, Any]:
-    """The ``specbatch`` object of a success body: who generated it and how speculation went."""
+    """The ``specbatch`` object of a success body: the request's body.model and metadata, who
+    generated it and how speculation went."""
     target, drafts = request_models(job, req)
-    out: dict[str, Any] = {"target": target, "drafts": drafts, "ngram": job.ngram}
+    out: dict[str, Any] = {"model": req.model, "metadata": req.meta, "target": target, "drafts": drafts,
+                           "ngram": job.ngram}
     out.update({c: getattr(res, c) for c in STATS_COLUMNS})
     out.update(worker=res.worker, latency_seconds=res.latency_seconds,
                started_at=res.started_at.isoformat() if res.started_at else None,

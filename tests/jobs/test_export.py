@@ -152,6 +152,7 @@ def test_success_lines(job):
     assert (sb["target"], sb["drafts"], sb["acceptance_rate"], sb["pool_wins"]) == (
         "tgt-chat", ["d-chat"], 0.5, {"d-chat": 2})
     assert set(STATS_COLUMNS) <= set(sb)
+    assert (sb["model"], sb["metadata"]) == ("gpt-4o-mini", {"batch": "a", "topic": "greeting"})
     t = Completion.model_validate(ids_line["response"]["body"])
     assert (t.object, t.model, t.choices[0].text, t.usage.completion_tokens) == ("text_completion", "tgt", "out", 2)
 
