@@ -1,13 +1,16 @@
 """Prompt files in: read and validate every JSONL line before anything is written.
 
-Three line forms (DESIGN.md, "Input format"):
+Three line forms (docs/FORMATS.md):
 
     {"custom_id": "q1", "prompt": "Write a haiku", "max_tokens": 64}
     {"custom_id": "q2", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7}
     {"custom_id": "q3", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
 
-``parse_file`` returns every request or raises one IntakeError listing every problem as
-``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF line ends are fine.
+The third is an OpenAI batch line; what each of its body fields does is in
+specbatch.jobs.openai_fields. ``read_file`` / ``read_stream`` return every request with the
+job's warnings (``parse_file`` / ``parse_stream``: the requests only) or raise one IntakeError
+listing every problem as ``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF
+line ends are fine.
 """
 
 from __future__ import annotations
