@@ -119,7 +119,9 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver
                if k[0] == "specbatch_spec_decode_num_accepted_tokens_per_pos_total"}
     assert sum(per_pos.values()) == stats["accepted_tokens"]
     drafts = value("specbatch_spec_decode_num_drafts_total")
-    assert per_pos.get("0", 0) <= drafts <= stats["target_forwards"] and drafts * 4 >= stats["drafted_tokens"]
+    # a draft step drafts >= 1 token and accepts position 0 at most once; every target forward is one step
+    assert per_pos.get("0", 0) <= drafts <= min(stats["target_forwards"], stats["drafted_tokens"])
+    assert drafts > 0
     assert value("specbatch_request_latency_seconds_count") == stats["results"] == 4
     # claim -> stored holds the generation itself
     assert value("specbatch_request_latency_seconds_sum") >= stats["generation_seconds"]
