@@ -207,6 +207,8 @@ def test_output_and_error_files_in_one_call(job, tmp_path):
             export.write_openai(s, job_id, tmp_path / "new.jsonl", err)
         assert not (tmp_path / "new.jsonl").exists()               # nothing written when refused
         assert export.write_openai(s, job_id, out, err, force=True) == (2, 2)
+        with pytest.raises(ValueError, match="must differ"):
+            export.write_openai(s, job_id, out, tmp_path / "." / "output.jsonl", force=True)
         api_out, api_err = export_openai(s, job_id)
     assert [json.loads(x) for x in out.read_text().splitlines()] == api_out
     assert [json.loads(x) for x in err.read_text().splitlines()] == api_err
