@@ -61,7 +61,7 @@ def model_map_option(f: Any) -> Any:
 
 
 def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...]) -> Any:
-    """The validated file ('-': standard input), its warnings printed."""
+    """The validated file ('-': standard input) with its warnings (intake.ParsedFile)."""
     from specbatch.jobs import intake
 
     routes = intake.parse_model_map(model_map)
