@@ -37,7 +37,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from specbatch.db.models import Job, Result
+from specbatch.db.models import Job, Request, Result
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 from specbatch.errors import SpecBatchError
 from specbatch.jobs import store
@@ -149,7 +149,8 @@ class ResultCache:
         if self.target is None or not cacheable(claimed.params):
             return None
         try:
-            ids = self.engine.encode(claimed.prompt, claimed.messages)
+            input_ids = getattr(claimed, "input_ids", None)   # a token-id prompt is its own key
+            ids = list(input_ids) if input_ids else self.engine.encode(claimed.prompt, claimed.messages)
         except SpecBatchError:   # the request's own fault: generating it reports the error
             return None
         return cache_key(self.target, ids, claimed.params)
@@ -188,11 +189,11 @@ class ResultCache:
         self.waiting = waiting
         return hits, todo
 
-    def resolve(self, sf: Any, request_id: int, worker: str, error: str | None = None
-                ) -> list[tuple[Any, GenerationOutput | None]]:
+    def resolve(self, sf: Any, request_id: int, worker: str, error: str | None = None,
+                **failure: Any) -> list[tuple[Any, GenerationOutput | None]]:
         """The duplicates waiting for ``request_id``, now that it is stored (copied as hits) or
-        failed with ``error`` (they fail alike: the same input fails the same way). Returns
-        (request, output or None when failed)."""
+        failed with ``error`` (they fail alike: the same input fails the same way; ``failure``:
+        record_failure's keywords). Returns (request, output or None when failed)."""
         waiting = self.waiting.get(request_id, [])
         if not waiting:
             return []
@@ -204,7 +205,8 @@ class ResultCache:
                     store.record_cached_result(s, c.id, source, worker)
                     out.append((c, output_of(source)))
                 else:
-                    store.record_failure(s, c.id, error or "the result it duplicates was not stored", worker)
+                    store.record_failure(s, c.id, error or "the result it duplicates was not stored", worker,
+                                         **failure)
                     out.append((c, None))
             for job_id in sorted({c.job_id for c in waiting}):
                 store.refresh_job(s, job_id)
@@ -221,11 +223,17 @@ def _same_model(a: str, b: str) -> bool:
     return os.path.exists(a) and os.path.exists(b) and os.path.realpath(a) == os.path.realpath(b)
 
 
+def _names_and_fingerprints(s: Session) -> list[tuple[str, str]]:
+    """(target name, fingerprint) pairs of the stored keys: the request's routed target, else its job's."""
+    name = func.coalesce(Request.target, Job.target)
+    return [(n, fp) for n, fp in s.execute(
+        select(name, Result.cache_target).join(Request, Request.id == Result.request_id)
+        .join(Job, Job.id == Result.job_id).where(Result.cache_target.is_not(None)).distinct())]
+
+
 def _fingerprints_of(s: Session, target: str) -> set[str]:
-    """The fingerprints that jobs naming ``target`` stored results under (all its aliases share them)."""
-    pairs = s.execute(select(Job.target, Result.cache_target).join(Result, Result.job_id == Job.id)
-                      .where(Result.cache_target.is_not(None)).distinct()).all()
-    return {fp for name, fp in pairs if _same_model(name, target)}
+    """The fingerprints that results of ``target`` were stored under (all its aliases share them)."""
+    return {fp for name, fp in _names_and_fingerprints(s) if _same_model(name, target)}
 
 
 def stats(s: Session) -> dict[str, Any]:
@@ -242,8 +250,7 @@ def stats(s: Session) -> dict[str, Any]:
     for fp, n, tokens in s.execute(select(Result.cache_target, func.count(), func.sum(Result.completion_tokens))
                                    .where(Result.cached.is_(True)).group_by(Result.cache_target)):
         bucket(fp).update(hits=int(n), tokens_saved=int(tokens or 0))
-    for name, fp in s.execute(select(Job.target, Result.cache_target).join(Result, Result.job_id == Job.id)
-                              .where(Result.cache_target.is_not(None)).distinct()):
+    for name, fp in _names_and_fingerprints(s):
         bucket(fp)["names"].add(name)
     targets = [{**b, "names": sorted(b["names"])} for b in per.values()]
     targets.sort(key=lambda b: (-b["entries"], b["target"] or ""))

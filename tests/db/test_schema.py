@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, select, text
 from sqlalchemy.exc import IntegrityError
 
 from specbatch import db
@@ -148,7 +148,7 @@ def test_0002_adds_the_results_cache_to_existing_rows(db_url):
     from specbatch.db.models import Result
     from specbatch.engine.types import GenerationOutput, GenerationStats
 
-    db.downgrade(db_url, "0001")
+    db.downgrade(db_url, "0004")
     with db.get_engine(db_url).begin() as conn:
         conn.execute(text("INSERT INTO jobs (id, status, target, drafts, ngram, queue, params, metadata, total, "
                           "pending, running, completed, failed, cancelled, created_at, updated_at) VALUES "
@@ -166,6 +166,5 @@ def test_0002_adds_the_results_cache_to_existing_rows(db_url):
         ids = store.resumable_request_ids(s, job.id)
         store.claim_requests(s, ids, "w", 60, 3)
         store.record_result(s, ids[0], GenerationOutput("hi", [5], "stop", GenerationStats()), "w")
-        row = s.scalars(text("SELECT id FROM results")).one()
-        res = s.get(Result, row)
+        res = s.scalars(select(Result)).one()
         assert (res.cached, res.cache_key, res.cached_from) == (False, None, None)
