@@ -58,7 +58,7 @@ def test_cache_commands(tmp_path: Path, tiny_models: Path) -> None:
     table = list(csv.DictReader(io.StringIO(sb("export", second["id"], "-f", "csv"))))
     assert [r["cached"] for r in table] == ["True", "True", "True", "False"]
     jsonl = [json.loads(x) for x in sb("export", first["id"]).splitlines()]
-    assert [x["stats"]["cached"] for x in jsonl] == [False, False, True, False]
+    assert [x["response"]["body"]["specbatch"]["cached"] for x in jsonl] == [False, False, True, False]
 
     assert "no cache entries for target smollm2-135m" in sb("cache", "clear", "--target", "smollm2-135m")
     assert sb("cache", "clear", "--target", str(target), "--json")["cleared"] == 2
