@@ -289,3 +289,20 @@ def test_fingerprint_is_memoized_on_disk_and_follows_the_numerics(tmp_path, tiny
     bf16 = load_model(str(tiny_models / "llama"), dtype="bfloat16")
     assert model_fingerprint(bf16, cache) != fp            # other numbers, other results
     assert model_fingerprint(load_model(str(tiny_models / "llama-partial")), cache) != fp
+
+
+def test_a_token_id_prompt_hits_the_text_that_tokenizes_to_it(db_url, tmp_path, engines):
+    """The key is the prompt's token ids, so an OpenAI /v1/completions line with ids for a prompt
+    shares the entry of the same prompt sent as text."""
+    settings = _settings(db_url, tmp_path)
+    _, ids = make_job(settings, lines(PROMPTS[:1]))
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    token_ids = engines["partial-b1"].encode(PROMPTS[0])
+    batch_line = {"custom_id": "ids", "method": "POST", "url": "/v1/completions",
+                  "body": {"prompt": token_ids, "max_tokens": 8}}
+    other = {**batch_line, "custom_id": "other", "body": {"prompt": token_ids[:-1], "max_tokens": 8}}
+    job, ids = make_job(settings, [batch_line, other], name="ids.jsonl")
+    report = process_chunk(settings, engines["random-b4"], ids, "w1")
+    assert report.cached == ids[:1] and report.completed == ids
+    got = results(db_url, job)
+    assert got[0].cached and not got[1].cached and got[1].cache_key
