@@ -1,8 +1,9 @@
 """Job-level statistics from the result rows (the ``stats`` object of ``specbatch status --json``).
 
-Results-cache hits count as results (``cache_hits``, ``tokens_from_cache``) but generated nothing:
-``tokens_generated`` and the rates leave them out. Rates come twice: token-weighted (sums over the job, then divided) and the request mean (each
+Rates come twice: token-weighted (sums over the job, then divided) and the request mean (each
 request's rate, averaged over the requests that drafted at all). Undefined figures are None.
+Results-cache hits count as results (``cache_hits``, ``tokens_from_cache``) but generated nothing:
+``tokens_generated`` and the rates leave them out.
 """
 
 from __future__ import annotations

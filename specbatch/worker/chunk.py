@@ -64,8 +64,8 @@ class ChunkReport:
     new_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"completed": self.completed, "cached": self.cached, "failed": self.failed, "finished": self.finished,
-                "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
+        return {"completed": self.completed, "cached": self.cached, "failed": self.failed,
+                "finished": self.finished, "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
                 "new_tokens": self.new_tokens}
 
 
