@@ -6,7 +6,8 @@ one target forward over k + 1 tokens, both measured on this machine as decoding 
 shared by all requests of an engine: costs are properties of the hardware). The controller picks
 the k with the best expected tokens per second and compares it with plain decoding (one token per
 target forward of 1 token); when speculation loses it turns itself off for the request, probing
-again now and then in case the text becomes easier to predict.
+again now and then in case the text becomes easier to predict. The costs a controller reads are
+those of the batch size its request is decoded at (policy.py).
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ class CostModel:
 
 @dataclass
 class GammaController:
-    """Per-request gamma. ``next_gamma()`` returns 0 when speculation is off for this step."""
+    """Per-request gamma. ``next_gamma()`` returns 0 when speculation is off for this step.
+
+    ``costs`` is swapped by the decoder for the cost model of the current batch-size bucket.
+    """
 
     costs: CostModel
     gamma: int = 4
@@ -87,8 +91,6 @@ class GammaController:
         return a / (a + self.rejected + (1 - self.prior) * self.prior_weight)
 
     def next_gamma(self) -> int:
-        if self.adaptive and self.steps >= self.warmup_steps and 1 not in self.costs.verify:
-            return 0  # one plain step measures what plain decoding costs here (at this batch size)
         if self.off:
             self.plain_steps += 1
             if self.plain_steps % self.probe_every:
