@@ -80,11 +80,12 @@ class Decoder:
         prefill = bool(self.rows)
         cache = BatchCache(self.target, len(new))
         feeds = [r.ids[:-1] for r in new]
-        if prefill and any(feeds):
+        prefilled = prefill and any(feeds)        # (one-token prompts have nothing to cache yet)
+        if prefilled:
             cache.forward(feeds, logits_to_keep=1)
         self.cache.extend(cache)
         draft_forwards = sum(d.admit(new, prefill) for d in self.drafters)
-        if prefill:
+        if prefilled:
             seconds = time.perf_counter() - t0
             for r in new:
                 r.tally.prefill(seconds, draft_forwards)
@@ -105,7 +106,8 @@ class Decoder:
     # -- one step for every row: draft, verify the trees in one forward, accept, roll back
     def _step(self) -> None:
         rows, n = self.rows, len(self.rows)
-        fresh = any(int(m) < len(r.ids) - 1 for r, m in zip(rows, self.cache.n_valid.tolist()))
+        pending = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
+        with_prompts = any(len(p) > 1 for p in pending)   # a fresh batch caches its prompts now
         # 1. draft: each row's gamma, capped by the policy and by what the row may still emit
         k = self._gammas()
         t0 = time.perf_counter()
@@ -113,9 +115,8 @@ class Decoder:
         t1 = time.perf_counter()
         # 2. verify: one target forward over each row's pending tokens (root last) and its tree
         trees = [self._tree(b, [props[b] for props in proposals]) for b in range(n)]
-        pending = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
         keep = max(t.n_nodes for t in trees) + 1
-        chains = all(t.is_chain for t in trees)   # (the model's causal mask then serves)
+        chains = all(t.is_chain for t in trees)   # (then BatchCache may use the causal mask)
         logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
                                     parents=None if chains else
                                     [t.feed_parents(len(p)) for p, t in zip(pending, trees)])
@@ -128,7 +129,7 @@ class Decoder:
             d.observe(rows, [v.tokens for v in verdicts])
         # 4. statistics, as data; the measured step steers gamma
         self.policy.observe(StepReport(n, max(t.depth for t in trees), sum(t.depth for t in trees),
-                                       sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, fresh))
+                                       sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, with_prompts))
         for b, (r, t, v) in enumerate(zip(rows, trees, verdicts)):
             forwards = sum(p.forwards for props in proposals if (p := props[b]) is not None)
             winner = self.drafters[v.winner].name if v.winner >= 0 else ""

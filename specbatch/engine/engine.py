@@ -136,6 +136,9 @@ class Engine:
         Up to ``batch_size`` requests decode together (continuous batching); ``policy`` replaces
         the default (that fixed limit, costs measured per batch-size bucket).
         """
+        if self._legacy:
+            yield from self._legacy_generate_many(requests, batch_size or self.batch_size)
+            return
         valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
@@ -149,6 +152,29 @@ class Engine:
         if policy is None:
             policy = MeasuredPolicy(batch_size or self.batch_size, self.costs)
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma)
+        with torch.inference_mode():
+            yield from decoder.run(valid)
+
+    def _legacy_generate_many(self, requests: Sequence[EngineRequest], batch_size: int
+                              ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
+        from specbatch.engine._legacy.batch import BatchDecoder
+
+        if batch_size <= 1 or len(self.drafts) > 1:
+            for i, req in enumerate(requests):
+                try:
+                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
+                except SpecBatchError as e:
+                    yield i, e
+            return
+        valid = []
+        for i, req in enumerate(requests):
+            params = req.params.validate()
+            ids = self._ids(req.prompt, req.messages, req.input_ids)
+            valid.append((i, ids, params))
+        if not hasattr(self, "_legacy_batch_costs"):
+            self._legacy_batch_costs: dict[int, Any] = {}
+        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
+                               self._legacy_batch_costs, self.gamma, batch_size)
         with torch.inference_mode():
             yield from decoder.run(valid)
 

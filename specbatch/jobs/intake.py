@@ -1,6 +1,6 @@
 """Prompt files in: read and validate every JSONL line before anything is written.
 
-Three line forms (DESIGN.md, "Input format"):
+Three line forms (docs/DESIGN.md, "Formats"):
 
     {"custom_id": "q1", "prompt": "Write a haiku", "max_tokens": 64}
     {"custom_id": "q2", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7}
