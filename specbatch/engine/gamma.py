@@ -76,14 +76,20 @@ class GammaController:
     adaptive: bool = True
     warmup_steps: int = 3            # steps before the controller trusts its estimates
     probe_every: int = 16            # plain steps between probes once speculation is off
+    max_probe_every: int = 256       # probes that keep losing back off up to this interval
+    switch_margin: float = 0.95      # off when speculating is below this share of plain's rate
     prior: float = 0.6               # alpha prior (pseudo-counts below)
     prior_weight: float = 2.0
+    memory: float = 0.9              # per-step decay of the acceptance counts: text difficulty drifts
     accepted: float = 0.0
     rejected: float = 0.0
     steps: int = 0
     off: bool = False
     plain_steps: int = 0
     ever_off: bool = False
+
+    def __post_init__(self) -> None:
+        self._first_probe_every = self.probe_every
 
     @property
     def alpha(self) -> float:
@@ -102,9 +108,8 @@ class GammaController:
         if k == 0:
             return
         self.steps += 1
-        decay = 0.9                   # recent steps count more: text difficulty drifts
-        self.accepted = self.accepted * decay + n_accepted
-        self.rejected = self.rejected * decay + (1 if n_accepted < k else 0)
+        self.accepted = self.accepted * self.memory + n_accepted
+        self.rejected = self.rejected * self.memory + (1 if n_accepted < k else 0)
         if self.adaptive and self.steps >= self.warmup_steps:
             self._choose()
 
@@ -126,11 +131,11 @@ class GammaController:
         plain_cost = plain if plain is not None else self.costs.verify_cost(min(self.costs.verify))
         plain_rate = 1.0 / plain_cost if plain_cost else 0.0
         was_off = self.off
-        self.off = rates[best] < 0.95 * plain_rate
+        self.off = rates[best] < self.switch_margin * plain_rate
         if self.off and not was_off:
             self.ever_off = True
             self.plain_steps = 0
         elif self.off:   # a probe that lost: probe half as often (each probe costs a slow step)
-            self.probe_every = min(2 * self.probe_every, 256)
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
         else:
-            self.probe_every = 16
+            self.probe_every = self._first_probe_every
