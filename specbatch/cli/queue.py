@@ -6,13 +6,16 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
 from specbatch.redact import mask
+
+if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
 
 
 def model_options(f: Any) -> Any:
@@ -363,7 +366,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
         _print_summary(summary, settings)
 
 
-def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
+def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
                        batch: int, only: list[int] | None = None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
