@@ -50,15 +50,22 @@ KEY_VERSION = 1   # bump when the key's contents change: old entries then simply
 def cacheable(params: GenerationParams) -> bool:
     """Whether a request's result may be served from (and stored in) the cache: greedy only.
 
-    Seeded sampling is not cacheable, measured with the tiny Llama pair (tests/tiny.py) on this
-    CPU, torch 2.13, temperature 0.9, seed 7, 24 tokens: the same request gave the same tokens
-    only with the same drafts and batch composition. Another draft (llama-random), no draft, or
-    batch size 4 with 0, 2 or 3 other rows each gave different tokens: the random draws follow the
-    drafts' proposals and the batch's steps, so a seeded sample is a fair sample but not a
-    function of (target, prompt, parameters). Greedy outputs were identical in every case. If
-    the decoder ever makes seeded sampling independent of drafts and batching, return
-    ``params.greedy or params.seed is not None`` here; ``cache_key`` already covers the sampling
-    parameters.
+    Measured with the tiny Llama pair (tests/tiny.py) on this CPU, torch 2.13, temperature 0.9,
+    seed 7, 24 new tokens, against the same request alone at batch size 1 with draft llama-partial
+    (the script: drafts and batch compositions below, one engine each):
+
+        same draft, batch 4 with 0, 2 or 3 other rows     same tokens (one decoder, #11)
+                                                          different before #11 (batch rows shared draws)
+        draft llama-random instead, batch 1               different tokens
+        no draft, batch 1                                 different tokens
+        greedy, every case above                          same tokens
+
+    A seeded sample follows the drafts' proposals (the draws consumed per step depend on what was
+    drafted and accepted), so it is a fair sample but not a function of (target, prompt,
+    parameters), while this cache's key, like the issue's, leaves the drafts out on purpose. To
+    cache seeded sampling, add the drafts' fingerprints, ngram and the engine's gamma to the key of
+    sampled requests (``cache_key`` already covers temperature/top_p/top_k/seed), then return
+    ``params.greedy or params.seed is not None`` here.
     """
     return params.greedy
 
