@@ -31,7 +31,7 @@ PROMPTS = ["Write a haiku about queues", "The quick brown fox", "def fibonacci(n
 def test_only_greedy_requests_are_cacheable():
     assert result_cache.cacheable(GREEDY)
     assert result_cache.cacheable(GenerationParams(temperature=0.0, seed=3, top_k=5))
-    # measured irreproducible across drafts and batch compositions (see cacheable's docstring)
+    # a seeded sample depends on the drafts (measured: see cacheable's docstring)
     assert not result_cache.cacheable(GenerationParams(temperature=0.7, seed=1))
     assert not result_cache.cacheable(GenerationParams(temperature=0.7))
 
