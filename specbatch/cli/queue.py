@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -116,31 +117,52 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
 
 @click.command()
 @click.argument("job_id")
+@click.option("--in-process", is_flag=True,
+              help="Finish the job here (like `specbatch run --resume`), without broker or worker.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was re-enqueued as JSON.")
-def resume(job_id: str, as_json: bool) -> None:
+@click.pass_context
+def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> None:
     """Re-enqueue a job's pending and lease-expired requests now.
 
     Use it after a broker flush or restart, or when a worker died holding requests; a request that
-    already has a result is never generated again.
+    already has a result is never generated again. Requests still leased by a worker are queued
+    too: they run once their lease ends, if that worker does not finish them first.
+    A job made by `specbatch run` is finished in this process (no broker needed), as with
+    --in-process.
 
     \b
     Example:
       specbatch resume 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.worker.embedded import release_dead_embedded
     from specbatch.worker.enqueue import enqueue_requests
 
     settings = get_settings()
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.get_job(s, job_id)
-        queue = job.queue
+        job_id, queue, embedded = job.id, job.queue, bool((job.meta or {}).get("embedded"))
+        released = release_dead_embedded(s, job_id)
         ids = list(store.resumable_request_ids(s, job_id))
+        leased = store.leased_requests(s, job_id)
+    if in_process or embedded:
+        ctx.invoke(run, resume_job=job_id, as_json=as_json)
+        return
+    ids = sorted(set(ids) | {rid for rid, _, _ in leased})
     tasks = enqueue_requests(settings, job_id, ids, queue) if ids else 0
+    until = max((t for _, _, t in leased), default=None)
     if as_json:
-        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks})
-    else:
-        click.echo(f"job {job_id}: re-enqueued {len(ids)} requests in {tasks} tasks on queue {queue}")
+        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks,
+                   "leased": len(leased), "released": len(released),
+                   "leased_until": until.isoformat() if until else None})
+        return
+    click.echo(f"job {job_id}: re-enqueued {len(ids)} requests in {tasks} tasks on queue {queue}")
+    if leased:
+        wait = max(0.0, (until - datetime.now(timezone.utc)).total_seconds()) if until else 0.0
+        workers = sorted({w for _, w, _ in leased})
+        click.echo(f"{len(leased)} of them are still leased by {', '.join(workers)}: claimable from "
+                   f"{until:%H:%M:%S} UTC (in {wait:.0f}s) unless that worker finishes them first")
     if ids:
         _warn_no_consumer(settings, queue)
 
@@ -202,56 +224,126 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
     os.execve(sys.executable, argv, env)
 
 
+# `specbatch run` exit statuses (README "Exit status"): 0 every request completed; 1 the job
+# failed (no request completed) or an error; 2 usage or settings error; 3 the job completed with
+# some requests failed (partial results); 130 interrupted (Ctrl-C), resumable.
+EXIT_PARTIAL = 3
+EXIT_INTERRUPTED = 130
+
+
 @click.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False), required=False)
 @model_options
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
+@click.option("--resume", "resume_job", metavar="JOB", default=None,
+              help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
-def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
+def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
         stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | None,
-        as_json: bool) -> None:
+        resume_job: str | None, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file in this process (no Redis needed).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
     database (SPECBATCH_DATABASE_URL); `specbatch export JOB` writes them to a file.
 
+    Ctrl-C stops at the next decoding step, keeps every finished result and marks the job
+    interrupted; `specbatch run --resume JOB` finishes it. A second Ctrl-C exits at once.
+    Exit status: 0 all completed, 1 the job failed, 3 some requests failed, 130 interrupted.
+
     \b
     Example:
       specbatch run examples/prompts.jsonl
       specbatch run prompts.jsonl --target DIR --draft DIR2 --ngram --max-new-tokens 64 --json
+      specbatch run --resume 3f9a2c
     """
     from rich.console import Console
 
-    from specbatch.engine import Engine
-    from specbatch.jobs import store
+    from specbatch.jobs import intake, store
+    from specbatch.worker.interrupt import stop_on_signals
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
-    target_, drafts_ = resolve_pair(settings, target, drafts)
-    queue = queue_name(target_, drafts_, ngram)
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    if resume_job is not None:
+        if file is not None:
+            raise click.UsageError("give FILE or --resume JOB, not both")
+        with open_db(settings).begin() as s:
+            job = store.get_job(s, resume_job)
+            job_id, target_, drafts_, ngram = job.id, job.target, list(job.drafts or []), job.ngram
+        if target is not None or drafts:
+            raise click.UsageError(f"job {job_id} runs on its own models ({target_} + "
+                                   f"{', '.join(drafts_) or 'no draft'}); drop --target/--draft")
+        parsed = None
+    else:
+        if file is None:
+            raise click.UsageError("missing FILE (or --resume JOB)")
+        target_, drafts_ = resolve_pair(settings, target, drafts)
+        parsed = intake.parse_file(file, defaults, settings)   # a bad file: nothing loaded or written
     batch = batch_size or settings.batch_size
-    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
     console = Console(stderr=True)
-    with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
-        engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
-                             dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                             batch_size=batch)
-    _run_with_progress(settings, console, job_id, len(ids), engine, batch)
+    # models before the job: a model that cannot load leaves no job behind
+    engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch)
+    if parsed is not None:
+        assert file is not None
+        with open_db(settings).begin() as s:
+            job = store.create_job(s, target=target_, drafts=drafts_, ngram=ngram, params=defaults,
+                                   requests=parsed, queue=queue_name(target_, drafts_, ngram),
+                                   source=str(Path(file).resolve()), metadata={"embedded": True})
+            job_id = job.id
+    with open_db(settings).begin() as s:
+        counts = store.request_counts(s, [job_id])[job_id]
+
+    def on_first() -> None:
+        console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
+
+    with stop_on_signals(on_first) as stop_request:
+        try:
+            finished = _run_with_progress(settings, console, job_id, counts["total"], engine, batch,
+                                          stop_request, done=counts["total"] - counts["pending"]
+                                          - counts["running"])
+        except KeyboardInterrupt:
+            click.echo(f"job {job_id}: stopped at once; finished results are saved. "
+                       f"`specbatch run --resume {job_id}` finishes it.", err=True)
+            sys.exit(EXIT_INTERRUPTED)
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
     if as_json:
         echo_json(summary)
     else:
         _print_summary(summary, settings)
+    if not finished:
+        left = summary["request_counts"].get("pending", 0)
+        click.echo(f"job {job_id} interrupted: {left} requests left; "
+                   f"`specbatch run --resume {job_id}` finishes it", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if summary["status"] == "failed":
+        sys.exit(1)
+    if summary["status"] == "completed_with_errors":
+        sys.exit(EXIT_PARTIAL)
+
+
+def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
+                 device: str | None, dtype: str | None, batch: int) -> Any:
+    from specbatch.engine import Engine
+    from specbatch.errors import ModelLoadError, SpecBatchError
+
+    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
+        try:
+            return Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
+                               dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
+                               batch_size=batch)
+        except SpecBatchError:
+            raise
+        except Exception as e:   # a loader bug must still be one line, and leave no job behind
+            raise ModelLoadError(f"cannot load {target}: {type(e).__name__}: {e}") from e
 
 
 def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
-                       batch: int) -> None:
+                       batch: int, stop: Any = None, done: int = 0) -> bool:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.worker.embedded import run_embedded
@@ -261,7 +353,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console,
                   transient=False) as progress:
-        task = progress.add_task(f"job {job_id}", total=total, speed="")
+        task = progress.add_task(f"job {job_id}", total=total, speed="", completed=done)
 
         def on_progress(event: Any) -> None:
             if event.output is not None:
@@ -278,7 +370,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
                 speed += f"  failed {agg['failed']}"
             progress.update(task, advance=1, speed=speed)
 
-        run_embedded(settings, job_id, engine, on_progress, batch_size=batch)
+        return run_embedded(settings, job_id, engine, on_progress, batch_size=batch, stop=stop)
 
 
 def _print_summary(summary: dict[str, Any], settings: Settings) -> None:

@@ -272,6 +272,42 @@ def release_requests(s: Session, request_ids: Sequence[int]) -> None:
     s.flush()
 
 
+def running_workers(s: Session, job_id: str) -> list[str]:
+    """The workers holding a claim (live or expired) on one of the job's requests."""
+    return [w for w in s.scalars(select(Request.worker).where(
+        Request.job_id == job_id, Request.status == RequestStatus.running).distinct()) if w]
+
+
+def leased_requests(s: Session, job_id: str) -> list[tuple[int, str, datetime]]:
+    """(id, worker, lease end) of the job's running requests whose lease is still live."""
+    now = utcnow()
+    rows = s.execute(select(Request.id, Request.worker, Request.lease_expires_at).where(
+        Request.job_id == job_id, Request.status == RequestStatus.running,
+        Request.lease_expires_at > now).order_by(Request.id))
+    return [(rid, worker or "?", lease) for rid, worker, lease in rows]
+
+
+def release_held_by(s: Session, job_id: str, worker: str) -> list[int]:
+    """Release (see ``release_requests``) the job's requests ``worker`` holds; returns their ids."""
+    ids = list(s.scalars(select(Request.id).where(Request.job_id == job_id, Request.worker == worker,
+                                                  Request.status == RequestStatus.running)))
+    release_requests(s, ids)
+    return ids
+
+
+def set_interrupted(s: Session, job_id: str, interrupted: bool) -> None:
+    """Mark (or unmark) the job as interrupted: a ``specbatch run`` stopped before its end.
+    Kept in the job's metadata; ``job_dict`` shows such an unfinished job as ``interrupted``."""
+    job = get_job(s, job_id)
+    meta = dict(job.meta or {})
+    if interrupted:
+        meta["interrupted_at"] = utcnow().isoformat()
+    elif meta.pop("interrupted_at", None) is None:
+        return
+    job.meta = meta
+    s.flush()
+
+
 def _finite(x: float) -> float:
     return float(x) if math.isfinite(x) else 0.0
 
@@ -349,8 +385,12 @@ def _iso(t: datetime | None) -> str | None:
 
 def job_dict(job: Job, counts: dict[str, int] | None = None) -> dict[str, Any]:
     """The job's columns as JSON-ready data (``request_counts`` from ``counts`` if given)."""
+    status = JobStatus(job.status).value
+    if (job.meta or {}).get("interrupted_at") and not JobStatus(job.status).finished \
+            and job.status != JobStatus.cancelling:
+        status = "interrupted"   # a `specbatch run` stopped early; `specbatch run --resume` ends it
     return {
-        "id": job.id, "status": JobStatus(job.status).value, "target": job.target,
+        "id": job.id, "status": status, "target": job.target,
         "drafts": list(job.drafts or []), "ngram": job.ngram, "queue": job.queue,
         "params": dict(job.params or {}), "source": job.source, "metadata": dict(job.meta or {}),
         "created_at": _iso(job.created_at), "started_at": _iso(job.started_at),
