@@ -54,11 +54,10 @@ def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: floa
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
-                defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
-    from specbatch.jobs import intake, store
+def _create_job(settings: Settings, file: str, parsed: list[Any], target: str, drafts: list[str],
+                ngram: bool, defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
+    from specbatch.jobs import store
 
-    parsed = intake.parse_file(file, defaults, settings)
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
@@ -95,16 +94,17 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       specbatch submit examples/prompts.jsonl --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
       specbatch submit prompts.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
-    from specbatch.jobs import store
+    from specbatch.jobs import intake, store
     from specbatch.worker.enqueue import check_broker, enqueue_requests
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    parsed = intake.parse_file(file, defaults, settings)  # the file first: local and cheap
     check_broker(settings)  # broker down: fail before anything is written
-    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
+    job_id, ids = _create_job(settings, file, parsed, target_, drafts_, ngram, defaults, queue)
     tasks = enqueue_requests(settings, job_id, ids, queue)
     if as_json:
         with open_db(settings, readonly=True).begin() as s:
