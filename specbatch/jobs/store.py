@@ -331,9 +331,11 @@ def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
         return False
 
 
-def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str) -> bool:
+def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str,
+                  models: dict[str, Any] | None = None) -> bool:
     """Store a request's output and mark it completed. Idempotent: False if a result existed
-    (the stored one is kept, the request still ends completed)."""
+    (the stored one is kept, the request still ends completed). ``models``: the ``target``,
+    ``drafts`` and ``lossy`` flag of the engine that produced it (recorded with the result)."""
     req = s.get(Request, request_id)
     if req is None:
         logger.warning("result for request %s dropped: no such request (job deleted?)", request_id)
@@ -356,6 +358,8 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "pool_wins": {str(k): int(v) for k, v in st.pool_wins.items()}, "final_gamma": st.final_gamma,
         "speculation_disabled": bool(st.speculation_disabled), "worker": worker,
         "started_at": started, "finished_at": now, "latency_seconds": latency,
+        "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),
+        "lossy": bool((models or {}).get("lossy", False)),
     }
     written = _insert_ignoring_duplicates(s, values)
     if req.status != RequestStatus.completed:

@@ -26,6 +26,7 @@ from sqlalchemy import select
 
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
+from specbatch.worker.guard import engine_models
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -208,7 +209,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker)
+                        store.record_result(s, c.id, out, worker, models=engine_models(engine))
                         store.refresh_job(s, c.job_id)
                 try:
                     with_db_retry(write)
