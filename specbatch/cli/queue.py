@@ -55,13 +55,15 @@ def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: floa
 
 
 def _create_job(settings: Settings, file: str, parsed: list[Any], target: str, drafts: list[str],
-                ngram: bool, defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
+                ngram: bool, defaults: dict[str, Any], queue: str,
+                metadata: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     from specbatch.jobs import store
 
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed, queue=queue, source=str(Path(file).resolve()))
+                               requests=parsed, queue=queue, source=str(Path(file).resolve()),
+                               metadata=metadata)
         job_id = job.id
         ids = list(store.resumable_request_ids(s, job_id))
     return job_id, ids
@@ -79,11 +81,14 @@ def _warn_no_consumer(settings: Settings, queue: str) -> None:
 @click.argument("file", type=click.Path(exists=True, dir_okay=False))
 @model_options
 @sampling_options
+@click.option("--fallback-draft", is_flag=True,
+              help="LOSSY: where the target keeps failing, generate with the draft alone; such "
+                   "results are flagged lossy in the database and every export. Off by default.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
 def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
            temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           stop: tuple[str, ...], as_json: bool) -> None:
+           stop: tuple[str, ...], fallback_draft: bool, as_json: bool) -> None:
     """Validate a JSONL prompt file, store it as a job and queue it for the workers.
 
     Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
@@ -104,7 +109,10 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     parsed = intake.parse_file(file, defaults, settings)  # the file first: local and cheap
     check_broker(settings)  # broker down: fail before anything is written
-    job_id, ids = _create_job(settings, file, parsed, target_, drafts_, ngram, defaults, queue)
+    if fallback_draft and not drafts_:
+        raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
+    job_id, ids = _create_job(settings, file, parsed, target_, drafts_, ngram, defaults, queue,
+                              {"fallback_draft": True} if fallback_draft else None)
     tasks = enqueue_requests(settings, job_id, ids, queue)
     if as_json:
         with open_db(settings, readonly=True).begin() as s:

@@ -29,6 +29,7 @@ FLAT_COLUMNS = (
     "job_id", "request_id", "custom_id", "line_no", "kind", "status", "prompt", "messages", "params",
     "attempts", "error", "text", "finish_reason", "prompt_tokens", "completion_tokens", "token_ids",
     *STATS_COLUMNS, "worker", "started_at", "finished_at", "latency_seconds",
+    "model_target", "model_drafts", "lossy",   # the models that produced the row (lossy: --fallback-draft)
 )
 _JSON_TEXT = ("messages", "params", "pool_wins")       # nested data kept as JSON text in CSV/Parquet
 
@@ -51,7 +52,8 @@ def iter_rows(s: Session, job_id: str, statuses: Sequence[str] | None = None
 
 def _stats(res: Result) -> dict[str, Any]:
     out = {c: getattr(res, c) for c in STATS_COLUMNS}
-    out.update(worker=res.worker, latency_seconds=res.latency_seconds,
+    out.update(worker=res.worker, latency_seconds=res.latency_seconds, lossy=bool(res.lossy),
+               model_target=res.target, model_drafts=res.drafts,
                started_at=res.started_at.isoformat() if res.started_at else None,
                finished_at=res.finished_at.isoformat())
     return out
@@ -75,8 +77,9 @@ def openai_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]:
         body = {"id": f"cmpl-{rid}", "object": "text_completion",
                 "choices": [{"index": 0, "text": res.text, "finish_reason": res.finish_reason,
                              "logprobs": None}]}
-    body.update(created=int(res.finished_at.timestamp()), model=job.target, usage=usage)
+    body.update(created=int(res.finished_at.timestamp()), model=res.target or job.target, usage=usage)
     return {"id": rid, "custom_id": req.custom_id, "status": RequestStatus(req.status).value,
+            "lossy": bool(res.lossy),
             "response": {"status_code": 200, "request_id": rid, "body": body}, "error": None,
             "stats": _stats(res)}
 
@@ -93,7 +96,9 @@ def flat_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]:
         row.update(text=res.text, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
                    completion_tokens=res.completion_tokens, token_ids=list(res.token_ids),
                    pool_wins=json.dumps(res.pool_wins), worker=res.worker, started_at=res.started_at,
-                   finished_at=res.finished_at, latency_seconds=res.latency_seconds)
+                   finished_at=res.finished_at, latency_seconds=res.latency_seconds,
+                   model_target=res.target, lossy=bool(res.lossy),
+                   model_drafts=json.dumps(res.drafts) if res.drafts is not None else None)
     return row
 
 
@@ -110,7 +115,7 @@ def _parquet_schema() -> Any:
         "draft_forwards": pa.int64(), "draft_seconds": pa.float64(), "verify_seconds": pa.float64(),
         "wall_seconds": pa.float64(), "tokens_per_second": pa.float64(), "final_gamma": pa.int64(),
         "speculation_disabled": pa.bool_(), "started_at": ts, "finished_at": ts,
-        "latency_seconds": pa.float64(),
+        "latency_seconds": pa.float64(), "lossy": pa.bool_(),
     }
     return pa.schema([(c, types.get(c, pa.string())) for c in FLAT_COLUMNS])
 

@@ -25,6 +25,26 @@ def engine_models(engine: Any) -> dict[str, Any]:
             "lossy": bool(getattr(engine, "lossy", False))}
 
 
+def draft_only(engine: Any) -> Any:
+    """The engine's first draft model as a plain (non-speculative) engine, flagged lossy: its output
+    is the draft's, not the target's. Only for jobs submitted with --fallback-draft."""
+    from specbatch.engine import Engine
+
+    drafts = list(getattr(engine, "drafts", []) or [])
+    if not drafts:
+        return None
+    fallback = Engine(drafts[0], batch_size=getattr(engine, "batch_size", 1))
+    fallback.lossy = True  # type: ignore[attr-defined]
+    return fallback
+
+
+def allows_fallback(s: Session, job_id: str) -> bool:
+    from specbatch.db.models import Job
+
+    job = s.get(Job, job_id)
+    return bool(job is not None and (job.meta or {}).get("fallback_draft"))
+
+
 def spec_label(target: str, drafts: Sequence[str], ngram: bool) -> str:
     return f"{target} + {', '.join([*drafts, *(['ngram'] if ngram else [])]) or 'no draft'}"
 

@@ -24,7 +24,7 @@ from specbatch.errors import SpecBatchError
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
 from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk, with_db_retry
-from specbatch.worker.guard import refusal
+from specbatch.worker.guard import allows_fallback, draft_only, refusal
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,15 @@ def _refuse(task: Task, reason: str) -> Reject:
     return Reject(reason, requeue=True)
 
 
+def _fallback_ok(settings: Any, job_id: str) -> bool:
+    from specbatch.db import session_factory
+
+    def read() -> bool:
+        with session_factory(settings.database_url).begin() as s:
+            return allows_fallback(s, job_id)
+    return with_db_retry(read)
+
+
 def _release_mine(settings: Any, job_id: str, worker: str) -> None:
     from specbatch.db import session_factory
     from specbatch.jobs import store
@@ -167,7 +176,10 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
 
     settings = get_settings()
     queue = _queue(self)
-    if _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy:
+    engine = None   # the loaded engine; the draft alone (lossy) once the target failed on a fallback job
+    if _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy and _fallback_ok(settings, job_id):
+        engine = draft_only(self.engine)
+    elif _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy:
         raise _refuse(self, f"worker unhealthy after {_HEALTH['target'].failures} target failures "
                             f"({_HEALTH['target'].last_error}); restart it")
     if queue in _REFUSED:
@@ -182,7 +194,8 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             reason = with_db_retry(check)
             if reason is not None:
                 raise _refuse(self, reason)
-            report = process_chunk(settings, self.engine, request_ids, worker, should_stop=_should_stop)
+            report = process_chunk(settings, engine or self.engine, request_ids, worker,
+                                   should_stop=_should_stop)
             break
         except TRANSIENT_DB_ERRORS as e:   # the database is down: pause, probe, resume, go on
             set_consuming(self.app, self.request.hostname, queue, on=False,
@@ -200,6 +213,12 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
         except Exception as e:   # the target itself failed (out of memory, a CUDA error, ...)
             logger.exception("target failure on job %s", job_id)
             _release_mine(settings, job_id, worker)
+            if engine is None and _fallback_ok(settings, job_id):
+                engine = draft_only(self.engine)
+                if engine is not None:
+                    logger.error("job %s: target failed; generating with the draft alone (LOSSY, "
+                                 "--fallback-draft): results are flagged lossy", job_id)
+                    continue
             if health.failed(e):
                 set_consuming(self.app, self.request.hostname, queue, on=False,
                               reason=f"worker unhealthy: {health.failures} target failures in a row "

@@ -80,3 +80,43 @@ def test_target_that_keeps_failing_makes_the_worker_unhealthy_not_the_queue(clus
     assert broken.output().count("target failure on job") == cluster.settings.target_failure_limit
     cluster.worker("healthy")
     assert cluster.wait_finished(job_id)["status"] == "completed"
+
+
+def test_fallback_draft_is_per_job_and_every_result_says_lossy(cluster, tmp_path) -> None:  # noqa: ANN001
+    """Only a job submitted with --fallback-draft falls back; its results are flagged lossy in the
+    database and in every export format."""
+    import json
+
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+    from specbatch.config import get_settings
+
+    broken = cluster.worker("broken", imports=("tests.worker.broken_target_hook",))
+    prompts = cluster.prompts(ROWS[:2])
+    get_settings.cache_clear()
+    submitted = CliRunner().invoke(cli, ["submit", str(prompts), "--target", str(cluster.models / "llama"),
+                                         "--draft", str(cluster.models / "llama-partial"),
+                                         "--fallback-draft", "--json"])
+    assert submitted.exit_code == 0, submitted.output
+    job_id = json.loads(submitted.stdout[submitted.stdout.index("{"):])["job_id"]
+    assert cluster.wait_finished(job_id)["status"] == "completed"
+    assert "LOSSY" in broken.output()
+    from specbatch.db import session_factory
+    from specbatch.db.models import Result
+
+    with session_factory(cluster.settings.database_url).begin() as s:
+        results = s.query(Result).filter_by(job_id=job_id).all()
+        assert len(results) == 2 and all(r.lossy for r in results)
+        assert {r.target for r in results} == {str(cluster.models / "llama-partial")}
+    import pyarrow.parquet as pq
+
+    for fmt in ("jsonl", "csv", "parquet"):
+        out = tmp_path / f"out.{fmt}"
+        assert CliRunner().invoke(cli, ["export", job_id, "-o", str(out), "--format", fmt]).exit_code == 0
+        if fmt == "jsonl":
+            assert [json.loads(x)["lossy"] for x in out.read_text().splitlines()] == [True, True]
+        elif fmt == "csv":
+            assert out.read_text().splitlines()[1].endswith(",True")
+        else:
+            assert pq.read_table(out).column("lossy").to_pylist() == [True, True]
