@@ -13,6 +13,7 @@ import click
 
 from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
+from specbatch.errors import SpecBatchError
 from specbatch.redact import mask
 
 
@@ -54,19 +55,44 @@ def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: floa
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _create_job(settings: Settings, file: str, parsed: list[Any], target: str, drafts: list[str],
-                ngram: bool, defaults: dict[str, Any], queue: str,
-                metadata: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+def model_map_option(f: Any) -> Any:
+    return click.option(
+        "--model-map", "model_map", multiple=True, metavar="NAME=TARGET[,DRAFT...]",
+        help="Route OpenAI lines whose body.model is NAME to this target (and drafts; repeatable). "
+             "Lines without body.model use --target/--draft.")(f)
+
+
+def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...]) -> Any:
+    """The validated file ('-': standard input) with its warnings (intake.ParsedFile)."""
+    from specbatch.jobs import intake
+
+    routes = intake.parse_model_map(model_map)
+    if file == "-":
+        return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes)
+    return intake.read_file(file, defaults, settings, routes)
+
+
+def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
+                defaults: dict[str, Any], queue: str, model_map: tuple[str, ...] = (), *,
+                parsed: Any = None, metadata: dict[str, Any] | None = None
+                ) -> tuple[str, dict[Any, list[int]]]:
+    """Validate (unless ``parsed`` already is) and store the file as a job; returns its id and its
+    pending request ids per pair."""
     from specbatch.jobs import store
 
+    if parsed is None:
+        parsed = _read_file(settings, file, defaults, model_map)
+        for line in parsed.warnings(target):
+            warn(line)
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed, queue=queue, source=str(Path(file).resolve()),
+                               requests=parsed.requests, queue=queue,
+                               source="<stdin>" if file == "-" else str(Path(file).resolve()),
                                metadata=metadata)
         job_id = job.id
-        ids = list(store.resumable_request_ids(s, job_id))
-    return job_id, ids
+        routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
+    return job_id, routes
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:
@@ -77,19 +103,69 @@ def _warn_no_consumer(settings: Settings, queue: str) -> None:
              f"`specbatch worker` and the same --target/--draft options")
 
 
+def wait_for_job(settings: Settings, job_id: str, interval: float = 1.0) -> dict[str, Any]:
+    """A progress bar on stderr until the job ends; returns its summary. Ctrl-C stops waiting (exit
+    130), not the job."""
+    from specbatch.jobs import store
+
+    factory = open_db(settings)
+    try:
+        _progress_until_finished(factory, job_id, interval)
+    except KeyboardInterrupt:
+        click.echo(f"stopped waiting; job {job_id} goes on (`specbatch status {job_id} --watch`)", err=True)
+        sys.exit(130)
+    with factory.begin() as s:
+        return store.job_summary(s, job_id)
+
+
+def _progress_until_finished(factory: Any, job_id: str, interval: float) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specbatch.jobs import store
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as progress:
+        task = progress.add_task(f"job {job_id}", total=None, detail="")
+        while True:
+            with factory.begin() as s:        # short write: counters and status from the rows
+                job = store.refresh_job(s, job_id)
+                c = {n: getattr(job, n) for n in store.COUNT_NAMES}
+                status = job.status
+            done = c["completed"] + c["failed"] + c["cancelled"]
+            detail = f"{status.value}  failed {c['failed']}" if c["failed"] else status.value
+            progress.update(task, total=c["total"], completed=done, detail=detail)
+            if status.finished:
+                break
+            time.sleep(interval)
+
+
+def exit_by_outcome(summary: dict[str, Any]) -> None:
+    """Exit 0 when every request completed, else 1 with one line saying what happened."""
+    if summary["status"] != "completed":
+        c = summary["request_counts"]
+        raise click.ClickException(
+            f"job {summary['id']} ended {summary['status']}: {c['completed']} completed, {c['failed']} failed, "
+            f"{c['cancelled']} cancelled; `specbatch export {summary['id']} --errors errors.jsonl` lists them")
+
+
 @click.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
 @model_options
+@model_map_option
 @sampling_options
+@click.option("--wait", is_flag=True, help="Show a progress bar until the job ends; exit 0 only if every "
+                                           "request completed.")
 @click.option("--fallback-draft", is_flag=True,
               help="LOSSY: where the target keeps failing, generate with the draft alone; such "
                    "results are flagged lossy in the database and every export. Off by default.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
-def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
-           temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           stop: tuple[str, ...], fallback_draft: bool, as_json: bool) -> None:
-    """Validate a JSONL prompt file, store it as a job and queue it for the workers.
+def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
+           max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+           seed: int | None, stop: tuple[str, ...], wait: bool, fallback_draft: bool, as_json: bool) -> None:
+    """Validate a JSONL prompt file ('-': standard input), store it as a job and queue it for the workers.
 
     Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
     --target/--draft/--ngram options; prints the job id.
@@ -97,30 +173,47 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     \b
     Example:
       specbatch submit examples/prompts.jsonl --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
-      specbatch submit prompts.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 --json
+      specbatch submit batch.jsonl --model-map gpt-4o-mini=qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --wait
+      cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
-    from specbatch.jobs import intake, store
-    from specbatch.worker.enqueue import check_broker, enqueue_requests
+    from specbatch.jobs import store
+    from specbatch.observability import tracing
+    from specbatch.worker.enqueue import check_broker, enqueue_routes
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
-    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
-    parsed = intake.parse_file(file, defaults, settings)  # the file first: local and cheap
-    check_broker(settings)  # broker down: fail before anything is written
     if fallback_draft and not drafts_:
         raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
-    job_id, ids = _create_job(settings, file, parsed, target_, drafts_, ngram, defaults, queue,
-                              {"fallback_draft": True} if fallback_draft else None)
-    tasks = enqueue_requests(settings, job_id, ids, queue)
-    if as_json:
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    parsed = _read_file(settings, file, defaults, model_map)   # the file first: local and cheap
+    check_broker(settings)  # broker down: fail before anything is written
+    for line in parsed.warnings(target_):
+        warn(line)
+    tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
+    with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
+        with tracing.span("intake"):
+            job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults, queue, model_map,
+                                         parsed=parsed,
+                                         metadata={"fallback_draft": True} if fallback_draft else None)
+        tracing.set_attributes({"specbatch.job.id": job_id})
+        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
+    queues = ", ".join(sent) or queue
+    if not as_json:
+        click.echo(f"job {job_id}: {n} requests in {tasks} tasks on queue {queues}")
+    for q in sent:
+        _warn_no_consumer(settings, q)
+    if wait:
+        summary = wait_for_job(settings, job_id)
+    elif as_json:
         with open_db(settings, readonly=True).begin() as s:
             summary = store.job_summary(s, job_id)
-        echo_json({**summary, "job_id": job_id, "requests": len(ids), "tasks": tasks})
-    else:
-        click.echo(f"job {job_id}: {len(ids)} requests in {tasks} tasks on queue {queue}")
-    _warn_no_consumer(settings, queue)
+    if as_json:
+        echo_json({**summary, "job_id": job_id, "requests": n, "tasks": tasks, "queues": sent})
+    if wait:
+        exit_by_outcome(summary)
 
 
 @click.command()
@@ -143,36 +236,41 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
       specbatch resume 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.embedded import release_dead_embedded
-    from specbatch.worker.enqueue import enqueue_requests
+    from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.get_job(s, job_id)
-        job_id, queue, embedded = job.id, job.queue, bool((job.meta or {}).get("embedded"))
+        job_id, queue, ngram = job.id, job.queue, job.ngram
+        embedded = bool((job.meta or {}).get("embedded"))
         released = release_dead_embedded(s, job_id)
-        ids = list(store.resumable_request_ids(s, job_id))
         leased = store.leased_requests(s, job_id)
+        ids = sorted(set(store.resumable_request_ids(s, job_id)) | {rid for rid, _, _ in leased})
+        routes = store.request_routes(s, job_id, ids)
     if in_process or embedded:
         ctx.invoke(run, resume_job=job_id, as_json=as_json)
         return
-    ids = sorted(set(ids) | {rid for rid, _, _ in leased})
-    tasks = enqueue_requests(settings, job_id, ids, queue) if ids else 0
+    tracing.configure("specbatch")
+    with tracing.span("resume", {"specbatch.job.id": job_id}):
+        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     until = max((t for _, _, t in leased), default=None)
     if as_json:
-        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks,
+        echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks,
                    "leased": len(leased), "released": len(released),
                    "leased_until": until.isoformat() if until else None})
-        return
-    click.echo(f"job {job_id}: re-enqueued {len(ids)} requests in {tasks} tasks on queue {queue}")
-    if leased:
-        wait = max(0.0, (until - datetime.now(timezone.utc)).total_seconds()) if until else 0.0
-        workers = sorted({w for _, w, _ in leased})
-        click.echo(f"{len(leased)} of them are still leased by {', '.join(workers)}: claimable from "
-                   f"{until:%H:%M:%S} UTC (in {wait:.0f}s) unless that worker finishes them first")
-    if ids:
-        _warn_no_consumer(settings, queue)
+    else:
+        click.echo(f"job {job_id}: re-enqueued {n} requests in {tasks} tasks on queue {', '.join(sent) or queue}")
+        if leased and until is not None:
+            wait = max(0.0, (until - datetime.now(timezone.utc)).total_seconds())
+            workers = sorted({w for _, w, _ in leased})
+            click.echo(f"{len(leased)} of them are still leased by {', '.join(workers)}: claimable from "
+                       f"{until:%H:%M:%S} UTC (in {wait:.0f}s) unless that worker finishes them first")
+    for q in sent:
+        _warn_no_consumer(settings, q)
 
 
 @click.command()
@@ -183,8 +281,11 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
+           batch_size: int | None, hostname: str | None, loglevel: str, pool: str,
+           metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -193,6 +294,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     Example:
       specbatch worker --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 -n gpu0@%h
       specbatch worker                     # the default pair on the CPU
+      specbatch worker --metrics-port 9400 # Prometheus scrapes http://HOST:9400/metrics
     """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.runner import run_worker
@@ -202,7 +304,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=batch_size or settings.batch_size, hostname=hostname,
-                                  loglevel=loglevel, pool=pool)
+                                  loglevel=loglevel, pool=pool,
+                                  metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
     sys.exit(code)
@@ -240,8 +343,9 @@ EXIT_INTERRUPTED = 130
 
 
 @click.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False), required=False)
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True), required=False)
 @model_options
+@model_map_option
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
@@ -249,11 +353,11 @@ EXIT_INTERRUPTED = 130
 @click.option("--resume", "resume_job", metavar="JOB", default=None,
               help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
-def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
-        temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-        stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | None,
-        resume_job: str | None, as_json: bool) -> None:
-    """Submit, generate and summarise a prompt file in this process (no Redis needed).
+def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
+        max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+        seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
+        batch_size: int | None, resume_job: str | None, as_json: bool) -> None:
+    """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
     database (SPECBATCH_DATABASE_URL); `specbatch export JOB` writes them to a file.
@@ -266,53 +370,71 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     Example:
       specbatch run examples/prompts.jsonl
       specbatch run prompts.jsonl --target DIR --draft DIR2 --ngram --max-new-tokens 64 --json
+      specbatch run batch.jsonl --model-map gpt-4o-mini=DIR,DIR2 --model-map gpt-4o=DIR3
+      cat prompts.jsonl | specbatch run -
       specbatch run --resume 3f9a2c
     """
     from rich.console import Console
 
-    from specbatch.jobs import intake, store
+    from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.interrupt import stop_on_signals
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
+    batch = batch_size or settings.batch_size
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
+    console = Console(stderr=True)
+    engine = None
     if resume_job is not None:
         if file is not None:
             raise click.UsageError("give FILE or --resume JOB, not both")
+        if target is not None or drafts or model_map:
+            raise click.UsageError("a resumed job runs on its own models; drop --target/--draft/--model-map")
         with open_db(settings).begin() as s:
             job = store.get_job(s, resume_job)
             job_id, target_, drafts_, ngram = job.id, job.target, list(job.drafts or []), job.ngram
-        if target is not None or drafts:
-            raise click.UsageError(f"job {job_id} runs on its own models ({target_} + "
-                                   f"{', '.join(drafts_) or 'no draft'}); drop --target/--draft")
-        parsed = None
+            routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id)
+                                          + [rid for rid, _, _ in store.leased_requests(s, job_id)])
     else:
         if file is None:
             raise click.UsageError("missing FILE (or --resume JOB)")
         target_, drafts_ = resolve_pair(settings, target, drafts)
-        parsed = intake.parse_file(file, defaults, settings)   # a bad file: nothing loaded or written
-    batch = batch_size or settings.batch_size
-    console = Console(stderr=True)
-    # models before the job: a model that cannot load leaves no job behind
-    engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch)
-    if parsed is not None:
-        assert file is not None
-        with open_db(settings).begin() as s:
-            job = store.create_job(s, target=target_, drafts=drafts_, ngram=ngram, params=defaults,
-                                   requests=parsed, queue=queue_name(target_, drafts_, ngram),
-                                   source=str(Path(file).resolve()), metadata={"embedded": True})
-            job_id = job.id
-    with open_db(settings).begin() as s:
-        counts = store.request_counts(s, [job_id])[job_id]
+        parsed = _read_file(settings, file, defaults, model_map)   # a bad file: nothing loaded or written
+        for line in parsed.warnings(target_):
+            warn(line)
+        # the models before the job: a pair that cannot load leaves no job behind (a --model-map
+        # route that cannot load later fails its own requests, with the reason)
+        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch)
+        job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
+                                     queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
+                                     metadata={"embedded": True})
 
     def on_first() -> None:
         console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
 
+    finished = True
     with stop_on_signals(on_first) as stop_request:
         try:
-            finished = _run_with_progress(settings, console, job_id, counts["total"], engine, batch,
-                                          stop_request, done=counts["total"] - counts["pending"]
-                                          - counts["running"])
+            for route, ids in routes.items():     # one pair loaded at a time
+                route_target, route_drafts = route if route is not None else (target_, tuple(drafts_))
+                if engine is None or (route_target, list(route_drafts)) != (target_, list(drafts_)):
+                    del engine
+                    try:
+                        engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
+                                              device, dtype, batch)
+                    except SpecBatchError as e:
+                        if resume_job is not None and len(routes) == 1:
+                            raise
+                        _fail_requests(settings, job_id, ids, f"cannot load the models: {e}")
+                        engine = None
+                        continue
+                finished = _run_with_progress(settings, console, job_id, len(ids), engine, batch,
+                                              ids if len(routes) > 1 or resume_job else None,
+                                              stop=stop_request) and finished
+                if not finished:
+                    break
         except KeyboardInterrupt:
             click.echo(f"job {job_id}: stopped at once; finished results are saved. "
                        f"`specbatch run --resume {job_id}` finishes it.", err=True)
@@ -337,7 +459,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
                  device: str | None, dtype: str | None, batch: int) -> Any:
     from specbatch.engine import Engine
-    from specbatch.errors import ModelLoadError, SpecBatchError
+    from specbatch.errors import ModelLoadError
 
     with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
         try:
@@ -350,8 +472,18 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
             raise ModelLoadError(f"cannot load {target}: {type(e).__name__}: {e}") from e
 
 
+def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:
+    from specbatch.jobs import store
+
+    warn(reason)
+    with open_db(settings).begin() as s:
+        for rid in ids:
+            store.record_failure(s, rid, reason, "specbatch-run", error_type=store.SERVER_ERROR)
+        store.refresh_job(s, job_id)
+
+
 def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
-                       batch: int, stop: Any = None, done: int = 0) -> bool:
+                       batch: int, only: list[int] | None = None, stop: Any = None) -> bool:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.worker.embedded import run_embedded
@@ -361,7 +493,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console,
                   transient=False) as progress:
-        task = progress.add_task(f"job {job_id}", total=total, speed="", completed=done)
+        task = progress.add_task(f"job {job_id}", total=total, speed="")
 
         def on_progress(event: Any) -> None:
             if event.output is not None:
@@ -378,7 +510,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
                 speed += f"  failed {agg['failed']}"
             progress.update(task, advance=1, speed=speed)
 
-        return run_embedded(settings, job_id, engine, on_progress, batch_size=batch, stop=stop)
+        return run_embedded(settings, job_id, engine, on_progress, batch_size=batch, only=only, stop=stop)
 
 
 def _print_summary(summary: dict[str, Any], settings: Settings) -> None:

@@ -26,6 +26,7 @@ from sqlalchemy import select
 
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
+from specbatch.observability import tracing
 from specbatch.worker.guard import engine_models
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,8 @@ class ResultEvent:
     job_id: str
     output: Any = None
     error: str | None = None
+    claimed_ns: int = 0       # time.time_ns() at its claim, and when the engine returned it
+    generated_ns: int = 0
 
 
 @dataclass
@@ -110,7 +113,8 @@ class LeaseKeeper:
 def _engine_request(claimed: Any) -> Any:
     from specbatch.engine import EngineRequest
 
-    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params)
+    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params,
+                         input_ids=claimed.input_ids)
 
 
 def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> set[str]:
@@ -167,7 +171,9 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
                 return list(store.claim_requests(s, group, worker_name, settings.lease_seconds,
                                                  settings.max_attempts))
 
-        claimed = with_db_retry(claim)
+        with tracing.span("claim", {"specbatch.request_ids": group}):
+            claimed = with_db_retry(claim)
+        claimed_ns = time.time_ns()
         got = {c.id for c in claimed}
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
@@ -177,7 +183,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
         for run in runs:
-            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch)
+            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch, claimed_ns)
 
     if not_claimed:
         touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
@@ -191,7 +197,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
 
 def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int = 1) -> None:
+                  batch: int = 1, claimed_ns: int = 0) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
@@ -204,8 +210,9 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
         for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
-            c = run[idx]
+            c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
+            error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
@@ -215,17 +222,19 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                     with_db_retry(write)
                 except PERMANENT_DB_ERRORS as e:  # this result can never be stored: fail it, go on
                     msg = f"the result could not be stored: {getattr(e, 'orig', e)}"
+                    error_type, param = store.SERVER_ERROR, None
             if msg is not None:
-                def fail(c: Any = c, msg: str = msg) -> None:
+                def fail(c: Any = c, msg: str = msg, error_type: str = error_type, param: Any = param) -> None:
                     with sf.begin() as s:
-                        store.record_failure(s, c.id, msg, worker)
+                        store.record_failure(s, c.id, msg, worker, error_type=error_type, param=param)
                         store.refresh_job(s, c.job_id)
                 with_db_retry(fail)
                 report.failed.append(c.id)
-                event = ResultEvent(c.id, c.job_id, error=msg)
+                event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
             else:
                 report.completed.append(c.id)
                 report.new_tokens += len(out.token_ids)
-                event = ResultEvent(c.id, c.job_id, output=out)
+                event = ResultEvent(c.id, c.job_id, output=out, claimed_ns=claimed_ns,
+                                    generated_ns=generated_ns)
             if on_result is not None:
                 on_result(event)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from specbatch.config import Settings
+from specbatch.observability import tracing
+from specbatch.observability.worker import Observer
 from specbatch.worker.chunk import ResultEvent, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
@@ -24,8 +26,10 @@ def embedded_worker_name(pid: int | None = None) -> str:
 
 def run_embedded(settings: Settings, job_id: str, engine: Any,
                  on_progress: Callable[[ResultEvent], None] | None = None, *,
-                 batch_size: int | None = None, stop: StopRequest | None = None) -> bool:
-    """Generate every pending (or lease-expired) request of ``job_id``, chunk by chunk.
+                 batch_size: int | None = None, stop: StopRequest | None = None,
+                 only: Collection[int] | None = None) -> bool:
+    """Generate every pending (or lease-expired) request of ``job_id`` (of those in ``only``, when
+    given: the requests routed to ``engine``'s models), chunk by chunk.
 
     Returns False when ``stop`` interrupted it: the engine stopped at its next step, the results
     written so far stay, the requests it held are released (pending again, the attempt undone)
@@ -35,13 +39,22 @@ def run_embedded(settings: Settings, job_id: str, engine: Any,
     from specbatch.jobs import store
 
     sf = session_factory(settings.database_url)
+    keep = None if only is None else set(only)
     worker = embedded_worker_name()
 
     def resumable() -> list[int]:
         with sf.begin() as s:
             release_dead_embedded(s, job_id)
             store.set_interrupted(s, job_id, False)
-            return list(store.resumable_request_ids(s, job_id))
+            ids = store.resumable_request_ids(s, job_id)
+        return ids if keep is None else [i for i in ids if i in keep]
+
+    observer = Observer()   # the request spans, when tracing is on (no metrics port here)
+
+    def on_result(event: ResultEvent) -> None:
+        observer.on_result(event)
+        if on_progress is not None:
+            on_progress(event)
 
     batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
     # with batching, chunks several batches long keep the batch full as rows finish
@@ -49,10 +62,12 @@ def run_embedded(settings: Settings, job_id: str, engine: Any,
     finished = True
     stop = stop or StopRequest()
     try:
-        with interruptible(engine, stop):
+        with interruptible(engine, stop), \
+                tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
             for chunk in chunks(with_db_retry(resumable), size):
-                report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
-                                       on_result=on_progress, should_stop=stop)
+                with tracing.span("chunk", {"specbatch.job.id": job_id, "specbatch.request_ids": chunk}):
+                    report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
+                                           on_result=on_result, should_stop=stop)
                 if report.unstarted:
                     finished = False
                     break

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from specbatch.config import Settings
 from specbatch.errors import BrokerUnavailable
+from specbatch.observability import tracing
 from specbatch.redact import mask
 from specbatch.worker.app import TASK_NAME, app_for
 
@@ -47,16 +49,34 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
     app = app_for(settings)
     sent = 0
     try:
-        with app.connection_for_write() as conn:
+        with tracing.span("enqueue", {"specbatch.job.id": job_id, "specbatch.queue": queue}), \
+                app.connection_for_write() as conn:
+            headers = tracing.inject() or None   # the trace context, for the chunk spans
             conn.ensure_connection(max_retries=1, timeout=3)
             with app.producer_or_acquire() as producer:
                 for chunk in chunks(request_ids, settings.chunk_size):
                     app.send_task(TASK_NAME, args=[job_id, chunk], queue=queue, routing_key=queue,
-                                  producer=producer, retry=True, retry_policy=RETRY_POLICY)
+                                  producer=producer, retry=True, retry_policy=RETRY_POLICY,
+                                  headers=headers)
                     sent += 1
     except BrokerUnavailable:
         raise
     except Exception as e:
         logger.warning("job %s: %d task(s) sent before the broker failed", job_id, sent)
         raise broker_error(settings, e, job_id) from e
+    return sent
+
+
+def enqueue_routes(settings: Settings, job_id: str, routes: dict[Any, list[int]], job_queue: str,
+                   ngram: bool) -> dict[str, int]:
+    """Send each route's requests (store.request_routes: None -> the job's ``job_queue``,
+    (target, drafts) -> that pair's queue) as tasks; returns {queue: tasks sent}. Raises
+    BrokerUnavailable like enqueue_requests."""
+    from specbatch.worker.queues import queue_name
+
+    sent: dict[str, int] = {}
+    for route, ids in routes.items():
+        if ids:
+            queue = job_queue if route is None else queue_name(route[0], route[1], ngram)
+            sent[queue] = sent.get(queue, 0) + enqueue_requests(settings, job_id, ids, queue)
     return sent

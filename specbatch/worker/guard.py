@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from specbatch.redact import mask
@@ -58,15 +58,17 @@ def refusal(s: Session, job_id: str, request_ids: Sequence[int], spec: dict[str,
     if job is None:
         return (f"job {job_id} is not in this worker's database {mask(database_url)}: the submitter "
                 "and this worker use different SPECBATCH_DATABASE_URL values")
-    ids = [int(i) for i in request_ids]
-    mine = s.scalar(select(func.count()).select_from(Request)
-                    .where(Request.id.in_(ids), Request.job_id == job_id)) or 0
-    if mine != len(set(ids)):
+    ids = sorted({int(i) for i in request_ids})
+    rows = s.execute(select(Request.id, Request.target, Request.drafts)
+                     .where(Request.id.in_(ids), Request.job_id == job_id)).all()
+    if len(rows) != len(ids):
         return (f"requests {ids} are not all job {job_id}'s in this worker's database "
                 f"{mask(database_url)} (another database?)")
-    wanted = queue_name(job.target, list(job.drafts or []), bool(job.ngram))
     held = queue_name(spec["target"], list(spec.get("drafts") or []), bool(spec.get("ngram")))
-    if wanted != held:
-        return (f"job {job_id} runs on {spec_label(job.target, job.drafts or [], job.ngram)}; this "
-                f"worker holds {spec_label(spec['target'], spec.get('drafts') or [], bool(spec.get('ngram')))}")
+    for _, target, drafts in rows:   # a --model-map line runs on its own pair, else the job's
+        want_target, want_drafts = (target, list(drafts or [])) if target is not None else \
+            (job.target, list(job.drafts or []))
+        if queue_name(want_target, want_drafts, bool(job.ngram)) != held:
+            return (f"job {job_id} runs on {spec_label(want_target, want_drafts, job.ngram)}; this worker "
+                    f"holds {spec_label(spec['target'], spec.get('drafts') or [], bool(spec.get('ngram')))}")
     return None

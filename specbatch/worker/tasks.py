@@ -21,6 +21,8 @@ from kombu.exceptions import OperationalError as KombuOperationalError
 
 from specbatch.config import get_settings
 from specbatch.errors import SpecBatchError
+from specbatch.observability import tracing
+from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
 from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk, with_db_retry
@@ -57,6 +59,14 @@ def get_engine(conf: Any) -> Any:
     if "engine" not in _ENGINE:
         _ENGINE["engine"] = build_engine(engine_spec(conf))
     return _ENGINE["engine"]
+
+
+def get_observer(conf: Any) -> observe.Observer:
+    """This process's metrics/traces hook (``specbatch_observe`` from ``specbatch worker``)."""
+    spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
+    return observe.start(target=spec["target"], drafts=spec.get("drafts") or (), ngram=bool(spec.get("ngram")),
+                         worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
+                         batch_size=int(spec.get("batch_size") or 1))
 
 
 def _write_ready(path: str | None, text: str) -> None:
@@ -96,7 +106,13 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
         logger.error("cannot load models: %s", e)
         _write_ready(ready, f"error\n{e}")
         return
+    get_observer(conf)
     _write_ready(ready, "ok\n")
+
+
+@signals.worker_process_shutdown.connect
+def _flush_spans(**_: Any) -> None:
+    tracing.shutdown()
 
 
 def _worker_name(task: Task) -> str:
@@ -175,6 +191,7 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
     from specbatch.db import session_factory
 
     settings = get_settings()
+    observer = get_observer(self.app.conf)
     queue = _queue(self)
     engine = None   # the loaded engine; the draft alone (lossy) once the target failed on a fallback job
     if _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy and _fallback_ok(settings, job_id):
@@ -194,8 +211,11 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             reason = with_db_retry(check)
             if reason is not None:
                 raise _refuse(self, reason)
-            report = process_chunk(settings, engine or self.engine, request_ids, worker,
-                                   should_stop=_should_stop)
+            with tracing.continued(tracing.headers_of(self.request), "chunk",
+                                   {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
+                                    "specbatch.worker": worker}):
+                report = process_chunk(settings, engine or self.engine, request_ids, worker,
+                                       on_result=observer.on_result, should_stop=_should_stop)
             break
         except TRANSIENT_DB_ERRORS as e:   # the database is down: pause, probe, resume, go on
             set_consuming(self.app, self.request.hostname, queue, on=False,

@@ -115,7 +115,8 @@ def test_fallback_draft_is_per_job_and_every_result_says_lossy(cluster, tmp_path
         out = tmp_path / f"out.{fmt}"
         assert CliRunner().invoke(cli, ["export", job_id, "-o", str(out), "--format", fmt]).exit_code == 0
         if fmt == "jsonl":
-            assert [json.loads(x)["lossy"] for x in out.read_text().splitlines()] == [True, True]
+            lines = [json.loads(x) for x in out.read_text().splitlines()]
+            assert [x["response"]["body"]["specbatch"]["lossy"] for x in lines] == [True, True]
         elif fmt == "csv":
             assert out.read_text().splitlines()[1].endswith(",True")
         else:
