@@ -7,7 +7,7 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,6 +15,9 @@ from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
 from specbatch.redact import mask
+
+if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
 
 
 def model_options(f: Any) -> Any:
@@ -482,7 +485,7 @@ def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str)
         store.refresh_job(s, job_id)
 
 
-def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
+def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
                        batch: int, only: list[int] | None = None, stop: Any = None) -> bool:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

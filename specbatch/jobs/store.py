@@ -166,15 +166,6 @@ def cancel_job(s: Session, job_id: str) -> Job:
     job.status, job.cancel_requested_at = JobStatus.cancelling, now
     return refresh_job(s, job.id)
 
-
-def job_is_cancelled(s: Session, job_id: str) -> bool:
-    """True once a cancel was asked for (cancelling or cancelled)."""
-    status = s.scalar(select(Job.status).where(Job.id == job_id))
-    if status is None:
-        raise JobNotFound(f"no job {job_id!r}")
-    return JobStatus(status) in STOPPING_JOB
-
-
 def retry_failed(s: Session, job_id: str) -> list[int]:
     """Failed requests back to pending (attempts reset); returns their ids, for enqueueing."""
     job = get_job(s, job_id)
