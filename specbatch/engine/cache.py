@@ -73,14 +73,15 @@ class BatchCache:
         seen[:, cols, cols] = True                                                  # pads see themselves
         pos = self.n_valid[:, None] + depth
         keys_valid = torch.cat([self.valid, new_valid], dim=1)                      # (B, L + W)
-        mask = None
-        if parents is not None or any(pads) or not bool(self.valid.all()):
+        if parents is None and not any(pads) and bool(self.valid.all()):
+            # no holes, no pads, chains: the model's own causal mask is the same and cheaper
+            mask = torch.ones(keys_valid.shape, dtype=torch.long, device=dev)
+        else:
             allowed = torch.cat([self.valid[:, None, :].expand(-1, width, -1), seen], dim=2)
             dtype = self.model.model.dtype
             mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
             mask.masked_fill_(~allowed, torch.finfo(dtype).min)
             mask = mask[:, None]
-        # (no holes, no pads, chains: the model's own causal mask is the same and cheaper)
         out = self.model.forward(inp, self.cache, attention_mask=mask, position_ids=pos,
                                  logits_to_keep=logits_to_keep)
         self.valid = keys_valid
