@@ -116,7 +116,8 @@ def target_identity(engine: Any, cache_dir: str | None) -> str | None:
         pass
     target = getattr(engine, "target", None)
     identity = None
-    if target is not None and hasattr(target, "info"):
+    # a --fallback-draft engine (lossy) answers in the target's place: never cache what it says
+    if target is not None and hasattr(target, "info") and not getattr(engine, "lossy", False):
         from specbatch.engine.fingerprint import model_fingerprint
 
         try:

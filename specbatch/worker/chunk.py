@@ -29,6 +29,7 @@ from specbatch.config import Settings
 from specbatch.engine.types import GenerationOutput
 from specbatch.errors import SpecBatchError
 from specbatch.observability import tracing
+from specbatch.worker.guard import engine_models
 
 if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
     from specbatch.engine.engine import Engine, EngineRequest
@@ -69,7 +70,8 @@ class ChunkReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"completed": self.completed, "cached": self.cached, "failed": self.failed,
-                "finished": self.finished, "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
+                "finished": self.finished,
+                "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
                 "new_tokens": self.new_tokens}
 
 
@@ -187,6 +189,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         if not claimed:
             continue
         touched_jobs.update(c.job_id for c in claimed)
+
         def serve(claimed: list[Any] = claimed) -> tuple[list[Any], list[Any]]:
             return cache.serve(sf, claimed, worker_name)
         hits, claimed = with_db_retry(serve)
@@ -240,7 +243,8 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker, **(cache.columns(c.id) if cache else {}))
+                        store.record_result(s, c.id, out, worker, models=engine_models(engine),
+                                            **(cache.columns(c.id) if cache else {}))
                         store.refresh_job(s, c.job_id)
                 try:
                     with_db_retry(write)
