@@ -306,3 +306,18 @@ def test_a_token_id_prompt_hits_the_text_that_tokenizes_to_it(db_url, tmp_path, 
     assert report.cached == ids[:1] and report.completed == ids
     got = results(db_url, job)
     assert got[0].cached and not got[1].cached and got[1].cache_key
+
+
+def test_a_lossy_fallback_engine_neither_serves_nor_stores(db_url, tmp_path, engines):
+    """--fallback-draft answers with the draft alone in the target's place: never a cache entry."""
+    from specbatch.worker.guard import draft_only
+
+    settings = _settings(db_url, tmp_path)
+    _, ids = make_job(settings, lines(PROMPTS[:1]))
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    fallback = draft_only(engines["partial-b1"])
+    assert fallback.lossy
+    job, ids = make_job(settings, lines(PROMPTS[:1] * 2), name="lossy.jsonl")
+    report = process_chunk(settings, fallback, ids, "w1")
+    assert report.cached == [] and report.completed == ids
+    assert all(r.lossy and r.cache_key is None and not r.cached for r in results(db_url, job))
