@@ -32,6 +32,9 @@ class Settings:
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = 5555
+    api_keys: str = ""                  # comma-separated bearer keys for `specbatch serve`
+    files_dir: str = ""                 # uploaded and result files of the HTTP API
+    max_upload_bytes: int = 200_000_000  # per uploaded file (OpenAI's batch file limit)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -40,6 +43,7 @@ class Settings:
         values: dict[str, object] = {
             "database_url": f"sqlite:///{data_dir / 'specbatch.db'}",
             "cache_dir": str(_user_dir("XDG_CACHE_HOME", ".cache")),
+            "files_dir": str(data_dir / "files"),
         }
         for f in fields(cls):
             raw = env.get(f"SPECBATCH_{f.name.upper()}")
@@ -47,6 +51,10 @@ class Settings:
                 continue
             values[f.name] = int(raw) if f.type in ("int", int) else raw
         return cls(**values)  # type: ignore[arg-type]
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
 
 
 @functools.lru_cache(maxsize=1)

@@ -57,6 +57,8 @@ class Tally:
         s.new_tokens = new_tokens
         accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
         s.accepted_per_position = [a / d for a, d in zip(accepted, self.drafted_at)]
+        s.accepted_tokens_per_position = accepted
+        s.num_drafts = self.drafted_at[0] if self.drafted_at else 0
         s.final_gamma = ctl.gamma
         s.speculation_disabled = ctl.ever_off
         s.wall_seconds = wall_seconds

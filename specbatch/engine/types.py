@@ -73,6 +73,9 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[float] = field(default_factory=list)
+    # counts behind the rates, for counters that add up across requests (vLLM's spec-decode metrics)
+    num_drafts: int = 0                 # verify steps that drafted at least one token
+    accepted_tokens_per_position: list[int] = field(default_factory=list)  # steps accepting position j
     target_forwards: int = 0
     draft_forwards: int = 0
     draft_seconds: float = 0.0
