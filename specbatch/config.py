@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -32,7 +32,7 @@ class Settings:
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = 5555
-    api_keys: str = ""                  # comma-separated bearer keys for `specbatch serve`
+    api_keys: str = field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
     files_dir: str = ""                 # uploaded and result files of the HTTP API
     max_upload_bytes: int = 200_000_000  # per uploaded file (OpenAI's batch file limit)
 

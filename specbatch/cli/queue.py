@@ -40,9 +40,10 @@ def sampling_options(f: Any) -> Any:
 
 
 def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
-    if target is None and not drafts:
-        return settings.default_target, [settings.default_draft]
-    return target or settings.default_target, list(drafts)
+    from specbatch.worker.submission import Pair
+
+    pair = Pair.resolve(settings, target, drafts)
+    return pair.target, pair.drafts
 
 
 def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: float | None,
@@ -53,17 +54,14 @@ def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: floa
 
 
 def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
-                defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
-    from specbatch.jobs import intake, store
+                defaults: dict[str, Any]) -> tuple[str, list[int]]:
+    from specbatch.jobs import intake
+    from specbatch.worker.submission import Pair, store_job
 
     parsed = intake.parse_file(file, defaults, settings)
-    factory = open_db(settings)
-    with factory.begin() as s:
-        job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed, queue=queue, source=str(Path(file).resolve()))
-        job_id = job.id
-        ids = list(store.resumable_request_ids(s, job_id))
-    return job_id, ids
+    with open_db(settings).begin() as s:
+        return store_job(s, parsed, pair=Pair(target, drafts, ngram), defaults=defaults,
+                         source=str(Path(file).resolve()))
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:
@@ -93,17 +91,19 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       specbatch submit examples/prompts.jsonl --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
       specbatch submit prompts.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
-    from specbatch.jobs import store
-    from specbatch.worker.enqueue import check_broker, enqueue_requests
-    from specbatch.worker.queues import queue_name
+    from specbatch.jobs import intake, store
+    from specbatch.worker.enqueue import check_broker
+    from specbatch.worker.submission import Pair, submit_job
 
     settings = get_settings()
-    target_, drafts_ = resolve_pair(settings, target, drafts)
-    queue = queue_name(target_, drafts_, ngram)
+    pair = Pair.resolve(settings, target, drafts, ngram)
+    queue = pair.queue
     check_broker(settings)  # broker down: fail before anything is written
-    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
-    tasks = enqueue_requests(settings, job_id, ids, queue)
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    parsed = intake.parse_file(file, defaults, settings)
+    sub = submit_job(settings, open_db(settings), parsed, pair=pair, defaults=defaults,
+                     source=str(Path(file).resolve()))
+    job_id, ids, tasks = sub.job_id, sub.request_ids, sub.tasks
     if as_json:
         with open_db(settings, readonly=True).begin() as s:
             summary = store.job_summary(s, job_id)
@@ -227,14 +227,12 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
 
     from specbatch.engine import Engine
     from specbatch.jobs import store
-    from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
-    queue = queue_name(target_, drafts_, ngram)
     batch = batch_size or settings.batch_size
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
+                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop))
     console = Console(stderr=True)
     with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
         engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,

@@ -1,0 +1,136 @@
+"""OpenAI Batches: create, retrieve, list, cancel; and specbatch's ``/v1/batches/{id}/stats``.
+
+Creating a batch runs the CLI's own intake and submit path (jobs.intake + worker.submission) on
+the stored file; the batch row is written in the job's transaction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
+
+from specbatch.api.app import AppState, state
+from specbatch.api.errors import BROKER_DOWN, ApiError
+from specbatch.api.files import page
+from specbatch.api.metadata import check_metadata, job_options
+from specbatch.db.models import ApiBatch, Job
+from specbatch.errors import BrokerUnavailable, IntakeError
+from specbatch.jobs import batches, files, intake
+from specbatch.worker.enqueue import check_broker
+from specbatch.worker.submission import submit_job
+
+router = APIRouter(tags=["batches"])
+
+
+class CreateBatch(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, Any] | None = None
+    output_expires_after: dict[str, Any] | None = None     # accepted; outputs are kept until deleted
+
+
+def _object(sb: AppState, batch_id: str) -> dict[str, Any]:
+    """The Batch object; expires an overdue batch and schedules the output files of a finished one."""
+    with sb.reader.begin() as s:
+        batch = batches.get_batch(s, batch_id)
+        job = s.get(Job, batch.job_id) if batch.job_id else None
+        overdue = batches.is_overdue(batch, job)
+    if overdue:
+        with sb.factory.begin() as s:
+            batches.expire(s, batch_id)
+    with sb.reader.begin() as s:
+        batch = batches.get_batch(s, batch_id)
+        obj = batches.batch_objects(s, [batch])[0]
+        _schedule(sb, s, [batch])
+    return obj
+
+
+def _schedule(sb: AppState, s: Any, rows: list[ApiBatch]) -> None:
+    jobs = batches.jobs_of(s, rows)
+    for b in rows:
+        if batches.needs_finalizing(b, jobs.get(b.job_id or "")):
+            sb.finalizer.schedule(b.id)
+
+
+@router.post("/batches")
+def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
+    sb = state(request)
+    if body.endpoint not in batches.ENDPOINTS:
+        raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
+                       param="endpoint")
+    if body.completion_window not in batches.COMPLETION_WINDOWS:
+        raise ApiError(400, f"completion_window must be one of {', '.join(batches.COMPLETION_WINDOWS)}",
+                       param="completion_window")
+    metadata = check_metadata(body.metadata)
+    pair, defaults = job_options(metadata, sb.settings)
+    with sb.reader.begin() as s:
+        f = files.get_file(s, body.input_file_id)
+        purpose, filename = f.purpose, f.filename
+    if purpose != "batch":
+        raise ApiError(400, f"input file {body.input_file_id} has purpose {purpose!r}, not 'batch'",
+                       param="input_file_id")
+    check_broker(sb.settings, timeout=2.0)      # down: refuse before anything is written
+    batch_id = batches.new_batch_id()
+    fields = {"batch_id": batch_id, "input_file_id": body.input_file_id, "endpoint": body.endpoint,
+              "completion_window": body.completion_window, "metadata": metadata}
+    path = files.file_path(sb.settings, body.input_file_id)
+    try:
+        with path.open("rb") as fp:
+            parsed = intake.parse_stream(fp, filename, defaults, sb.settings)
+    except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
+        with sb.factory.begin() as s:
+            batches.create_batch(s, **fields, errors=batches.intake_errors(e))
+        return _object(sb, batch_id)
+    try:
+        submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
+                   source=f"{body.input_file_id} ({filename})", metadata={**metadata, "batch_id": batch_id},
+                   with_job=lambda s, job_id: batches.create_batch(s, **fields, job_id=job_id))
+    except BrokerUnavailable:
+        with sb.factory.begin() as s:     # nobody will run it: end it now rather than leave it queued
+            batches.fail(s, batch_id, [{"code": "broker_unavailable", "line": None, "param": None,
+                                        "message": BROKER_DOWN}])
+        raise
+    return _object(sb, batch_id)
+
+
+@router.get("/batches")
+def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
+    sb = state(request)
+    with sb.reader.begin() as s:
+        rows, more = batches.list_batches(s, limit=limit, after=after)
+        data = batches.batch_objects(s, rows)
+        _schedule(sb, s, rows)
+    return page(data, more)
+
+
+@router.get("/batches/{batch_id}")
+def retrieve_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    return _object(state(request), batch_id)
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    sb = state(request)
+    with sb.factory.begin() as s:
+        batches.cancel(s, batch_id)
+    return _object(sb, batch_id)
+
+
+@router.get("/batches/{batch_id}/stats")
+def batch_stats(request: Request, batch_id: str) -> dict[str, Any]:
+    """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
+    from specbatch.jobs import store
+
+    sb = state(request)
+    with sb.reader.begin() as s:
+        batch = batches.get_batch(s, batch_id)
+        if batch.job_id is None:
+            return {"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
+                    "request_counts": None, "stats": None}
+        summary = store.job_summary(s, batch.job_id)
+    return {"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
+            "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
+            "request_counts": summary["request_counts"], "stats": summary["stats"]}

@@ -1,0 +1,74 @@
+"""Validated requests in, a queued job out: the one submit path of the CLI and the HTTP API.
+
+    parsed = intake.parse_file(path, defaults, settings)      # or intake.parse_stream(...)
+    sub = submit_job(settings, factory, parsed, pair=pair, defaults=defaults, source=path)
+
+The job and its request rows are written in one transaction; tasks are sent after it commits (a
+worker must find the rows). ``check_broker`` first keeps a dead broker from leaving a saved job
+nobody will run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from specbatch.config import Settings
+from specbatch.jobs import store
+from specbatch.jobs.intake import ParsedRequest
+from specbatch.worker.enqueue import enqueue_requests
+from specbatch.worker.queues import queue_name
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The models a job runs on; its queue follows from them."""
+
+    target: str
+    drafts: list[str] = field(default_factory=list)
+    ngram: bool = False
+
+    @property
+    def queue(self) -> str:
+        return queue_name(self.target, self.drafts, self.ngram)
+
+    @classmethod
+    def resolve(cls, settings: Settings, target: str | None, drafts: list[str] | tuple[str, ...],
+                ngram: bool = False) -> Pair:
+        """No model given: the default pair from settings. A target alone runs without a draft."""
+        if target is None and not drafts:
+            return cls(settings.default_target, [settings.default_draft], ngram)
+        return cls(target or settings.default_target, list(drafts), ngram)
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: str
+    request_ids: list[int]
+    queue: str
+    tasks: int
+
+
+def store_job(s: Session, parsed: list[ParsedRequest], *, pair: Pair, defaults: dict[str, Any],
+              source: str | None, metadata: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """Write the job and its pending requests in the caller's transaction; (job id, request ids)."""
+    job = store.create_job(s, target=pair.target, drafts=pair.drafts, ngram=pair.ngram, params=defaults,
+                           requests=parsed, queue=pair.queue, source=source, metadata=metadata)
+    return job.id, list(store.resumable_request_ids(s, job.id))
+
+
+def submit_job(settings: Settings, factory: sessionmaker, parsed: list[ParsedRequest], *, pair: Pair,
+               defaults: dict[str, Any], source: str | None, metadata: dict[str, Any] | None = None,
+               with_job: Callable[[Session, str], Any] | None = None) -> Submission:
+    """Store the job, then send its tasks. ``with_job(session, job_id)`` writes more rows in the
+    job's transaction (the API's batch). Raises BrokerUnavailable if the send fails (the job is
+    saved: ``specbatch resume`` re-sends it)."""
+    with factory.begin() as s:
+        job_id, ids = store_job(s, parsed, pair=pair, defaults=defaults, source=source, metadata=metadata)
+        if with_job is not None:
+            with_job(s, job_id)
+    tasks = enqueue_requests(settings, job_id, ids, pair.queue)
+    return Submission(job_id=job_id, request_ids=ids, queue=pair.queue, tasks=tasks)
