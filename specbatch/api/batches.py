@@ -74,7 +74,7 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
                        param="input_file_id")
     check_broker(sb.settings, timeout=2.0)      # down: refuse before anything is written
     batch_id = batches.new_batch_id()
-    fields = {"batch_id": batch_id, "input_file_id": body.input_file_id, "endpoint": body.endpoint,
+    fields: dict[str, Any] = {"batch_id": batch_id, "input_file_id": body.input_file_id, "endpoint": body.endpoint,
               "completion_window": body.completion_window, "metadata": metadata}
     path = files.file_path(sb.settings, body.input_file_id)
     try:

@@ -72,7 +72,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return _response(ApiError(e.status_code, str(e.detail), code=code, headers=e.headers))
+        return _response(ApiError(e.status_code, str(e.detail), code=code,
+                                  headers=dict(e.headers) if e.headers else None))
 
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception) -> JSONResponse:

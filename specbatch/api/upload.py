@@ -77,7 +77,7 @@ class _Parts:
             return
         tally = self.upload.tally
         tally.feed(chunk)
-        if tally.bytes > self.settings.max_upload_bytes:
+        if tally.size > self.settings.max_upload_bytes:
             self.error = ApiError(413, f"the file is over {self.settings.max_upload_bytes} bytes "
                                        "(SPECBATCH_MAX_UPLOAD_BYTES); split it into several batches",
                                   param="file", code="file_too_large")

@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
@@ -274,7 +274,8 @@ def finalize(settings: Settings, factory: sessionmaker, reader: sessionmaker, ba
         with files.incoming(settings) as out_tmp, files.incoming(settings) as err_tmp:
             with out_tmp.open("wb") as fo, err_tmp.open("wb") as fe:
                 out, err = _TallyWriter(fo), _TallyWriter(fe)
-                n_out, n_err = write_openai_pair(s, batch.job_id or "", out, err, expired=expired)
+                n_out, n_err = write_openai_pair(s, batch.job_id or "", cast(TextIO, out), cast(TextIO, err),
+                                                 expired=expired)
             return _publish(settings, factory, batch_id, [("output", out_tmp, out.tally, n_out),
                                                           ("error", err_tmp, err.tally, n_err)])
 

@@ -53,7 +53,7 @@ def file_path(settings: Settings, file_id: str) -> Path:
 class Tally:
     """Size, non-blank line count and sha256 of bytes fed in chunks (lines split across chunks too)."""
 
-    bytes: int = 0
+    size: int = 0
     lines: int = 0
     longest_line: int = 0
     _line_len: int = 0
@@ -61,7 +61,7 @@ class Tally:
     _sha: Any = field(default_factory=hashlib.sha256)
 
     def feed(self, chunk: bytes) -> None:
-        self.bytes += len(chunk)
+        self.size += len(chunk)
         self._sha.update(chunk)
         parts = chunk.split(b"\n")
         for i, part in enumerate(parts):
@@ -116,7 +116,7 @@ def place(settings: Settings, tmp: Path, file_id: str) -> Path:
 
 def add_file(s: Session, *, file_id: str, purpose: str, filename: str, tally: Tally,
              batch_id: str | None = None, kind: str | None = None) -> ApiFile:
-    row = ApiFile(id=file_id, purpose=purpose, filename=filename[:512], bytes=tally.bytes, lines=tally.lines,
+    row = ApiFile(id=file_id, purpose=purpose, filename=filename[:512], bytes=tally.size, lines=tally.lines,
                   sha256=tally.sha256, batch_id=batch_id, kind=kind, created_at=utcnow())
     s.add(row)
     s.flush()

@@ -110,9 +110,8 @@ def start_api(request: pytest.FixtureRequest, backend: str, redis: RedisServer, 
         url = f"sqlite:///{tmp / 'api.db'}"
     else:
         url = request.getfixturevalue("pg_database")
-        from tests.db.databases import empty_tables
-
         from specbatch.db import get_engine
+        from tests.db.databases import empty_tables
         get_engine(url)
         empty_tables(url)
     return Api(tmp, redis, url, models).start()
