@@ -99,7 +99,7 @@ def get_batch(s: Session, batch_id: str) -> ApiBatch:
 
 def list_batches(s: Session, *, limit: int, after: str | None = None) -> tuple[list[ApiBatch], bool]:
     """Newest first, ``after`` a batch id (OpenAI's cursor)."""
-    return files._page(s, ApiBatch, select(ApiBatch), limit, after, descending=True)
+    return files.page_after(s, ApiBatch, select(ApiBatch), limit, after, descending=True)
 
 
 def jobs_of(s: Session, batches: Sequence[ApiBatch]) -> dict[str, Job]:

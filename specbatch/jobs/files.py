@@ -130,7 +130,7 @@ def get_file(s: Session, file_id: str) -> ApiFile:
     return row
 
 
-def _page(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool) -> tuple[list[Any], bool]:
+def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool) -> tuple[list[Any], bool]:
     """Rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more)."""
     key = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
     if after:
@@ -150,7 +150,7 @@ def list_files(s: Session, *, limit: int, after: str | None = None, purpose: str
     stmt = select(ApiFile)
     if purpose:
         stmt = stmt.where(ApiFile.purpose == purpose)
-    return _page(s, ApiFile, stmt, limit, after, order != "asc")
+    return page_after(s, ApiFile, stmt, limit, after, order != "asc")
 
 
 def delete_file(s: Session, file_id: str) -> None:
