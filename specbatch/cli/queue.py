@@ -12,6 +12,7 @@ import click
 
 from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
+from specbatch.redact import mask
 
 
 def model_options(f: Any) -> Any:
@@ -148,7 +149,7 @@ def resume(job_id: str, as_json: bool) -> None:
 @model_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
-@click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
@@ -207,7 +208,7 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
-@click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
 def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
@@ -299,5 +300,5 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
             continue
         table.add_row(key, str(value))
     Console().print(table)
-    click.echo(f"results: {settings.database_url} (job {summary.get('id')}); "
+    click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")
