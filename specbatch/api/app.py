@@ -12,14 +12,17 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Request, Response
 from sqlalchemy.orm import sessionmaker
 
 from specbatch.config import Settings
 from specbatch.db import session_factory
 
 logger = logging.getLogger(__name__)
+
+MAX_JSON_BODY = 1 << 20
 
 
 class Finalizer:
@@ -86,6 +89,15 @@ def create_app(settings: Settings) -> FastAPI:
                   lifespan=lifespan)
     app.state.sb = sb
     errors.install(app)
+
+    @app.middleware("http")
+    async def bounded_bodies(request: Request, call_next: Any) -> Response:
+        # JSON bodies are small; only the upload streams (and bounds) a large one
+        length = request.headers.get("content-length", "")
+        if request.url.path != "/v1/files" and length.isdigit() and int(length) > MAX_JSON_BODY:
+            return errors.as_response(errors.ApiError(413, f"request bodies are at most {MAX_JSON_BODY} bytes"))
+        return await call_next(request)
+
     keyed = [Depends(require_key)]
     app.include_router(files.router, prefix="/v1", dependencies=keyed)
     app.include_router(batches.router, prefix="/v1", dependencies=keyed)

@@ -37,7 +37,7 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def _response(e: ApiError) -> JSONResponse:
+def as_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
@@ -55,11 +55,11 @@ def from_domain(e: SpecBatchError) -> ApiError:
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
-        return _response(e)
+        return as_response(e)
 
     @app.exception_handler(SpecBatchError)
     async def domain_error(_: Request, e: SpecBatchError) -> JSONResponse:
-        return _response(from_domain(e))
+        return as_response(from_domain(e))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
@@ -67,16 +67,16 @@ def install(app: FastAPI) -> None:
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
-        return _response(ApiError(400, message, param=param))
+        return as_response(ApiError(400, message, param=param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return _response(ApiError(e.status_code, str(e.detail), code=code,
+        return as_response(ApiError(e.status_code, str(e.detail), code=code,
                                   headers=dict(e.headers) if e.headers else None))
 
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception) -> JSONResponse:
         logger.exception("%s %s failed", request.method, request.url.path)
-        return _response(ApiError(500, "The server had an error while processing your request.",
+        return as_response(ApiError(500, "The server had an error while processing your request.",
                                   type="server_error"))

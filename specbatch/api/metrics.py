@@ -43,10 +43,11 @@ KOMBU_PRIORITIES = (3, 6, 9)
 
 PER_POSITION_SQL = {
     "sqlite": "SELECT CAST(p.key AS INTEGER), SUM(p.value) FROM results, "
-              "json_each(results.accepted_tokens_per_position) AS p GROUP BY p.key",
+              "json_each(results.accepted_tokens_per_position) AS p "
+              "WHERE json_type(results.accepted_tokens_per_position) = 'array' GROUP BY p.key",
     "postgresql": "SELECT p.ord - 1, SUM(p.v::bigint) FROM results, "
                   "jsonb_array_elements_text(results.accepted_tokens_per_position) WITH ORDINALITY AS p(v, ord) "
-                  "GROUP BY p.ord",
+                  "WHERE jsonb_typeof(results.accepted_tokens_per_position) = 'array' GROUP BY p.ord",
 }
 
 
@@ -57,7 +58,7 @@ def accepted_per_position(s: Session) -> dict[int, int]:
         return {int(pos): int(n or 0) for pos, n in s.execute(text(sql))}
     totals: dict[int, int] = {}
     for counts in s.scalars(select(Result.accepted_tokens_per_position)):
-        for j, n in enumerate(counts or []):
+        for j, n in enumerate(counts if isinstance(counts, list) else []):
             totals[j] = totals.get(j, 0) + int(n)
     return totals
 

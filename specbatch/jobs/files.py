@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from specbatch.config import Settings
 from specbatch.db.models import ApiFile, utcnow
-from specbatch.errors import SpecBatchError
+from specbatch.errors import InputError, SpecBatchError
 
 ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 PURPOSES = ("batch", "batch_output")
@@ -135,12 +135,13 @@ def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None,
     key = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
     if after:
         cursor = s.get(model, after)
-        if cursor is not None:
-            t, i = cursor.created_at, cursor.id
-            if descending:
-                stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
-            else:
-                stmt = stmt.where(or_(model.created_at > t, and_(model.created_at == t, model.id > i)))
+        if cursor is None:
+            raise InputError(f"no object with id {after!r} to list after", field="after")
+        t, i = cursor.created_at, cursor.id
+        if descending:
+            stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
+        else:
+            stmt = stmt.where(or_(model.created_at > t, and_(model.created_at == t, model.id > i)))
     rows = list(s.scalars(stmt.order_by(*key).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
