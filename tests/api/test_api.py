@@ -248,3 +248,27 @@ def test_serve_refuses_a_public_address_without_keys(monkeypatch: pytest.MonkeyP
     result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0"])
     assert result.exit_code == 2 and "SPECBATCH_API_KEYS" in result.output
     assert not (tmp_path / "x.db").exists()
+
+
+def test_broker_down_healthz_503_and_nothing_is_written(api_redis, tiny_models: Path,  # noqa: ANN001
+                                                         tmp_path: Path) -> None:
+    from tests.worker.services import free_port
+
+    server = Api(tmp_path, api_redis, f"sqlite:///{tmp_path / 'down.db'}", tiny_models)
+    server.env["SPECBATCH_BROKER_URL"] = f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0"   # nobody listens
+    server.start(healthy=False)
+    try:
+        status, body = server.get("/healthz", key=None)
+        assert status == 503 and body["status"] == "unavailable" and body["database"] == "ok"
+        assert body["broker"] != "ok" and "s3cret" not in json.dumps(body)
+        c = server.client()
+        f = server.upload([chat_line(0)])                  # files need no broker
+        with pytest.raises(openai.APIStatusError) as e:
+            c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        assert e.value.status_code == 503 and e.value.body["code"] == "broker_unavailable"
+        assert "s3cret" not in json.dumps(e.value.body)
+        assert _jobs(server) == {} and list(c.batches.list()) == []
+        metrics = server.request("GET", "/metrics")[1].decode()
+        assert "specbatch_broker_up 0.0" in metrics
+    finally:
+        server.close()
