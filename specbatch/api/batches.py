@@ -6,20 +6,24 @@ the stored file; the batch row is written in the job's transaction.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
+from sqlalchemy.orm import Session
 
 from specbatch.api.app import AppState, state
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
-from specbatch.db.models import ApiBatch, Job
+from specbatch.db.models import ApiBatch
 from specbatch.errors import BrokerUnavailable, IntakeError
 from specbatch.jobs import batches, files, intake
 from specbatch.worker.enqueue import check_broker
 from specbatch.worker.submission import submit_job
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["batches"])
 
@@ -32,23 +36,34 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None     # accepted; outputs are kept until deleted
 
 
+def _overdue(s: Session, rows: list[ApiBatch]) -> list[str]:
+    jobs = batches.jobs_of(s, rows)
+    return [b.id for b in rows if batches.is_overdue(b, jobs.get(b.job_id or ""))]
+
+
+def _expire(sb: AppState, batch_ids: list[str]) -> bool:
+    """Expire the batches past their window (a write only when there is one); True if any was."""
+    for batch_id in batch_ids:
+        with sb.factory.begin() as s:
+            batches.expire(s, batch_id)
+    return bool(batch_ids)
+
+
 def _object(sb: AppState, batch_id: str) -> dict[str, Any]:
     """The Batch object; expires an overdue batch and schedules the output files of a finished one."""
     with sb.reader.begin() as s:
-        batch = batches.get_batch(s, batch_id)
-        job = s.get(Job, batch.job_id) if batch.job_id else None
-        overdue = batches.is_overdue(batch, job)
-    if overdue:
-        with sb.factory.begin() as s:
-            batches.expire(s, batch_id)
+        overdue = _overdue(s, [batches.get_batch(s, batch_id)])
+    expired = _expire(sb, overdue)
     with sb.reader.begin() as s:
         batch = batches.get_batch(s, batch_id)
         obj = batches.batch_objects(s, [batch])[0]
         _schedule(sb, s, [batch])
+    if expired:
+        logger.info("batch %s expired", batch_id)
     return obj
 
 
-def _schedule(sb: AppState, s: Any, rows: list[ApiBatch]) -> None:
+def _schedule(sb: AppState, s: Session, rows: list[ApiBatch]) -> None:
     jobs = batches.jobs_of(s, rows)
     for b in rows:
         if batches.needs_finalizing(b, jobs.get(b.job_id or "")):
@@ -100,9 +115,14 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
 def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
     sb = state(request)
     with sb.reader.begin() as s:
+        overdue = _overdue(s, batches.list_batches(s, limit=limit, after=after)[0])
+    expired = _expire(sb, overdue)
+    with sb.reader.begin() as s:
         rows, more = batches.list_batches(s, limit=limit, after=after)
         data = batches.batch_objects(s, rows)
         _schedule(sb, s, rows)
+    if expired:
+        logger.info("expired overdue batches while listing")
     return page(data, more)
 
 
