@@ -185,9 +185,10 @@ def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
     return {j: Usage(int(p or 0), int(c or 0)) for j, p, c in rows}
 
 
-def batch_objects(s: Session, batches: Sequence[ApiBatch]) -> list[dict[str, Any]]:
-    """OpenAI's Batch object for each batch (three queries for the lot)."""
-    jobs = jobs_of(s, batches)
+def batch_objects(s: Session, batches: Sequence[ApiBatch],
+                  jobs: dict[str, Job] | None = None) -> list[dict[str, Any]]:
+    """OpenAI's Batch object for each batch (three queries for the lot; two given ``jobs_of``)."""
+    jobs = jobs_of(s, batches) if jobs is None else jobs
     counts = store.request_counts(s, list(jobs))
     usage = usage_of(s, list(jobs))
     return [batch_object(b, jobs.get(b.job_id or ""), counts.get(b.job_id or ""), usage.get(b.job_id or ""))
