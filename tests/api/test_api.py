@@ -272,3 +272,20 @@ def test_broker_down_healthz_503_and_nothing_is_written(api_redis, tiny_models: 
         assert "specbatch_broker_up 0.0" in metrics
     finally:
         server.close()
+
+
+def test_a_batch_past_its_window_expires_on_read(api: Api) -> None:
+    from sqlalchemy import update
+
+    from specbatch.db.models import ApiBatch
+
+    c = api.client()
+    b = c.batches.create(input_file_id=api.upload([chat_line(i) for i in range(2)]).id,
+                         endpoint="/v1/chat/completions", completion_window="24h")
+    with _db(api).begin() as s:
+        s.execute(update(ApiBatch).where(ApiBatch.id == b.id).values(expires_at=ApiBatch.created_at))
+    assert [x.id for x in c.batches.list(limit=1)] == [b.id]        # listing expires it as well
+    done = wait_for(lambda: (x := c.batches.retrieve(b.id)).status == "expired" and x, 30, "the batch to expire")
+    assert done.expired_at and done.request_counts.failed == 2 and done.output_file_id is None
+    codes = {json.loads(x)["error"]["code"] for x in c.files.content(done.error_file_id).text.splitlines()}
+    assert codes == {"batch_expired"}
