@@ -91,7 +91,7 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
     path = files.file_path(sb.settings, body.input_file_id)
     try:
         with path.open("rb") as fp:
-            parsed = intake.parse_stream(fp, filename, defaults, sb.settings)
+            parsed = intake.read_stream(fp, filename, defaults, sb.settings)
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))

@@ -26,9 +26,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
-from specbatch.db.models import ApiBatch, Job, JobStatus, RequestStatus, Result, utcnow
+from specbatch.db.models import ApiBatch, Job, JobStatus, Result, utcnow
 from specbatch.errors import InputError, IntakeError, SpecBatchError
-from specbatch.jobs import export, files, intake, store
+from specbatch.jobs import export, files, intake, openai_output, store
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -227,24 +227,19 @@ def batch_object(batch: ApiBatch, job: Job | None, counts: dict[str, int] | None
 # ---------------------------------------------------------------- output files
 
 
-def write_openai_pair(s: Session, job_id: str, out: TextIO, err: TextIO, expired: bool = False) -> tuple[int, int]:
-    """ADAPTER until #13 lands its own: the job's OpenAI batch output file (successes) and error
-    file (everything else), lines in input order; returns (output lines, error lines)."""
-    n_out = n_err = 0
-    for job, req, res in export.iter_rows(s, job_id):
-        rec = export.openai_record(job, req, res)
-        rec.pop("status", None)
-        rec.pop("stats", None)
-        if rec["response"] is not None:
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            n_out += 1
-            continue
-        if req.status == RequestStatus.cancelled:
-            code = "batch_expired" if expired else "batch_cancelled"
-            rec["error"] = {"code": code, "message": f"the batch was {code[6:]} before this request ran"}
-        err.write(json.dumps(rec, ensure_ascii=False) + "\n")
-        n_err += 1
-    return n_out, n_err
+def write_pair(s: Session, job_id: str, out: TextIO, err: TextIO, expired: bool) -> tuple[int, int]:
+    """OpenAI's output/error file pair (#13's lines and split). An expired batch's job was cancelled
+    to stop its workers, so its cancelled requests are ``batch_expired`` lines, as OpenAI writes."""
+    if not expired:
+        return export.write_openai(s, job_id, out, err)
+    counts = [0, 0]
+    for line in openai_output.openai_lines(s, job_id, expired=True):
+        if line["error"] is not None and line["error"]["code"] == "batch_cancelled":
+            line["error"] = {"code": "batch_expired", "message": "the batch expired before this request was completed"}
+        ok = openai_output.is_output_line(line)
+        (out if ok else err).write(json.dumps(line, ensure_ascii=False) + "\n")
+        counts[0 if ok else 1] += 1
+    return counts[0], counts[1]
 
 
 class _TallyWriter(io.TextIOBase):
@@ -275,8 +270,8 @@ def finalize(settings: Settings, factory: sessionmaker, reader: sessionmaker, ba
         with files.incoming(settings) as out_tmp, files.incoming(settings) as err_tmp:
             with out_tmp.open("wb") as fo, err_tmp.open("wb") as fe:
                 out, err = _TallyWriter(fo), _TallyWriter(fe)
-                n_out, n_err = write_openai_pair(s, batch.job_id or "", cast(TextIO, out), cast(TextIO, err),
-                                                 expired=expired)
+                n_out, n_err = write_pair(s, batch.job_id or "", cast(TextIO, out), cast(TextIO, err),
+                                          expired=expired)
             return _publish(settings, factory, batch_id, [("output", out_tmp, out.tally, n_out),
                                                           ("error", err_tmp, err.tally, n_err)])
 

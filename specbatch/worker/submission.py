@@ -1,6 +1,6 @@
 """Validated requests in, a queued job out: the one submit path of the CLI and the HTTP API.
 
-    parsed = intake.parse_file(path, defaults, settings)      # or intake.parse_stream(...)
+    parsed = intake.read_file(path, defaults, settings, model_map)      # or intake.read_stream(...)
     sub = submit_job(settings, factory, parsed, pair=pair, defaults=defaults, source=path)
 
 The job and its request rows are written in one transaction; tasks are sent after it commits (a
@@ -18,8 +18,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
 from specbatch.jobs import store
-from specbatch.jobs.intake import ParsedRequest
-from specbatch.worker.enqueue import enqueue_requests
+from specbatch.jobs.intake import ParsedFile
+from specbatch.worker.enqueue import enqueue_routes
 from specbatch.worker.queues import queue_name
 
 
@@ -44,31 +44,37 @@ class Pair:
         return cls(target or settings.default_target, list(drafts), ngram)
 
 
+Routes = dict[Any, list[int]]     # store.request_routes: None (the job's pair) or a routed pair -> ids
+
+
 @dataclass(frozen=True)
 class Submission:
     job_id: str
-    request_ids: list[int]
-    queue: str
-    tasks: int
+    routes: Routes
+    sent: dict[str, int]            # queue -> tasks sent
+
+    @property
+    def requests(self) -> int:
+        return sum(len(ids) for ids in self.routes.values())
 
 
-def store_job(s: Session, parsed: list[ParsedRequest], *, pair: Pair, defaults: dict[str, Any],
-              source: str | None, metadata: dict[str, Any] | None = None) -> tuple[str, list[int]]:
-    """Write the job and its pending requests in the caller's transaction; (job id, request ids)."""
+def store_job(s: Session, parsed: ParsedFile, *, pair: Pair, defaults: dict[str, Any], source: str | None,
+              metadata: dict[str, Any] | None = None) -> tuple[str, Routes]:
+    """Write the job and its pending requests in the caller's transaction; (job id, ids per route)."""
     job = store.create_job(s, target=pair.target, drafts=pair.drafts, ngram=pair.ngram, params=defaults,
-                           requests=parsed, queue=pair.queue, source=source, metadata=metadata)
-    return job.id, list(store.resumable_request_ids(s, job.id))
+                           requests=parsed.requests, queue=pair.queue, source=source, metadata=metadata)
+    return job.id, store.request_routes(s, job.id, store.resumable_request_ids(s, job.id))
 
 
-def submit_job(settings: Settings, factory: sessionmaker, parsed: list[ParsedRequest], *, pair: Pair,
+def submit_job(settings: Settings, factory: sessionmaker, parsed: ParsedFile, *, pair: Pair,
                defaults: dict[str, Any], source: str | None, metadata: dict[str, Any] | None = None,
                with_job: Callable[[Session, str], Any] | None = None) -> Submission:
     """Store the job, then send its tasks. ``with_job(session, job_id)`` writes more rows in the
     job's transaction (the API's batch). Raises BrokerUnavailable if the send fails (the job is
     saved: ``specbatch resume`` re-sends it)."""
     with factory.begin() as s:
-        job_id, ids = store_job(s, parsed, pair=pair, defaults=defaults, source=source, metadata=metadata)
+        job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=source, metadata=metadata)
         if with_job is not None:
             with_job(s, job_id)
-    tasks = enqueue_requests(settings, job_id, ids, pair.queue)
-    return Submission(job_id=job_id, request_ids=ids, queue=pair.queue, tasks=tasks)
+    sent = enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    return Submission(job_id=job_id, routes=routes, sent=sent)

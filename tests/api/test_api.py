@@ -284,7 +284,9 @@ def test_a_batch_past_its_window_expires_on_read(api: Api) -> None:
                          endpoint="/v1/chat/completions", completion_window="24h")
     with _db(api).begin() as s:
         s.execute(update(ApiBatch).where(ApiBatch.id == b.id).values(expires_at=ApiBatch.created_at))
-    assert [x.id for x in c.batches.list(limit=1)] == [b.id]        # listing expires it as well
+    assert [x.id for x in c.batches.list(limit=1).data] == [b.id]     # listing expires it
+    with _db(api).begin() as s:
+        assert s.get(ApiBatch, b.id).expired_at is not None
     done = wait_for(lambda: (x := c.batches.retrieve(b.id)).status == "expired" and x, 30, "the batch to expire")
     assert done.expired_at and done.request_counts.failed == 2 and done.output_file_id is None
     codes = {json.loads(x)["error"]["code"] for x in c.files.content(done.error_file_id).text.splitlines()}
