@@ -74,7 +74,10 @@ def state(request: Request) -> AppState:
 def create_app(settings: Settings) -> FastAPI:
     from specbatch.api import batches, errors, files, health, metrics
     from specbatch.api.auth import require_key
+    from specbatch.jobs.files import sweep_incoming
 
+    if swept := sweep_incoming(settings):
+        logger.warning("removed %d unfinished upload(s) left in %s/.incoming", swept, settings.files_dir)
     factory = session_factory(settings.database_url)            # migrates the schema on first use
     reader = session_factory(settings.database_url, readonly=True)
     sb = AppState(settings, factory, reader, Finalizer(settings, factory, reader))

@@ -96,6 +96,22 @@ def incoming(settings: Settings) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def sweep_incoming(settings: Settings, older_than: float = 24 * 3600) -> int:
+    """Remove uploads a killed process left half-written (old ones only: another API process may
+    be writing into the same directory right now); returns how many."""
+    import time
+
+    cutoff, n = time.time() - older_than, 0
+    for p in (files_root(settings) / ".incoming").iterdir():
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+                n += 1
+        except FileNotFoundError:
+            continue
+    return n
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -30,3 +30,20 @@ def test_ids_never_become_paths(tmp_path) -> None:  # noqa: ANN001
     for bad in ("../x", "file-../../etc/passwd", "file-0123456789ABCDEF01234567", "/etc/passwd"):
         with pytest.raises(FileNotFound):
             file_path(settings, bad)
+
+
+def test_sweep_removes_only_old_leftovers(tmp_path) -> None:  # noqa: ANN001
+    import os
+    import time
+
+    from specbatch.jobs.files import incoming, sweep_incoming
+
+    settings = Settings.from_env({"SPECBATCH_FILES_DIR": str(tmp_path)})
+    old, new = tmp_path / ".incoming" / "old", tmp_path / ".incoming" / "new"
+    with incoming(settings):                      # creates the directory
+        pass
+    old.write_bytes(b"x")
+    new.write_bytes(b"y")
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    assert sweep_incoming(settings) == 1
+    assert not old.exists() and new.exists()
