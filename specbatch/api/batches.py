@@ -77,7 +77,8 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
         raise ApiError(400, f"completion_window must be one of {', '.join(batches.COMPLETION_WINDOWS)}",
                        param="completion_window")
     metadata = check_metadata(body.metadata)
-    pair, defaults = job_options(metadata, sb.settings)
+    options = job_options(metadata, sb.settings)
+    pair, defaults = options.pair, options.defaults
     with sb.reader.begin() as s:
         f = files.get_file(s, body.input_file_id)
         purpose, filename = f.purpose, f.filename
@@ -91,7 +92,7 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
     path = files.file_path(sb.settings, body.input_file_id)
     try:
         with path.open("rb") as fp:
-            parsed = intake.read_stream(fp, filename, defaults, sb.settings)
+            parsed = intake.read_stream(fp, filename, defaults, sb.settings, options.model_map)
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))

@@ -7,6 +7,7 @@ with ``specbatch_`` are ours (README, "HTTP API"), every other key is the client
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import Settings
@@ -20,7 +21,7 @@ DEFAULT_KEYS: dict[str, tuple[str, type]] = {
     "specbatch_max_tokens": ("max_new_tokens", int), "specbatch_temperature": ("temperature", float),
     "specbatch_top_p": ("top_p", float), "specbatch_top_k": ("top_k", int), "specbatch_seed": ("seed", int),
     "specbatch_stop": ("stop", str)}
-PAIR_KEYS = ("specbatch_target", "specbatch_draft", "specbatch_ngram")
+PAIR_KEYS = ("specbatch_target", "specbatch_draft", "specbatch_ngram", "specbatch_model_map")
 RESERVED_KEYS = (*PAIR_KEYS, *DEFAULT_KEYS)
 MAX_METADATA = 16
 MAX_KEY, MAX_VALUE = 64, 512
@@ -68,12 +69,21 @@ def _value(key: str, raw: str, kind: type) -> Any:
                          field=f"metadata.{key}") from e
 
 
-def job_options(metadata: dict[str, str], settings: Settings) -> tuple[Pair, dict[str, Any]]:
-    """The pair and the job defaults the reserved keys choose; no model key: the default pair.
+@dataclass(frozen=True)
+class JobOptions:
+    pair: Pair
+    defaults: dict[str, Any]
+    model_map: dict[str, Any] | None = None     # intake.parse_model_map: body.model -> (target, drafts)
+
+
+def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
+    """The pair, job defaults and model map the reserved keys choose; no model key: the default pair.
 
     ``specbatch_target``, ``specbatch_draft`` (comma-separated: a draft pool), ``specbatch_ngram``
-    (true/false); ``specbatch_max_tokens``, ``specbatch_temperature``, ``specbatch_top_p``,
-    ``specbatch_top_k``, ``specbatch_seed``, ``specbatch_stop`` (a string or a JSON array).
+    (true/false), ``specbatch_model_map`` (``NAME=TARGET[,DRAFT...]``, ``;``-separated: lines whose
+    body.model is NAME run on that pair, as ``--model-map``); ``specbatch_max_tokens``,
+    ``specbatch_temperature``, ``specbatch_top_p``, ``specbatch_top_k``, ``specbatch_seed``,
+    ``specbatch_stop`` (a string or a JSON array).
     """
     for key in metadata:
         if key.startswith(RESERVED_PREFIX) and key not in RESERVED_KEYS:
@@ -91,4 +101,9 @@ def job_options(metadata: dict[str, str], settings: Settings) -> tuple[Pair, dic
         name = (first.field or "").lstrip("-").replace("-", "_")
         key = next((k for k, (n, _) in DEFAULT_KEYS.items() if n == name), "")
         raise InputError(first.reason, field=f"metadata.{key}" if key else "metadata") from e
-    return pair, defaults
+    specs = [x.strip() for x in metadata.get("specbatch_model_map", "").split(";") if x.strip()]
+    try:
+        model_map = intake.parse_model_map(specs)
+    except IntakeError as e:
+        raise InputError(e.errors[0].reason, field="metadata.specbatch_model_map") from e
+    return JobOptions(pair, defaults, model_map)

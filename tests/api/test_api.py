@@ -291,3 +291,31 @@ def test_a_batch_past_its_window_expires_on_read(api: Api) -> None:
     assert done.expired_at and done.request_counts.failed == 2 and done.output_file_id is None
     codes = {json.loads(x)["error"]["code"] for x in c.files.content(done.error_file_id).text.splitlines()}
     assert codes == {"batch_expired"}
+
+
+def test_model_map_metadata_routes_lines_by_body_model(api: Api) -> None:
+    from sqlalchemy import select
+
+    from specbatch.db.models import Request
+    from specbatch.worker.queues import queue_name
+
+    c = api.client()
+    llama, gpt2 = (str(api.models / "llama"), [str(api.models / "llama-partial")]), \
+        (str(api.models / "gpt2"), [str(api.models / "gpt2-partial")])
+    rows = [{**chat_line(i), "body": {**chat_line(i)["body"], "model": "small" if i % 2 else "big"}} for i in range(4)]
+    mapping = f"small={llama[0]},{llama[1][0]}; big={gpt2[0]},{gpt2[1][0]}"
+    queues = [queue_name(t, d, False) for t, d in (llama, gpt2)]
+    waiting = [api.redis.client().llen(q) for q in queues]
+    b = c.batches.create(input_file_id=api.upload(rows).id, endpoint="/v1/chat/completions",
+                         completion_window="24h", metadata={"specbatch_model_map": mapping})
+    assert b.status == "in_progress" and b.request_counts.total == 4
+    job_id = api.get(f"/v1/batches/{b.id}/stats")[1]["job_id"]
+    with _db(api).begin() as s:
+        routed = {r.custom_id: r.target for r in s.scalars(select(Request).where(Request.job_id == job_id))}
+    assert routed == {"req-0": gpt2[0], "req-1": llama[0], "req-2": gpt2[0], "req-3": llama[0]}
+    assert [api.redis.client().llen(q) - w for q, w in zip(queues, waiting)] == [1, 1]   # chunks of 2
+    # a body.model the map does not name is a line error
+    rows[0]["body"]["model"] = "huge"
+    bad = c.batches.create(input_file_id=api.upload(rows).id, endpoint="/v1/chat/completions",
+                           completion_window="24h", metadata={"specbatch_model_map": mapping})
+    assert bad.status == "failed" and [(e.line, e.param) for e in bad.errors.data] == [(1, "body.model")]

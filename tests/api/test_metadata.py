@@ -12,26 +12,28 @@ SETTINGS = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "tgt", "SPECBATCH_DEFA
 
 
 def test_no_model_key_is_the_default_pair_and_no_defaults() -> None:
-    pair, defaults = job_options({"team": "x"}, SETTINGS)
-    assert (pair.target, pair.drafts, pair.ngram, defaults) == ("tgt", ["drf"], False, {})
+    o = job_options({"team": "x"}, SETTINGS)
+    assert (o.pair.target, o.pair.drafts, o.pair.ngram, o.defaults, o.model_map) == ("tgt", ["drf"], False, {}, None)
 
 
 def test_pair_keys() -> None:
-    pair, _ = job_options({"specbatch_target": "big"}, SETTINGS)
+    pair = job_options({"specbatch_target": "big"}, SETTINGS).pair
     assert (pair.target, pair.drafts) == ("big", [])             # a target alone runs without a draft
-    pair, _ = job_options({"specbatch_target": "big", "specbatch_draft": "a, b", "specbatch_ngram": "true"},
-                          SETTINGS)
+    pair = job_options({"specbatch_target": "big", "specbatch_draft": "a, b", "specbatch_ngram": "true"},
+                       SETTINGS).pair
     assert (pair.target, pair.drafts, pair.ngram) == ("big", ["a", "b"], True)
-    assert pair.queue != job_options({"specbatch_target": "big"}, SETTINGS)[0].queue
+    assert pair.queue != job_options({"specbatch_target": "big"}, SETTINGS).pair.queue
+    o = job_options({"specbatch_model_map": "gpt-4o=big,small; mini=tiny"}, SETTINGS)
+    assert o.model_map == {"gpt-4o": ("big", ["small"]), "mini": ("tiny", [])}
 
 
 def test_default_keys_are_typed() -> None:
-    _, defaults = job_options({"specbatch_max_tokens": "64", "specbatch_temperature": "0.7",
+    defaults = job_options({"specbatch_max_tokens": "64", "specbatch_temperature": "0.7",
                                "specbatch_top_p": "0.9", "specbatch_top_k": "40", "specbatch_seed": "3",
-                               "specbatch_stop": '["a", "b"]'}, SETTINGS)
+                               "specbatch_stop": '["a", "b"]'}, SETTINGS).defaults
     assert defaults == {"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3,
                         "stop": ["a", "b"]}
-    assert job_options({"specbatch_stop": "END"}, SETTINGS)[1] == {"stop": "END"}
+    assert job_options({"specbatch_stop": "END"}, SETTINGS).defaults == {"stop": "END"}
 
 
 @pytest.mark.parametrize("meta, field", [
@@ -42,6 +44,8 @@ def test_default_keys_are_typed() -> None:
     ({"specbatch_stop": "[oops"}, "metadata.specbatch_stop"),
     ({"specbatch_ngram": "maybe"}, "metadata.specbatch_ngram"),
     ({"specbatch_model": "x"}, "metadata.specbatch_model"),
+    ({"specbatch_model_map": "gpt-4o"}, "metadata.specbatch_model_map"),
+    ({"specbatch_model_map": "a=x;a=y"}, "metadata.specbatch_model_map"),
 ])
 def test_bad_values_name_their_key(meta: dict[str, str], field: str) -> None:
     with pytest.raises(InputError) as e:
