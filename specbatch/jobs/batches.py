@@ -2,12 +2,13 @@
 
 A batch is an ``api_batches`` row pointing at the job it created. A file that fails validation
 makes a batch with no job, status ``failed`` and OpenAI's ``errors.data[{code, line, param,
-message}]``. The job's lifecycle maps to OpenAI's statuses (docs/CONTRACTS.md, "HTTP API"):
+message}]``. The job's lifecycle maps to OpenAI's statuses (README, "HTTP API"):
 
     queued, running                       -> in_progress
     completed[_with_errors], failed       -> finalizing, then completed once the files are written
     cancelling                            -> cancelling
-    cancelled                             -> cancelling, then cancelled (expired) with the files
+    cancelled                             -> cancelling, then cancelled once the files are written
+    past the window (job cancelled)       -> finalizing, then expired once the files are written
 
 A request that failed on its own is a line of the error file; the batch still completes.
 """
