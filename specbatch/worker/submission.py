@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from specbatch.config import Settings
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedFile
-from specbatch.worker.enqueue import enqueue_routes
+from specbatch.worker import enqueue
 from specbatch.worker.queues import queue_name
 
 
@@ -76,5 +76,5 @@ def submit_job(settings: Settings, factory: sessionmaker, parsed: ParsedFile, *,
         job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=source, metadata=metadata)
         if with_job is not None:
             with_job(s, job_id)
-    sent = enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    sent = enqueue.enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
     return Submission(job_id=job_id, routes=routes, sent=sent)
