@@ -8,7 +8,7 @@
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0"
-ARG EXTRAS="postgres,api"
+ARG EXTRAS="postgres,api,otel"
 ARG UID=10001
 
 ENV PIP_NO_CACHE_DIR=1 \

@@ -43,11 +43,11 @@ KOMBU_PRIORITIES = (3, 6, 9)
 
 PER_POSITION_SQL = {
     "sqlite": "SELECT CAST(p.key AS INTEGER), SUM(p.value) FROM results, "
-              "json_each(results.accepted_tokens_per_position) AS p "
-              "WHERE json_type(results.accepted_tokens_per_position) = 'array' GROUP BY p.key",
+              "json_each(results.accepted_at_position) AS p "
+              "WHERE json_type(results.accepted_at_position) = 'array' GROUP BY p.key",
     "postgresql": "SELECT p.ord - 1, SUM(p.v::bigint) FROM results, "
-                  "jsonb_array_elements_text(results.accepted_tokens_per_position) WITH ORDINALITY AS p(v, ord) "
-                  "WHERE jsonb_typeof(results.accepted_tokens_per_position) = 'array' GROUP BY p.ord",
+                  "jsonb_array_elements_text(results.accepted_at_position) WITH ORDINALITY AS p(v, ord) "
+                  "WHERE jsonb_typeof(results.accepted_at_position) = 'array' GROUP BY p.ord",
 }
 
 
@@ -57,7 +57,7 @@ def accepted_per_position(s: Session) -> dict[int, int]:
     if sql is not None:
         return {int(pos): int(n or 0) for pos, n in s.execute(text(sql))}
     totals: dict[int, int] = {}
-    for counts in s.scalars(select(Result.accepted_tokens_per_position)):
+    for counts in s.scalars(select(Result.accepted_at_position)):
         for j, n in enumerate(counts if isinstance(counts, list) else []):
             totals[j] = totals.get(j, 0) + int(n)
     return totals
@@ -97,7 +97,7 @@ class DatabaseCollector(Collector):
             jobs = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
             requests = dict(s.execute(select(RequestRow.status, func.count()).group_by(RequestRow.status)).all())
             tokens, drafts, drafted, accepted = s.execute(select(
-                func.coalesce(func.sum(Result.completion_tokens), 0), func.coalesce(func.sum(Result.num_drafts), 0),
+                func.coalesce(func.sum(Result.completion_tokens), 0), func.coalesce(func.sum(Result.draft_steps), 0),
                 func.coalesce(func.sum(Result.drafted_tokens), 0),
                 func.coalesce(func.sum(Result.accepted_tokens), 0))).one()
             per_position = accepted_per_position(s)

@@ -12,10 +12,10 @@ import click
 
 from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
+from specbatch.redact import mask
 
 if TYPE_CHECKING:
     from specbatch.worker.submission import Pair
-from specbatch.redact import mask
 
 
 def model_options(f: Any) -> Any:
@@ -65,7 +65,7 @@ def model_map_option(f: Any) -> Any:
 
 
 def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...]) -> Any:
-    """The validated file ('-': standard input), its warnings printed."""
+    """The validated file ('-': standard input) with its warnings (intake.ParsedFile)."""
     from specbatch.jobs import intake
 
     routes = intake.parse_model_map(model_map)
@@ -169,19 +169,22 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
     from specbatch.jobs import store
-    from specbatch.worker.enqueue import check_broker
-    from specbatch.worker.submission import Pair, submit_job
+    from specbatch.observability import tracing
+    from specbatch.worker.enqueue import check_broker, enqueue_routes
+    from specbatch.worker.submission import Pair
 
     settings = get_settings()
     pair = Pair.resolve(settings, target, drafts, ngram)
     queue = pair.queue
     check_broker(settings)  # broker down: fail before anything is written
-    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
-    parsed = _read_file(settings, file, defaults, model_map)
-    for line in parsed.warnings(pair.target):
-        warn(line)
-    sub = submit_job(settings, open_db(settings), parsed, pair=pair, defaults=defaults, source=_source(file))
-    job_id, routes, sent = sub.job_id, sub.routes, sub.sent
+    tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
+    with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
+        with tracing.span("intake"):
+            job_id, routes = _create_job(settings, file, pair,
+                                         _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop),
+                                         model_map)
+        tracing.set_attributes({"specbatch.job.id": job_id})
+        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     queues = ", ".join(sent) or queue
     if not as_json:
@@ -213,6 +216,7 @@ def resume(job_id: str, as_json: bool) -> None:
       specbatch resume 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()
@@ -221,7 +225,9 @@ def resume(job_id: str, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         queue, ngram = job.queue, job.ngram
         routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
-    sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    tracing.configure("specbatch")
+    with tracing.span("resume", {"specbatch.job.id": job_id}):
+        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     if as_json:
         echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks})
@@ -239,8 +245,11 @@ def resume(job_id: str, as_json: bool) -> None:
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
+           batch_size: int | None, hostname: str | None, loglevel: str, pool: str,
+           metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -249,6 +258,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     Example:
       specbatch worker --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 -n gpu0@%h
       specbatch worker                     # the default pair on the CPU
+      specbatch worker --metrics-port 9400 # Prometheus scrapes http://HOST:9400/metrics
     """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.runner import run_worker
@@ -258,7 +268,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=batch_size or settings.batch_size, hostname=hostname,
-                                  loglevel=loglevel, pool=pool)
+                                  loglevel=loglevel, pool=pool,
+                                  metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
     sys.exit(code)
@@ -317,11 +328,13 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
 
     from specbatch.engine import Engine
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.submission import Pair
 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
     batch = batch_size or settings.batch_size
+    tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
     job_id, routes = _create_job(settings, file, Pair(target_, drafts_, ngram),
                                  _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), model_map)
     console = Console(stderr=True)

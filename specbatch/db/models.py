@@ -194,8 +194,8 @@ class Result(Base):
     mean_acceptance_length: Mapped[float] = mapped_column(Float, default=0.0)
     accepted_per_position: Mapped[list[float]] = mapped_column(JSONType, default=list)
     # counts for counters summed across results (the API's /metrics); NULL on rows written before 0006
-    num_drafts: Mapped[int | None] = mapped_column(Integer)
-    accepted_tokens_per_position: Mapped[list[int] | None] = mapped_column(JSONType)
+    draft_steps: Mapped[int | None] = mapped_column(Integer)
+    accepted_at_position: Mapped[list[int] | None] = mapped_column(JSONType)
     target_forwards: Mapped[int] = mapped_column(Integer, default=0)
     draft_forwards: Mapped[int] = mapped_column(Integer, default=0)
     draft_seconds: Mapped[float] = mapped_column(Float, default=0.0)

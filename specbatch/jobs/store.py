@@ -340,8 +340,8 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "accepted_tokens": st.accepted_tokens, "acceptance_rate": _finite(st.acceptance_rate),
         "mean_acceptance_length": _finite(st.mean_acceptance_length),
         "accepted_per_position": [_finite(x) for x in st.accepted_per_position],
-        "num_drafts": int(st.num_drafts),
-        "accepted_tokens_per_position": [int(x) for x in st.accepted_tokens_per_position],
+        "draft_steps": int(st.draft_steps),
+        "accepted_at_position": [int(x) for x in st.accepted_at_position],
         "target_forwards": st.target_forwards, "draft_forwards": st.draft_forwards,
         "draft_seconds": _finite(st.draft_seconds), "verify_seconds": _finite(st.verify_seconds),
         "wall_seconds": _finite(st.wall_seconds), "tokens_per_second": _finite(st.tokens_per_second),
@@ -397,5 +397,21 @@ def job_summary(s: Session, job_id: str) -> dict[str, Any]:
 
     job = get_job(s, job_id)
     out = job_dict(job, request_counts(s, [job.id])[job.id])
+    out["models"] = model_routes(s, job)
     out["stats"] = job_stats(s, job.id)
+    return out
+
+
+def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:
+    """Per body.model of the job's requests (None: lines without one), where it runs: {model, target,
+    drafts, requests}; the job's pair unless --model-map routed the model (one route per model)."""
+    out = []
+    counts = s.execute(select(Request.model, func.count()).where(Request.job_id == job.id)
+                       .group_by(Request.model)).all()
+    for model, n in sorted(counts, key=lambda r: (r[0] is not None, r[0] or "")):   # NULL first everywhere
+        same = Request.model.is_(None) if model is None else Request.model == model
+        target, drafts = s.execute(select(Request.target, Request.drafts)
+                                   .where(Request.job_id == job.id, same).limit(1)).one()
+        out.append({"model": model, "target": target or job.target,
+                    "drafts": list((drafts or []) if target else (job.drafts or [])), "requests": n})
     return out

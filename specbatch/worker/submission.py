@@ -1,11 +1,14 @@
-"""Validated requests in, a queued job out: the one submit path of the CLI and the HTTP API.
+"""Validated requests in, a queued job out: how `specbatch submit`/`run` and POST /v1/batches make jobs.
 
     parsed = intake.read_file(path, defaults, settings, model_map)      # or intake.read_stream(...)
-    sub = submit_job(settings, factory, parsed, pair=pair, defaults=defaults, source=path)
+    with factory.begin() as s:
+        job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=path)
+    enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    # or both at once: submit_job(settings, factory, parsed, pair=pair, defaults=defaults, source=path)
 
 The job and its request rows are written in one transaction; tasks are sent after it commits (a
 worker must find the rows). ``check_broker`` first keeps a dead broker from leaving a saved job
-nobody will run.
+nobody will run. (The CLI calls the two steps itself, each in its own trace span.)
 """
 
 from __future__ import annotations

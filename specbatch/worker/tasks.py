@@ -20,6 +20,8 @@ from celery.exceptions import Reject
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from specbatch.config import get_settings
+from specbatch.observability import tracing
+from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk
 
@@ -52,6 +54,14 @@ def get_engine(conf: Any) -> Any:
     if "engine" not in _ENGINE:
         _ENGINE["engine"] = build_engine(engine_spec(conf))
     return _ENGINE["engine"]
+
+
+def get_observer(conf: Any) -> observe.Observer:
+    """This process's metrics/traces hook (``specbatch_observe`` from ``specbatch worker``)."""
+    spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
+    return observe.start(target=spec["target"], drafts=spec.get("drafts") or (), ngram=bool(spec.get("ngram")),
+                         worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
+                         batch_size=int(spec.get("batch_size") or 1))
 
 
 def _write_ready(path: str | None, text: str) -> None:
@@ -91,7 +101,13 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
         logger.error("cannot load models: %s", e)
         _write_ready(ready, f"error\n{e}")
         return
+    get_observer(conf)
     _write_ready(ready, "ok\n")
+
+
+@signals.worker_process_shutdown.connect
+def _flush_spans(**_: Any) -> None:
+    tracing.shutdown()
 
 
 def _worker_name(task: Task) -> str:
@@ -128,9 +144,13 @@ class EngineTask(Task):
 def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) -> dict[str, Any]:
     """Generate the requests ``request_ids`` of job ``job_id``; see ``specbatch.worker.chunk``."""
     settings = get_settings()
+    observer = get_observer(self.app.conf)
     try:
-        report = process_chunk(settings, self.engine, request_ids, _worker_name(self),
-                               should_stop=_should_stop)
+        with tracing.continued(tracing.headers_of(self.request), "chunk",
+                               {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
+                                "specbatch.worker": _worker_name(self)}):
+            report = process_chunk(settings, self.engine, request_ids, _worker_name(self),
+                                   on_result=observer.on_result, should_stop=_should_stop)
     except TRANSIENT_DB_ERRORS + (KombuOperationalError, ConnectionError) as e:
         countdown = _countdown(settings, 2 ** min(self.request.retries, 6))
         logger.warning("chunk of job %s: transient error, retry in %ss: %s", job_id, countdown, e)

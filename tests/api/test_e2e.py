@@ -111,7 +111,7 @@ def test_metrics_match_the_database(api: Api) -> None:
     with session_factory(api.db_url).begin() as s:
         tokens, drafted, accepted, drafts = s.execute(select(
             func.sum(Result.completion_tokens), func.sum(Result.drafted_tokens), func.sum(Result.accepted_tokens),
-            func.sum(Result.num_drafts))).one()
+            func.sum(Result.draft_steps))).one()
         jobs = s.scalar(select(func.count()).select_from(Job))
     assert tokens and drafted and accepted, "the jobs above drafted and accepted tokens"
     assert samples["specbatch_generation_tokens_total"] == tokens

@@ -38,7 +38,7 @@ def _setup(db_url: str, tmp_path: Path, n: int = 3) -> tuple[Settings, str, list
 
 def _output(per_pos: list[int], drafts: int) -> GenerationOutput:
     stats = GenerationStats(prompt_tokens=3, new_tokens=4, verify_steps=3, drafted_tokens=2 * drafts,
-                            accepted_tokens=sum(per_pos), num_drafts=drafts, accepted_tokens_per_position=per_pos)
+                            accepted_tokens=sum(per_pos), draft_steps=drafts, accepted_at_position=per_pos)
     return GenerationOutput(text="out", token_ids=[1, 2, 3, 4], finish_reason="length", stats=stats)
 
 
@@ -137,8 +137,8 @@ def test_per_position_counts_are_summed_in_sql(db_url: str, tmp_path: Path) -> N
         store.record_result(s, ids[2], _output([5, 4], 5), "w")
         store.record_result(s, ids[3], _output([7], 7), "w")
         # rows written before migration 0006 have no counts (SQL NULL; or a JSON null)
-        s.execute(update(Result).where(Result.request_id == ids[2]).values(accepted_tokens_per_position=null()))
-        s.execute(update(Result).where(Result.request_id == ids[3]).values(accepted_tokens_per_position=None))
+        s.execute(update(Result).where(Result.request_id == ids[2]).values(accepted_at_position=null()))
+        s.execute(update(Result).where(Result.request_id == ids[3]).values(accepted_at_position=None))
     with factory.begin() as s:
         assert accepted_per_position(s) == {0: 5, 1: 1, 2: 0}
 

@@ -25,8 +25,8 @@ def Time() -> sa.DateTime:  # noqa: N802 - reads like a type
 
 
 def upgrade() -> None:
-    op.add_column("results", sa.Column("num_drafts", sa.Integer(), nullable=True))
-    op.add_column("results", sa.Column("accepted_tokens_per_position", JSON, nullable=True))
+    op.add_column("results", sa.Column("draft_steps", sa.Integer(), nullable=True))
+    op.add_column("results", sa.Column("accepted_at_position", JSON, nullable=True))
 
     op.create_table(
         "api_files",
@@ -71,5 +71,5 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_table("api_batches")
     op.drop_table("api_files")
-    op.drop_column("results", "accepted_tokens_per_position")
-    op.drop_column("results", "num_drafts")
+    op.drop_column("results", "accepted_at_position")
+    op.drop_column("results", "draft_steps")
