@@ -15,6 +15,7 @@ from specbatch.config import Settings, get_settings
 from specbatch.redact import mask
 
 if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
     from specbatch.worker.submission import Pair
 
 
@@ -354,7 +355,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
         _print_summary(summary, settings)
 
 
-def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
+def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
                        batch: int, only: list[int] | None = None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -65,7 +65,7 @@ class GenerationParams:
 
 @dataclass
 class GenerationStats:
-    """Statistics of one request; definitions in DESIGN.md's statistics table."""
+    """Statistics of one request, filled by its Tally; definitions in docs/statistics.md."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0

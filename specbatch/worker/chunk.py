@@ -19,14 +19,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 
 from specbatch.config import Settings
+from specbatch.engine.types import GenerationOutput
 from specbatch.errors import SpecBatchError
 from specbatch.observability import tracing
+
+if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
+    from specbatch.engine.engine import Engine, EngineRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -109,7 +113,7 @@ class LeaseKeeper:
         self._thread.join(timeout=10)
 
 
-def _engine_request(claimed: Any) -> Any:
+def _engine_request(claimed: Any) -> EngineRequest:
     from specbatch.engine import EngineRequest
 
     return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params,
@@ -138,7 +142,7 @@ def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> 
     return jobs
 
 
-def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], worker_name: str, *,
+def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int], worker_name: str, *,
                   batch_size: int | None = None, on_result: Callable[[ResultEvent], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> ChunkReport:
     """Generate every claimable request of ``request_ids``; see the module docstring.
@@ -152,7 +156,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
     sf = session_factory(settings.database_url)
     report = ChunkReport()
     todo = list(dict.fromkeys(int(i) for i in request_ids))
-    batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
+    batch = max(1, batch_size or engine.batch_size or 1)
     touched_jobs: set[str] = set()
     not_claimed: list[int] = []
 
@@ -194,7 +198,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
     return report
 
 
-def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
+def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
                   batch: int = 1, claimed_ns: int = 0) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
@@ -202,7 +206,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
     are left as they are: their lease stops being renewed and expires, then a later claim takes
     them with one more attempt, so a request that keeps crashing ends failed after max_attempts.
-    (``release_requests`` would undo the attempt and could loop forever.)
+    (Undoing the attempt instead could loop forever.)
     """
     from specbatch.jobs import store
 
@@ -230,7 +234,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                 with_db_retry(fail)
                 report.failed.append(c.id)
                 event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
-            else:
+            elif isinstance(out, GenerationOutput):      # (always, when there is no message)
                 report.completed.append(c.id)
                 report.new_tokens += len(out.token_ids)
                 event = ResultEvent(c.id, c.job_id, output=out, claimed_ns=claimed_ns,

@@ -6,7 +6,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import TYPE_CHECKING
 
 from specbatch.config import Settings
 from specbatch.observability import tracing
@@ -14,10 +14,13 @@ from specbatch.observability.worker import Observer
 from specbatch.worker.chunk import ResultEvent, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
 
+if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
+
 logger = logging.getLogger(__name__)
 
 
-def run_embedded(settings: Settings, job_id: str, engine: Any,
+def run_embedded(settings: Settings, job_id: str, engine: Engine,
                  on_progress: Callable[[ResultEvent], None] | None = None, *,
                  batch_size: int | None = None, should_stop: Callable[[], bool] | None = None,
                  only: Collection[int] | None = None) -> None:
@@ -42,7 +45,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Any,
         if on_progress is not None:
             on_progress(event)
 
-    batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
+    batch = max(1, batch_size or engine.batch_size or 1)
     # with batching, chunks several batches long keep the batch full as rows finish
     size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
     with tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Task, signals
 from celery.exceptions import Reject
@@ -25,10 +25,13 @@ from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk
 
+if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
+
 logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 100          # worker-lost resends + waits for held leases + transient errors, together
-_ENGINE: dict[str, Any] = {}   # "engine" -> the loaded Engine of this process
+_ENGINE: dict[str, Engine] = {}   # "engine" -> the loaded Engine of this process
 
 
 def engine_spec(conf: Any) -> dict[str, Any]:
@@ -41,7 +44,7 @@ def engine_spec(conf: Any) -> dict[str, Any]:
             "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size}
 
 
-def build_engine(spec: dict[str, Any]) -> Any:
+def build_engine(spec: dict[str, Any]) -> Engine:
     """Load the engine for ``spec`` (tests wrap this to inject faults)."""
     from specbatch.engine import Engine
 
@@ -50,7 +53,7 @@ def build_engine(spec: dict[str, Any]) -> Any:
                        cache_dir=get_settings().cache_dir or None, batch_size=int(spec.get("batch_size") or 1))
 
 
-def get_engine(conf: Any) -> Any:
+def get_engine(conf: Any) -> Engine:
     if "engine" not in _ENGINE:
         _ENGINE["engine"] = build_engine(engine_spec(conf))
     return _ENGINE["engine"]
@@ -136,7 +139,7 @@ class EngineTask(Task):
     default_retry_delay = 1   # the worker-lost resend; Task's own default is 180 s
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         return get_engine(self.app.conf)
 
 

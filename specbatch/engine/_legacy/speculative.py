@@ -14,13 +14,19 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specbatch.engine.cache import cache_length, rollback
-from specbatch.engine.drafters import Drafter, Proposal
-from specbatch.engine.gamma import CostModel, GammaController
+from specbatch.engine._legacy.cache import cache_length, rollback
+from specbatch.engine._legacy.drafters import Drafter, Proposal
+from specbatch.engine._legacy.gamma import CostModel, GammaController
+from specbatch.engine._legacy.sampling import Verdict, Warp, verify_greedy, verify_sampling
+from specbatch.engine._legacy.tree import (
+    TokenTree,
+    build_tree,
+    tree_mask,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.sampling import Verdict, Warp, verify_greedy, verify_sampling
 from specbatch.engine.stopping import StopCheck
-from specbatch.engine.tree import TokenTree, build_tree, tree_mask, verify_tree_greedy, verify_tree_sampling
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 
 
