@@ -1,7 +1,7 @@
 """HTTP API: files and batches tables; per-position accepted token counts on results
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0003
 Create Date: 2026-11-30
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0006"
-down_revision = "0004"   # re-chained after #13 (0004) reached main
+down_revision = "0003"   # assigned "0001"; chained after main's head (0003) at the merge
 branch_labels = None
 depends_on = None
 
