@@ -32,6 +32,10 @@ def _default_database_url() -> str:
     return f"sqlite:///{_user_dir('XDG_DATA_HOME', '.local/share') / 'specbatch.db'}"
 
 
+def _default_files_dir() -> str:
+    return str(_user_dir("XDG_DATA_HOME", ".local/share") / "files")
+
+
 def _default_cache_dir() -> str:
     return str(_user_dir("XDG_CACHE_HOME", ".cache"))
 
@@ -57,10 +61,15 @@ class Settings(BaseSettings):
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = Field(default=5555, ge=1, le=65535)
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # `specbatch worker` serves /metrics here; 0: off
+    metrics_address: str = "0.0.0.0"
     broker_timeout: float = Field(default=5.0, gt=0)  # seconds: connect/read bound on every broker call
     breaker_max_backoff: float = Field(default=60.0, gt=0)  # seconds between outage probes, at most
     target_failure_limit: Positive = 3    # consecutive target (engine) failures before unhealthy
     ready_dir: str = ""                   # worker readiness files (default: a tmp dir per user)
+    api_keys: str = Field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
+    files_dir: str = Field(default_factory=_default_files_dir)  # the HTTP API's uploads and outputs
+    max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
 
     @field_validator("database_url")
     @classmethod
@@ -79,6 +88,10 @@ class Settings(BaseSettings):
         if env is not None:
             return init_settings, _MappingEnvSource(settings_cls, env)
         return init_settings, env_settings
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -108,12 +121,8 @@ class _MappingEnvSource(EnvSettingsSource):
         return {k.lower(): v for k, v in self._mapping.items() if v != ""}
 
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
 def check_database_url(url: str) -> None:
-    """ValueError unless ``url`` is a SQLAlchemy URL whose driver is installed and, for an existing
-    SQLite file, that file is a SQLite database (not, say, the prompt file)."""
+    """ValueError unless ``url`` is a SQLAlchemy URL whose driver is installed."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
@@ -127,15 +136,10 @@ def check_database_url(url: str) -> None:
     except ImportError as e:
         extra = " (pip install 'specbatch[postgres]')" if u.get_backend_name() == "postgresql" else ""
         raise ValueError(f"the {u.drivername} driver is not installed: {e}{extra}") from None
-    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" \
-            and not u.database.startswith("file:"):
-        path = Path(u.database).expanduser()
-        if path.is_dir():
-            raise ValueError(f"{path} is a directory, not a SQLite database file")
-        if path.is_file() and path.stat().st_size > 0:
-            with path.open("rb") as f:
-                if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
-                    raise ValueError(f"{path} exists and is not a SQLite database")
+    if u.get_backend_name() == "sqlite" and u.database and Path(u.database).expanduser().is_dir():
+        raise ValueError(f"{u.database} is a directory, not a SQLite database file")
+    # (whether an existing file is a SQLite database is checked where it is opened, in
+    # specbatch.db: reading it here would drop this process's SQLite locks on it, see there)
 
 
 def describe(error: ValidationError) -> str:
@@ -149,6 +153,22 @@ def describe(error: ValidationError) -> str:
         msg = msg.removeprefix("Value error, ")
         lines.append(f"{ENV_PREFIX}{name.upper()}={shown!r}: {msg}")
     return "bad settings:\n" + "\n".join(lines) if len(lines) > 1 else lines[0]
+
+
+def otel_traces_exporters(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The span exporters the standard OTEL_* variables ask for (("otlp",), ("console",), ...).
+
+    Empty, so tracing is off, unless OTEL_TRACES_EXPORTER names one or an OTLP endpoint
+    (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; OTEL_SDK_DISABLED
+    switches it off. The OpenTelemetry SDK reads the other OTEL_* variables itself.
+    """
+    env = dict(os.environ if env is None else env)
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ()
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not names and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        names = ["otlp"]
+    return tuple(n for n in names if n != "none")
 
 
 @functools.lru_cache(maxsize=1)

@@ -105,6 +105,9 @@ def _status_view(d: dict[str, Any]) -> Any:
     info.add_column()
     info.add_row("status", d["status"])
     info.add_row("models", _models(d))
+    for route in d.get("models", []):       # body.model -> the pair it runs on
+        if route["model"] is not None:
+            info.add_row("", f"{route['model']}: {_models(route)} ({route['requests']} requests)")
     info.add_row("queue", d["queue"])
     if d["source"]:
         info.add_row("source", d["source"])

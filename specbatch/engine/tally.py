@@ -5,6 +5,7 @@ Definitions of the fields: docs/statistics.md.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from specbatch.engine.types import GenerationStats
@@ -17,6 +18,7 @@ class Tally:
     stats: GenerationStats
     drafted_at: list[int] = field(default_factory=list)    # steps that drafted position j
     accepted_at: list[int] = field(default_factory=list)   # steps that accepted position j
+    t_start: float = field(default_factory=time.perf_counter)
 
     def prefill(self, seconds: float, draft_forwards: int) -> None:
         """The request's prompt was cached in a forward of its own (it joined a running batch)."""
@@ -30,6 +32,9 @@ class Tally:
         """One verify step: drafted = the depth of the row's draft tree (its draft length)."""
         s = self.stats
         s.verify_steps += 1
+        if s.verify_steps == 1:   # the first step emits the request's first token
+            s.first_token_seconds = time.perf_counter() - self.t_start
+        s.draft_steps += drafted > 0
         s.target_forwards += 1
         s.draft_forwards += draft_forwards
         s.draft_seconds += draft_seconds
@@ -48,6 +53,7 @@ class Tally:
         s.new_tokens = new_tokens
         accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
         s.accepted_per_position = [a / d for a, d in zip(accepted, self.drafted_at)]
+        s.accepted_at_position = accepted
         s.final_gamma = final_gamma
         s.speculation_disabled = speculation_disabled
         s.wall_seconds = wall_seconds

@@ -400,13 +400,17 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     given = [k for k in MAX_TOKENS_KEYS if fields_.get(k) is not None]
     if len(given) > 1 and len({json.dumps(fields_[k]) for k in given}) > 1:
         problems.append((prefix + given[1], f"conflicts with {prefix}{given[0]}; give one of them"))
+    # OpenAI takes top_p 0: the nucleus shrinks to the most likely token, which is greedy decoding
+    top_p_zero = bool(prefix) and _is_number(fields_.get("top_p")) and fields_["top_p"] == 0
     for key in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:]):
-        if fields_.get(key) is None:
+        if fields_.get(key) is None or (key == "top_p" and top_p_zero):
             continue      # null is "not given", as OpenAI reads it
         value, problem = _check_param(key, fields_[key])
         if problem:
             problems.append((prefix + key, problem))
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
+    if top_p_zero:
+        params.update(temperature=0.0, top_p=1.0)
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()
@@ -450,6 +454,27 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ValueError(f"duplicate key {json.dumps(k)}")
         out[k] = v
     return out
+
+
+def _bad_text(value: Any, where: str = "") -> Iterator[tuple[str | None, str]]:
+    """(field, problem) for every string in ``value`` that no database or tokenizer takes as text:
+    a NUL (PostgreSQL text cannot hold it; refused on SQLite too, so both behave the same) or a
+    lone surrogate escape such as \\ud800 (not encodable as UTF-8)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _bad_text(k, where)
+            yield from _bad_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _bad_text(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        if "\x00" in value:
+            yield where or None, "contains a NUL character (\\u0000), which text cannot hold"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            yield where or None, (f"contains a lone surrogate \\u{ord(value[e.start]):04x} at character "
+                                  f"{e.start + 1}, which is not valid text")
 
 
 def _reject_constant(name: str) -> Any:
@@ -501,6 +526,11 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             continue
         if not isinstance(obj, dict):
             err(line_no, None, f"must be a JSON object, got {_json_type(obj)}")
+            continue
+        bad_text = list(_bad_text(obj))
+        for field, message in bad_text:
+            err(line_no, field, message)
+        if bad_text:
             continue
         try:
             fields_ = _parse_object(obj, base, model_map)

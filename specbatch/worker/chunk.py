@@ -27,6 +27,8 @@ from sqlalchemy import select
 from specbatch.config import Settings
 from specbatch.engine.types import GenerationOutput
 from specbatch.errors import SpecBatchError
+from specbatch.observability import tracing
+from specbatch.worker.guard import engine_models
 
 if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
     from specbatch.engine.engine import Engine, EngineRequest
@@ -47,6 +49,8 @@ class ResultEvent:
     job_id: str
     output: Any = None
     error: str | None = None
+    claimed_ns: int = 0       # time.time_ns() at its claim, and when the engine returned it
+    generated_ns: int = 0
 
 
 @dataclass
@@ -171,7 +175,9 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
                 return list(store.claim_requests(s, group, worker_name, settings.lease_seconds,
                                                  settings.max_attempts))
 
-        claimed = with_db_retry(claim)
+        with tracing.span("claim", {"specbatch.request_ids": group}):
+            claimed = with_db_retry(claim)
+        claimed_ns = time.time_ns()
         got = {c.id for c in claimed}
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
@@ -181,7 +187,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
         for run in runs:
-            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch)
+            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch, claimed_ns)
 
     if not_claimed:
         touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
@@ -195,7 +201,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
 
 def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int = 1) -> None:
+                  batch: int = 1, claimed_ns: int = 0) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
@@ -208,13 +214,13 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
         for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
-            c = run[idx]
+            c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker)
+                        store.record_result(s, c.id, out, worker, models=engine_models(engine))
                         store.refresh_job(s, c.job_id)
                 try:
                     with_db_retry(write)
@@ -228,10 +234,11 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
                         store.refresh_job(s, c.job_id)
                 with_db_retry(fail)
                 report.failed.append(c.id)
-                event = ResultEvent(c.id, c.job_id, error=msg)
+                event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
             elif isinstance(out, GenerationOutput):      # (always, when there is no message)
                 report.completed.append(c.id)
                 report.new_tokens += len(out.token_ids)
-                event = ResultEvent(c.id, c.job_id, output=out)
+                event = ResultEvent(c.id, c.job_id, output=out, claimed_ns=claimed_ns,
+                                    generated_ns=generated_ns)
             if on_result is not None:
                 on_result(event)

@@ -23,7 +23,8 @@ DESIGN_FIELDS = {"drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_a
                  "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds",
                  "verify_seconds", "wall_seconds", "tokens_per_second"}
 EXTRA_FIELDS = {"prompt_tokens", "new_tokens", "verify_steps", "pool_wins", "step_winners",
-                "final_gamma", "speculation_disabled"}
+                "final_gamma", "speculation_disabled", "draft_steps", "accepted_at_position",
+                "first_token_seconds"}
 PROMPT = "Once upon a time there was"
 
 
@@ -176,6 +177,12 @@ def test_invariants(load, setup, adaptive):
         assert all(0.0 <= a <= 1.0 for a in s.accepted_per_position)
         if s.drafted_tokens:
             assert s.accepted_per_position, "drafted tokens but no per-position figures"
+        # the counts behind vLLM's spec-decode counters (fed to Prometheus by the worker)
+        assert sum(s.accepted_at_position) == s.accepted_tokens
+        assert len(s.accepted_at_position) == len(s.accepted_per_position)
+        assert (s.accepted_at_position[:1] or [0])[0] <= s.draft_steps <= s.verify_steps
+        assert (s.draft_steps > 0) == (s.drafted_tokens > 0)
+        assert 0 < s.first_token_seconds <= s.wall_seconds
         assert s.wall_seconds >= s.draft_seconds + s.verify_seconds >= 0
         assert d["tokens_per_second"] == pytest.approx(s.new_tokens / s.wall_seconds)
         if not adaptive:
