@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from fastapi import Request
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -17,6 +17,9 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from specbatch.api.errors import ApiError
 from specbatch.config import Settings
 from specbatch.jobs.files import Tally
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 MAX_FIELD_BYTES = 64 * 1024            # any form field other than the file
 FORM_OVERHEAD = 64 * 1024              # boundaries and part headers around the file
@@ -112,7 +115,7 @@ async def receive(request: Request, dest: Path, settings: Settings) -> Upload:
                             "bytes (SPECBATCH_MAX_UPLOAD_BYTES)", param="file", code="file_too_large")
     with dest.open("wb") as out:
         parts = _Parts(out, settings)
-        parser = MultipartParser(boundary, parts.callbacks())
+        parser = MultipartParser(boundary, cast("MultipartCallbacks", parts.callbacks()))
         async for chunk in request.stream():
             parser.write(chunk)
             if parts.error is not None:
