@@ -151,7 +151,7 @@ def test_0002_adds_the_results_cache_to_existing_rows(db_url):
     from specbatch.db.models import Result
     from specbatch.engine.types import GenerationOutput, GenerationStats
 
-    db.downgrade(db_url, "0003")      # the revision before 0002 in this chain
+    db.downgrade(db_url, "0006")      # the revision before 0002 in this chain
     with db.get_engine(db_url).begin() as conn:
         conn.execute(text("INSERT INTO jobs (id, status, target, drafts, ngram, queue, params, metadata, total, "
                           "pending, running, completed, failed, cancelled, created_at, updated_at) VALUES "

@@ -1,7 +1,7 @@
 """results cache: results.cache_key (indexed), cache_target, cached, cached_from; jobs.cache
 
 Revision ID: 0002
-Revises: 0003
+Revises: 0006
 Create Date: 2026-11-30
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0002"
-down_revision = "0003"   # chained after main's 0003 (merged first); ids are assigned per branch
+down_revision = "0006"   # chained after main's head (0006) at the merge; ids are assigned per branch
 branch_labels = None
 depends_on = None
 
