@@ -29,6 +29,7 @@ class Settings:
     device: str = "cpu"
     dtype: str = "float32"
     batch_size: int = 1
+    compile: str = "auto"               # compiled forward: auto | on | off (docs/COMPILE.md)
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = 5555

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.cli.common import compile_option, echo_json, open_db, report_compile, warn
 from specbatch.config import Settings, get_settings
 
 
@@ -149,11 +149,13 @@ def resume(job_id: str, as_json: bool) -> None:
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@compile_option
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
+           batch_size: int | None, compile_: str | None, hostname: str | None, loglevel: str, pool: str
+           ) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -170,7 +172,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     target_, drafts_ = resolve_pair(settings, target, drafts)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
-                                  batch_size=batch_size or settings.batch_size, hostname=hostname,
+                                  batch_size=batch_size or settings.batch_size,
+                                  compile=compile_ or settings.compile, hostname=hostname,
                                   loglevel=loglevel, pool=pool)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
@@ -208,11 +211,12 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@compile_option
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
 def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
         stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | None,
-        as_json: bool) -> None:
+        compile_: str | None, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file in this process (no Redis needed).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -239,7 +243,9 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
         engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
                              dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                             batch_size=batch)
+                             batch_size=batch, compile=compile_ or settings.compile,
+                             expected_new_tokens=_expected_tokens(settings, job_id))
+    report_compile(engine.compile_plan)
     _run_with_progress(settings, console, job_id, len(ids), engine, batch)
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
@@ -303,3 +309,11 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
     Console().print(table)
     click.echo(f"results: {settings.database_url} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")
+
+
+def _expected_tokens(settings: Settings, job_id: str) -> int:
+    """The job's token budget (sum of max_new_tokens): what auto compile weighs compiling by."""
+    from specbatch.jobs import store
+
+    with open_db(settings, readonly=True).begin() as s:
+        return store.expected_new_tokens(s, job_id)

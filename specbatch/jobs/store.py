@@ -368,3 +368,9 @@ def job_summary(s: Session, job_id: str) -> dict[str, Any]:
     out = job_dict(job, request_counts(s, [job.id])[job.id])
     out["stats"] = job_stats(s, job.id)
     return out
+
+
+def expected_new_tokens(s: Session, job_id: str) -> int:
+    """The job's token budget: the sum of its requests' ``max_new_tokens`` (auto compile's input)."""
+    rows = s.execute(select(Request.params).where(Request.job_id == job_id)).scalars()
+    return sum(int((p or {}).get("max_new_tokens") or 0) for p in rows)
