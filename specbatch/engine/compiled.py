@@ -82,12 +82,14 @@ class CompileReport:
     seconds: float = 0.0                      # warm-up wall time, all graphs
     graphs: dict[str, float] = field(default_factory=dict)   # shape -> seconds of its first call
     cached: bool = False                      # a previous process had warmed the same graphs up
+    first_start_seconds: float | None = None  # the first (uncached) start's warm-up, as recorded
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "enabled": self.enabled, "seconds": round(self.seconds, 2),
                 "graphs": {k: round(v, 2) for k, v in self.graphs.items()}, "cached": self.cached,
-                "error": self.error}
+                "first_start_seconds": None if self.first_start_seconds is None
+                else round(self.first_start_seconds, 2), "error": self.error}
 
 
 class CompiledForward:
@@ -208,7 +210,7 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
     report.enabled = compiled.failed is None
     report.error = compiled.failed
     if report.enabled:
-        _write_marker(marker, report)
+        report.first_start_seconds = _write_marker(marker, report)
     return report
 
 
@@ -217,19 +219,21 @@ def _marker(cache_dir: str | os.PathLike[str], lm: Any) -> Path:
     return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}.json"
 
 
-def _write_marker(marker: Path, report: CompileReport) -> None:
+def _write_marker(marker: Path, report: CompileReport) -> float:
+    """Record this warm-up; returns the first start's seconds (kept: what a cold machine pays)."""
     marker.parent.mkdir(parents=True, exist_ok=True)
     tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
     data = report.to_dict()
-    if marker.exists():  # keep the first start's time: it is what a cold machine would pay
+    first = report.seconds
+    if marker.exists():
         try:
-            data["first_seconds"] = json.loads(marker.read_text()).get("first_seconds", data["seconds"])
+            first = float(json.loads(marker.read_text()).get("first_start_seconds") or first)
         except (OSError, ValueError):
-            data["first_seconds"] = data["seconds"]
-    else:
-        data["first_seconds"] = data["seconds"]
+            pass
+    data["first_start_seconds"] = first
     tmp.write_text(json.dumps(data))
     os.replace(tmp, marker)
+    return first
 
 
 def is_cached(lm: Any, cache_dir: str | os.PathLike[str]) -> bool:
