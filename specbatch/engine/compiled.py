@@ -100,8 +100,15 @@ class CompiledForward:
         self.name = name
         self.device = device
         self.failed: str | None = None
-        # CUDA: CUDA graphs remove the per-kernel launch cost that dominates small batches
+        # CUDA: CUDA graphs remove the per-kernel launch cost that dominates small batches. With
+        # the cache length symbolic, a graph would be re-recorded at every new length, so inductor
+        # is told to skip CUDA graphs for dynamic graphs (Triton kernels still fuse); static
+        # shapes (a static cache) are what CUDA graphs need - not built, see docs/COMPILE.md
         mode = "reduce-overhead" if device.type == "cuda" else None
+        if device.type == "cuda":
+            import torch._inductor.config as ic
+
+            ic.triton.cudagraph_skip_dynamic_graphs = True
         self._fn = torch.compile(model, dynamic=True, mode=mode)
 
     def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
@@ -118,12 +125,18 @@ class CompiledForward:
             attention_mask = causal_mask(rows, width, n_cached, self.model.dtype, dev)
         if position_ids is None:
             position_ids = (n_cached + torch.arange(width, device=dev)).expand(rows, width)
+        keep = width
         if isinstance(logits_to_keep, int):
             keep = width if logits_to_keep == 0 else min(logits_to_keep, width)
-            logits_to_keep = torch.arange(width - keep, width, device=dev)
-        return self._fn(input_ids=input_ids, attention_mask=attention_mask,
-                        position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=True,
-                        **{cache_kwarg: cache}, **kwargs)
+            # one kept logit would be a graph of its own (sizes 1 are specialized): keep two and
+            # drop one here, one extra LM-head row costs next to nothing in a pre-packed GEMM
+            logits_to_keep = torch.arange(width - max(keep, min(2, width)), width, device=dev)
+        out = self._fn(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=True,
+                       **{cache_kwarg: cache}, **kwargs)
+        if out.logits.shape[1] != keep:
+            out.logits = out.logits[:, -keep:]
+        return out
 
     def fail(self, error: BaseException) -> None:
         """Give up compiling this model: log one warning (per process), stay eager from now on."""
@@ -168,15 +181,14 @@ def install(lm: Any) -> CompiledForward | None:
     return lm.compiled
 
 
-# (rows, tokens, kept logits): the shapes whose graphs differ (sizes 1 and more than 1)
+# (rows, tokens, kept logits): one of each graph (sizes 1 and more than 1 differ)
 WARM_SHAPES: tuple[tuple[int, int, int], ...] = ((1, 1, 1), (1, 3, 3))
-BATCH_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (2, 3, 1), (2, 3, 3))
+BATCH_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (2, 3, 3))
 
 
 def warm_shapes(batch_size: int, draft: bool = False) -> tuple[tuple[int, int, int], ...]:
     """The graphs a decode will hit: single-sequence steps, and batched ones when batching."""
-    single = WARM_SHAPES if not draft else ((1, 1, 1), (1, 3, 1))
-    return single + (BATCH_SHAPES if batch_size > 1 else ())
+    return WARM_SHAPES + (BATCH_SHAPES if batch_size > 1 else ())
 
 
 def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str]
