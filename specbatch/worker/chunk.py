@@ -109,7 +109,8 @@ class LeaseKeeper:
 def _engine_request(claimed: Any) -> Any:
     from specbatch.engine import EngineRequest
 
-    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params)
+    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params,
+                         input_ids=claimed.input_ids)
 
 
 def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> set[str]:
@@ -205,6 +206,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
         for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
             c = run[idx]
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
+            error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
@@ -214,10 +216,11 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                     with_db_retry(write)
                 except PERMANENT_DB_ERRORS as e:  # this result can never be stored: fail it, go on
                     msg = f"the result could not be stored: {getattr(e, 'orig', e)}"
+                    error_type, param = store.SERVER_ERROR, None
             if msg is not None:
-                def fail(c: Any = c, msg: str = msg) -> None:
+                def fail(c: Any = c, msg: str = msg, error_type: str = error_type, param: Any = param) -> None:
                     with sf.begin() as s:
-                        store.record_failure(s, c.id, msg, worker)
+                        store.record_failure(s, c.id, msg, worker, error_type=error_type, param=param)
                         store.refresh_job(s, c.job_id)
                 with_db_retry(fail)
                 report.failed.append(c.id)

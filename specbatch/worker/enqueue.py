@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from specbatch.config import Settings
 from specbatch.errors import BrokerUnavailable
+from specbatch.redact import mask
 from specbatch.worker.app import TASK_NAME, app_for
 
 logger = logging.getLogger(__name__)
@@ -23,7 +25,7 @@ def chunks(ids: Sequence[int], size: int) -> Iterator[list[int]]:
 def broker_error(settings: Settings, error: BaseException, job_id: str | None = None) -> BrokerUnavailable:
     fix = (f"the job {job_id} is saved: start the broker, then run `specbatch resume {job_id}`"
            if job_id else "start Redis or set SPECBATCH_BROKER_URL")
-    return BrokerUnavailable(f"cannot reach the broker at {settings.broker_url} ({error}); {fix}")
+    return BrokerUnavailable(mask(f"cannot reach the broker at {settings.broker_url} ({error}); {fix}"))
 
 
 def check_broker(settings: Settings, timeout: float = 3.0) -> None:
@@ -58,4 +60,19 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
     except Exception as e:
         logger.warning("job %s: %d task(s) sent before the broker failed", job_id, sent)
         raise broker_error(settings, e, job_id) from e
+    return sent
+
+
+def enqueue_routes(settings: Settings, job_id: str, routes: dict[Any, list[int]], job_queue: str,
+                   ngram: bool) -> dict[str, int]:
+    """Send each route's requests (store.request_routes: None -> the job's ``job_queue``,
+    (target, drafts) -> that pair's queue) as tasks; returns {queue: tasks sent}. Raises
+    BrokerUnavailable like enqueue_requests."""
+    from specbatch.worker.queues import queue_name
+
+    sent: dict[str, int] = {}
+    for route, ids in routes.items():
+        if ids:
+            queue = job_queue if route is None else queue_name(route[0], route[1], ngram)
+            sent[queue] = sent.get(queue, 0) + enqueue_requests(settings, job_id, ids, queue)
     return sent
