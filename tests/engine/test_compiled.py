@@ -47,6 +47,17 @@ def test_compile_mode_setting_and_validation():
         C.resolve_mode("sometimes")
 
 
+@pytest.mark.parametrize("command", ["run", "worker", "generate", "bench"])
+def test_compile_option_on_every_decoding_command(command):
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+
+    assert "--compile [auto|on|off]" in CliRunner().invoke(cli, [command, "--help"]).output
+    bad = CliRunner().invoke(cli, [command, "--compile", "sometimes"])
+    assert bad.exit_code == 2 and "'sometimes' is not one of 'auto', 'on', 'off'" in bad.output
+
+
 def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path):
     target = load_model(str(tiny_models / "llama"))
     plan = C.prepare(target, [], mode="off", batch_size=1, cache_dir=tmp_path)
