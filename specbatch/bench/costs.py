@@ -39,7 +39,9 @@ def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
     ``model``: a transformers model (eager) or a LoadedModel (its ``forward``: compiled if
     installed, see specbatch.engine.compiled).
     """
-    hf = getattr(model, "model", model)
+    from specbatch.engine.loading import LoadedModel
+
+    hf = model.model if isinstance(model, LoadedModel) else model
     vocab = int(hf.config.get_text_config().vocab_size)
     new = torch.randint(0, vocab, (1, k), generator=torch.Generator().manual_seed(k)).to(device)
     cache = DynamicCache()
