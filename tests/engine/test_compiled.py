@@ -73,6 +73,20 @@ def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path):
     assert C.install(int8) is None
 
 
+def test_bench_times_the_loaded_models_forward_beside_the_eager_model(tiny_models):
+    """T(k) through ``LoadedModel.forward`` (compiled when installed) next to the raw model's."""
+    from specbatch.bench.costs import CostSampler
+
+    lm = load_model(str(tiny_models / "llama"))
+    sampler = CostSampler(lm.model, {}, lm.device, list(range(5, 25)), [1, 3], compiled_target=lm)
+    sampler.sample(2)
+    table = sampler.table()
+    assert set(table.target) == set(table.compiled) == {1, 3}
+    d = table.to_dict()
+    assert set(d["compiled_vs_eager"]) == {"1", "3"} and d["compiled_verify_ratio"]["1"] == 1.0
+    assert table.t(3) == table.compiled[3]     # ours decode through the compiled forward
+
+
 def test_causal_mask_matches_the_models_own_masking(tiny_models):
     """The compiled path always passes an explicit mask; it must equal the implicit causal one."""
     from transformers import DynamicCache
