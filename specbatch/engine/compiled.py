@@ -255,6 +255,14 @@ def is_cached(lm: Any, cache_dir: str | os.PathLike[str]) -> bool:
     return _marker(cache_dir, lm).exists()
 
 
+def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str]) -> float | None:
+    """The last warm-up time of this model here (a cached start), when one was recorded."""
+    try:
+        return float(json.loads(_marker(cache_dir, lm).read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
     per = CACHED_COMPILE_SECONDS_PER_GRAPH if cached else FIRST_COMPILE_SECONDS_PER_GRAPH
     return n_graphs * per
@@ -332,7 +340,8 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
     if mode == "auto" and expected_new_tokens is not None:
         cached = all(is_cached(m, cache_dir) for m, _ in models)
-        estimate = compile_seconds_estimate(sum(len(s) for _, s in models), cached)
+        estimate = sum(recorded_seconds(m, cache_dir) or compile_seconds_estimate(len(s), cached)
+                       for m, s in models)
         decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
         if not compile_pays(decode, estimate, cached):
             return CompilePlan(mode, False, f"auto: about {decode:.0f}s of eager decoding does not "
