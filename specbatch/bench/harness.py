@@ -303,7 +303,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         from specbatch.config import get_settings
         from specbatch.engine.compiled import prepare
 
-        say("compiling (first start: minutes; cached: seconds)", 0, 1)
+        say("compiling the forward (minutes on a small CPU)", 0, 1)
         compile_plan = prepare(target, list(drafts.values()), mode="on",
                                batch_size=max(opts.batch_sizes, default=1),
                                cache_dir=opts.cache_dir or get_settings().cache_dir)
