@@ -51,8 +51,11 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
               help="on: ours (and a target[compiled] reference) through the compiled forward, T(k) compiled vs "
                    "eager interleaved, compile time reported; auto: on when the compile cache holds it.")
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
+@click.option("--telemetry", is_flag=True,
+              help="Instead: the worker's chunk loop with tracing + metrics on vs off, interleaved "
+                   "[6 prompts x 32 tokens, 3 repeats].")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
-          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, compile_, quick) -> None:
+          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
@@ -71,6 +74,9 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
 
         torch.set_num_threads(threads)
     settings = get_settings()
+    if telemetry:
+        return _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats,
+                          device, dtype, as_json)
     given = {
         "target": target or settings.default_target,
         "drafts": tuple(drafts) if drafts else (settings.default_draft,),
@@ -139,3 +145,25 @@ def _run_with_progress(run, opts, quiet: bool):  # type: ignore[no-untyped-def]
             bar.update(task, description=what[:80], completed=done, total=max(total, 1))
 
         return run(opts, update)
+
+
+def _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, device, dtype,
+               as_json) -> None:  # type: ignore[no-untyped-def]
+    from specbatch.bench.telemetry import TelemetryOptions, markdown, run_telemetry_cost
+
+    given = {"target": target or settings.default_target,
+             "drafts": tuple(drafts) if drafts else (settings.default_draft,), "ngram": ngram,
+             "prompts": prompts, "device": device or settings.device, "dtype": dtype or settings.dtype,
+             "cache_dir": settings.cache_dir or None}
+    for key, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
+        if value is not None:
+            if value < 1:
+                raise click.BadParameter("must be >= 1", param_hint=f"--{key.replace('_', '-')}")
+            given[key] = value
+    result = _run_with_progress(run_telemetry_cost, TelemetryOptions(**given), quiet=as_json)
+    command = "specbatch " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "specbatch" else None
+    result["command"] = command
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(markdown(result, command))

@@ -186,7 +186,7 @@ class Result(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(16))
-    # statistics (DESIGN.md)
+    # statistics (docs/statistics.md)
     verify_steps: Mapped[int] = mapped_column(Integer, default=0)
     drafted_tokens: Mapped[int] = mapped_column(Integer, default=0)
     accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)

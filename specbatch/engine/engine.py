@@ -10,14 +10,14 @@ from typing import Any
 import torch
 
 from specbatch.config import get_settings
-from specbatch.engine.batch import BatchDecoder
 from specbatch.engine.chat import template_messages
 from specbatch.engine.compiled import CompilePlan
 from specbatch.engine.compiled import prepare as prepare_compiled
+from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
-from specbatch.engine.speculative import speculative_generate
+from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -33,7 +33,7 @@ class EngineRequest:
 
 
 class Engine:
-    """Holds the loaded target and draft models; builds fresh per-request drafter state."""
+    """Holds the loaded target and draft models and the step costs measured with them."""
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
                  ngram: bool = False, gamma: int = 4, batch_size: int = 1) -> None:
@@ -44,8 +44,9 @@ class Engine:
         self.ngram = ngram
         self.gamma = gamma
         self.batch_size = batch_size
-        self.costs = CostModel()      # measured step costs, shared by every request
-        self.batch_costs: dict[int, CostModel] = {}  # per batch-size bucket
+        # measured step costs per batch-size bucket (policy.bucket), shared by every request
+        self.costs: dict[int, CostModel] = {}
+        self._legacy = False          # private: the old single-request loop, for one measurement
         self.compile_plan: CompilePlan | None = None  # set by load (compiled forward or not, why)
 
     @classmethod
@@ -74,6 +75,7 @@ class Engine:
         return [d.name for d in self.drafts] + (["ngram"] if self.ngram else [])
 
     def new_drafters(self) -> list[Drafter]:
+        """A fresh pool for one decode: its members keep per-row state for that batch."""
         vocab = self.target.vocab_size
         pool: list[Drafter] = [ModelDrafter(d, vocab) for d in self.drafts]
         if self.ngram:
@@ -129,30 +131,28 @@ class Engine:
     def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                  params: GenerationParams | None = None, *,
                  input_ids: list[int] | None = None) -> GenerationOutput:
-        """Decode one request; raises RequestError when the request itself is invalid."""
-        params = (params or GenerationParams()).validate()
-        ids = self._ids(prompt, messages, input_ids)
-        self._check_fits(ids, params)
-        with torch.inference_mode():
-            return speculative_generate(self.target, self.new_drafters(), ids, params, self.costs,
-                                        default_gamma=self.gamma)
+        """Decode one request (a batch of one); raises RequestError when the request is invalid."""
+        if self._legacy:
+            return self._legacy_generate(prompt, messages, params, input_ids)
+        req = EngineRequest(prompt, messages, params or GenerationParams(), input_ids)
+        for _, out in self.generate_many([req], batch_size=1):
+            if isinstance(out, SpecBatchError):
+                raise out
+            return out
+        raise AssertionError("generate_many yields one result per request")
 
-    def generate_many(self, requests: Sequence[EngineRequest], batch_size: int | None = None
+    def generate_many(self, requests: Sequence[EngineRequest], batch_size: int | None = None, *,
+                      policy: Policy | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
         """Yield (index, output or the request's own error) as each request finishes.
 
-        batch_size > 1 decodes up to that many requests together (continuous batching), except
-        with a pool of several draft models, which decodes request by request.
+        Up to ``batch_size`` requests decode together (continuous batching); ``policy`` replaces
+        the default (that fixed limit, costs measured per batch-size bucket).
         """
-        batch_size = batch_size or self.batch_size
-        if batch_size <= 1 or len(self.drafts) > 1:
-            for i, req in enumerate(requests):
-                try:
-                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
-                except SpecBatchError as e:
-                    yield i, e
+        if self._legacy:
+            yield from self._legacy_generate_many(requests, batch_size or self.batch_size)
             return
-        valid = []
+        valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
                 params = req.params.validate()
@@ -162,7 +162,51 @@ class Engine:
                 yield i, e
                 continue
             valid.append((i, ids, params))
-        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
-                               self.batch_costs, self.gamma, batch_size)
+        if policy is None:
+            policy = MeasuredPolicy(batch_size or self.batch_size, self.costs)
+        decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma)
         with torch.inference_mode():
             yield from decoder.run(valid)
+
+    def _legacy_generate_many(self, requests: Sequence[EngineRequest], batch_size: int
+                              ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
+        from specbatch.engine._legacy.batch import BatchDecoder
+
+        if batch_size <= 1 or len(self.drafts) > 1:
+            for i, req in enumerate(requests):
+                try:
+                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
+                except SpecBatchError as e:
+                    yield i, e
+            return
+        valid = []
+        for i, req in enumerate(requests):
+            params = req.params.validate()
+            ids = self._ids(req.prompt, req.messages, req.input_ids)
+            valid.append((i, ids, params))
+        if not hasattr(self, "_legacy_batch_costs"):
+            self._legacy_batch_costs: dict[int, Any] = {}
+        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
+                               self._legacy_batch_costs, self.gamma, batch_size)
+        with torch.inference_mode():
+            yield from decoder.run(valid)
+
+    def _legacy_generate(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                         params: GenerationParams | None, input_ids: list[int] | None
+                         ) -> GenerationOutput:
+        from specbatch.engine._legacy.drafters import ModelDrafter as OldModel
+        from specbatch.engine._legacy.drafters import NgramDrafter as OldNgram
+        from specbatch.engine._legacy.gamma import CostModel as OldCosts
+        from specbatch.engine._legacy.speculative import speculative_generate
+
+        params = (params or GenerationParams()).validate()
+        ids = self._ids(prompt, messages, input_ids)
+        self._check_fits(ids, params)
+        pool: list[Any] = [OldModel(d, self.target.vocab_size) for d in self.drafts]
+        if self.ngram:
+            pool.append(OldNgram())
+        if not hasattr(self, "_legacy_costs"):
+            self._legacy_costs = OldCosts()
+        with torch.inference_mode():
+            return speculative_generate(self.target, pool, ids, params, self._legacy_costs,
+                                        default_gamma=self.gamma)

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.engine.cache import BatchCache
-from specbatch.engine.drafters import NgramDrafter, fit_vocab
-from specbatch.engine.gamma import CostModel, GammaController
+from specbatch.engine._legacy.cache import BatchCache
+from specbatch.engine._legacy.drafters import NgramDrafter, fit_vocab
+from specbatch.engine._legacy.gamma import CostModel, GammaController
+from specbatch.engine._legacy.sampling import Verdict, Warp, sample, verify_sampling
+from specbatch.engine._legacy.speculative import Tally
+from specbatch.engine._legacy.speculative import common_prefix as _common_prefix
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.sampling import Verdict, Warp, sample, verify_sampling
-from specbatch.engine.speculative import Tally
-from specbatch.engine.speculative import common_prefix as _common_prefix
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 
