@@ -351,6 +351,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         reason = "compile on" if mode == "on" else "auto: a long-lived worker"
     configure_inductor(cache_dir)
     plan = CompilePlan(mode, True, reason)
+    torch.compiler.set_stance("default")
     for lm, shapes in models:
         if install(lm) is None:
             continue
@@ -364,4 +365,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             if lm.compiled is not None and lm.compiled.failed is None:
                 lm.compiled.failed = failed
         plan.enabled, plan.reason = False, f"compiling failed, eager instead: {failed}"
+    # serving: a shape no warmed graph covers runs eagerly instead of stalling for minutes on a
+    # recompile (the bench saw a 20 s stall on a tiny model; minutes on the default target)
+    torch.compiler.set_stance("eager_on_recompile")
     return plan
