@@ -121,6 +121,14 @@ class CompiledForward:
                  logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> Any:
         rows, width = input_ids.shape
         dev = input_ids.device
+        # a crop (rollback) leaves the cache as views whose strides still reflect the longer
+        # length; the graphs assume contiguous cache tensors, and a view would recompile them
+        for layer in getattr(cache, "layers", ()):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is not None and not keys.is_contiguous():
+                layer.keys = keys.contiguous()
+            if values is not None and not values.is_contiguous():
+                layer.values = values.contiguous()
         if attention_mask is None:
             attention_mask = causal_mask(rows, width, n_cached, self.model.dtype, dev)
         if position_ids is None:
