@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -202,6 +203,10 @@ class Result(Base):
     pool_wins: Mapped[dict[str, int]] = mapped_column(JSONType, default=dict)
     final_gamma: Mapped[int] = mapped_column(Integer, default=0)
     speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # which models produced it (migration 0003); lossy: a --fallback-draft result, draft alone
+    target: Mapped[str | None] = mapped_column(String(512))
+    drafts: Mapped[list[str] | None] = mapped_column(JSONType)
+    lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # who and when
     worker: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

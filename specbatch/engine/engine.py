@@ -46,7 +46,6 @@ class Engine:
         self.batch_size = batch_size
         # measured step costs per batch-size bucket (policy.bucket), shared by every request
         self.costs: dict[int, CostModel] = {}
-        self._legacy = False          # private: the old single-request loop, for one measurement
         self.compile_plan: CompilePlan | None = None  # set by load (compiled forward or not, why)
 
     @classmethod
@@ -132,8 +131,6 @@ class Engine:
                  params: GenerationParams | None = None, *,
                  input_ids: list[int] | None = None) -> GenerationOutput:
         """Decode one request (a batch of one); raises RequestError when the request is invalid."""
-        if self._legacy:
-            return self._legacy_generate(prompt, messages, params, input_ids)
         req = EngineRequest(prompt, messages, params or GenerationParams(), input_ids)
         for _, out in self.generate_many([req], batch_size=1):
             if isinstance(out, SpecBatchError):
@@ -149,9 +146,6 @@ class Engine:
         Up to ``batch_size`` requests decode together (continuous batching); ``policy`` replaces
         the default (that fixed limit, costs measured per batch-size bucket).
         """
-        if self._legacy:
-            yield from self._legacy_generate_many(requests, batch_size or self.batch_size)
-            return
         valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
@@ -167,46 +161,3 @@ class Engine:
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma)
         with torch.inference_mode():
             yield from decoder.run(valid)
-
-    def _legacy_generate_many(self, requests: Sequence[EngineRequest], batch_size: int
-                              ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
-        from specbatch.engine._legacy.batch import BatchDecoder
-
-        if batch_size <= 1 or len(self.drafts) > 1:
-            for i, req in enumerate(requests):
-                try:
-                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
-                except SpecBatchError as e:
-                    yield i, e
-            return
-        valid = []
-        for i, req in enumerate(requests):
-            params = req.params.validate()
-            ids = self._ids(req.prompt, req.messages, req.input_ids)
-            valid.append((i, ids, params))
-        if not hasattr(self, "_legacy_batch_costs"):
-            self._legacy_batch_costs: dict[int, Any] = {}
-        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
-                               self._legacy_batch_costs, self.gamma, batch_size)
-        with torch.inference_mode():
-            yield from decoder.run(valid)
-
-    def _legacy_generate(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                         params: GenerationParams | None, input_ids: list[int] | None
-                         ) -> GenerationOutput:
-        from specbatch.engine._legacy.drafters import ModelDrafter as OldModel
-        from specbatch.engine._legacy.drafters import NgramDrafter as OldNgram
-        from specbatch.engine._legacy.gamma import CostModel as OldCosts
-        from specbatch.engine._legacy.speculative import speculative_generate
-
-        params = (params or GenerationParams()).validate()
-        ids = self._ids(prompt, messages, input_ids)
-        self._check_fits(ids, params)
-        pool: list[Any] = [OldModel(d, self.target.vocab_size) for d in self.drafts]
-        if self.ngram:
-            pool.append(OldNgram())
-        if not hasattr(self, "_legacy_costs"):
-            self._legacy_costs = OldCosts()
-        with torch.inference_mode():
-            return speculative_generate(self.target, pool, ids, params, self._legacy_costs,
-                                        default_gamma=self.gamma)
