@@ -318,15 +318,18 @@ def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
     """One eager decode step of ``lm`` after a short prefix (what auto mode weighs compiling by)."""
     from transformers import DynamicCache
 
+    from specbatch.engine.loading import _cache_kwarg
+
     cache = DynamicCache()
+    kw = {_cache_kwarg(lm.model): cache}
     with torch.inference_mode():
-        lm.model(input_ids=torch.zeros(1, prefix, dtype=torch.long, device=lm.device),
-                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+        lm.model(input_ids=torch.zeros(1, prefix, dtype=torch.long, device=lm.device), use_cache=True,
+                 logits_to_keep=1, **kw)
         one = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
-            lm.model(input_ids=one, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            lm.model(input_ids=one, use_cache=True, logits_to_keep=1, **kw)
             best = min(best, time.perf_counter() - t)
     return best
 
