@@ -32,6 +32,10 @@ def _default_database_url() -> str:
     return f"sqlite:///{_user_dir('XDG_DATA_HOME', '.local/share') / 'specbatch.db'}"
 
 
+def _default_files_dir() -> str:
+    return str(_user_dir("XDG_DATA_HOME", ".local/share") / "files")
+
+
 def _default_cache_dir() -> str:
     return str(_user_dir("XDG_CACHE_HOME", ".cache"))
 
@@ -64,6 +68,9 @@ class Settings(BaseSettings):
     breaker_max_backoff: float = Field(default=60.0, gt=0)  # seconds between outage probes, at most
     target_failure_limit: Positive = 3    # consecutive target (engine) failures before unhealthy
     ready_dir: str = ""                   # worker readiness files (default: a tmp dir per user)
+    api_keys: str = Field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
+    files_dir: str = Field(default_factory=_default_files_dir)  # the HTTP API's uploads and outputs
+    max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
 
     @field_validator("database_url")
     @classmethod
@@ -82,6 +89,10 @@ class Settings(BaseSettings):
         if env is not None:
             return init_settings, _MappingEnvSource(settings_cls, env)
         return init_settings, env_settings
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -46,9 +46,10 @@ def sampling_options(f: Any) -> Any:
 
 
 def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
-    if target is None and not drafts:
-        return settings.default_target, [settings.default_draft]
-    return target or settings.default_target, list(drafts)
+    from specbatch.worker.submission import Pair
+
+    pair = Pair.resolve(settings, target, drafts)
+    return pair.target, pair.drafts
 
 
 def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: float | None,
@@ -81,21 +82,17 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str], n
                 ) -> tuple[str, dict[Any, list[int]]]:
     """Validate (unless ``parsed`` already is) and store the file as a job; returns its id and its
     pending request ids per pair."""
-    from specbatch.jobs import store
+    from specbatch.worker.submission import Pair, store_job
 
     if parsed is None:
         parsed = _read_file(settings, file, defaults, model_map)
         for line in parsed.warnings(target):
             warn(line)
-    factory = open_db(settings)
-    with factory.begin() as s:
-        job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed.requests, queue=queue,
-                               source="<stdin>" if file == "-" else str(Path(file).resolve()),
-                               metadata=metadata)
-        job_id = job.id
-        routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
-    return job_id, routes
+    pair = Pair(target, drafts, ngram)
+    assert pair.queue == queue, (pair.queue, queue)
+    with open_db(settings).begin() as s:
+        return store_job(s, parsed, pair=pair, defaults=defaults,
+                         source="<stdin>" if file == "-" else str(Path(file).resolve()), metadata=metadata)
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:

@@ -369,6 +369,8 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "accepted_tokens": st.accepted_tokens, "acceptance_rate": _finite(st.acceptance_rate),
         "mean_acceptance_length": _finite(st.mean_acceptance_length),
         "accepted_per_position": [_finite(x) for x in st.accepted_per_position],
+        "draft_steps": int(st.draft_steps),
+        "accepted_at_position": [int(x) for x in st.accepted_at_position],
         "target_forwards": st.target_forwards, "draft_forwards": st.draft_forwards,
         "draft_seconds": _finite(st.draft_seconds), "verify_seconds": _finite(st.verify_seconds),
         "wall_seconds": _finite(st.wall_seconds), "tokens_per_second": _finite(st.tokens_per_second),
