@@ -11,7 +11,7 @@ import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
@@ -58,6 +58,7 @@ class Settings(BaseSettings):
     device: str = "cpu"
     dtype: str = "float32"
     batch_size: Positive = 1
+    compile: Literal["auto", "on", "off"] = "auto"   # compiled forward (docs/COMPILE.md)
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = Field(default=5555, ge=1, le=65535)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.cli.common import compile_option, echo_json, open_db, report_compile, warn
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
 from specbatch.redact import mask
@@ -288,13 +288,14 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
+@compile_option
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, hostname: str | None, loglevel: str, pool: str,
+           batch_size: int | None, compile_: str | None, hostname: str | None, loglevel: str, pool: str,
            metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
@@ -313,7 +314,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     target_, drafts_ = resolve_pair(settings, target, drafts)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
-                                  batch_size=batch_size or settings.batch_size, hostname=hostname,
+                                  batch_size=batch_size or settings.batch_size,
+                                  compile=compile_ or settings.compile, hostname=hostname,
                                   loglevel=loglevel, pool=pool,
                                   metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
@@ -360,6 +362,7 @@ EXIT_INTERRUPTED = 130
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
+@compile_option
 @click.option("--resume", "resume_job", metavar="JOB", default=None,
               help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
 @cache_option
@@ -367,7 +370,8 @@ EXIT_INTERRUPTED = 130
 def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
         max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
         seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
-        batch_size: int | None, resume_job: str | None, no_cache: bool, as_json: bool) -> None:
+        batch_size: int | None, compile_: str | None, resume_job: str | None, no_cache: bool,
+        as_json: bool) -> None:
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -417,7 +421,9 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
             warn(line)
         # the models before the job: a pair that cannot load leaves no job behind (a --model-map
         # route that cannot load later fails its own requests, with the reason)
-        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch)
+        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
+                              compile_ or settings.compile,
+                              sum(int(r.params.get("max_new_tokens") or 0) for r in parsed.requests))
         job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
                                      queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
                                      metadata={"embedded": True}, cache=not no_cache)
@@ -434,7 +440,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                     del engine
                     try:
                         engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
-                                              device, dtype, batch)
+                                              device, dtype, batch, compile_ or settings.compile,
+                                              _expected_tokens(settings, job_id, ids))
                     except SpecBatchError as e:
                         if resume_job is not None and len(routes) == 1:
                             raise
@@ -468,19 +475,23 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 
 
 def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
-                 device: str | None, dtype: str | None, batch: int) -> Any:
+                 device: str | None, dtype: str | None, batch: int, compile_mode: str = "off",
+                 expected_new_tokens: int | None = None) -> Any:
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
     with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
         try:
-            return Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
-                               dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                               batch_size=batch)
+            engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
+                                 dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
+                                 batch_size=batch, compile=compile_mode,
+                                 expected_new_tokens=expected_new_tokens)
         except SpecBatchError:
             raise
         except Exception as e:   # a loader bug must still be one line, and leave no job behind
             raise ModelLoadError(f"cannot load {target}: {type(e).__name__}: {e}") from e
+    report_compile(engine.compile_plan)
+    return engine
 
 
 def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:
@@ -550,3 +561,11 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
     Console().print(table)
     click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")
+
+
+def _expected_tokens(settings: Settings, job_id: str, request_ids: list[int]) -> int:
+    """These requests' token budget (sum of max_new_tokens): what auto compile weighs compiling by."""
+    from specbatch.jobs import store
+
+    with open_db(settings, readonly=True).begin() as s:
+        return store.expected_new_tokens(s, job_id, request_ids)

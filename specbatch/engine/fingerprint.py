@@ -97,6 +97,8 @@ def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> s
         "device": device,
         # dynamic int8 quantization happens on the CPU only (loading._quantize_int8)
         "int8": bool(model.info.get("int8")) and device == "cpu",
+        # a compiled forward may round differently from eager: kept apart, to be safe
+        "compiled": getattr(model, "compiled", None) is not None,
     }
     blob = {"v": FINGERPRINT_VERSION, "files": directory_digest(directory, memo), **numerics}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()

@@ -469,6 +469,15 @@ def job_summary(s: Session, job_id: str) -> dict[str, Any]:
     return out
 
 
+def expected_new_tokens(s: Session, job_id: str, request_ids: Sequence[int] | None = None) -> int:
+    """The token budget of a job's requests (all, or these): the sum of their ``max_new_tokens``
+    (what auto compile weighs compiling by)."""
+    q = select(Request.params).where(Request.job_id == job_id)
+    if request_ids is not None:
+        q = q.where(Request.id.in_(list(request_ids)))
+    return sum(int((p or {}).get("max_new_tokens") or 0) for p in s.execute(q).scalars())
+
+
 def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:
     """Per body.model of the job's requests (None: lines without one), where it runs: {model, target,
     drafts, requests}; the job's pair unless --model-map routed the model (one route per model)."""
