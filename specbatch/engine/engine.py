@@ -9,15 +9,35 @@ from typing import Any
 
 import torch
 
-from specbatch.engine.batch import BatchDecoder
+from specbatch.engine.autopilot import Autopilot
+from specbatch.engine.batch import MAX_DRAFT, BatchDecoder
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
+from specbatch.engine.memory import MemoryBudget, ModelShape, default_budget
 from specbatch.engine.speculative import speculative_generate
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
 logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+AUTO_MAX_BATCH = 256     # the autopilot's ceiling, below whatever the memory budget allows
+BatchSize = int | str    # rows decoded together, or "auto"
+
+
+def check_batch_size(value: object) -> BatchSize:
+    """ "auto" or an integer >= 1 (as int or text); raises ValueError otherwise."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{value!r}: give an integer >= 1 or 'auto'") from None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{value!r}: give an integer >= 1 or 'auto'")
+    return value
 
 
 @dataclass(frozen=True)
@@ -32,26 +52,31 @@ class Engine:
     """Holds the loaded target and draft models; builds fresh per-request drafter state."""
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
-                 ngram: bool = False, gamma: int = 4, batch_size: int = 1) -> None:
+                 ngram: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
+                 max_memory: int | None = None) -> None:
         for d in drafts:
             check_same_tokenizer(target, d)
         self.target = target
         self.drafts = list(drafts)
         self.ngram = ngram
         self.gamma = gamma
-        self.batch_size = batch_size
+        self.batch_size = check_batch_size(batch_size)
+        self.max_memory = max_memory  # bytes for KV caches + activations; None: a share of free memory
         self.costs = CostModel()      # measured step costs, shared by every request
         self.batch_costs: dict[int, CostModel] = {}  # per batch-size bucket
+        self.autopilot: Autopilot | None = None   # kept across calls: what it measured stays true
+        self.memory: MemoryBudget | None = None
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
-             trust_remote_code: bool = False, gamma: int = 4, batch_size: int = 1) -> Engine:
+             trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
+             max_memory: int | None = None) -> Engine:
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
         return cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
-                   batch_size=batch_size)
+                   batch_size=batch_size, max_memory=max_memory)
 
     @property
     def target_name(self) -> str:
@@ -124,15 +149,16 @@ class Engine:
             return speculative_generate(self.target, self.new_drafters(), ids, params, self.costs,
                                         default_gamma=self.gamma)
 
-    def generate_many(self, requests: Sequence[EngineRequest], batch_size: int | None = None
+    def generate_many(self, requests: Sequence[EngineRequest], batch_size: BatchSize | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
         """Yield (index, output or the request's own error) as each request finishes.
 
-        batch_size > 1 decodes up to that many requests together (continuous batching), except
-        with a pool of several draft models, which decodes request by request.
+        batch_size > 1 decodes up to that many requests together (continuous batching); "auto"
+        lets the autopilot choose the size and whether to speculate by measurement (see
+        ``specbatch.engine.autopilot``); a pool of several draft models decodes request by request.
         """
-        batch_size = batch_size or self.batch_size
-        if batch_size <= 1 or len(self.drafts) > 1:
+        batch_size = check_batch_size(batch_size or self.batch_size)
+        if (batch_size != AUTO and int(batch_size) <= 1) or len(self.drafts) > 1:
             for i, req in enumerate(requests):
                 try:
                     yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
@@ -150,6 +176,33 @@ class Engine:
                 continue
             valid.append((i, ids, params))
         decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
-                               self.batch_costs, self.gamma, batch_size)
+                               self.batch_costs, self.gamma, self._pilot(batch_size, valid), self._memory())
         with torch.inference_mode():
             yield from decoder.run(valid)
+
+    @property
+    def speculates(self) -> bool:
+        return bool(self.drafts) or self.ngram
+
+    def _memory(self) -> MemoryBudget:
+        if self.memory is None:
+            budget = self.max_memory or default_budget(self.target.device)
+            shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts[:1]))
+            self.memory = MemoryBudget(budget, shapes)
+        return self.memory
+
+    def _pilot(self, batch_size: BatchSize, valid: list[tuple[int, list[int], GenerationParams]]
+               ) -> Autopilot:
+        if batch_size != AUTO:
+            return Autopilot(fixed=int(batch_size), speculation=self.speculates)
+        # the search's ceiling: rows of the median request that fit (admission checks each one)
+        cols = sorted(len(ids) + p.max_new_tokens + MAX_DRAFT + 1 for _, ids, p in valid) or [1]
+        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], MAX_DRAFT))
+        if self.autopilot is None:
+            self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
+        self.autopilot.cap = cap
+        return self.autopilot
+
+    def batch_report(self) -> dict[str, Any] | None:
+        """What the autopilot chose and measured so far (None before an automatic batch ran)."""
+        return self.autopilot.summary() if self.autopilot is not None else None

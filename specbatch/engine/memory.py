@@ -8,8 +8,8 @@ Estimate, per row of the batch (``MemoryBudget.row_bytes``):
   activations: the logits of one verify step (draft length + 1 positions x vocab x 4 bytes, once
   more for their softmax) plus the hidden states of the widest layer over those positions.
 The check: after each step the process's memory (``torch.cuda.memory_allocated`` on CUDA, the
-resident set on CPU) above what it was before the first step, against the estimate for the rows
-then active. When the measurement runs ahead of the estimate the estimate is scaled up by the
+resident set on CPU) above what it was before the first step, less ``SLACK`` for allocator caches
+and workspaces, against the estimate for the rows then active. When the measurement runs ahead of the estimate the estimate is scaled up by the
 same factor, so the cap follows what the machine really uses.
 
 The default budget is a safe share of what is free when decoding starts: half of the available
@@ -26,6 +26,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 CPU_SHARE = 0.5
 GPU_SHARE = 0.8
 HOLES_FACTOR = 2.0
+SLACK = 256 * 1024**2   # allocator caches and workspaces that do not grow with the rows
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -121,7 +122,7 @@ class MemoryBudget:
             return
         if rows <= 0:
             return
-        used = measured - self.baseline
+        used = measured - self.baseline - SLACK
         estimate = rows * self.row_bytes(columns, gamma)
         if used > estimate > 0:
             self.scale *= used / estimate

@@ -44,6 +44,7 @@ class Tally:
     def step(self, drafted: int, n_accepted: int, winner: int, winner_name: str) -> None:
         s = self.stats
         s.verify_steps += 1
+        s.speculative_steps += int(drafted > 0)
         s.drafted_tokens += drafted
         s.accepted_tokens += n_accepted
         grow_counts(self.drafted_at, drafted)
@@ -161,6 +162,8 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
         stats.draft_forwards += step.draft_forwards
         stats.draft_seconds += step.draft_seconds
         stats.verify_seconds += step.verify_seconds
+        stats.batch_size_seconds["1"] = stats.batch_size_seconds.get("1", 0.0) + step.draft_seconds \
+            + step.verify_seconds
         # measured costs steer gamma (prefill steps are not representative)
         # (keyed by draft depth: a pool's tree costs what its depth costs with that pool)
         costs.observe_draft(step.draft_seconds, step.drafted)
