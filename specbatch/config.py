@@ -28,7 +28,10 @@ class Settings:
     default_draft: str = "smollm2-135m-int8"
     device: str = "cpu"
     dtype: str = "float32"
-    batch_size: int = 1
+    batch_size: str = "auto"            # "auto" (the throughput autopilot) or rows decoded together
+    max_memory: str = ""                # KV cache + activations budget, e.g. "8GiB"; "": a share of free
+    threads: int = 0                    # torch CPU threads; 0: usable cores / local_workers
+    local_workers: int = 1              # worker processes started together on this machine
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = 5555

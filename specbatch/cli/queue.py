@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 
 
@@ -148,12 +149,13 @@ def resume(job_id: str, as_json: bool) -> None:
 @model_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
-@click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@throughput_options
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, hostname: str | None, loglevel: str, pool: str) -> None:
+           batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
+           hostname: str | None, loglevel: str, pool: str) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -167,11 +169,15 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     from specbatch.worker.runner import run_worker
 
     settings = get_settings()
-    target_, drafts_ = resolve_pair(settings, target, drafts)
+    tp = resolve_throughput(settings, batch_size, max_memory, threads)
+    plain = no_draft(drafts, no_speculation)
+    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts)
+    if plain:
+        drafts_, ngram = [], False
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
-                                  batch_size=batch_size or settings.batch_size, hostname=hostname,
-                                  loglevel=loglevel, pool=pool)
+                                  batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
+                                  hostname=hostname, loglevel=loglevel, pool=pool)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
     sys.exit(code)
@@ -207,12 +213,12 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
-@click.option("--batch-size", type=int, default=None, help="Requests generated together.")
+@throughput_options
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
 def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
         temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-        stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | None,
-        as_json: bool) -> None:
+        stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | str | None,
+        max_memory: int | None, threads: int | None, no_speculation: bool, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file in this process (no Redis needed).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -229,17 +235,24 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     from specbatch.jobs import store
     from specbatch.worker.queues import queue_name
 
+    from specbatch.engine.threads import configure_threads
+
     settings = get_settings()
-    target_, drafts_ = resolve_pair(settings, target, drafts)
+    tp = resolve_throughput(settings, batch_size, max_memory, threads)
+    plain = no_draft(drafts, no_speculation)
+    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts)
+    if plain:
+        drafts_, ngram = [], False
     queue = queue_name(target_, drafts_, ngram)
-    batch = batch_size or settings.batch_size
+    batch = tp.batch_size
+    configure_threads(tp.threads, settings.local_workers)
     job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
                               _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
     console = Console(stderr=True)
     with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
         engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
                              dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                             batch_size=batch)
+                             batch_size=batch, max_memory=tp.max_memory)
     _run_with_progress(settings, console, job_id, len(ids), engine, batch)
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
@@ -250,7 +263,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
 
 
 def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
-                       batch: int) -> None:
+                       batch: int | str) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.worker.embedded import run_embedded
@@ -300,6 +313,10 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         elif isinstance(value, dict | list):
             continue
         table.add_row(key, str(value))
+    if (stats.get("batching") or {}).get("batch_size_share"):
+        from specbatch.cli.jobs import batching_line
+
+        table.add_row("batch sizes", batching_line(stats["batching"]))
     Console().print(table)
     click.echo(f"results: {settings.database_url} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -193,6 +194,10 @@ class Result(Base):
     pool_wins: Mapped[dict[str, int]] = mapped_column(JSONType, default=dict)
     final_gamma: Mapped[int] = mapped_column(Integer, default=0)
     speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # what the throughput autopilot chose (GenerationStats.batch_size_seconds, speculative_steps)
+    batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
+                                                                 server_default=text("'{}'"))
+    speculative_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # who and when
     worker: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

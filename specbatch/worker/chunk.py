@@ -148,7 +148,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
     sf = session_factory(settings.database_url)
     report = ChunkReport()
     todo = list(dict.fromkeys(int(i) for i in request_ids))
-    batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
+    batch = batch_rows(engine, batch_size)
     touched_jobs: set[str] = set()
     not_claimed: list[int] = []
 
@@ -171,12 +171,16 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
             continue
+        if batch > 1 and not any(c.attempts > 1 for c in claimed):
+            claimed += with_db_retry(lambda: _claim_ahead(sf, settings, claimed, worker_name, batch))
         touched_jobs.update(c.job_id for c in claimed)
         # suspects (a worker died holding them before) run alone, so they take no neighbour down
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
         for run in runs:
-            _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch)
+            _generate_run(settings, engine, sf, run, worker_name, report, on_result,
+                          "auto" if batch_size == "auto" or getattr(engine, "batch_size", 1) == "auto"
+                          else batch)
 
     if not_claimed:
         touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
@@ -188,9 +192,36 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
     return report
 
 
+def batch_rows(engine: Any, batch_size: int | str | None = None) -> int:
+    """Rows the engine decodes together now: a fixed size, or the autopilot's current choice
+    (its ceiling before it measured anything is not a good guess: 8)."""
+    b = batch_size or getattr(engine, "batch_size", 1) or 1
+    if b != "auto":
+        return max(1, int(b))
+    pilot = getattr(engine, "autopilot", None)
+    return max(8, int(pilot.kept[0])) if pilot is not None else 8
+
+
+def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, batch: int) -> list[Any]:
+    """More pending requests of the same job, so a batch larger than the chunk keeps full (the
+    chunk size follows the batch size): up to 2 x batch rows in all. The tasks that carry those
+    ids find them finished (or held) and skip them."""
+    from specbatch.jobs import store
+
+    want = 2 * batch - len(claimed)
+    if want <= 0:
+        return []
+    job_id = claimed[0].job_id
+    mine = {c.id for c in claimed}
+    with sf.begin() as s:
+        ids = [i for i in store.resumable_request_ids(s, job_id) if i not in mine][:want]
+        return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
+            if ids else []
+
+
 def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int = 1) -> None:
+                  batch: int | str = 1) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
@@ -202,7 +233,8 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
 
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
-        for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
+        size = batch if batch == "auto" else min(int(batch), len(run))
+        for idx, out in engine.generate_many(requests, batch_size=size):
             c = run[idx]
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             if msg is None:

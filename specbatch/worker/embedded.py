@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specbatch.config import Settings
-from specbatch.worker.chunk import ResultEvent, process_chunk, with_db_retry
+from specbatch.worker.chunk import ResultEvent, batch_rows, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
 
 logger = logging.getLogger(__name__)
@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 
 def run_embedded(settings: Settings, job_id: str, engine: Any,
                  on_progress: Callable[[ResultEvent], None] | None = None, *,
-                 batch_size: int | None = None, should_stop: Callable[[], bool] | None = None) -> None:
+                 batch_size: int | str | None = None, should_stop: Callable[[], bool] | None = None) -> None:
     """Generate every pending (or lease-expired) request of ``job_id``, chunk by chunk."""
     from specbatch.db import session_factory
     from specbatch.jobs import store
@@ -29,10 +29,13 @@ def run_embedded(settings: Settings, job_id: str, engine: Any,
             return list(store.resumable_request_ids(s, job_id))
 
     worker = f"embedded@{socket.gethostname()}:{os.getpid()}"
-    batch = max(1, batch_size or getattr(engine, "batch_size", 1) or 1)
-    # with batching, chunks several batches long keep the batch full as rows finish
+    batch = batch_rows(engine, batch_size)
+    # with batching, chunks several batches long keep the batch full as rows finish; with the
+    # autopilot the whole job is one chunk: its batch may grow to any size as it measures
+    auto = (batch_size or getattr(engine, "batch_size", 1)) == "auto"
     size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
-    for chunk in chunks(with_db_retry(resumable), size):
+    ids = with_db_retry(resumable)
+    for chunk in chunks(ids, len(ids) or 1) if auto else chunks(ids, size):
         report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
                                on_result=on_progress, should_stop=should_stop)
         if report.unstarted:

@@ -81,8 +81,8 @@ def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = 
 
 
 def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), ngram: bool = False,
-               device: str = "cpu", dtype: str = "float32", batch_size: int = 1,
-               hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
+               device: str = "cpu", dtype: str = "float32", batch_size: int | str = "auto",
+               max_memory: int | None = None, threads: int | None = None, hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
                imports: Sequence[str] = (), extra_argv: Sequence[str] = ()) -> tuple[int, str | None]:
     """Run a worker until it stops; returns (exit status, the model loading error if any).
 
@@ -95,7 +95,8 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     os.unlink(ready)
     app.conf.update(
         specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram, "device": device,
-                          "dtype": dtype, "batch_size": batch_size},
+                          "dtype": dtype, "batch_size": batch_size, "max_memory": max_memory,
+                          "threads": threads},
         specbatch_ready_file=ready if pool == "prefork" else None,
         imports=list(imports),
         task_default_queue=queue,

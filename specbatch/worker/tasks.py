@@ -36,16 +36,20 @@ def engine_spec(conf: Any) -> dict[str, Any]:
         return dict(spec)
     s = get_settings()
     return {"target": s.default_target, "drafts": [s.default_draft], "ngram": False,
-            "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size}
+            "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size,
+            "threads": s.threads or None}
 
 
 def build_engine(spec: dict[str, Any]) -> Any:
     """Load the engine for ``spec`` (tests wrap this to inject faults)."""
     from specbatch.engine import Engine
+    from specbatch.engine.threads import configure_threads
 
+    configure_threads(spec.get("threads"), get_settings().local_workers)   # before the first forward
     return Engine.load(spec["target"], drafts=list(spec.get("drafts") or ()), ngram=bool(spec.get("ngram")),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
-                       cache_dir=get_settings().cache_dir or None, batch_size=int(spec.get("batch_size") or 1))
+                       cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
+                       max_memory=spec.get("max_memory"))
 
 
 def get_engine(conf: Any) -> Any:
