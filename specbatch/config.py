@@ -1,11 +1,26 @@
-"""Settings: the only module that reads the environment (SPECBATCH_* variables)."""
+"""Settings: the only module that reads the environment (SPECBATCH_* variables).
+
+One pydantic-settings model: every field is ``SPECBATCH_<NAME>``; adding a setting is one typed
+line with a default. A bad value is a ``SettingsError`` with one line per bad variable (its value
+shown with any credentials masked), never a traceback.
+"""
 
 from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+
+from specbatch.errors import SettingsError
+from specbatch.redact import mask
+
+ENV_PREFIX = "SPECBATCH_"
+Positive = Annotated[int, Field(ge=1)]
 
 
 def _user_dir(xdg_var: str, fallback: str) -> Path:
@@ -13,43 +28,146 @@ def _user_dir(xdg_var: str, fallback: str) -> Path:
     return Path(base) / "specbatch"
 
 
-@dataclass(frozen=True)
-class Settings:
-    database_url: str
+def _default_database_url() -> str:
+    return f"sqlite:///{_user_dir('XDG_DATA_HOME', '.local/share') / 'specbatch.db'}"
+
+
+def _default_cache_dir() -> str:
+    return str(_user_dir("XDG_CACHE_HOME", ".cache"))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore",
+                                      env_ignore_empty=True, case_sensitive=False)
+
+    database_url: str = Field(default_factory=_default_database_url)
     broker_url: str = "redis://127.0.0.1:6379/0"
-    cache_dir: str = ""
-    visibility_timeout: int = 3600      # seconds; above the longest task
-    lease_seconds: int = 300            # a claimed request's lease, renewed while working
-    max_attempts: int = 3               # a request that kills its worker this often is failed
-    chunk_size: int = 8                 # request ids per Celery task
-    max_requests: int = 100_000         # per prompt file
-    max_line_bytes: int = 1_000_000     # per JSONL line
+    cache_dir: str = Field(default_factory=_default_cache_dir)
+    visibility_timeout: Positive = 3600   # seconds; above the longest task
+    lease_seconds: Positive = 300         # a claimed request's lease, renewed while working
+    max_attempts: Positive = 3            # a request that kills its worker this often is failed
+    chunk_size: Positive = 8              # request ids per Celery task
+    max_requests: Positive = 100_000      # per prompt file
+    max_line_bytes: Positive = 1_000_000  # per JSONL line
     default_target: str = "smollm2-135m"
     default_draft: str = "smollm2-135m-int8"
     device: str = "cpu"
     dtype: str = "float32"
-    batch_size: str = "auto"            # "auto" (the throughput autopilot) or rows decoded together
-    max_memory: str = ""                # KV cache + activations budget, e.g. "8GiB"; "": a share of free
-    threads: int = 0                    # torch CPU threads; 0: usable cores / local_workers
-    local_workers: int = 1              # worker processes started together on this machine
+    batch_size: int | str = "auto"        # "auto" (the throughput autopilot) or rows decoded together
+    max_memory: str = ""                  # KV cache + activations budget, e.g. "8GiB"; "": a share of free
+    threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers
+    local_workers: Positive = 1           # worker processes started together on this machine
     flower_user: str = "admin"
     flower_password: str = ""
-    flower_port: int = 5555
+    flower_port: int = Field(default=5555, ge=1, le=65535)
+    broker_timeout: float = Field(default=5.0, gt=0)  # seconds: connect/read bound on every broker call
+    breaker_max_backoff: float = Field(default=60.0, gt=0)  # seconds between outage probes, at most
+    target_failure_limit: Positive = 3    # consecutive target (engine) failures before unhealthy
+    ready_dir: str = ""                   # worker readiness files (default: a tmp dir per user)
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, url: str) -> str:
+        check_database_url(url)
+        return url
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, value: object) -> int | str:
+        from specbatch.engine.autopilot import check_batch_size
+
+        return check_batch_size(value)
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, value: str) -> str:
+        from specbatch.engine.memory import parse_bytes
+
+        if value:
+            parse_bytes(value)
+        return value
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
-        env = dict(os.environ if env is None else env)
-        data_dir = _user_dir("XDG_DATA_HOME", ".local/share")
-        values: dict[str, object] = {
-            "database_url": f"sqlite:///{data_dir / 'specbatch.db'}",
-            "cache_dir": str(_user_dir("XDG_CACHE_HOME", ".cache")),
-        }
-        for f in fields(cls):
-            raw = env.get(f"SPECBATCH_{f.name.upper()}")
-            if raw is None or raw == "":
-                continue
-            values[f.name] = int(raw) if f.type in ("int", int) else raw
-        return cls(**values)  # type: ignore[arg-type]
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings],
+                                   init_settings: PydanticBaseSettingsSource,
+                                   env_settings: PydanticBaseSettingsSource,
+                                   dotenv_settings: PydanticBaseSettingsSource,
+                                   file_secret_settings: PydanticBaseSettingsSource,
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        env = _ENV_OVERRIDE.get("env")
+        if env is not None:
+            return init_settings, _MappingEnvSource(settings_cls, env)
+        return init_settings, env_settings
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Settings from ``env`` (default ``os.environ``); raises SettingsError on bad values."""
+        _ENV_OVERRIDE["env"] = None if env is None else dict(env)
+        try:
+            return cls()
+        except ValidationError as e:
+            raise SettingsError(describe(e)) from None
+        finally:
+            _ENV_OVERRIDE["env"] = None
+
+
+# from_env(mapping) hands its mapping to settings_customise_sources through here (classmethods
+# take no extra arguments); only ever set for the duration of one construction.
+_ENV_OVERRIDE: dict[str, dict[str, str] | None] = {"env": None}
+
+
+class _MappingEnvSource(EnvSettingsSource):
+    """The environment source, reading a given mapping instead of ``os.environ``."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._mapping = dict(env)
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {k.lower(): v for k, v in self._mapping.items() if v != ""}
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_database_url(url: str) -> None:
+    """ValueError unless ``url`` is a SQLAlchemy URL whose driver is installed and, for an existing
+    SQLite file, that file is a SQLite database (not, say, the prompt file)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        u = make_url(url)
+        dialect = u.get_dialect()
+    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        raise ValueError(f"is not a database URL ({mask(str(e))})") from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as e:
+        extra = " (pip install 'specbatch[postgres]')" if u.get_backend_name() == "postgresql" else ""
+        raise ValueError(f"the {u.drivername} driver is not installed: {e}{extra}") from None
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" \
+            and not u.database.startswith("file:"):
+        path = Path(u.database).expanduser()
+        if path.is_dir():
+            raise ValueError(f"{path} is a directory, not a SQLite database file")
+        if path.is_file() and path.stat().st_size > 0:
+            with path.open("rb") as f:
+                if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+                    raise ValueError(f"{path} exists and is not a SQLite database")
+
+
+def describe(error: ValidationError) -> str:
+    """One line per bad setting: ``SPECBATCH_BATCH_SIZE='0': must be >= 1``."""
+    lines = []
+    for err in error.errors():
+        name = str(err["loc"][0]) if err.get("loc") else "?"
+        value: Any = err.get("input")
+        shown = mask(str(value)) if isinstance(value, str | int | float) else ""
+        msg = mask(str(err.get("msg", "invalid")))
+        msg = msg.removeprefix("Value error, ")
+        lines.append(f"{ENV_PREFIX}{name.upper()}={shown!r}: {msg}")
+    return "bad settings:\n" + "\n".join(lines) if len(lines) > 1 else lines[0]
 
 
 @functools.lru_cache(maxsize=1)

@@ -48,3 +48,7 @@ class JobNotFound(SpecBatchError):
 
 class BrokerUnavailable(SpecBatchError):
     """The Celery broker could not be reached."""
+
+
+class SettingsError(SpecBatchError):
+    """A SPECBATCH_* setting has a bad value (one line per bad variable, credentials masked)."""

@@ -9,6 +9,7 @@ import click
 from sqlalchemy.orm import sessionmaker
 
 from specbatch.config import Settings
+from specbatch.redact import mask
 
 
 def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
@@ -25,7 +26,7 @@ def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
         path = sqlite_path(url)
         shown = make_url(url).render_as_string(hide_password=True)
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
-        raise click.UsageError(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}") from e
+        raise click.UsageError(mask(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}")) from e
     is_new = path is not None and not path.exists()
     try:
         factory = session_factory(url, readonly=readonly)
@@ -47,5 +48,5 @@ def echo_json(data: Any) -> None:
 
 
 def warn(message: str) -> None:
-    """A warning for people, on stderr (never mixed into --json output)."""
-    click.secho(f"warning: {message}", err=True, fg="yellow")
+    """A warning for people, on stderr (never mixed into --json output); credentials masked."""
+    click.secho(f"warning: {mask(message)}", err=True, fg="yellow")

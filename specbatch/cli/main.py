@@ -5,10 +5,12 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import traceback
 
 import click
 
-from specbatch.errors import SpecBatchError
+from specbatch.errors import SettingsError, SpecBatchError
+from specbatch.redact import install_log_redaction, mask
 
 # module -> command names it defines (imported lazily so `specbatch --help` stays fast)
 COMMAND_MODULES = {
@@ -20,7 +22,8 @@ COMMAND_MODULES = {
 
 
 class LazyGroup(click.Group):
-    """Loads a command's module on first use; turns SpecBatchError into one readable line."""
+    """Loads a command's module on first use; turns SpecBatchError into one readable line, and
+    masks credentials in every error it lets through."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(name for names in COMMAND_MODULES.values() for name in names)
@@ -36,8 +39,16 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except SpecBatchError as e:
             if ctx.obj and ctx.obj.get("debug"):
-                raise
-            raise click.ClickException(str(e)) from e
+                # the stack trace asked for, with its credentials masked like everything else
+                click.echo(mask(traceback.format_exc()), err=True)
+                ctx.exit(1)
+            error = click.ClickException(mask(str(e)))
+            if isinstance(e, SettingsError):
+                error.exit_code = 2   # a usage error, like a bad option
+            raise error from e
+        except click.ClickException as e:
+            e.message = mask(e.message)
+            raise
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,6 +61,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
     ctx.obj["debug"] = debug
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_log_redaction()
 
 
 def main() -> None:

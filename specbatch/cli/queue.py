@@ -13,6 +13,7 @@ import click
 from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
+from specbatch.redact import mask
 
 
 def model_options(f: Any) -> Any:
@@ -232,10 +233,9 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     from rich.console import Console
 
     from specbatch.engine import Engine
+    from specbatch.engine.threads import configure_threads
     from specbatch.jobs import store
     from specbatch.worker.queues import queue_name
-
-    from specbatch.engine.threads import configure_threads
 
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads)
@@ -318,5 +318,5 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
 
         table.add_row("batch sizes", batching_line(stats["batching"]))
     Console().print(table)
-    click.echo(f"results: {settings.database_url} (job {summary.get('id')}); "
+    click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")

@@ -17,12 +17,12 @@ class BatchSizeType(click.ParamType):
     name = "auto|N"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from specbatch.engine.engine import check_batch_size
+        from specbatch.engine.autopilot import check_batch_size
 
         try:
             return check_batch_size(value)
         except ValueError as e:
-            self.fail(str(e), param, ctx)
+            self.fail(f"{value!r}: {e}", param, ctx)
 
 
 class BytesType(click.ParamType):
@@ -63,25 +63,13 @@ class Throughput:
 
 def resolve_throughput(settings: Settings, batch_size: int | str | None, max_memory: int | None,
                        threads: int | None) -> Throughput:
-    """Options over settings; a bad SPECBATCH_* value is a usage error too."""
-    from specbatch.engine.engine import check_batch_size
+    """Options over settings (which validated their own values)."""
     from specbatch.engine.memory import parse_bytes
 
-    if batch_size is None:
-        try:
-            batch_size = check_batch_size(settings.batch_size)
-        except ValueError as e:
-            raise click.UsageError(f"SPECBATCH_BATCH_SIZE: {e}") from None
     if max_memory is None and settings.max_memory:
-        try:
-            max_memory = parse_bytes(settings.max_memory)
-        except ValueError as e:
-            raise click.UsageError(f"SPECBATCH_MAX_MEMORY: {e}") from None
-    if threads is None and settings.threads:
-        if settings.threads < 1:
-            raise click.UsageError(f"SPECBATCH_THREADS={settings.threads}: give an integer >= 1")
-        threads = settings.threads
-    return Throughput(batch_size, max_memory, threads)
+        max_memory = parse_bytes(settings.max_memory)
+    return Throughput(settings.batch_size if batch_size is None else batch_size, max_memory,
+                      threads or settings.threads or None)
 
 
 def no_draft(drafts: tuple[str, ...], no_speculation: bool) -> bool:

@@ -25,8 +25,8 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
-    text,
 )
+from sqlalchemy import text as sql_text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -196,7 +196,7 @@ class Result(Base):
     speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     # what the throughput autopilot chose (GenerationStats.batch_size_seconds, speculative_steps)
     batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
-                                                                 server_default=text("'{}'"))
+                                                                 server_default=sql_text("'{}'"))
     speculative_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # who and when
     worker: Mapped[str] = mapped_column(String(255))

@@ -29,6 +29,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+AUTO = "auto"
+BatchSize = int | str    # rows decoded together, or "auto"
+
+
+def check_batch_size(value: object) -> BatchSize:
+    """ "auto" or an integer >= 1 (as int or text); raises ValueError otherwise."""
+    if isinstance(value, str):
+        if value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError("must be an integer >= 1 or 'auto'") from None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError("must be an integer >= 1 or 'auto'")
+    return value
+
 
 def bucket(n: int) -> int:
     """The batch-size bucket of n rows: the next power of two (1, 2, 4, 8, ...)."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from specbatch.engine.autopilot import Autopilot
+from specbatch.engine.autopilot import AUTO, Autopilot, BatchSize, check_batch_size
 from specbatch.engine.batch import MAX_DRAFT, BatchDecoder
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
@@ -21,23 +21,7 @@ from specbatch.errors import RequestError, SpecBatchError
 
 logger = logging.getLogger(__name__)
 
-AUTO = "auto"
 AUTO_MAX_BATCH = 256     # the autopilot's ceiling, below whatever the memory budget allows
-BatchSize = int | str    # rows decoded together, or "auto"
-
-
-def check_batch_size(value: object) -> BatchSize:
-    """ "auto" or an integer >= 1 (as int or text); raises ValueError otherwise."""
-    if isinstance(value, str):
-        if value.strip().lower() == AUTO:
-            return AUTO
-        try:
-            value = int(value.strip())
-        except ValueError:
-            raise ValueError(f"{value!r}: give an integer >= 1 or 'auto'") from None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{value!r}: give an integer >= 1 or 'auto'")
-    return value
 
 
 @dataclass(frozen=True)

@@ -172,7 +172,9 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         if not claimed:
             continue
         if batch > 1 and not any(c.attempts > 1 for c in claimed):
-            claimed += with_db_retry(lambda: _claim_ahead(sf, settings, claimed, worker_name, batch))
+            def ahead(claimed: list[Any] = claimed) -> list[Any]:
+                return _claim_ahead(sf, settings, claimed, worker_name, batch)
+            claimed += with_db_retry(ahead)
         touched_jobs.update(c.job_id for c in claimed)
         # suspects (a worker died holding them before) run alone, so they take no neighbour down
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)

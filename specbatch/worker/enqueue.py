@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from specbatch.config import Settings
 from specbatch.errors import BrokerUnavailable
+from specbatch.redact import mask
 from specbatch.worker.app import TASK_NAME, app_for
 
 logger = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ def chunks(ids: Sequence[int], size: int) -> Iterator[list[int]]:
 def broker_error(settings: Settings, error: BaseException, job_id: str | None = None) -> BrokerUnavailable:
     fix = (f"the job {job_id} is saved: start the broker, then run `specbatch resume {job_id}`"
            if job_id else "start Redis or set SPECBATCH_BROKER_URL")
-    return BrokerUnavailable(f"cannot reach the broker at {settings.broker_url} ({error}); {fix}")
+    return BrokerUnavailable(mask(f"cannot reach the broker at {settings.broker_url} ({error}); {fix}"))
 
 
 def check_broker(settings: Settings, timeout: float = 3.0) -> None:

@@ -67,6 +67,16 @@ def _write_ready(path: str | None, text: str) -> None:
     os.replace(tmp, path)
 
 
+@signals.after_setup_logger.connect
+@signals.after_setup_task_logger.connect
+def _redact_logs(logger: Any = None, **_: Any) -> None:
+    """Worker logs (parent and pool child) never show a password: see ``specbatch.redact``."""
+    from specbatch.redact import install_log_redaction
+
+    install_log_redaction(logger)
+    install_log_redaction()
+
+
 @signals.worker_process_init.connect
 def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
     """A fresh pool child: drop any inherited DB pool, load the models, report ready or the error."""

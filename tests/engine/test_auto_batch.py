@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
-from specbatch.engine.autopilot import Autopilot
+from specbatch.engine.autopilot import Autopilot, check_batch_size
 from specbatch.engine.batch import BatchDecoder
-from specbatch.engine.engine import check_batch_size
 from specbatch.engine.memory import SLACK, MemoryBudget, ModelShape, parse_bytes
 from tests.engine.test_batch import LENGTHS, PROMPTS
 from tests.engine.test_greedy_exact import target_greedy

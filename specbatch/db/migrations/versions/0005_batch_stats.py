@@ -19,13 +19,15 @@ depends_on = None
 JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 
+# plain ADD/DROP COLUMN, not batch mode: recreating the table on SQLite would break the
+# specbatch_results view that reads it (these columns are not in the view)
+
+
 def upgrade() -> None:
-    with op.batch_alter_table("results") as b:
-        b.add_column(sa.Column("batch_size_seconds", JSON, nullable=False, server_default=sa.text("'{}'")))
-        b.add_column(sa.Column("speculative_steps", sa.Integer(), nullable=False, server_default="0"))
+    op.add_column("results", sa.Column("batch_size_seconds", JSON, nullable=False, server_default=sa.text("'{}'")))
+    op.add_column("results", sa.Column("speculative_steps", sa.Integer(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("results") as b:
-        b.drop_column("speculative_steps")
-        b.drop_column("batch_size_seconds")
+    op.drop_column("results", "speculative_steps")
+    op.drop_column("results", "batch_size_seconds")

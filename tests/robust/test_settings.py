@@ -1,0 +1,79 @@
+"""Bad settings and bad numeric options end in one readable line, through every command (#16 item 8)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+from specbatch.config import Settings, get_settings
+from specbatch.errors import SettingsError
+
+
+def _invoke(args: list[str], env: dict[str, str]) -> tuple[int, str, BaseException | None]:
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, args, env=env)
+    exc = result.exception if not isinstance(result.exception, SystemExit) else None
+    return result.exit_code, result.output, exc
+
+
+@pytest.mark.parametrize("name,value,expected", [
+    ("SPECBATCH_CHUNK_SIZE", "eight", "SPECBATCH_CHUNK_SIZE='eight': Input should be a valid integer"),
+    ("SPECBATCH_BATCH_SIZE", "0", "SPECBATCH_BATCH_SIZE='0': must be an integer >= 1 or 'auto'"),
+    ("SPECBATCH_BATCH_SIZE", "2.5", "SPECBATCH_BATCH_SIZE='2.5': must be an integer >= 1 or 'auto'"),
+    ("SPECBATCH_MAX_MEMORY", "lots", "SPECBATCH_MAX_MEMORY='lots': 'lots' is not a size"),
+    ("SPECBATCH_THREADS", "-1", "SPECBATCH_THREADS='-1': Input should be greater than or equal to 0"),
+    ("SPECBATCH_DATABASE_URL", "mysql://u:S3CRETPW@127.0.0.1/db", "the mysql driver is not installed"),
+    ("SPECBATCH_DATABASE_URL", "not a url at all", "not a database URL"),
+])
+def test_bad_setting_is_one_line(tmp_path: Path, name: str, value: str, expected: str) -> None:
+    env = {"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}", name: value}
+    code, output, exc = _invoke(["jobs"], env)
+    assert exc is None, repr(exc)
+    assert code == 2, output   # a usage error, like a bad option
+    assert expected in output
+    assert "Traceback" not in output and "S3CRETPW" not in output
+    assert output.strip().count("\n") == 0, output   # exactly one line
+
+
+def test_database_url_pointing_at_a_text_file(tmp_path: Path) -> None:
+    text = tmp_path / "prompts.jsonl"
+    text.write_text('{"prompt": "hi"}\n')
+    code, output, exc = _invoke(["jobs"], {"SPECBATCH_DATABASE_URL": f"sqlite:///{text}"})
+    assert exc is None, repr(exc)
+    assert code == 2 and "is not a SQLite database" in output and "Traceback" not in output
+    assert text.read_text() == '{"prompt": "hi"}\n'   # untouched
+
+
+def test_several_bad_settings_one_line_each() -> None:
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env({"SPECBATCH_LEASE_SECONDS": "1.5", "SPECBATCH_MAX_ATTEMPTS": "-1",
+                           "SPECBATCH_DATABASE_URL": "sqlite://"})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "bad settings:"
+    assert any(line.startswith("SPECBATCH_LEASE_SECONDS='1.5'") for line in lines)
+    assert any(line.startswith("SPECBATCH_MAX_ATTEMPTS='-1'") for line in lines)
+
+
+def test_from_env_reads_only_the_mapping_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECBATCH_CHUNK_SIZE", "5")
+    assert Settings.from_env({"SPECBATCH_DATABASE_URL": "sqlite://"}).chunk_size == 8
+    assert Settings.from_env({"SPECBATCH_DATABASE_URL": "sqlite://", "SPECBATCH_CHUNK_SIZE": ""}).chunk_size == 8
+    get_settings.cache_clear()
+    assert get_settings().chunk_size == 5
+    with pytest.raises(ValueError):   # frozen: one settings object, never mutated
+        get_settings().chunk_size = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("command", ["run", "worker"])
+@pytest.mark.parametrize("size", ["0", "-2"])
+def test_batch_size_must_be_positive(tmp_path: Path, command: str, size: str) -> None:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    args = [command, *([str(prompts)] if command == "run" else []), "--batch-size", size]
+    code, output, exc = _invoke(args, {"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}"})
+    assert exc is None, repr(exc)
+    assert code == 2 and "--batch-size" in output and "Traceback" not in output
+    assert not (tmp_path / "db.sqlite").exists()   # nothing written
