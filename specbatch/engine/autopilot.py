@@ -234,6 +234,22 @@ class Autopilot:
         self.pending_trial_steps = 0
         self.history.append((self.steps, self.kept, why))
 
+    # -- what other decisions weigh (the compile decision: issue "Compiled forward")
+
+    def planned_rows(self, prior: int = 8) -> int:
+        """The batch size decoding runs at: the kept size once measured, else ``prior``."""
+        if not self.auto:
+            return self.kept[0]
+        r = self.rates.get(self.kept)
+        return self.kept[0] if r is not None and r.samples else min(prior, self.cap)
+
+    def expected_seconds(self, new_tokens: int) -> float | None:
+        """Decode time of ``new_tokens`` more tokens at the kept configuration's measured rate
+        (None before it is measured): ``compile_pays(expected_seconds, compile_seconds, cached)``
+        weighs compiling against this."""
+        r = self.rates.get(self.kept)
+        return new_tokens / r.value if r is not None and r.value > 0 else None
+
     # -- what the job statistics record
 
     def summary(self) -> dict[str, object]:

@@ -187,6 +187,13 @@ class Engine:
         self.autopilot.cap = cap
         return self.autopilot
 
+    def planned_batch_size(self) -> int:
+        """Rows decoding will run at (fixed size, or the autopilot's kept size; 8 before it
+        measured): what a compile decision made before decoding plans for."""
+        if self.batch_size != AUTO:
+            return int(self.batch_size)
+        return self.autopilot.planned_rows() if self.autopilot is not None else 8
+
     def batch_report(self) -> dict[str, Any] | None:
         """What the autopilot chose and measured so far (None before an automatic batch ran)."""
         return self.autopilot.summary() if self.autopilot is not None else None

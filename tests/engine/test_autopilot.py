@@ -143,3 +143,12 @@ def test_summary_records_the_choice():
     assert abs(sum(shares.values()) - 1) < 1e-9
     assert max(shares, key=shares.__getitem__) == "16"
     assert 0 < s["speculated_step_share"] < 0.5
+
+
+def test_compile_seam_plans_rows_and_expected_time():
+    pilot = Autopilot(cap=64)
+    assert pilot.planned_rows() == 8 and pilot.expected_seconds(100) is None
+    simulate(pilot, cpu_like)
+    assert pilot.planned_rows() == 16
+    assert pilot.expected_seconds(640) == pytest.approx(640 / 64, rel=0.05)
+    assert Autopilot(fixed=4).planned_rows() == 4
