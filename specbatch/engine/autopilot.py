@@ -90,8 +90,8 @@ class Autopilot:
     cap: int = 64
     fixed: int | None = None
     speculation: bool = True
-    start: int = 1
-    trial_steps: int = 6            # measured steps a trial needs before it is judged
+    start: int = 4                  # rows at first: the climb from there is short; half is tried too
+    trial_steps: int = 5            # measured steps a trial needs before it is judged
     trial_timeout: int = 24         # steps a trial may wait for its rows (not enough work: dropped)
     margin: float = 0.03            # a trial must beat the kept configuration by this much
     recheck_steps: int = 160        # a measurement older than this is stale
