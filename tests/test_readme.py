@@ -47,6 +47,8 @@ COVERAGE: dict[str, str] = {
     "specbatch status JOB": THIS + "test_quick_start",
     "specbatch export JOB -f jsonl -o answers.jsonl": THIS + "test_quick_start",
     "specbatch export JOB -f parquet -o answers.parquet": THIS + "test_quick_start",
+    "specbatch export JOB -o output.jsonl --errors errors.jsonl": THIS + "test_quick_start",
+    'eval "$(_SPECBATCH_COMPLETE=bash_source specbatch)"': "tests/cli/test_openai_cli.py::test_shell_completion",
     "sqlite3 ~/.local/share/specbatch/specbatch.db < examples/results.sql": THIS + "test_quick_start",
     # cluster setup
     "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --appendonly yes": THIS + "test_cluster_setup",
@@ -288,7 +290,9 @@ def test_quick_start(isolated: Path, tiny_models: Path) -> None:
     subst.check()
     records = [json.loads(x) for x in (tmp / "answers.jsonl").read_text().splitlines()]
     assert [r["custom_id"] for r in records] == list(SMALL)
-    assert all(r["response"]["status_code"] == 200 and r["stats"] for r in records)
+    assert all(r["response"]["status_code"] == 200 and r["response"]["body"]["specbatch"] for r in records)
+    pair = [(tmp / f).read_text().splitlines() for f in ("output.jsonl", "errors.jsonl")]
+    assert [json.loads(x) for x in pair[0]] == records and pair[1] == []
     import pandas
 
     frame = pandas.read_parquet(tmp / "answers.parquet")

@@ -104,7 +104,9 @@ def _check_workers(settings: Settings, queue: str) -> None:
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
 
 
-def _print_status(d: dict[str, Any]) -> None:
+def _status_view(d: dict[str, Any]) -> Any:
+    """The job's status as one rich renderable (tables)."""
+    from rich.console import Group
     from rich.table import Table
 
     st = d["stats"]
@@ -135,8 +137,7 @@ def _print_status(d: dict[str, Any]) -> None:
         batching = st.get("batching") or {}
         if batching.get("batch_size_share"):
             info.add_row("batch sizes", batching_line(batching))
-    console = _console()
-    console.print(info)
+    parts: list[Any] = [info]
     if st["workers"]:
         workers = Table(title="workers", title_justify="left", box=None)
         for col in ("worker", "requests", "tokens", "tokens/s", "busy tokens/s"):
@@ -144,13 +145,39 @@ def _print_status(d: dict[str, Any]) -> None:
         for w in st["workers"]:
             workers.add_row(w["worker"], str(w["requests"]), str(w["tokens_generated"]),
                             _num(w["tokens_per_second"], "{:.1f}"), _num(w["busy_tokens_per_second"], "{:.1f}"))
-        console.print(workers)
+        parts.append(workers)
+    return Group(*parts)
+
+
+def _refreshed_summary(settings: Settings, job_id: str) -> tuple[dict[str, Any], bool]:
+    from specbatch.db.models import JobStatus
+    from specbatch.jobs import store
+
+    with open_db(settings).begin() as s:      # short write: counters and status from the rows
+        job = store.refresh_job(s, job_id)
+        jid, finished = job.id, JobStatus(job.status).finished
+    with open_db(settings, readonly=True).begin() as s:
+        return store.job_summary(s, jid), finished
+
+
+def _pending_queues(settings: Settings, job_id: str) -> list[str]:
+    """The queues the job's unfinished requests wait on (several with --model-map)."""
+    from specbatch.jobs import store
+    from specbatch.worker.queues import queue_name
+
+    with open_db(settings, readonly=True).begin() as s:
+        job = store.get_job(s, job_id)
+        routes = store.request_routes(s, job.id, store.resumable_request_ids(s, job.id))
+        return [job.queue if r is None else queue_name(r[0], r[1], job.ngram) for r in routes] or [job.queue]
 
 
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def status(job_id: str, as_json: bool) -> None:
+@click.option("--watch", is_flag=True, help="Refresh until the job ends (Ctrl-C stops watching, not the job).")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between refreshes with --watch.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " With --watch: once the job ends.")
+def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     """Show a job's status, request counts and speculative-decoding statistics.
 
     JOB is a job id (or a unique prefix of one, 4 characters or more).
@@ -158,23 +185,33 @@ def status(job_id: str, as_json: bool) -> None:
     \b
     Example:
       specbatch status 3f9a2c
+      specbatch status 3f9a2c --watch
       specbatch status 3f9a2c --json | jq .stats.acceptance_rate
     """
-    from specbatch.db.models import JobStatus
-    from specbatch.jobs import store
+    import time
 
     settings = get_settings()
-    with open_db(settings).begin() as s:      # short write: counters and status from the rows
-        job = store.refresh_job(s, job_id)
-        jid, queue, finished = job.id, job.queue, JobStatus(job.status).finished
-    with open_db(settings, readonly=True).begin() as s:
-        summary = store.job_summary(s, jid)
+    summary, finished = _refreshed_summary(settings, job_id)
     if not finished:
-        _check_workers(settings, queue)
+        for queue in _pending_queues(settings, summary["id"]):
+            _check_workers(settings, queue)
+    if watch and not finished and as_json:      # machine output: only the final summary
+        while not finished:
+            time.sleep(interval)
+            summary, finished = _refreshed_summary(settings, summary["id"])
+    elif watch and not finished:
+        from rich.live import Live
+
+        with Live(_status_view(summary), console=_console(), auto_refresh=False) as live:
+            while not finished:
+                time.sleep(interval)
+                summary, finished = _refreshed_summary(settings, summary["id"])
+                live.update(_status_view(summary), refresh=True)
+        return
     if as_json:
         echo_json(summary)
     else:
-        _print_status(summary)
+        _console().print(_status_view(summary))
 
 
 # ---------------------------------------------------------------- export
@@ -191,21 +228,31 @@ def _statuses(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ..
 @click.command()
 @click.argument("job_id", metavar="JOB")
 @click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default="jsonl",
-              show_default=True, help="jsonl: OpenAI batch output lines + stats; csv/parquet: one flat row "
-                                      "per request.")
+              show_default=True, help="jsonl: OpenAI batch output lines; csv: one flat row per request; "
+                                      "parquet: typed columns for datasets / DuckDB / pandas.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="File to write ('-': stdout). Default: stdout for jsonl/csv, JOB.parquet for parquet.")
+@click.option("--errors", "errors_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="jsonl: write failed/cancelled lines here and only successes to the output "
+                   "(OpenAI's output/error file pair).")
 @click.option("--status", "statuses", multiple=True, callback=_statuses, metavar="STATUS[,STATUS]",
-              help=f"Only requests with these statuses ({', '.join(REQUEST_STATUSES)}); repeatable.")
-@click.option("--json", "as_json", is_flag=True, help="Print {id, format, path, rows} as JSON (file output).")
-def export(job_id: str, fmt: str, output: Path | None, statuses: list[str], as_json: bool) -> None:
-    """Export a job's requests and results as JSONL, CSV or Parquet.
+              help=f"Only requests with these statuses ({', '.join(REQUEST_STATUSES)}); repeatable. "
+                   "Default: jsonl, the finished ones; csv/parquet, all.")
+@click.option("--force", is_flag=True, help="Overwrite existing files.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {id, format, path, rows[, errors_path, error_rows]} as JSON (file output).")
+def export(job_id: str, fmt: str, output: Path | None, errors_path: Path | None, statuses: list[str],
+           force: bool, as_json: bool) -> None:
+    """Export a job's requests and results as JSONL, CSV or Parquet, in input order.
 
-    Rows follow the prompt file's order. Parquet loads with pandas.read_parquet and
-    datasets.load_dataset("parquet", data_files=...).
+    JSONL lines have OpenAI's batch output shape; pending and running requests are left out
+    unless --status asks for them. Parquet loads with pandas.read_parquet, DuckDB and
+    datasets.load_dataset("parquet", data_files=...). Files are written atomically and never
+    overwritten without --force.
 
     \b
     Example:
+      specbatch export 3f9a2c -o output.jsonl --errors errors.jsonl
       specbatch export 3f9a2c -f parquet -o answers.parquet --status completed
       specbatch export 3f9a2c > answers.jsonl
     """
@@ -217,21 +264,37 @@ def export(job_id: str, fmt: str, output: Path | None, statuses: list[str], as_j
         raise click.UsageError("parquet is binary: give a file with -o PATH")
     if to_stdout and as_json:
         raise click.UsageError("--json reports on a written file: give one with -o PATH")
+    if errors_path is not None and fmt != "jsonl":
+        raise click.UsageError("--errors splits OpenAI batch lines: use it with -f jsonl")
+    if errors_path is not None and output is not None and errors_path.resolve() == output.resolve():
+        raise click.UsageError("--errors must name another file than -o")
+    n_err = 0
     with open_db(get_settings(), readonly=True).begin() as s:
         jid = store.get_job(s, job_id).id
-        if to_stdout:
-            exporter.export_job(s, jid, fmt, click.get_text_stream("stdout"), statuses)
-            return
-        path = output if output is not None else Path(f"{jid}.parquet")
+        out: Path | Any = click.get_text_stream("stdout") if to_stdout else (
+            output if output is not None else Path(f"{jid}.parquet"))
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            n = exporter.export_job(s, jid, fmt, path, statuses)
+            for p in (out, errors_path):
+                if isinstance(p, Path):
+                    p.parent.mkdir(parents=True, exist_ok=True)
+            if fmt == "jsonl":
+                n, n_err = exporter.write_openai(s, jid, out, errors_path, statuses=statuses, force=force)
+            else:
+                n = exporter.export_job(s, jid, fmt, out, statuses, force=force)
         except OSError as e:
-            raise click.ClickException(f"cannot write {path}: {e.strerror or e}") from e
+            raise click.ClickException(f"cannot write {e.filename or out}: {e.strerror or e}") from e
+    if to_stdout:
+        if errors_path is not None:
+            click.echo(f"wrote {n_err} error lines to {errors_path}", err=True)
+        return
+    report: dict[str, Any] = {"id": jid, "format": fmt, "path": str(out), "rows": n}
+    if errors_path is not None:
+        report.update(errors_path=str(errors_path), error_rows=n_err)
     if as_json:
-        echo_json({"id": jid, "format": fmt, "path": str(path), "rows": n})
+        echo_json(report)
     else:
-        click.echo(f"wrote {n} rows to {path}", err=True)
+        more = f" and {n_err} error lines to {errors_path}" if errors_path is not None else ""
+        click.echo(f"wrote {n} rows to {out}{more}", err=True)
 
 
 # ---------------------------------------------------------------- cancel / retry
@@ -288,18 +351,19 @@ def retry(job_id: str, as_json: bool) -> None:
     with open_db(settings).begin() as s:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
-        jid, queue = job.id, job.queue
-    report = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
+        jid, queue, ngram = job.id, job.queue, job.ngram
+        routes = store.request_routes(s, jid, ids)
+    report: dict[str, Any] = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
     if ids:
         # the rows are committed as pending first: whatever happens to the broker, `resume` finishes them
         later = f"they are pending again; run `specbatch resume {jid}` once the queue is up"
         try:
-            from specbatch.worker.enqueue import enqueue_requests
+            from specbatch.worker.enqueue import enqueue_routes
         except ImportError as e:
             raise click.ClickException(f"{len(ids)} failed requests of job {jid} reset, but the queue is not "
                                        f"available ({e}); {later}") from e
         try:
-            report["tasks"] = enqueue_requests(settings, jid, ids, queue)
+            report["tasks"] = sum(enqueue_routes(settings, jid, routes, queue, ngram).values())
         except BrokerUnavailable as e:
             raise click.ClickException(f"the broker is unreachable ({e}): {len(ids)} failed requests of job "
                                        f"{jid} were not queued; {later}") from e

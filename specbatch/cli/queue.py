@@ -54,18 +54,40 @@ def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: floa
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
-                defaults: dict[str, Any], queue: str) -> tuple[str, list[int]]:
-    from specbatch.jobs import intake, store
+def model_map_option(f: Any) -> Any:
+    return click.option(
+        "--model-map", "model_map", multiple=True, metavar="NAME=TARGET[,DRAFT...]",
+        help="Route OpenAI lines whose body.model is NAME to this target (and drafts; repeatable). "
+             "Lines without body.model use --target/--draft.")(f)
 
-    parsed = intake.parse_file(file, defaults, settings)
+
+def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...]) -> Any:
+    """The validated file ('-': standard input), its warnings printed."""
+    from specbatch.jobs import intake
+
+    routes = intake.parse_model_map(model_map)
+    if file == "-":
+        return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes)
+    return intake.read_file(file, defaults, settings, routes)
+
+
+def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
+                defaults: dict[str, Any], queue: str, model_map: tuple[str, ...] = ()
+                ) -> tuple[str, dict[Any, list[int]]]:
+    """Validate and store the file as a job; returns its id and its pending request ids per pair."""
+    from specbatch.jobs import store
+
+    parsed = _read_file(settings, file, defaults, model_map)
+    for line in parsed.warnings(target):
+        warn(line)
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed, queue=queue, source=str(Path(file).resolve()))
+                               requests=parsed.requests, queue=queue,
+                               source="<stdin>" if file == "-" else str(Path(file).resolve()))
         job_id = job.id
-        ids = list(store.resumable_request_ids(s, job_id))
-    return job_id, ids
+        routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
+    return job_id, routes
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:
@@ -76,16 +98,66 @@ def _warn_no_consumer(settings: Settings, queue: str) -> None:
              f"`specbatch worker` and the same --target/--draft options")
 
 
+def wait_for_job(settings: Settings, job_id: str, interval: float = 1.0) -> dict[str, Any]:
+    """A progress bar on stderr until the job ends; returns its summary. Ctrl-C stops waiting (exit
+    130), not the job."""
+    from specbatch.jobs import store
+
+    factory = open_db(settings)
+    try:
+        _progress_until_finished(factory, job_id, interval)
+    except KeyboardInterrupt:
+        click.echo(f"stopped waiting; job {job_id} goes on (`specbatch status {job_id} --watch`)", err=True)
+        sys.exit(130)
+    with factory.begin() as s:
+        return store.job_summary(s, job_id)
+
+
+def _progress_until_finished(factory: Any, job_id: str, interval: float) -> None:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specbatch.jobs import store
+
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[detail]}"), TimeElapsedColumn(),
+                  console=Console(stderr=True)) as progress:
+        task = progress.add_task(f"job {job_id}", total=None, detail="")
+        while True:
+            with factory.begin() as s:        # short write: counters and status from the rows
+                job = store.refresh_job(s, job_id)
+                c = {n: getattr(job, n) for n in store.COUNT_NAMES}
+                status = job.status
+            done = c["completed"] + c["failed"] + c["cancelled"]
+            detail = f"{status.value}  failed {c['failed']}" if c["failed"] else status.value
+            progress.update(task, total=c["total"], completed=done, detail=detail)
+            if status.finished:
+                break
+            time.sleep(interval)
+
+
+def exit_by_outcome(summary: dict[str, Any]) -> None:
+    """Exit 0 when every request completed, else 1 with one line saying what happened."""
+    if summary["status"] != "completed":
+        c = summary["request_counts"]
+        raise click.ClickException(
+            f"job {summary['id']} ended {summary['status']}: {c['completed']} completed, {c['failed']} failed, "
+            f"{c['cancelled']} cancelled; `specbatch export {summary['id']} --errors errors.jsonl` lists them")
+
+
 @click.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
 @model_options
+@model_map_option
 @sampling_options
+@click.option("--wait", is_flag=True, help="Show a progress bar until the job ends; exit 0 only if every "
+                                           "request completed.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
-def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
-           temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-           stop: tuple[str, ...], as_json: bool) -> None:
-    """Validate a JSONL prompt file, store it as a job and queue it for the workers.
+def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
+           max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+           seed: int | None, stop: tuple[str, ...], wait: bool, as_json: bool) -> None:
+    """Validate a JSONL prompt file ('-': standard input), store it as a job and queue it for the workers.
 
     Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
     --target/--draft/--ngram options; prints the job id.
@@ -93,26 +165,36 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     \b
     Example:
       specbatch submit examples/prompts.jsonl --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b
-      specbatch submit prompts.jsonl --max-new-tokens 256 --temperature 0.7 --seed 1 --json
+      specbatch submit batch.jsonl --model-map gpt-4o-mini=qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --wait
+      cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
     from specbatch.jobs import store
-    from specbatch.worker.enqueue import check_broker, enqueue_requests
+    from specbatch.worker.enqueue import check_broker, enqueue_routes
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
     check_broker(settings)  # broker down: fail before anything is written
-    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
-    tasks = enqueue_requests(settings, job_id, ids, queue)
-    if as_json:
+    job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
+                                 _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
+                                 model_map)
+    sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
+    queues = ", ".join(sent) or queue
+    if not as_json:
+        click.echo(f"job {job_id}: {n} requests in {tasks} tasks on queue {queues}")
+    for q in sent:
+        _warn_no_consumer(settings, q)
+    if wait:
+        summary = wait_for_job(settings, job_id)
+    elif as_json:
         with open_db(settings, readonly=True).begin() as s:
             summary = store.job_summary(s, job_id)
-        echo_json({**summary, "job_id": job_id, "requests": len(ids), "tasks": tasks})
-    else:
-        click.echo(f"job {job_id}: {len(ids)} requests in {tasks} tasks on queue {queue}")
-    _warn_no_consumer(settings, queue)
+    if as_json:
+        echo_json({**summary, "job_id": job_id, "requests": n, "tasks": tasks, "queues": sent})
+    if wait:
+        exit_by_outcome(summary)
 
 
 @click.command()
@@ -129,21 +211,22 @@ def resume(job_id: str, as_json: bool) -> None:
       specbatch resume 3f9a2c
     """
     from specbatch.jobs import store
-    from specbatch.worker.enqueue import enqueue_requests
+    from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.get_job(s, job_id)
-        queue = job.queue
-        ids = list(store.resumable_request_ids(s, job_id))
-    tasks = enqueue_requests(settings, job_id, ids, queue) if ids else 0
+        queue, ngram = job.queue, job.ngram
+        routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
+    sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     if as_json:
-        echo_json({"job_id": job_id, "queue": queue, "requests": len(ids), "tasks": tasks})
+        echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks})
     else:
-        click.echo(f"job {job_id}: re-enqueued {len(ids)} requests in {tasks} tasks on queue {queue}")
-    if ids:
-        _warn_no_consumer(settings, queue)
+        click.echo(f"job {job_id}: re-enqueued {n} requests in {tasks} tasks on queue {', '.join(sent) or queue}")
+    for q in sent:
+        _warn_no_consumer(settings, q)
 
 
 @click.command()
@@ -209,18 +292,20 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
 
 
 @click.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
 @model_options
+@model_map_option
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @throughput_options
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
-def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max_new_tokens: int | None,
-        temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None,
-        stop: tuple[str, ...], device: str | None, dtype: str | None, batch_size: int | str | None,
-        max_memory: int | None, threads: int | None, no_speculation: bool, as_json: bool) -> None:
-    """Submit, generate and summarise a prompt file in this process (no Redis needed).
+def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
+        max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
+        seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
+        batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
+        as_json: bool) -> None:
+    """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
     database (SPECBATCH_DATABASE_URL); `specbatch export JOB` writes them to a file.
@@ -229,6 +314,8 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     Example:
       specbatch run examples/prompts.jsonl
       specbatch run prompts.jsonl --target DIR --draft DIR2 --ngram --max-new-tokens 64 --json
+      specbatch run batch.jsonl --model-map gpt-4o-mini=DIR,DIR2 --model-map gpt-4o=DIR3
+      cat prompts.jsonl | specbatch run -
     """
     from rich.console import Console
 
@@ -246,14 +333,19 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
     queue = queue_name(target_, drafts_, ngram)
     batch = tp.batch_size
     configure_threads(tp.threads, settings.local_workers)
-    job_id, ids = _create_job(settings, file, target_, drafts_, ngram,
-                              _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue)
+    job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
+                                 _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
+                                 model_map)
     console = Console(stderr=True)
-    with console.status(f"loading {target_} + {', '.join(drafts_) or 'no draft'}"):
-        engine = Engine.load(target_, drafts=drafts_, ngram=ngram, device=device or settings.device,
-                             dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                             batch_size=batch, max_memory=tp.max_memory)
-    _run_with_progress(settings, console, job_id, len(ids), engine, batch)
+    for route, ids in routes.items():     # one pair loaded at a time
+        route_target, route_drafts = route if route is not None else (target_, tuple(drafts_))
+        with console.status(f"loading {route_target} + {', '.join(route_drafts) or 'no draft'}"):
+            engine = Engine.load(route_target, drafts=list(route_drafts), ngram=ngram,
+                                 device=device or settings.device, dtype=dtype or settings.dtype,
+                                 cache_dir=settings.cache_dir or None, batch_size=batch,
+                                 max_memory=tp.max_memory)
+        _run_with_progress(settings, console, job_id, len(ids), engine, batch, ids if len(routes) > 1 else None)
+        del engine
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
     if as_json:
@@ -263,7 +355,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, max
 
 
 def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
-                       batch: int | str) -> None:
+                       batch: int | str, only: list[int] | None = None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.worker.embedded import run_embedded
@@ -290,7 +382,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
                 speed += f"  failed {agg['failed']}"
             progress.update(task, advance=1, speed=speed)
 
-        run_embedded(settings, job_id, engine, on_progress, batch_size=batch)
+        run_embedded(settings, job_id, engine, on_progress, batch_size=batch, only=only)
 
 
 def _print_summary(summary: dict[str, Any], settings: Settings) -> None:

@@ -156,6 +156,15 @@ class Request(Base):
                                                   default=RequestStatus.pending)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     error: Mapped[str | None] = mapped_column(Text)            # the last error
+    # who failed: "invalid_request_error" (the request's own fault) | "server_error"; exported as 400 / 500
+    error_type: Mapped[str | None] = mapped_column(String(32))
+    error_param: Mapped[str | None] = mapped_column(String(255))   # the request field at fault, if known
+    # OpenAI batch lines: body.model as given, and where --model-map routed it (NULL: the job's pair)
+    model: Mapped[str | None] = mapped_column(String(512))
+    target: Mapped[str | None] = mapped_column(String(512))
+    drafts: Mapped[list[str] | None] = mapped_column(JSONType)
+    meta: Mapped[dict[str, str] | None] = mapped_column("metadata", JSONType)   # body.metadata, kept
+    prompt_ids: Mapped[list[int] | None] = mapped_column(JSONType)   # a token-id completions prompt
     worker: Mapped[str | None] = mapped_column(String(255))    # who holds (or last held) the lease
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)   # last claim

@@ -11,6 +11,7 @@ import torch
 
 from specbatch.engine.autopilot import AUTO, Autopilot, BatchSize, check_batch_size
 from specbatch.engine.batch import MAX_DRAFT, BatchDecoder
+from specbatch.engine.chat import template_messages
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
@@ -95,7 +96,8 @@ class Engine:
             if not getattr(tok, "chat_template", None):
                 raise RequestError(f"model {self.target.name!r} has no chat template; "
                                    'send "prompt" instead of "messages"', field="messages")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tok.apply_chat_template(template_messages(messages, tok.chat_template),
+                                           add_generation_prompt=True, tokenize=False)
             ids = tok(text, add_special_tokens=False)["input_ids"]
         if not ids:
             raise RequestError("prompt is empty after tokenization", field="prompt")

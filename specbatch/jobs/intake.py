@@ -1,17 +1,21 @@
 """Prompt files in: read and validate every JSONL line before anything is written.
 
-Three line forms (DESIGN.md, "Input format"):
+Three line forms (docs/FORMATS.md):
 
     {"custom_id": "q1", "prompt": "Write a haiku", "max_tokens": 64}
     {"custom_id": "q2", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7}
     {"custom_id": "q3", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [...]}}
 
-``parse_file`` returns every request or raises one IntakeError listing every problem as
-``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF line ends are fine.
+The third is an OpenAI batch line; what each of its body fields does is in
+specbatch.jobs.openai_fields. ``read_file`` / ``read_stream`` return every request with the
+job's warnings (``parse_file`` / ``parse_stream``: the requests only) or raise one IntakeError
+listing every problem as ``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF
+line ends are fine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterator
@@ -22,21 +26,22 @@ from typing import Any, BinaryIO
 from specbatch.config import Settings
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
+from specbatch.jobs import openai_fields
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
              "top_k", "seed", "stop")
 BATCH_KEYS = ("custom_id", "method", "url", "body")
-BODY_KEYS = ("messages", "prompt", "model", "max_tokens", "max_completion_tokens", "max_new_tokens",
-             "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "user")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-ROLES = ("system", "developer", "user", "assistant", "tool")
-MESSAGE_KEYS = ("role", "content", "name")
+ROLES = openai_fields.ROLES
 MAX_CUSTOM_ID = 512
 MAX_SEED = 2**63 - 1
 KEPT_ERRORS = 1000          # errors kept in memory; the total is always counted
 BOM = b"\xef\xbb\xbf"
+_MISSING = object()
+
+Route = tuple[str, list[str]]       # (target, drafts) a --model-map entry sends a body.model to
 
 
 @dataclass(frozen=True)
@@ -49,9 +54,58 @@ class ParsedRequest:
     prompt: str | None
     messages: list[dict[str, Any]] | None
     params: dict[str, Any]
+    model: str | None = None                    # body.model as given
+    target: str | None = None                   # where --model-map routed it; None: the job's pair
+    drafts: list[str] | None = None
+    metadata: dict[str, str] | None = None      # body.metadata, kept and exported
+    prompt_ids: list[int] | None = None         # a completions prompt given as token ids
 
     def generation_params(self) -> GenerationParams:
         return params_from_dict(self.params)
+
+
+@dataclass
+class ParsedFile:
+    """A valid file: its requests, and what the job's warning says about it."""
+
+    requests: list[ParsedRequest]
+    noop_fields: dict[str, int] = dataclasses.field(default_factory=dict)   # accepted, cannot change the text -> lines
+    models: dict[str, int] = dataclasses.field(default_factory=dict)        # body.model -> lines
+    model_map: dict[str, Route] | None = None
+
+    def warnings(self, target: str) -> list[str]:
+        """One line per kind of thing the user may not expect (``target``: the job's target)."""
+        out = []
+        if self.noop_fields:
+            listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(self.noop_fields.items()))
+            kept = "; metadata is kept and exported" if "metadata" in self.noop_fields else ""
+            out.append(f"accepted with no effect on the generated text: {listed}{kept}")
+        if self.models and self.model_map is None:
+            listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(self.models.items()))
+            out.append(f"body.model is ignored without --model-map: {listed}; every request runs on {target}")
+        return out
+
+
+def parse_model_map(specs: list[str] | tuple[str, ...]) -> dict[str, Route] | None:
+    """``NAME=TARGET[,DRAFT...]`` options into {NAME: (TARGET, [DRAFT, ...])}; None for no option.
+    A NAME without drafts uses none (plain decoding, plus the job's --ngram)."""
+    if not specs:
+        return None
+    out: dict[str, Route] = {}
+    errors: list[InputError] = []
+    for spec in specs:
+        name, sep, pair = spec.partition("=")
+        models = [m.strip() for m in pair.split(",")]
+        if not sep or not name.strip() or not all(models):
+            errors.append(InputError(f"{spec!r}: expected NAME=TARGET or NAME=TARGET,DRAFT[,DRAFT...]",
+                                     field="--model-map"))
+        elif name.strip() in out:
+            errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
+        else:
+            out[name.strip()] = (models[0], models[1:])
+    if errors:
+        raise IntakeError(errors)
+    return out
 
 
 _GENERATION_FIELDS = frozenset(f.name for f in fields(GenerationParams))
@@ -154,7 +208,33 @@ def job_params(defaults: dict[str, Any] | None) -> dict[str, Any]:
     return params
 
 
+def _check_text_content(content: Any, where: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """A message's content: a string, or OpenAI content parts of which only text parts are supported
+    (joined with newlines, as vLLM joins them)."""
+    if isinstance(content, str):
+        return content, []
+    if not isinstance(content, list):
+        got = "missing" if content is _MISSING else f"got {_json_type(content)}"
+        return None, [(f"{where}.content", f"must be a string or an array of text parts ({got})")]
+    problems: list[tuple[str, str]] = []
+    texts: list[str] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in openai_fields.UNSUPPORTED_PARTS:
+            problems.append((at, openai_fields.UNSUPPORTED_PARTS[kind]))
+        elif kind != "text" or not isinstance(part.get("text"), str):
+            problems.append((at, 'must be a {"type": "text", "text": ...} part'))
+        else:
+            problems += [(f"{at}.{k}", f"unknown key; known keys: {', '.join(openai_fields.TEXT_PART_KEYS)}")
+                         for k in part if k not in openai_fields.TEXT_PART_KEYS]
+            texts.append(part["text"])
+    return "\n".join(texts), problems
+
+
 def _check_messages(v: Any, field: str) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """OpenAI chat messages (per-role keys of openai.types.chat), normalised to
+    ``{"role", "content": str, ["name"], ["tool_call_id"]}``."""
     problems: list[tuple[str, str]] = []
     if not isinstance(v, list):
         return v, [(field, f"must be an array of {{\"role\", \"content\"}} objects, got {_json_type(v)}")]
@@ -166,41 +246,98 @@ def _check_messages(v: Any, field: str) -> tuple[list[dict[str, Any]], list[tupl
         if not isinstance(m, dict):
             problems.append((where, f"must be an object with \"role\" and \"content\", got {_json_type(m)}"))
             continue
-        for k in m:
-            if k not in MESSAGE_KEYS:
-                problems.append((f"{where}.{k}", f"unknown key; known keys: {', '.join(MESSAGE_KEYS)}"))
-        role, content = m.get("role"), m.get("content")
+        role = m.get("role")
         if role not in ROLES:
             got = "missing" if "role" not in m else f"got {json.dumps(role)}"
             problems.append((f"{where}.role", f"must be one of {', '.join(ROLES)} ({got})"))
-        if isinstance(content, list):   # OpenAI content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                else:
-                    problems.append((f"{where}.content[{j}]",
-                                     "only {\"type\": \"text\", \"text\": ...} parts are supported"))
-            content = "\n".join(texts)
-        elif not isinstance(content, str):
-            got = "missing" if "content" not in m else f"got {_json_type(content)}"
-            problems.append((f"{where}.content", f"must be a string ({got})"))
-        msg = {"role": role, "content": content}
-        if "name" in m:
-            if not isinstance(m["name"], str):
-                problems.append((f"{where}.name", f"must be a string, got {_json_type(m['name'])}"))
-            msg["name"] = m["name"]
+            continue
+        known = openai_fields.MESSAGE_KEYS[role]
+        for k in m:
+            if k not in known:
+                problems.append((f"{where}.{k}", f"unknown key for a {role} message; known keys: {', '.join(known)}"))
+            elif k in openai_fields.ASSISTANT_NULL_KEYS and m[k] not in (None, []):
+                problems.append((f"{where}.{k}", openai_fields.ASSISTANT_NULL_KEYS[k]))
+        content = m.get("content", _MISSING)
+        if role == "assistant" and content is None:     # OpenAI allows it beside tool calls (refused)
+            content = ""
+        content, more = _check_text_content(content, where)
+        problems += more
+        msg: dict[str, Any] = {"role": role, "content": content}
+        for key in ("name", "tool_call_id"):
+            if key in m and key in known:
+                if not isinstance(m[key], str):
+                    problems.append((f"{where}.{key}", f"must be a string, got {_json_type(m[key])}"))
+                msg[key] = m[key]
         out.append(msg)
     return out, problems
+
+
+def _check_prompt(v: Any, field: str) -> tuple[str | None, list[int] | None, list[tuple[str, str]]]:
+    """A completions prompt: a string, a token-id array, or a one-element array of either
+    (OpenAI also takes several prompts per request; specbatch wants one line per prompt)."""
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]
+    if isinstance(v, str):
+        return (v, None, []) if v else (None, None, [(field, "must not be empty")])
+    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+        if any(t < 0 for t in v):
+            return None, None, [(field, "token ids must be >= 0")]
+        return None, list(v), []
+    if isinstance(v, list) and len(v) > 1 and all(isinstance(x, (str, list)) for x in v):
+        return None, None, [(field, f"holds {len(v)} prompts; give one prompt per line")]
+    if isinstance(v, list) and not v:
+        return None, None, [(field, "must not be empty")]
+    return None, None, [(field, f"must be a string or an array of token ids, got {_json_type(v)}")]
+
+
+def _check_metadata(v: Any, field: str) -> tuple[dict[str, str] | None, list[tuple[str, str]]]:
+    if v is None:
+        return None, []
+    if not isinstance(v, dict):
+        return None, [(field, f"must be an object of strings, got {_json_type(v)}")]
+    bad = [k for k, x in v.items() if not isinstance(x, str)]
+    if bad:
+        return None, [(f"{field}.{bad[0]}", f"must be a string, got {_json_type(v[bad[0]])}")]
+    return dict(v), []
 
 
 def _unknown(obj: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[tuple[str, str]]:
     return [(prefix + k, f"unknown key; known keys: {', '.join(known)}") for k in obj if k not in known]
 
 
-def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str, Any]:
-    """Validate one decoded line; returns the ParsedRequest fields (custom_id may be None)."""
+def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[tuple[str | None, str]]:
+    """The body's fields against OpenAI's lists for its URL; accepted no-op fields go to ``noop``."""
     problems: list[tuple[str | None, str]] = []
+    if kind == "chat":
+        fields_, checks, other, api = (openai_fields.CHAT_FIELDS, openai_fields.CHAT_NOOP,
+                                       openai_fields.COMPLETION_FIELDS, "/v1/completions")
+    else:
+        fields_, checks, other, api = (openai_fields.COMPLETION_FIELDS, openai_fields.COMPLETION_NOOP,
+                                       openai_fields.CHAT_FIELDS, "/v1/chat/completions")
+    allowed = fields_ | set(openai_fields.EXTENSIONS) | {"max_completion_tokens"}
+    for k, v in body.items():
+        if kind is None:
+            continue
+        if k not in allowed:
+            why = (f"a field of {api} requests, not of {next(u for u, x in BATCH_URLS.items() if x == kind)}"
+                   if k in other else "unknown field; not part of the OpenAI request body")
+            problems.append(("body." + k, why))
+        elif k in checks:
+            problem = checks[k](v)
+            if problem:
+                problems.append(("body." + k, problem))
+            else:
+                noop.add(k)
+    return problems
+
+
+def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
+                  model_map: dict[str, Route] | None = None) -> dict[str, Any]:
+    """Validate one decoded line; returns the ParsedRequest fields (custom_id may be None) and
+    ``noop``, the accepted fields that cannot change the text."""
+    problems: list[tuple[str | None, str]] = []
+    noop: set[str] = set()
+    model = metadata = route = None
     if any(k in obj for k in ("method", "url", "body")):      # an OpenAI Batch API line
         problems += _unknown(obj, BATCH_KEYS, "")
         if obj.get("method", "POST") != "POST":
@@ -214,15 +351,23 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str,
             problems.append(("body", f"must be an object, got {_json_type(body)}"
                              if "body" in obj else "is required"))
             raise _Problems(problems)
-        problems += _unknown(body, BODY_KEYS, "body.")
-        if body.get("n", 1) != 1:
-            problems.append(("body.n", "must be 1 (one completion per line)"))
-        if body.get("stream", False) is not False:
-            problems.append(("body.stream", "must be false"))
-        for k in ("model", "user"):
-            if k in body and not isinstance(body[k], str):
-                problems.append((f"body.{k}", f"must be a string, got {_json_type(body[k])}"))
+        problems += _check_body(body, kind, noop)
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            problems.append(("body.model", f"must be a string, got {_json_type(model)}"))
+            model = None
+        if model_map is not None and model is not None:
+            route = model_map.get(model)
+            if route is None:
+                problems.append(("body.model", f"{json.dumps(model)} is not in --model-map (mapped: "
+                                               f"{', '.join(sorted(model_map))})"))
+        metadata, more = _check_metadata(body.get("metadata"), "body.metadata")
+        problems += more
+        if "metadata" in body:
+            noop.add("metadata")
         fields_, prefix = body, "body."
+        has_prompt = kind != "chat" and "prompt" in body        # the other URL's key: refused above
+        has_messages = kind != "completion" and "messages" in body
         if kind == "chat" and "messages" not in body:
             problems.append(("body.messages", "is required for /v1/chat/completions"))
         if kind == "completion" and "prompt" not in body:
@@ -230,7 +375,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str,
     else:
         problems += _unknown(obj, LINE_KEYS, "")
         fields_, prefix = obj, ""
-    has_prompt, has_messages = "prompt" in fields_, "messages" in fields_
+        has_prompt, has_messages = "prompt" in obj, "messages" in obj
     if has_prompt and has_messages:
         problems.append((prefix + "prompt", "give \"prompt\" or \"messages\", not both"))
     elif not has_prompt and not has_messages and not prefix:
@@ -243,24 +388,21 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str,
     elif isinstance(custom_id, str) and len(custom_id) > MAX_CUSTOM_ID:
         problems.append(("custom_id", f"is {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID}"))
 
-    prompt = messages = None
+    prompt = messages = prompt_ids = None
     if has_prompt:
-        prompt = fields_["prompt"]
-        if not isinstance(prompt, str):
-            problems.append((prefix + "prompt", f"must be a string, got {_json_type(prompt)}"))
-        elif not prompt:
-            problems.append((prefix + "prompt", "must not be empty"))
+        prompt, prompt_ids, more = _check_prompt(fields_["prompt"], prefix + "prompt")
+        problems += more
     if has_messages:
         messages, more = _check_messages(fields_["messages"], prefix + "messages")
         problems += more
 
     params = dict(base_params)
-    given = [k for k in MAX_TOKENS_KEYS if k in fields_]
+    given = [k for k in MAX_TOKENS_KEYS if fields_.get(k) is not None]
     if len(given) > 1 and len({json.dumps(fields_[k]) for k in given}) > 1:
         problems.append((prefix + given[1], f"conflicts with {prefix}{given[0]}; give one of them"))
     for key in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:]):
-        if key not in fields_:
-            continue
+        if fields_.get(key) is None:
+            continue      # null is "not given", as OpenAI reads it
         value, problem = _check_param(key, fields_[key])
         if problem:
             problems.append((prefix + key, problem))
@@ -273,7 +415,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any]) -> dict[str,
     if problems:
         raise _Problems(problems)
     return {"custom_id": custom_id, "kind": "completion" if has_prompt else "chat", "prompt": prompt,
-            "messages": messages, "params": params}
+            "messages": messages, "params": params, "model": model,
+            "target": route[0] if route else None, "drafts": list(route[1]) if route else None,
+            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop}
 
 
 def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
@@ -312,10 +456,12 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
-                 settings: Settings) -> list[ParsedRequest]:
-    """Like parse_file, reading an open binary stream; ``name`` is used in messages."""
+def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settings: Settings,
+                model_map: dict[str, Route] | None = None) -> ParsedFile:
+    """Like read_file, reading an open binary stream; ``name`` is used in messages."""
     base = job_params(defaults)
+    noop_fields: dict[str, int] = {}
+    models: dict[str, int] = {}
     errors: list[InputError] = []
     total_errors = 0
 
@@ -357,10 +503,16 @@ def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
             err(line_no, None, f"must be a JSON object, got {_json_type(obj)}")
             continue
         try:
-            parsed.append((line_no, _parse_object(obj, base)))
-        except _Problems as p:
-            for field, message in p.problems:
+            fields_ = _parse_object(obj, base, model_map)
+        except _Problems as bad:
+            for field, message in bad.problems:
                 err(line_no, field, message)
+            continue
+        for k in fields_.pop("noop"):
+            noop_fields[k] = noop_fields.get(k, 0) + 1
+        if fields_["model"] is not None:
+            models[fields_["model"]] = models.get(fields_["model"], 0) + 1
+        parsed.append((line_no, fields_))
 
     if n_requests == 0:
         err(None, None, "no requests (the file is empty); one JSON object per line is expected")
@@ -393,11 +545,24 @@ def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
     if total_errors:
         errors.sort(key=lambda e: (e.line_no or 0))
         raise IntakeError(errors, total=total_errors)
-    return requests
+    return ParsedFile(requests, noop_fields, models, model_map)
+
+
+def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
+                 settings: Settings) -> list[ParsedRequest]:
+    """The requests of read_stream (no model map, no warnings)."""
+    return read_stream(fp, name, defaults, settings).requests
 
 
 def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings) -> list[ParsedRequest]:
     """Every request of a JSONL prompt file, or IntakeError listing every problem found."""
+    return read_file(path, defaults, settings).requests
+
+
+def read_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings,
+              model_map: dict[str, Route] | None = None) -> ParsedFile:
+    """Every request of a JSONL prompt file with the job's warnings, or IntakeError listing every
+    problem found. ``model_map`` (from parse_model_map) routes OpenAI lines by body.model."""
     name = str(path)
     p = Path(path)
     if not p.exists():
@@ -406,6 +571,6 @@ def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Sett
         raise IntakeError([InputError("is a directory, not a JSONL file", path=name)])
     try:
         with p.open("rb") as fp:
-            return parse_stream(fp, name, defaults, settings)
+            return read_stream(fp, name, defaults, settings, model_map)
     except PermissionError as e:
         raise IntakeError([InputError(f"cannot read: {e.strerror}", path=name)]) from e

@@ -34,6 +34,9 @@ logger = logging.getLogger(__name__)
 ACTIVE_JOB = (JobStatus.queued, JobStatus.running)
 STOPPING_JOB = (JobStatus.cancelling, JobStatus.cancelled)
 COUNT_NAMES = ("total", "pending", "running", "completed", "failed", "cancelled")
+# Request.error_type values, OpenAI's error types: exported as status 400 and 500
+INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class ClaimedRequest:
     messages: list[dict[str, Any]] | None
     params: GenerationParams
     attempts: int
+    input_ids: list[int] | None = None      # a token-id prompt (then ``prompt`` is None)
 
 
 def new_job_id() -> str:
@@ -70,7 +74,9 @@ def create_job(s: Session, *, target: str, drafts: list[str], ngram: bool, param
         s.execute(Request.__table__.insert(), [
             {"job_id": job.id, "custom_id": r.custom_id, "line_no": r.line_no, "kind": r.kind,
              "prompt": r.prompt, "messages": r.messages, "params": r.params,
-             "status": RequestStatus.pending.value, "attempts": 0, "created_at": now}
+             "status": RequestStatus.pending.value, "attempts": 0, "created_at": now,
+             "model": r.model, "target": r.target, "drafts": r.drafts, "metadata": r.metadata,
+             "prompt_ids": r.prompt_ids}
             for r in requests])
     return job
 
@@ -180,7 +186,8 @@ def retry_failed(s: Session, job_id: str) -> list[int]:
                          .order_by(Request.id)))
     if ids:
         s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.failed)
-                  .values(status=RequestStatus.pending, attempts=0, error=None, worker=None,
+                  .values(status=RequestStatus.pending, attempts=0, error=None, error_type=None,
+                          error_param=None, worker=None,
                           lease_expires_at=None, started_at=None, finished_at=None))
     refresh_job(s, job.id)
     return ids
@@ -195,6 +202,24 @@ def resumable_request_ids(s: Session, job_id: str) -> list[int]:
     return list(s.scalars(select(Request.id).where(Request.job_id == job.id, or_(
         Request.status == RequestStatus.pending,
         (Request.status == RequestStatus.running) & _lease_expired(now))).order_by(Request.id)))
+
+
+Route = tuple[str, tuple[str, ...]]     # (target, drafts): the models a request runs on
+
+
+def request_routes(s: Session, job_id: str, request_ids: Sequence[int] | None = None
+                   ) -> dict[Route | None, list[int]]:
+    """The job's requests (or ``request_ids`` of them) grouped by the pair they run on: None for the
+    job's own pair (its ``queue``), else the (target, drafts) --model-map routed their body.model
+    to. Ids ascending within a route."""
+    job = get_job(s, job_id)
+    stmt = select(Request.id, Request.target, Request.drafts).where(Request.job_id == job.id)
+    if request_ids is not None:
+        stmt = stmt.where(Request.id.in_(list(request_ids)))
+    out: dict[Route | None, list[int]] = {}
+    for rid, target, drafts in s.execute(stmt.order_by(Request.id)):
+        out.setdefault(None if target is None else (target, tuple(drafts or ())), []).append(rid)
+    return out
 
 
 # ---------------------------------------------------------------- requests (the worker's side)
@@ -231,13 +256,14 @@ def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_se
         if r.attempts >= max_attempts:
             r.status, r.finished_at, r.lease_expires_at = RequestStatus.failed, now, None
             r.error = f"attempted {r.attempts} times, the worker died each time"
+            r.error_type, r.error_param = SERVER_ERROR, None
             continue
         r.attempts += 1
         r.status, r.worker, r.started_at = RequestStatus.running, worker, now
         r.lease_expires_at = now + timedelta(seconds=lease_seconds)
         claimed.append(ClaimedRequest(id=r.id, job_id=r.job_id, custom_id=r.custom_id, prompt=r.prompt,
                                       messages=r.messages, params=params_from_dict(r.params),
-                                      attempts=r.attempts))
+                                      attempts=r.attempts, input_ids=r.prompt_ids))
     started = {c.job_id for c in claimed}
     if started:       # a job starts with its first claimed request
         s.execute(update(Job).where(Job.id.in_(started), Job.status == JobStatus.queued)
@@ -327,17 +353,20 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
     if req.status != RequestStatus.completed:
         req.status, req.finished_at, req.lease_expires_at, req.error = (
             RequestStatus.completed, now, None, None)
+        req.error_type = req.error_param = None
     s.flush()
     return written
 
 
-def record_failure(s: Session, request_id: int, error: str, worker: str) -> None:
-    """The request failed for ``error`` (its own fault, or out of attempts). A completed request
-    (one with a result) stays completed."""
+def record_failure(s: Session, request_id: int, error: str, worker: str, *,
+                   error_type: str = INVALID_REQUEST, param: str | None = None) -> None:
+    """The request failed for ``error``: its own fault (``error_type`` INVALID_REQUEST, ``param`` the
+    field at fault) or the worker's side (SERVER_ERROR). A completed request stays completed."""
     req = s.get(Request, request_id)
     if req is None or req.status == RequestStatus.completed:
         return
     req.status, req.error, req.worker = RequestStatus.failed, error, worker
+    req.error_type, req.error_param = error_type, param
     req.finished_at, req.lease_expires_at = utcnow(), None
     s.flush()
 

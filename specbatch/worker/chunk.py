@@ -109,7 +109,8 @@ class LeaseKeeper:
 def _engine_request(claimed: Any) -> Any:
     from specbatch.engine import EngineRequest
 
-    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params)
+    return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params,
+                         input_ids=claimed.input_ids)
 
 
 def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> set[str]:
@@ -213,10 +214,16 @@ def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, b
     want = 2 * batch - len(claimed)
     if want <= 0:
         return []
-    job_id = claimed[0].job_id
+    job_id, first = claimed[0].job_id, claimed[0].id
     mine = {c.id for c in claimed}
     with sf.begin() as s:
-        ids = [i for i in store.resumable_request_ids(s, job_id) if i not in mine][:want]
+        pending = [i for i in store.resumable_request_ids(s, job_id) if i not in mine]
+        if not pending:
+            return []
+        # only requests routed to the same pair (--model-map): another pair's worker owns the rest
+        routes = store.request_routes(s, job_id, [first, *pending])
+        same = next(ids for ids in routes.values() if first in ids)
+        ids = [i for i in same if i not in mine][:want]
         return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
             if ids else []
 
@@ -239,6 +246,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
         for idx, out in engine.generate_many(requests, batch_size=size):
             c = run[idx]
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
+            error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
@@ -248,10 +256,11 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                     with_db_retry(write)
                 except PERMANENT_DB_ERRORS as e:  # this result can never be stored: fail it, go on
                     msg = f"the result could not be stored: {getattr(e, 'orig', e)}"
+                    error_type, param = store.SERVER_ERROR, None
             if msg is not None:
-                def fail(c: Any = c, msg: str = msg) -> None:
+                def fail(c: Any = c, msg: str = msg, error_type: str = error_type, param: Any = param) -> None:
                     with sf.begin() as s:
-                        store.record_failure(s, c.id, msg, worker)
+                        store.record_failure(s, c.id, msg, worker, error_type=error_type, param=param)
                         store.refresh_job(s, c.job_id)
                 with_db_retry(fail)
                 report.failed.append(c.id)

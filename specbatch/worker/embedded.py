@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from specbatch.config import Settings
@@ -17,16 +17,20 @@ logger = logging.getLogger(__name__)
 
 def run_embedded(settings: Settings, job_id: str, engine: Any,
                  on_progress: Callable[[ResultEvent], None] | None = None, *,
-                 batch_size: int | str | None = None, should_stop: Callable[[], bool] | None = None) -> None:
-    """Generate every pending (or lease-expired) request of ``job_id``, chunk by chunk."""
+                 batch_size: int | str | None = None, should_stop: Callable[[], bool] | None = None,
+                 only: Collection[int] | None = None) -> None:
+    """Generate every pending (or lease-expired) request of ``job_id`` (of those in ``only``, when
+    given: the requests routed to ``engine``'s models), chunk by chunk."""
     from specbatch.db import session_factory
     from specbatch.jobs import store
 
     sf = session_factory(settings.database_url)
+    keep = None if only is None else set(only)
 
     def resumable() -> list[int]:
         with sf.begin() as s:
-            return list(store.resumable_request_ids(s, job_id))
+            ids = store.resumable_request_ids(s, job_id)
+        return ids if keep is None else [i for i in ids if i in keep]
 
     worker = f"embedded@{socket.gethostname()}:{os.getpid()}"
     batch = batch_rows(engine, batch_size)

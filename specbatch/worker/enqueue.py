@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from specbatch.config import Settings
 from specbatch.errors import BrokerUnavailable
@@ -59,4 +60,19 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
     except Exception as e:
         logger.warning("job %s: %d task(s) sent before the broker failed", job_id, sent)
         raise broker_error(settings, e, job_id) from e
+    return sent
+
+
+def enqueue_routes(settings: Settings, job_id: str, routes: dict[Any, list[int]], job_queue: str,
+                   ngram: bool) -> dict[str, int]:
+    """Send each route's requests (store.request_routes: None -> the job's ``job_queue``,
+    (target, drafts) -> that pair's queue) as tasks; returns {queue: tasks sent}. Raises
+    BrokerUnavailable like enqueue_requests."""
+    from specbatch.worker.queues import queue_name
+
+    sent: dict[str, int] = {}
+    for route, ids in routes.items():
+        if ids:
+            queue = job_queue if route is None else queue_name(route[0], route[1], ngram)
+            sent[queue] = sent.get(queue, 0) + enqueue_requests(settings, job_id, ids, queue)
     return sent

@@ -164,8 +164,9 @@ def test_export_formats_and_filters(db_url, tmp_path, monkeypatch):
     result = run("export", job_id)
     assert result.exit_code == 0, result.output
     lines = [json.loads(x) for x in result.stdout.splitlines()]
-    assert [x["custom_id"] for x in lines] == ["c0", "c1", "c2", "c3"]
-    assert lines[0]["response"]["body"]["choices"][0]["text"] == "out" and "stats" in lines[0]
+    assert [x["custom_id"] for x in lines] == ["c0", "c1", "c2"]          # pending left out
+    body = lines[0]["response"]["body"]
+    assert body["choices"][0]["text"] == "out" and "acceptance_rate" in body["specbatch"]
 
     only = run("export", job_id, "--status", "failed,pending")
     assert [json.loads(x)["custom_id"] for x in only.stdout.splitlines()] == ["c2", "c3"]
@@ -231,8 +232,8 @@ def test_db_upgrade_and_url(db_url, tmp_path):
     result = run("db", "upgrade")
     assert result.exit_code == 0, result.output
     assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in result.stderr
-    assert result.stdout.strip() == f"database {db_url} is at revision 0001"
-    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": "0001"}
+    assert result.stdout.strip() == f"database {db_url} is at revision 0004"
+    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": "0004"}
     assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
                                                              "exists": True}
 
