@@ -67,7 +67,8 @@ def plan(sizes: tuple[int, ...]) -> list[JobConfig]:
         out.append(JobConfig(f"ours[B={b},spec]", "ours", b, True))
         out.append(JobConfig(f"ours[B={b},plain]", "ours", b, False))
         out.append(JobConfig(f"hf-generate[B={b}]", "hf-generate", b, False))
-    out.append(JobConfig("hf-assisted[B=1]", "hf-assisted", 1, True))
+    if 1 in sizes:   # (--batch-sizes without 1 narrows B=1 away, assisted generation included)
+        out.append(JobConfig("hf-assisted[B=1]", "hf-assisted", 1, True))
     return out
 
 

@@ -25,6 +25,7 @@ def test_plan_covers_the_grid():
     names = [c.name for c in plan((1, 4))]
     assert names == ["ours-auto", "ours[B=1,spec]", "ours[B=1,plain]", "hf-generate[B=1]",
                      "ours[B=4,spec]", "ours[B=4,plain]", "hf-generate[B=4]", "hf-assisted[B=1]"]
+    assert [c.name for c in plan((8,))] == ["ours-auto", "ours[B=8,spec]", "ours[B=8,plain]", "hf-generate[B=8]"]
 
 
 def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Path):

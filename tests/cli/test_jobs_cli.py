@@ -232,8 +232,8 @@ def test_db_upgrade_and_url(db_url, tmp_path):
     result = run("db", "upgrade")
     assert result.exit_code == 0, result.output
     assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in result.stderr
-    assert result.stdout.strip() == f"database {db_url} is at revision 0004"
-    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": "0004"}
+    assert result.stdout.strip() == f"database {db_url} is at revision 0005"
+    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": "0005"}
     assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
                                                              "exists": True}
 

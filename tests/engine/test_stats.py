@@ -22,7 +22,7 @@ DESIGN_FIELDS = {"drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_a
                  "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds",
                  "verify_seconds", "wall_seconds", "tokens_per_second"}
 EXTRA_FIELDS = {"prompt_tokens", "new_tokens", "verify_steps", "pool_wins", "step_winners",
-                "final_gamma", "speculation_disabled"}
+                "final_gamma", "speculation_disabled", "batch_size_seconds", "speculative_steps"}
 PROMPT = "Once upon a time there was"
 
 
