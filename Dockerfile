@@ -4,7 +4,7 @@
 FROM python:3.11-slim
 
 ARG TORCH_SPEC="torch==2.13.0"
-ARG EXTRAS="postgres"
+ARG EXTRAS="postgres,otel"
 
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \

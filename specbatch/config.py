@@ -60,6 +60,8 @@ class Settings(BaseSettings):
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = Field(default=5555, ge=1, le=65535)
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # `specbatch worker` serves /metrics here; 0: off
+    metrics_address: str = "0.0.0.0"
     broker_timeout: float = Field(default=5.0, gt=0)  # seconds: connect/read bound on every broker call
     breaker_max_backoff: float = Field(default=60.0, gt=0)  # seconds between outage probes, at most
     target_failure_limit: Positive = 3    # consecutive target (engine) failures before unhealthy
@@ -168,6 +170,22 @@ def describe(error: ValidationError) -> str:
         msg = msg.removeprefix("Value error, ")
         lines.append(f"{ENV_PREFIX}{name.upper()}={shown!r}: {msg}")
     return "bad settings:\n" + "\n".join(lines) if len(lines) > 1 else lines[0]
+
+
+def otel_traces_exporters(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """The span exporters the standard OTEL_* variables ask for (("otlp",), ("console",), ...).
+
+    Empty, so tracing is off, unless OTEL_TRACES_EXPORTER names one or an OTLP endpoint
+    (OTEL_EXPORTER_OTLP_ENDPOINT / OTEL_EXPORTER_OTLP_TRACES_ENDPOINT) is set; OTEL_SDK_DISABLED
+    switches it off. The OpenTelemetry SDK reads the other OTEL_* variables itself.
+    """
+    env = dict(os.environ if env is None else env)
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return ()
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",") if n.strip()]
+    if not names and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        names = ["otlp"]
+    return tuple(n for n in names if n != "none")
 
 
 @functools.lru_cache(maxsize=1)

@@ -194,3 +194,47 @@ def test_commands_parse_with_the_real_cli(compose: dict[str, Any], service: str)
     assert used <= known, f"{service}: unknown options {used - known}"
     result = CliRunner().invoke(cli, [*path, "--help"])
     assert result.exit_code == 0, result.output
+
+
+def test_observability_profile_scrapes_every_worker_and_receives_traces(compose: dict[str, Any]) -> None:
+    """Prometheus scrapes each worker's metrics port; the collector takes OTLP/HTTP where workers send it."""
+    from urllib.parse import urlparse
+
+    from specbatch.config import Settings, otel_traces_exporters
+
+    services = compose["services"]
+    for name in ("prometheus", "otel-collector"):
+        assert services[name]["profiles"] == ["observability"], name
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["otel-collector"]["image"].startswith("otel/opentelemetry-collector")
+
+    def mounted(service: str, inside: str) -> Path:
+        (src,) = [v.split(":")[0] for v in services[service]["volumes"] if v.split(":")[1] == inside]
+        assert src.startswith("./"), src
+        return REPO / src
+
+    prom_args = _command(services["prometheus"])
+    prom = yaml.safe_load(mounted("prometheus", prom_args[0].split("=", 1)[1]).read_text())
+    targets = {t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    expected = set()
+    for name in WORKERS:
+        env = _env(services[name])
+        port = Settings.from_env({k: _interpolate(v) for k, v in env.items()}).metrics_port
+        assert port > 0, f"{name} serves no metrics"
+        expected.add(f"{name}:{port}")
+    assert targets == expected
+
+    col_args = _command(services["otel-collector"])
+    collector = yaml.safe_load(mounted("otel-collector", col_args[0].split("=", 1)[1]).read_text())
+    http = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"]
+    assert "otlp" in collector["service"]["pipelines"]["traces"]["receivers"]
+    for name in WORKERS:
+        env = {k: _interpolate(v) for k, v in _env(services[name]).items()}
+        assert otel_traces_exporters(env) == (), "no traces unless asked for"
+        raw = _env(services[name])["OTEL_EXPORTER_OTLP_ENDPOINT"]
+        env = {k: _interpolate(v, {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector:4318"})
+               for k, v in _env(services[name]).items()}
+        assert "${OTEL_EXPORTER_OTLP_ENDPOINT" in raw and otel_traces_exporters(env) == ("otlp",)
+        url = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
+        assert url.hostname in services and url.port == int(http.rsplit(":", 1)[1])
+    assert any(p.endswith(":4318") for p in services["otel-collector"]["ports"])

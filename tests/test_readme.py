@@ -70,6 +70,15 @@ COVERAGE: dict[str, str] = {
     "docker compose up -d --build": "tests/test_compose.py::test_healthchecks_and_start_order",
     "docker compose run --rm submit": "tests/test_compose.py::test_commands_parse_with_the_real_cli",
     "docker compose exec worker specbatch status JOB": "tests/test_compose.py::test_commands_parse_with_the_real_cli",
+    # monitoring: a real worker with --metrics-port, a real submit with an OTLP endpoint; the profile statically
+    "specbatch worker --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 -n gpu0@%h "
+    "--metrics-port 9400": "tests/observability/test_worker_telemetry.py::"
+    "test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector",
+    "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector:4318 specbatch submit examples/prompts.jsonl "
+    "--target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b": "tests/observability/test_worker_telemetry.py::"
+    "test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector",
+    "docker compose --profile observability up -d":
+        "tests/test_compose.py::test_observability_profile_scrapes_every_worker_and_receives_traces",
     # benchmarks: the full run takes an hour; the bench tests run the same command on tiny models
     "specbatch bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-int8 --draft qwen2.5-coder-0.5b "
     "--out bench-results": "tests/bench/test_bench_cli.py::test_bench_json_schema_identity_and_files",

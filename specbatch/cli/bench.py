@@ -48,11 +48,15 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--threads", type=int, default=None,
               help="torch CPU threads (default: torch's choice); 1 helps on a busy shared machine.")
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
+@click.option("--telemetry", is_flag=True,
+              help="Instead: the worker's chunk loop with tracing + metrics on vs off, interleaved "
+                   "[6 prompts x 32 tokens, 3 repeats].")
 @click.option("--job", "job_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Job mode: this whole prompt file end to end per configuration (ours-auto, ours at fixed "
                    "B with and without speculation, HF generate at the same B, HF assisted at B=1).")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
-          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, job_file) -> None:
+          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry,
+          job_file) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
@@ -72,6 +76,9 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
 
         torch.set_num_threads(threads)
     settings = get_settings()
+    if telemetry:
+        return _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats,
+                          device, dtype, as_json)
     if job_file is not None:
         from specbatch.cli.bench_job import bench_job
 
@@ -145,3 +152,25 @@ def _run_with_progress(run, opts, quiet: bool):  # type: ignore[no-untyped-def]
             bar.update(task, description=what[:80], completed=done, total=max(total, 1))
 
         return run(opts, update)
+
+
+def _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, device, dtype,
+               as_json) -> None:  # type: ignore[no-untyped-def]
+    from specbatch.bench.telemetry import TelemetryOptions, markdown, run_telemetry_cost
+
+    given = {"target": target or settings.default_target,
+             "drafts": tuple(drafts) if drafts else (settings.default_draft,), "ngram": ngram,
+             "prompts": prompts, "device": device or settings.device, "dtype": dtype or settings.dtype,
+             "cache_dir": settings.cache_dir or None}
+    for key, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
+        if value is not None:
+            if value < 1:
+                raise click.BadParameter("must be >= 1", param_hint=f"--{key.replace('_', '-')}")
+            given[key] = value
+    result = _run_with_progress(run_telemetry_cost, TelemetryOptions(**given), quiet=as_json)
+    command = "specbatch " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "specbatch" else None
+    result["command"] = command
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(markdown(result, command))

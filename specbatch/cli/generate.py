@@ -79,7 +79,11 @@ def models(as_json: bool) -> None:
     if as_json:
         echo_json(rows)
         return
-    table = Table("name", "installed", "description", "install")
+    from rich.table import Column
+
+    # names and install commands are meant to be copied: never wrap or cut them
+    table = Table(Column("name", no_wrap=True), "installed", "description",
+                  Column("install", overflow="fold"))
     for r in rows:
         table.add_row(r["name"], "yes" if r["installed"] else "no", r["description"],
                       "" if r["installed"] else r["install"])

@@ -91,11 +91,9 @@ def jobs(limit: int, as_json: bool) -> None:
 
 
 def _check_workers(settings: Settings, queue: str) -> None:
-    """Warn on stderr when no live worker consumes the job's queue (skipped without the worker extra)."""
-    try:
-        from specbatch.worker.monitor import queue_has_consumer
-    except ImportError:
-        return
+    """Warn on stderr when no live worker consumes the job's queue."""
+    from specbatch.worker.monitor import queue_has_consumer
+
     has = queue_has_consumer(settings, queue)
     if has is False:
         warn(f"no live worker consumes queue {queue}: nothing will progress until one starts "
@@ -115,6 +113,9 @@ def _status_view(d: dict[str, Any]) -> Any:
     info.add_column()
     info.add_row("status", d["status"])
     info.add_row("models", _models(d))
+    for route in d.get("models", []):       # body.model -> the pair it runs on
+        if route["model"] is not None:
+            info.add_row("", f"{route['model']}: {_models(route)} ({route['requests']} requests)")
     info.add_row("queue", d["queue"])
     if d["source"]:
         info.add_row("source", d["source"])
@@ -357,11 +358,8 @@ def retry(job_id: str, as_json: bool) -> None:
     if ids:
         # the rows are committed as pending first: whatever happens to the broker, `resume` finishes them
         later = f"they are pending again; run `specbatch resume {jid}` once the queue is up"
-        try:
-            from specbatch.worker.enqueue import enqueue_routes
-        except ImportError as e:
-            raise click.ClickException(f"{len(ids)} failed requests of job {jid} reset, but the queue is not "
-                                       f"available ({e}); {later}") from e
+        from specbatch.worker.enqueue import enqueue_routes
+
         try:
             report["tasks"] = sum(enqueue_routes(settings, jid, routes, queue, ngram).values())
         except BrokerUnavailable as e:

@@ -6,7 +6,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -14,6 +14,9 @@ from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.redact import mask
+
+if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
 
 
 def model_options(f: Any) -> Any:
@@ -62,7 +65,7 @@ def model_map_option(f: Any) -> Any:
 
 
 def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...]) -> Any:
-    """The validated file ('-': standard input), its warnings printed."""
+    """The validated file ('-': standard input) with its warnings (intake.ParsedFile)."""
     from specbatch.jobs import intake
 
     routes = intake.parse_model_map(model_map)
@@ -169,6 +172,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.enqueue import check_broker, enqueue_routes
     from specbatch.worker.queues import queue_name
 
@@ -176,10 +180,14 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
     check_broker(settings)  # broker down: fail before anything is written
-    job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
-                                 _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
-                                 model_map)
-    sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
+    with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
+        with tracing.span("intake"):
+            job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
+                                         _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
+                                         model_map)
+        tracing.set_attributes({"specbatch.job.id": job_id})
+        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     queues = ", ".join(sent) or queue
     if not as_json:
@@ -211,6 +219,7 @@ def resume(job_id: str, as_json: bool) -> None:
       specbatch resume 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()
@@ -219,7 +228,9 @@ def resume(job_id: str, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         queue, ngram = job.queue, job.ngram
         routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
-    sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+    tracing.configure("specbatch")
+    with tracing.span("resume", {"specbatch.job.id": job_id}):
+        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     if as_json:
         echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks})
@@ -237,9 +248,11 @@ def resume(job_id: str, as_json: bool) -> None:
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
+              help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
            batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
-           hostname: str | None, loglevel: str, pool: str) -> None:
+           hostname: str | None, loglevel: str, pool: str, metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -248,6 +261,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     Example:
       specbatch worker --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b --device cuda:0 -n gpu0@%h
       specbatch worker                     # the default pair on the CPU
+      specbatch worker --metrics-port 9400 # Prometheus scrapes http://HOST:9400/metrics
     """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.runner import run_worker
@@ -261,7 +275,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
-                                  hostname=hostname, loglevel=loglevel, pool=pool)
+                                  hostname=hostname, loglevel=loglevel, pool=pool,
+                                  metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
     sys.exit(code)
@@ -322,6 +337,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
     from specbatch.engine import Engine
     from specbatch.engine.threads import configure_threads
     from specbatch.jobs import store
+    from specbatch.observability import tracing
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
@@ -333,6 +349,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
     queue = queue_name(target_, drafts_, ngram)
     batch = tp.batch_size
     configure_threads(tp.threads, settings.local_workers)
+    tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
     job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
                                  _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
                                  model_map)
@@ -354,7 +371,7 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
         _print_summary(summary, settings)
 
 
-def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Any,
+def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
                        batch: int | str, only: list[int] | None = None) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

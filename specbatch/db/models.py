@@ -187,7 +187,7 @@ class Result(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer)
     completion_tokens: Mapped[int] = mapped_column(Integer)
     finish_reason: Mapped[str] = mapped_column(String(16))
-    # statistics (DESIGN.md)
+    # statistics (docs/statistics.md)
     verify_steps: Mapped[int] = mapped_column(Integer, default=0)
     drafted_tokens: Mapped[int] = mapped_column(Integer, default=0)
     accepted_tokens: Mapped[int] = mapped_column(Integer, default=0)
@@ -203,10 +203,10 @@ class Result(Base):
     pool_wins: Mapped[dict[str, int]] = mapped_column(JSONType, default=dict)
     final_gamma: Mapped[int] = mapped_column(Integer, default=0)
     speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
-    # what the throughput autopilot chose (GenerationStats.batch_size_seconds, speculative_steps)
+    # what the throughput autopilot chose (GenerationStats.batch_size_seconds, draft_steps)
     batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
                                                                  server_default=sql_text("'{}'"))
-    speculative_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    draft_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # who and when
     worker: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -4,7 +4,8 @@ A pure policy: the decode loop asks it, before admitting, how many rows may be a
 (``rows_allowed``); before each step, whether to speculate at the current row count
 (``speculate``); after each step it reports what happened (``observe``: rows, drafted tokens,
 emitted tokens, seconds). It never touches a model, so its decisions are tested with scripted
-costs (tests/engine/test_autopilot.py).
+costs (tests/engine/test_autopilot.py). ``AutopilotPolicy`` plugs it into the decoder's policy
+seam (``specbatch.engine.policy``).
 
 Search. Generated tokens per second are kept per configuration (batch-size bucket, speculation
 on/off) as ratios of exponential moving averages of tokens and seconds. The autopilot holds a
@@ -28,6 +29,8 @@ configuration all along). ``explore_steps`` never exceeds the bound (asserted in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from specbatch.engine.policy import MeasuredPolicy, StepReport
 
 AUTO = "auto"
 BatchSize = int | str    # rows decoded together, or "auto"
@@ -265,3 +268,26 @@ class Autopilot:
             "steps": self.steps,
             "explore_steps": self.explore_steps,
         }
+
+
+@dataclass
+class AutopilotPolicy(MeasuredPolicy):
+    """The decoder's policy (``specbatch.engine.policy.Policy``) under ``batch_size="auto"``:
+    rows and speculation from the ``Autopilot``; step costs per bucket as ``MeasuredPolicy``
+    (the rows' gamma controllers choose the draft length where the autopilot speculates)."""
+
+    pilot: Autopilot = field(default_factory=Autopilot)
+
+    def max_rows(self, waiting: int = 0) -> int:
+        return max(1, self.pilot.rows_allowed(waiting))
+
+    def gamma_cap(self, n_rows: int) -> int | None:
+        if self.pilot.speculate(n_rows) is False:
+            return 0
+        return super().gamma_cap(n_rows)
+
+    def observe(self, report: StepReport) -> None:
+        super().observe(report)
+        if not report.prefill:   # a step that also cached prompts is no decode measurement
+            self.pilot.observe(report.rows, report.drafted, report.emitted,
+                               report.draft_seconds + report.verify_seconds)

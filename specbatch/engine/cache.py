@@ -1,4 +1,7 @@
-"""The one place KV caches are rolled back (target and draft models alike)."""
+"""One model's KV cache for a batch of rows; the one place KV caches are rolled back.
+
+Rollback is the same for a chain and a token tree: the columns of rejected tokens become holes.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+
+from specbatch.engine.loading import LoadedModel
 
 
 def kv_layers(cache: DynamicCache) -> list[Any]:
@@ -18,83 +23,100 @@ def cache_length(cache: DynamicCache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
-def rollback(cache: DynamicCache, n_keep: int, extra: Sequence[int] = ()) -> None:
-    """Keep cache positions [0, n_keep) followed by the absolute positions ``extra`` (in order).
-
-    ``extra`` selects the accepted path of a token tree; for a chain it is contiguous with
-    ``n_keep`` and this is a plain crop. Rows of the batch are rolled back alike.
-    """
-    length = cache_length(cache)
-    if extra and list(extra) == list(range(n_keep, n_keep + len(extra))):
-        n_keep, extra = n_keep + len(extra), ()
-    if not extra:
-        if n_keep < length:
-            cache.crop(n_keep - length)
-        return
-    index = torch.tensor(list(range(n_keep)) + list(extra), dtype=torch.long)
-    for layer in kv_layers(cache):
-        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
-            continue
-        idx = index.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
-
-
 class BatchCache:
     """One model's KV cache for a batch of rows that advance by different amounts.
 
     Columns are shared by all rows; ``valid[b, j]`` says whether column j holds a token of row b.
-    Rejected draft tokens and left padding are invalid columns ("holes") that attention never
-    sees; each row's position ids count only its valid tokens, so holes do not shift positions.
-    Tail columns invalid for every row are cropped, and ``compact`` squeezes the holes out when
-    they grow. Pad queries attend only to themselves so no attention row is empty.
+    Rejected draft tokens, token-tree branches that lost and left padding are invalid columns
+    ("holes") that attention never sees; each row's position ids count only its valid tokens, so
+    holes do not shift positions. Tail columns invalid for every row are cropped, and holes are
+    squeezed out once they are ``compact_share`` of a cache wider than ``compact_min_cols``.
+    Pad queries attend only to themselves so no attention row is empty.
     """
 
-    def __init__(self, model, n_rows: int = 0) -> None:  # model: LoadedModel
+    compact_share = 0.5
+    compact_min_cols = 64
+
+    def __init__(self, model: LoadedModel, n_rows: int = 0) -> None:
         self.model = model
         self.cache = DynamicCache()
         self.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=model.device)
         self.n_valid = torch.zeros(n_rows, dtype=torch.long, device=model.device)
+        self._block: tuple[int, list[int]] = (0, [])  # last forward: first column, pad per row
 
     @property
     def n_rows(self) -> int:
         return int(self.valid.shape[0])
 
-    def forward(self, feeds: list[list[int]], logits_to_keep: int) -> torch.Tensor:
-        """Append each row's tokens (left-padded to a common width); returns logits (B, keep, V)."""
+    def forward(self, feeds: Sequence[Sequence[int]], logits_to_keep: int,
+                parents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """Append each row's tokens (left-padded to a common width); returns logits (B, keep, V).
+
+        ``parents[b][i]``: the feed index of token i's parent in row b's feed, -1 for a token that
+        follows the cache directly. None: every feed is a chain (parent of i is i - 1). A token
+        sees the row's valid cache columns, its ancestors in the feed and itself; its position id
+        is the row's valid length plus its depth in the feed (a tree node: root position + depth).
+        """
         dev = self.model.device
         width = max(len(f) for f in feeds)
         n_cols = self.valid.shape[1]
-        pad = torch.tensor([width - len(f) for f in feeds], device=dev)
-        inp = torch.tensor([[0] * (width - len(f)) + f for f in feeds], dtype=torch.long, device=dev)
+        pads = [width - len(f) for f in feeds]
+        inp = torch.tensor([[0] * p + list(f) for p, f in zip(pads, feeds)], dtype=torch.long, device=dev)
         cols = torch.arange(width, device=dev)
+        pad = torch.tensor(pads, device=dev)
         new_valid = cols[None, :] >= pad[:, None]                                   # (B, W)
-        pos = (self.n_valid[:, None] + cols[None, :] - pad[:, None]).clamp(min=0)   # (B, W)
+        if parents is None:
+            depth = (cols[None, :] - pad[:, None]).clamp(min=0)                     # (B, W)
+            seen = (cols[None, :] <= cols[:, None])[None] & new_valid[:, None, :]   # (B, W, W)
+        else:
+            depth, seen = _tree_block(parents, pads, width, dev)
+        seen[:, cols, cols] = True                                                  # pads see themselves
+        pos = self.n_valid[:, None] + depth
         keys_valid = torch.cat([self.valid, new_valid], dim=1)                      # (B, L + W)
-        causal = torch.arange(n_cols + width, device=dev)[None, :] <= (n_cols + cols)[:, None]
-        allowed = keys_valid[:, None, :] & causal[None]                             # (B, W, L + W)
-        allowed[:, cols, n_cols + cols] = True                                      # pads see themselves
-        dtype = self.model.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        out = self.model.forward(inp, self.cache, attention_mask=mask[:, None], position_ids=pos,
+        mask = None
+        if parents is not None or any(pads) or not bool(self.valid.all()):
+            allowed = torch.cat([self.valid[:, None, :].expand(-1, width, -1), seen], dim=2)
+            dtype = self.model.model.dtype
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            mask = mask[:, None]
+        # (no holes, no pads, chains: the model's own causal mask is the same and cheaper)
+        out = self.model.forward(inp, self.cache, attention_mask=mask, position_ids=pos,
                                  logits_to_keep=logits_to_keep)
         self.valid = keys_valid
         self.n_valid = self.n_valid + new_valid.sum(dim=1)
+        self._block = (n_cols, pads)
         return out.logits
 
-    def drop_tail(self, n_drop: list[int]) -> None:
-        """Row b's last n_drop[b] valid tokens were rejected: make them holes, crop common tail."""
+    def reject(self, rejected: Sequence[Sequence[int]]) -> None:
+        """Row b's feed indices ``rejected[b]`` in the last forward were not accepted: holes."""
+        start, pads = self._block
+        cols = [(b, start + pads[b] + i) for b, idx in enumerate(rejected) for i in idx]
+        self._invalidate(cols)
+
+    def drop_tail(self, n_drop: Sequence[int]) -> None:
+        """Row b's last n_drop[b] valid tokens were rejected: holes."""
+        cols = []
         for b, n in enumerate(n_drop):
             if n:
-                idx = torch.nonzero(self.valid[b]).flatten()[-n:]
-                self.valid[b, idx] = False
-        self.n_valid = self.valid.sum(dim=1)
+                cols += [(b, int(j)) for j in torch.nonzero(self.valid[b]).flatten()[-n:]]
+        self._invalidate(cols)
+
+    def _invalidate(self, cols: list[tuple[int, int]]) -> None:
+        if cols:
+            rows, idx = zip(*cols)
+            self.valid[list(rows), list(idx)] = False
+            self.n_valid = self.valid.sum(dim=1)
         any_valid = torch.nonzero(self.valid.any(dim=0)).flatten()
         keep = int(any_valid[-1]) + 1 if any_valid.numel() else 0
         if keep < self.valid.shape[1]:
-            rollback(self.cache, keep)
+            length = cache_length(self.cache)
+            if keep < length:
+                self.cache.crop(keep - length)
             self.valid = self.valid[:, :keep]
+        cols_now = self.valid.shape[1]
+        if cols_now > self.compact_min_cols and self.holes() > self.compact_share:
+            self.compact()
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch)."""
@@ -102,6 +124,7 @@ class BatchCache:
         if cache_length(self.cache):
             self.cache.batch_select_indices(idx)
         self.valid, self.n_valid = self.valid[idx], self.n_valid[idx]
+        self._invalidate([])
 
     def extend(self, other: BatchCache) -> None:
         """Append other's rows (new requests joining), left-padding the shorter cache."""
@@ -110,9 +133,19 @@ class BatchCache:
             return
         la, lb = self.valid.shape[1], other.valid.shape[1]
         width = max(la, lb)
-        for mine, theirs in zip(kv_layers(self.cache), kv_layers(other.cache)):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        if la and lb:
+            for mine, theirs in zip(kv_layers(self.cache), kv_layers(other.cache)):
+                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
+                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
+        elif la:           # the joining rows have cached nothing yet (one-token prompts)
+            for mine in kv_layers(self.cache):
+                mine.keys = torch.cat([mine.keys, _zero_rows(mine.keys, other.n_rows)])
+                mine.values = torch.cat([mine.values, _zero_rows(mine.values, other.n_rows)])
+        elif lb:
+            for theirs in kv_layers(other.cache):
+                theirs.keys = torch.cat([_zero_rows(theirs.keys, self.n_rows), theirs.keys])
+                theirs.values = torch.cat([_zero_rows(theirs.values, self.n_rows), theirs.values])
+            self.cache = other.cache
         self.valid = torch.cat([_left_pad_mask(self.valid, width), _left_pad_mask(other.valid, width)])
         self.n_valid = torch.cat([self.n_valid, other.n_valid])
 
@@ -123,14 +156,36 @@ class BatchCache:
     def compact(self) -> None:
         """Squeeze holes out: each row's valid columns, left-padded to the longest row."""
         width = int(self.n_valid.max()) if self.n_rows else 0
-        order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:] if width else None
-        if order is None:
+        if not width:
             return
+        order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
         for layer in kv_layers(self.cache):
             idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
             layer.keys = layer.keys.gather(2, idx.to(layer.keys.device))
             layer.values = layer.values.gather(2, idx.to(layer.values.device))
         self.valid = self.valid.gather(1, order)
+
+
+def _zero_rows(x: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """n_rows rows of zeros shaped like x's rows: (B, H, L, D) -> (n_rows, H, L, D)."""
+    return x.new_zeros(n_rows, *x.shape[1:])
+
+
+def _tree_block(parents: Sequence[Sequence[int]], pads: list[int], width: int,
+                dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depth (B, W) of each fed token and which fed tokens it sees (B, W, W): its ancestors."""
+    n = len(parents)
+    depth = [[0] * width for _ in range(n)]
+    seen = [[[False] * width for _ in range(width)] for _ in range(n)]
+    for b, (par, p) in enumerate(zip(parents, pads)):
+        for i, a in enumerate(par):
+            row = seen[b][p + i]
+            if a >= 0:
+                depth[b][p + i] = depth[b][p + a] + 1
+                row[:] = seen[b][p + a]
+            row[p + i] = True
+    return (torch.tensor(depth, dtype=torch.long, device=dev),
+            torch.tensor(seen, dtype=torch.bool, device=dev))
 
 
 def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:

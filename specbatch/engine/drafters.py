@@ -1,26 +1,56 @@
-"""Drafters: propose candidates for a prefix; learn how many were accepted.
+"""Batched drafters: propose candidates for every row of a batch; learn what each row accepted.
 
-A drafter instance serves one request (it holds that request's state: a KV cache, an n-gram
-index). A drafter that finds nothing returns None and decoding falls back to one target step.
+A drafter serves the whole batch and keeps its state per row, aligned with the decoder's rows
+(``admit`` appends rows, ``retire`` keeps some): a draft model its batched KV cache, the n-gram
+drafter its per-row index, every drafter its per-row acceptance score. A drafter that finds
+nothing for a row returns None there and that row falls back to one target step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
-from specbatch.engine.cache import cache_length, rollback
+from specbatch.engine.cache import BatchCache
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.sampling import Warp
+
+
+class DraftRow(Protocol):
+    """What a drafter reads of a decoder row."""
+
+    @property
+    def ids(self) -> list[int]: ...          # the accepted sequence (prompt + generated)
+    @property
+    def warp(self) -> Warp | None: ...       # None: greedy
+    @property
+    def generator(self) -> torch.Generator | None: ...
 
 
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]                 # k candidate tokens
     q: torch.Tensor | None = None     # (k, V) draft probabilities; None: point masses (greedy / n-gram)
+    forwards: int = 0                 # draft-model forwards this row took part in to make it
+
+
+@dataclass
+class Acceptance:
+    """A drafter's recent acceptance on one row: the EMA of accepted / proposed tokens.
+
+    The decoder tries the better member first when sampling verification walks a row's tree:
+    the first member tried meets the whole of p, so the likeliest drafter should have it.
+    """
+
+    rate: float = 0.5                 # prior: no evidence either way
+    weight: float = 0.3               # weight of the newest step (recent text matters most)
+
+    def update(self, accepted: int, proposed: int) -> None:
+        if proposed:
+            self.rate += self.weight * (accepted / proposed - self.rate)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -33,87 +63,134 @@ def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return logits
 
 
-class Drafter(Protocol):
-    name: str
-
-    def propose(self, ids: list[int], k: int, warp: Warp | None,
-                generator: torch.Generator | None) -> Proposal | None:
-        """Up to k candidate tokens following ``ids`` (the accepted sequence so far)."""
-
-    def observe(self, n_valid: int) -> None:
-        """The first ``n_valid`` tokens of the last prefix + proposal are now the accepted sequence."""
-
-    @property
-    def forwards(self) -> int:
-        """Model forward passes made so far (0 for a model-free drafter)."""
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-class ModelDrafter:
-    """A small causal LM with its own KV cache (the classic draft model)."""
+class Drafter:
+    """Base of every drafter: the per-row scores and the last proposals they are judged on.
 
-    def __init__(self, draft: LoadedModel, vocab_size: int) -> None:
-        self.name = draft.name
-        self.draft = draft
-        self.device = draft.device
-        self.vocab_size = vocab_size          # the target's logits width: q must live on p's support
-        self.cache = DynamicCache()
-        self.seq: list[int] = []              # tokens whose keys/values are in self.cache
-        self.forwards = 0
-
-    def _step(self, new_ids: list[int]) -> torch.Tensor:
-        """Feed tokens after the cache; returns the last position's logits (V_target,)."""
-        inp = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        out = self.draft.forward(inp, self.cache, logits_to_keep=1)
-        self.forwards += 1
-        self.seq.extend(new_ids)
-        return fit_vocab(out.logits[0, -1], self.vocab_size)
-
-    def propose(self, ids: list[int], k: int, warp: Warp | None,
-                generator: torch.Generator | None) -> Proposal | None:
-        # 1. the cache holds a prefix of ids (observe() rolled back rejected drafts): feed the rest
-        logits = self._step(ids[len(self.seq):])
-        tokens: list[int] = []
-        qs: list[torch.Tensor] = []
-        for j in range(k):
-            # 2. pick the next draft token: argmax when greedy, else a sample from warped q
-            if warp is None:
-                x = int(logits.argmax())
-            else:
-                q = warp.probs(logits)
-                x = int(torch.multinomial(q, 1, generator=generator))
-                qs.append(q)
-            tokens.append(x)
-            # 3. feed it unless it is the last (the target scores it; no need for its logits)
-            if j + 1 < k:
-                logits = self._step([x])
-        return Proposal(tokens, torch.stack(qs) if qs else None)
-
-    def observe(self, n_valid: int) -> None:
-        if n_valid < len(self.seq):
-            rollback(self.cache, n_valid)
-            del self.seq[n_valid:]
-        assert cache_length(self.cache) == len(self.seq)
-
-
-class NgramDrafter:
-    """Prompt lookup: copy what followed the latest earlier occurrence of the trailing n-gram.
-
-    An incremental index (n-gram -> end position of its latest occurrence) makes a lookup O(1).
-    Proposals are point masses (no q).
+    Call ``propose`` and ``observe`` under ``torch.inference_mode()``.
     """
 
-    forwards = 0
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.scores: list[Acceptance] = []
+        self.last: list[Proposal | None] = []
 
-    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
-        self.name = "ngram"
-        self.max_n, self.min_n = max_n, min_n
-        self.index: dict[tuple[int, ...], int] = {}
-        self.indexed = 0                      # n-grams ending before this position are indexed
+    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+        """Rows join the batch. ``prefill``: cache all of each row's ids but its last token now
+        (rows joining a running batch); else the first proposal feeds them (a fresh batch).
+        Returns the model forwards made."""
+        self.scores += [Acceptance() for _ in rows]
+        self.last += [None] * len(rows)
+        return 0
 
-    def propose(self, ids: list[int], k: int, warp: Warp | None,
-                generator: torch.Generator | None) -> Proposal | None:
-        end = len(ids) - 1                    # index every n-gram ending before the last token
-        for e in range(max(self.indexed, 0), end):
+    def retire(self, keep: list[int]) -> None:
+        """Only rows ``keep`` (indices into the current rows) stay."""
+        self.scores = [self.scores[i] for i in keep]
+        self.last = [self.last[i] for i in keep]
+
+    def propose(self, rows: Sequence[DraftRow], k: Sequence[int]) -> list[Proposal | None]:
+        """Up to k[b] candidate tokens following rows[b].ids (no proposal where k[b] == 0)."""
+        raise NotImplementedError
+
+    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[list[int]]) -> None:
+        """accepted[b]: the tokens row b emitted this step (accepted drafts + one target token)."""
+        for score, prop, acc in zip(self.scores, self.last, accepted):
+            if prop is not None:
+                score.update(min(common_prefix(prop.tokens, acc), len(acc) - 1), len(prop.tokens))
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM with one batched KV cache (the classic draft model)."""
+
+    def __init__(self, draft: LoadedModel, vocab_size: int) -> None:
+        super().__init__(draft.name)
+        self.draft = draft
+        self.vocab_size = vocab_size          # the target's logits width: q must live on p's support
+        self.cache = BatchCache(draft)
+        self.fed: list[int] = []              # per row: own draft tokens fed in the last proposal
+
+    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+        super().admit(rows, prefill)
+        self.fed += [0] * len(rows)
+        joining = BatchCache(self.draft, len(rows))
+        feeds = [r.ids[:-1] for r in rows]
+        forwards = int(prefill and any(feeds))
+        if forwards:
+            joining.forward(feeds, logits_to_keep=1)
+        self.cache.extend(joining)
+        return forwards
+
+    def retire(self, keep: list[int]) -> None:
+        super().retire(keep)
+        self.fed = [self.fed[i] for i in keep]
+        self.cache.select(keep)
+
+    def propose(self, rows: Sequence[DraftRow], k: Sequence[int]) -> list[Proposal | None]:
+        n = len(rows)
+        tokens: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        # 1. the cache holds a prefix of each row's ids (observe() dropped rejected drafts):
+        #    feed the rest; then each step feeds the token just drafted, for rows that want more
+        feeds = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
+        for j in range(max(k)):
+            logits = fit_vocab(self.cache.forward(feeds, logits_to_keep=1)[:, -1], self.vocab_size)
+            greedy = logits.argmax(dim=-1).tolist()
+            # 2. the next draft token: argmax when greedy, else a draw from warped q (own generator)
+            for b, r in enumerate(rows):
+                if j >= k[b]:
+                    continue
+                if r.warp is None:
+                    tokens[b].append(greedy[b])
+                else:
+                    q = r.warp.probs(logits[b])
+                    tokens[b].append(int(torch.multinomial(q, 1, generator=r.generator)))
+                    qs[b].append(q)
+            # 3. feed it unless it is the row's last (the target scores it; no need for its logits)
+            feeds = [[t[-1]] if j + 1 < k[b] else [] for b, t in enumerate(tokens)]
+            if not any(feeds):
+                break
+        self.fed = [max(0, kb - 1) for kb in k]
+        self.last = [Proposal(t, torch.stack(q) if q else None, forwards=len(t)) if t else None
+                     for t, q in zip(tokens, qs)]
+        assert len(self.last) == n
+        return list(self.last)
+
+    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[list[int]]) -> None:
+        super().observe(rows, accepted)
+        # keep the own tokens that were accepted, but never the last emitted token: the next
+        # proposal starts by feeding it
+        drop = []
+        for fed, prop, acc in zip(self.fed, self.last, accepted):
+            agreed = common_prefix(prop.tokens, acc) if prop is not None else 0
+            drop.append(fed - min(fed, agreed, len(acc) - 1))
+        self.cache.drop_tail(drop)
+        self.fed = [0] * len(self.fed)
+
+
+@dataclass
+class NgramIndex:
+    """One row's prompt-lookup index: n-gram -> end position of its latest earlier occurrence.
+
+    Incremental (each accepted token is indexed once), so a lookup is O(1).
+    """
+
+    max_n: int = 3
+    min_n: int = 1
+    index: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0                  # n-grams ending before this position are indexed
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the trailing n-gram."""
+        end = len(ids) - 1                # index every n-gram ending before the last token
+        for e in range(self.indexed, end):
             for n in range(self.min_n, self.max_n + 1):
                 if e - n + 1 >= 0:
                     self.index[tuple(ids[e - n + 1: e + 1])] = e
@@ -122,11 +199,30 @@ class NgramDrafter:
             if len(ids) < n:
                 continue
             last = self.index.get(tuple(ids[-n:]))
-            if last is not None:
-                cont = ids[last + 1: last + 1 + k]
-                if cont:
-                    return Proposal(cont)
-        return None
+            if last is not None and last + 1 < len(ids):
+                return ids[last + 1: last + 1 + k]
+        return []
 
-    def observe(self, n_valid: int) -> None:
-        pass  # proposals never enter the index: only accepted tokens are passed to propose()
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: copy what followed the latest earlier occurrence of the trailing n-gram.
+
+    Proposals are point masses (no q); only accepted tokens enter a row's index.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("ngram")
+        self.rows: list[NgramIndex] = []
+
+    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+        self.rows += [NgramIndex() for _ in rows]
+        return super().admit(rows, prefill)
+
+    def retire(self, keep: list[int]) -> None:
+        super().retire(keep)
+        self.rows = [self.rows[i] for i in keep]
+
+    def propose(self, rows: Sequence[DraftRow], k: Sequence[int]) -> list[Proposal | None]:
+        found = [ix.lookup(r.ids, kb) if kb else [] for ix, r, kb in zip(self.rows, rows, k)]
+        self.last = [Proposal(t) if t else None for t in found]
+        return list(self.last)

@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from specbatch.engine.autopilot import AUTO, Autopilot, BatchSize, check_batch_size
-from specbatch.engine.batch import MAX_DRAFT, BatchDecoder
+from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
 from specbatch.engine.chat import template_messages
+from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
-from specbatch.engine.memory import MemoryBudget, ModelShape, default_budget
-from specbatch.engine.speculative import speculative_generate
+from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
+from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -34,7 +34,7 @@ class EngineRequest:
 
 
 class Engine:
-    """Holds the loaded target and draft models; builds fresh per-request drafter state."""
+    """Holds the loaded target and draft models and the step costs measured with them."""
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
                  ngram: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
@@ -47,10 +47,11 @@ class Engine:
         self.gamma = gamma
         self.batch_size = check_batch_size(batch_size)
         self.max_memory = max_memory  # bytes for KV caches + activations; None: a share of free memory
-        self.costs = CostModel()      # measured step costs, shared by every request
-        self.batch_costs: dict[int, CostModel] = {}  # per batch-size bucket
+        # measured step costs per batch-size bucket (policy.bucket), shared by every request
+        self.costs: dict[int, CostModel] = {}
         self.autopilot: Autopilot | None = None   # kept across calls: what it measured stays true
         self.memory: MemoryBudget | None = None
+        self._legacy = False          # private: the old single-request loop, for one measurement
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
@@ -72,6 +73,7 @@ class Engine:
         return [d.name for d in self.drafts] + (["ngram"] if self.ngram else [])
 
     def new_drafters(self) -> list[Drafter]:
+        """A fresh pool for one decode: its members keep per-row state for that batch."""
         vocab = self.target.vocab_size
         pool: list[Drafter] = [ModelDrafter(d, vocab) for d in self.drafts]
         if self.ngram:
@@ -127,31 +129,30 @@ class Engine:
     def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                  params: GenerationParams | None = None, *,
                  input_ids: list[int] | None = None) -> GenerationOutput:
-        """Decode one request; raises RequestError when the request itself is invalid."""
-        params = (params or GenerationParams()).validate()
-        ids = self._ids(prompt, messages, input_ids)
-        self._check_fits(ids, params)
-        with torch.inference_mode():
-            return speculative_generate(self.target, self.new_drafters(), ids, params, self.costs,
-                                        default_gamma=self.gamma)
+        """Decode one request (a batch of one); raises RequestError when the request is invalid."""
+        if self._legacy:
+            return self._legacy_generate(prompt, messages, params, input_ids)
+        req = EngineRequest(prompt, messages, params or GenerationParams(), input_ids)
+        for _, out in self.generate_many([req], batch_size=1):
+            if isinstance(out, SpecBatchError):
+                raise out
+            return out
+        raise AssertionError("generate_many yields one result per request")
 
-    def generate_many(self, requests: Sequence[EngineRequest], batch_size: BatchSize | None = None
+    def generate_many(self, requests: Sequence[EngineRequest], batch_size: BatchSize | None = None, *,
+                      policy: Policy | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
         """Yield (index, output or the request's own error) as each request finishes.
 
-        batch_size > 1 decodes up to that many requests together (continuous batching); "auto"
-        lets the autopilot choose the size and whether to speculate by measurement (see
-        ``specbatch.engine.autopilot``); a pool of several draft models decodes request by request.
+        Up to ``batch_size`` requests decode together (continuous batching); "auto" lets the
+        throughput autopilot choose the batch size and whether to speculate by measurement
+        (``specbatch.engine.autopilot``); ``policy`` replaces either.
         """
-        batch_size = check_batch_size(batch_size or self.batch_size)
-        if (batch_size != AUTO and int(batch_size) <= 1) or len(self.drafts) > 1:
-            for i, req in enumerate(requests):
-                try:
-                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
-                except SpecBatchError as e:
-                    yield i, e
+        size = check_batch_size(batch_size or self.batch_size)
+        if self._legacy:
+            yield from self._legacy_generate_many(requests, size if isinstance(size, int) else 1)
             return
-        valid = []
+        valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
                 params = req.params.validate()
@@ -161,8 +162,10 @@ class Engine:
                 yield i, e
                 continue
             valid.append((i, ids, params))
-        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
-                               self.batch_costs, self.gamma, self._pilot(batch_size, valid), self._memory())
+        if policy is None:
+            policy = self._policy(size, valid)
+        decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
+                          memory=self._memory())
         with torch.inference_mode():
             yield from decoder.run(valid)
 
@@ -173,21 +176,20 @@ class Engine:
     def _memory(self) -> MemoryBudget:
         if self.memory is None:
             budget = self.max_memory or default_budget(self.target.device)
-            shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts[:1]))
+            shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
             self.memory = MemoryBudget(budget, shapes)
         return self.memory
 
-    def _pilot(self, batch_size: BatchSize, valid: list[tuple[int, list[int], GenerationParams]]
-               ) -> Autopilot:
-        if batch_size != AUTO:
-            return Autopilot(fixed=int(batch_size), speculation=self.speculates)
+    def _policy(self, size: BatchSize, valid: list[Request]) -> Policy:
+        if size != AUTO:
+            return MeasuredPolicy(int(size), self.costs)
         # the search's ceiling: rows of the median request that fit (admission checks each one)
-        cols = sorted(len(ids) + p.max_new_tokens + MAX_DRAFT + 1 for _, ids, p in valid) or [1]
+        cols = sorted(row_columns(len(ids), p) for _, ids, p in valid) or [1]
         cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], MAX_DRAFT))
         if self.autopilot is None:
             self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
         self.autopilot.cap = cap
-        return self.autopilot
+        return AutopilotPolicy(cap, self.costs, pilot=self.autopilot)
 
     def planned_batch_size(self) -> int:
         """Rows decoding will run at (fixed size, or the autopilot's kept size; 8 before it
@@ -199,3 +201,46 @@ class Engine:
     def batch_report(self) -> dict[str, Any] | None:
         """What the autopilot chose and measured so far (None before an automatic batch ran)."""
         return self.autopilot.summary() if self.autopilot is not None else None
+
+    def _legacy_generate_many(self, requests: Sequence[EngineRequest], batch_size: int
+                              ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
+        from specbatch.engine._legacy.batch import BatchDecoder
+
+        if batch_size <= 1 or len(self.drafts) > 1:
+            for i, req in enumerate(requests):
+                try:
+                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
+                except SpecBatchError as e:
+                    yield i, e
+            return
+        valid = []
+        for i, req in enumerate(requests):
+            params = req.params.validate()
+            ids = self._ids(req.prompt, req.messages, req.input_ids)
+            valid.append((i, ids, params))
+        if not hasattr(self, "_legacy_batch_costs"):
+            self._legacy_batch_costs: dict[int, Any] = {}
+        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
+                               self._legacy_batch_costs, self.gamma, batch_size)
+        with torch.inference_mode():
+            yield from decoder.run(valid)
+
+    def _legacy_generate(self, prompt: str | None, messages: list[dict[str, Any]] | None,
+                         params: GenerationParams | None, input_ids: list[int] | None
+                         ) -> GenerationOutput:
+        from specbatch.engine._legacy.drafters import ModelDrafter as OldModel
+        from specbatch.engine._legacy.drafters import NgramDrafter as OldNgram
+        from specbatch.engine._legacy.gamma import CostModel as OldCosts
+        from specbatch.engine._legacy.speculative import speculative_generate
+
+        params = (params or GenerationParams()).validate()
+        ids = self._ids(prompt, messages, input_ids)
+        self._check_fits(ids, params)
+        pool: list[Any] = [OldModel(d, self.target.vocab_size) for d in self.drafts]
+        if self.ngram:
+            pool.append(OldNgram())
+        if not hasattr(self, "_legacy_costs"):
+            self._legacy_costs = OldCosts()
+        with torch.inference_mode():
+            return speculative_generate(self.target, pool, ids, params, self._legacy_costs,
+                                        default_gamma=self.gamma)

@@ -6,7 +6,8 @@ one target forward over k + 1 tokens, both measured on this machine as decoding 
 shared by all requests of an engine: costs are properties of the hardware). The controller picks
 the k with the best expected tokens per second and compares it with plain decoding (one token per
 target forward of 1 token); when speculation loses it turns itself off for the request, probing
-again now and then in case the text becomes easier to predict.
+again now and then in case the text becomes easier to predict. The costs a controller reads are
+those of the batch size its request is decoded at (policy.py).
 """
 
 from __future__ import annotations
@@ -64,7 +65,10 @@ class CostModel:
 
 @dataclass
 class GammaController:
-    """Per-request gamma. ``next_gamma()`` returns 0 when speculation is off for this step."""
+    """Per-request gamma. ``next_gamma()`` returns 0 when speculation is off for this step.
+
+    ``costs`` is swapped by the decoder for the cost model of the current batch-size bucket.
+    """
 
     costs: CostModel
     gamma: int = 4
@@ -72,8 +76,11 @@ class GammaController:
     adaptive: bool = True
     warmup_steps: int = 3            # steps before the controller trusts its estimates
     probe_every: int = 16            # plain steps between probes once speculation is off
+    max_probe_every: int = 256       # probes that keep losing back off up to this interval
+    switch_margin: float = 0.95      # off when speculating is below this share of plain's rate
     prior: float = 0.6               # alpha prior (pseudo-counts below)
     prior_weight: float = 2.0
+    memory: float = 0.9              # per-step decay of the acceptance counts: text difficulty drifts
     accepted: float = 0.0
     rejected: float = 0.0
     steps: int = 0
@@ -81,14 +88,15 @@ class GammaController:
     plain_steps: int = 0
     ever_off: bool = False
 
+    def __post_init__(self) -> None:
+        self._first_probe_every = self.probe_every
+
     @property
     def alpha(self) -> float:
         a = self.accepted + self.prior * self.prior_weight
         return a / (a + self.rejected + (1 - self.prior) * self.prior_weight)
 
     def next_gamma(self) -> int:
-        if self.adaptive and self.steps >= self.warmup_steps and 1 not in self.costs.verify:
-            return 0  # one plain step measures what plain decoding costs here (at this batch size)
         if self.off:
             self.plain_steps += 1
             if self.plain_steps % self.probe_every:
@@ -100,9 +108,8 @@ class GammaController:
         if k == 0:
             return
         self.steps += 1
-        decay = 0.9                   # recent steps count more: text difficulty drifts
-        self.accepted = self.accepted * decay + n_accepted
-        self.rejected = self.rejected * decay + (1 if n_accepted < k else 0)
+        self.accepted = self.accepted * self.memory + n_accepted
+        self.rejected = self.rejected * self.memory + (1 if n_accepted < k else 0)
         if self.adaptive and self.steps >= self.warmup_steps:
             self._choose()
 
@@ -124,11 +131,11 @@ class GammaController:
         plain_cost = plain if plain is not None else self.costs.verify_cost(min(self.costs.verify))
         plain_rate = 1.0 / plain_cost if plain_cost else 0.0
         was_off = self.off
-        self.off = rates[best] < 0.95 * plain_rate
+        self.off = rates[best] < self.switch_margin * plain_rate
         if self.off and not was_off:
             self.ever_off = True
             self.plain_steps = 0
         elif self.off:   # a probe that lost: probe half as often (each probe costs a slow step)
-            self.probe_every = min(2 * self.probe_every, 256)
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
         else:
-            self.probe_every = 16
+            self.probe_every = self._first_probe_every

@@ -298,10 +298,3 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
             f"draft {draft.name!r} does not share the tokenizer of target {target.name!r} "
             f"(vocabularies differ: {only_t} tokens only in the target, {only_d} only in the draft, "
             f"{moved} with different ids); pick a draft from the same model family")
-
-
-def describe_cache(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """What the GGUF cache holds (for ``specbatch models --json``)."""
-    root = Path(cache_dir) / "dequantized"
-    entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-    return {"cache_dir": str(cache_dir), "dequantized": entries}

@@ -1,4 +1,5 @@
-"""Warping and lossless verification. p = target distribution, q = draft distribution.
+"""Warping and the acceptance rule of speculative sampling. p = target distribution, q = draft
+distribution. The verifiers built on them live in tree.py.
 
 All functions are pure: tensors in, tensors or a Verdict out. Call under ``torch.inference_mode()``.
 """
@@ -42,14 +43,6 @@ class Verdict:
     winner: int = -1         # pool index of the drafter whose candidate was accepted (-1: none)
 
 
-def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    """draft_ids: (k,), target_logits: (k + 1, V). Lossless at temperature 0."""
-    target_ids = target_logits.argmax(dim=-1)
-    n = int((draft_ids == target_ids[:-1]).int().cumprod(dim=0).sum()) if draft_ids.numel() else 0
-    tokens = target_ids[: n + 1].tolist()
-    return Verdict(tokens=tokens, n_accepted=n, path=list(range(1, n + 1)))
-
-
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """probs: (V,) -> one token id."""
     return int(torch.multinomial(probs, 1, generator=generator))
@@ -75,20 +68,3 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, x: int, generator: torch.Gen
         return True
     u = float(torch.rand((), generator=generator, device=p.device))
     return u * qx < px
-
-
-def verify_sampling(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
-                    generator: torch.Generator | None) -> Verdict:
-    """Speculative sampling for one chain (Leviathan et al. 2023, Chen et al. 2023).
-
-    draft_ids: (k,), q: (k, V) draft probs or None (point masses), p: (k + 1, V) target probs,
-    both warped the same way. The emitted tokens are distributed exactly as sampling from p.
-    """
-    for j, x in enumerate(draft_ids.tolist()):
-        qj = None if q is None else q[j]
-        if not accept(p[j], qj, x, generator):
-            return Verdict(draft_ids[:j].tolist() + [sample(residual(p[j], qj, x), generator)],
-                           n_accepted=j, path=list(range(1, j + 1)))
-    k = draft_ids.numel()
-    return Verdict(draft_ids.tolist() + [sample(p[k], generator)], n_accepted=k,
-                   path=list(range(1, k + 1)))

@@ -1,13 +1,15 @@
-"""A draft pool's candidates as one token tree, verified by one target forward pass.
+"""A row's draft candidates as one token tree, and the two lossless verifiers over it.
 
 Node 0 is the root: the last accepted token. Node j >= 1 holds ``tokens[j - 1]``. Chains that
-share a prefix share nodes, so the target scores each distinct prefix once. A tree with a single
-chain is verified with the plain causal mask; a branching tree with a 4-D mask where each node
-sees the cached prefix and its own ancestors only.
+share a prefix share nodes, so the target scores each distinct prefix once. One drafter's
+proposal is a chain, the degenerate tree: the same verifiers serve a single drafter and a pool.
+The target scores every node in one forward, each node seeing the cached prefix and its own
+ancestors only (``BatchCache.forward`` with ``parents``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,8 +22,9 @@ from specbatch.engine.sampling import Verdict, accept, residual, sample
 class TokenTree:
     tokens: list[int] = field(default_factory=list)       # token of node j at index j - 1
     parents: list[int] = field(default_factory=list)      # parent node of node j at index j - 1
-    depths: list[int] = field(default_factory=list)       # depth of node j (root = 0) at j - 1
-    chains: list[list[int]] = field(default_factory=list) # per pool member: its nodes, root excluded
+    chains: list[list[int]] = field(default_factory=list) # per chain: its nodes, root excluded
+    members: list[int] = field(default_factory=list)      # per chain: the pool index that drafted it
+    qs: list[torch.Tensor | None] = field(default_factory=list)  # per chain: (len, V) q, or None
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
     @property
@@ -30,72 +33,72 @@ class TokenTree:
 
     @property
     def is_chain(self) -> bool:
-        return all(len(c) <= 1 for c in self.children)
+        return self.parents == list(range(self.n_nodes))
 
-    def add(self, tokens: list[int]) -> list[int]:
+    @property
+    def depth(self) -> int:
+        """The step's draft length: the longest chain."""
+        return max((len(c) for c in self.chains), default=0)
+
+    def add(self, member: int, proposal: Proposal) -> None:
         node, chain = 0, list[int]()
-        for x in tokens:
+        for x in proposal.tokens:
             child = self.children[node].get(x)
             if child is None:
                 self.tokens.append(x)
                 self.parents.append(node)
-                self.depths.append(len(chain) + 1)
                 self.children.append({})
                 child = self.children[node][x] = len(self.tokens)
             chain.append(child)
             node = child
         self.chains.append(chain)
-        return chain
+        self.members.append(member)
+        self.qs.append(proposal.q)
+
+    def feed_parents(self, n_prefix: int) -> list[int]:
+        """Parents within a feed of n_prefix accepted tokens (root last) followed by the nodes."""
+        return [i - 1 for i in range(n_prefix)] + [n_prefix - 1 + a for a in self.parents]
 
 
-def build_tree(proposals: list[Proposal | None]) -> TokenTree:
+def build_tree(proposals: Sequence[Proposal | None], order: Sequence[int] | None = None) -> TokenTree:
+    """proposals[i]: pool member i's candidates. ``order``: the members in the order sampling
+    verification tries them (default: pool order)."""
     tree = TokenTree()
-    for prop in proposals:
-        tree.add(prop.tokens if prop is not None else [])
+    for i in order if order is not None else range(len(proposals)):
+        prop = proposals[i]
+        if prop is not None and prop.tokens:
+            tree.add(i, prop)
     return tree
 
 
-def tree_mask(tree: TokenTree, n_cached: int, n_fed: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    """Additive mask (1, 1, Q, n_cached + Q) for Q = n_fed prefix tokens (root last) + the nodes."""
-    n = tree.n_nodes
-    q = n_fed + n
-    allowed = torch.zeros(q, n_cached + q, dtype=torch.bool)
-    allowed[:, :n_cached] = True
-    allowed[:n_fed, n_cached:n_cached + n_fed] = torch.ones(n_fed, n_fed, dtype=torch.bool).tril()
-    allowed[n_fed:, n_cached:n_cached + n_fed] = True
-    for j in range(1, n + 1):                  # each node sees itself and its ancestors
-        a = j
-        while a:
-            allowed[n_fed + j - 1, n_cached + n_fed + a - 1] = True
-            a = tree.parents[a - 1]
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
+def verify_greedy(tree: TokenTree, target_ids: list[int]) -> Verdict:
+    """Lossless at temperature 0. target_ids[j]: the target's argmax after node j (0: the root).
 
-
-def verify_tree_greedy(tree: TokenTree, target_ids: list[int]) -> Verdict:
-    """target_ids[j]: the target's argmax after node j (row 0: the root). Longest accepted run wins."""
+    Follows the target's own choice down the tree: the longest accepted run wins.
+    """
     node, path = 0, []
     while (child := tree.children[node].get(target_ids[node])) is not None:
         path.append(child)
         node = child
     tokens = [tree.tokens[j - 1] for j in path] + [target_ids[node]]
-    return Verdict(tokens, len(path), path, _winner(tree, path))
+    winner = next((m for m, c in zip(tree.members, tree.chains) if path and len(c) >= len(path)
+                   and c[len(path) - 1] == path[-1]), -1)
+    return Verdict(tokens, len(path), path, winner)
 
 
-def verify_tree_sampling(tree: TokenTree, proposals: list[Proposal | None], p: torch.Tensor,
-                         generator: torch.Generator | None) -> Verdict:
-    """Multi-draft speculative sampling (SpecInfer, Miao et al. 2024), lossless.
+def verify_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None) -> Verdict:
+    """Speculative sampling over a tree (Leviathan et al. 2023 for a chain; SpecInfer, Miao et
+    al. 2024, for several), lossless.
 
     p: (1 + n_nodes, V) warped target probabilities at the root and at each node. At each node,
-    the pool members whose chains reached it offer their next token in pool order; each is
-    accepted with min(1, r(x) / q_i(x)), else r <- norm(max(0, r - q_i)); if all are rejected the
-    token is sampled from the final r. Each member's token is an independent draw from its q given
-    the accepted path, so the emitted tokens are distributed exactly as the target's.
+    the chains that reached it offer their next token in tree order; each is accepted with
+    min(1, r(x) / q_i(x)), else r <- norm(max(0, r - q_i)); if all are rejected the token is
+    sampled from the final r. Each chain's token is an independent draw from its q given the
+    accepted path, so the emitted tokens are distributed exactly as the target's. A chain of
+    one drafter is plain speculative sampling.
     """
     node, path, depth, winner = 0, list[int](), 0, -1
-    active = [i for i, chain in enumerate(tree.chains) if chain]
+    active = list(range(len(tree.chains)))
     while True:
         r = p[node]
         taken = None
@@ -104,10 +107,10 @@ def verify_tree_sampling(tree: TokenTree, proposals: list[Proposal | None], p: t
                 continue
             child = tree.chains[i][depth]
             x = tree.tokens[child - 1]
-            prop = proposals[i]
-            qi = None if prop is None or prop.q is None else prop.q[depth]
+            q = tree.qs[i]
+            qi = None if q is None else q[depth]
             if accept(r, qi, x, generator):
-                taken = (i, child)
+                taken = (tree.members[i], child)
                 break
             r = residual(r, qi, x)
         if taken is None:
@@ -117,12 +120,3 @@ def verify_tree_sampling(tree: TokenTree, proposals: list[Proposal | None], p: t
         path.append(node)
         depth += 1
         active = [i for i in active if len(tree.chains[i]) >= depth and tree.chains[i][depth - 1] == node]
-
-
-def _winner(tree: TokenTree, path: list[int]) -> int:
-    if not path:
-        return -1
-    for i, chain in enumerate(tree.chains):
-        if len(chain) >= len(path) and chain[len(path) - 1] == path[-1]:
-            return i
-    return -1

@@ -65,19 +65,22 @@ class GenerationParams:
 
 @dataclass
 class GenerationStats:
-    """Statistics of one request; definitions in DESIGN.md's statistics table."""
+    """Statistics of one request, filled by its Tally; definitions in docs/statistics.md."""
 
     prompt_tokens: int = 0
     new_tokens: int = 0
     verify_steps: int = 0               # target forwards that verified a draft (or decoded plainly)
+    draft_steps: int = 0                # verify steps that drafted at least one token (vLLM num_drafts)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[float] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)  # steps that accepted position j
     target_forwards: int = 0
     draft_forwards: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     wall_seconds: float = 0.0
+    first_token_seconds: float = 0.0    # request start -> its first token (the prefill step)
     pool_wins: dict[str, int] = field(default_factory=dict)  # drafter name -> steps it won
     step_winners: list[int] = field(default_factory=list)    # per step: pool index, -1 if none
     final_gamma: int = 0
@@ -85,7 +88,6 @@ class GenerationStats:
     # this request's share of decode time by active rows in the step ("16": seconds / 16 summed
     # over the steps it took at 16 rows): summed over a job's requests, the job's time per size
     batch_size_seconds: dict[str, float] = field(default_factory=dict)
-    speculative_steps: int = 0          # verify steps of this request that drafted
 
     @property
     def acceptance_rate(self) -> float:

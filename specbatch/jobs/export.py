@@ -93,6 +93,9 @@ def write_openai(s: Session, job_id: str, output: str | Path | TextIO, errors: s
     """Write the job's OpenAI batch lines: successes to ``output``, the rest to ``errors`` (OpenAI's
     output/error file pair), or every line to ``output`` when ``errors`` is None. Returns the two
     line counts (the second is 0 without ``errors``)."""
+    if isinstance(output, (str, Path)) and isinstance(errors, (str, Path)) and \
+            Path(output).resolve() == Path(errors).resolve():
+        raise ValueError("the output and error files must differ")
     lines = openai_lines(s, job_id, statuses, expired=expired)
     counts = [0, 0]
 

@@ -400,13 +400,17 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     given = [k for k in MAX_TOKENS_KEYS if fields_.get(k) is not None]
     if len(given) > 1 and len({json.dumps(fields_[k]) for k in given}) > 1:
         problems.append((prefix + given[1], f"conflicts with {prefix}{given[0]}; give one of them"))
+    # OpenAI takes top_p 0: the nucleus shrinks to the most likely token, which is greedy decoding
+    top_p_zero = bool(prefix) and _is_number(fields_.get("top_p")) and fields_["top_p"] == 0
     for key in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:]):
-        if fields_.get(key) is None:
+        if fields_.get(key) is None or (key == "top_p" and top_p_zero):
             continue      # null is "not given", as OpenAI reads it
         value, problem = _check_param(key, fields_[key])
         if problem:
             problems.append((prefix + key, problem))
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
+    if top_p_zero:
+        params.update(temperature=0.0, top_p=1.0)
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()

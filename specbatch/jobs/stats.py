@@ -42,7 +42,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
             Result.started_at, Result.finished_at, Result.latency_seconds, Result.pool_wins,
             Result.accepted_per_position, Result.speculation_disabled, Result.batch_size_seconds,
-            Result.speculative_steps)
+            Result.draft_steps)
     rows = s.execute(select(*cols).where(Result.job_id == job_id).order_by(Result.id)).all()
 
     tokens = sum(r.completion_tokens for r in rows)
@@ -119,7 +119,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             "batch_size_share": {str(k): v / size_total for k, v in sorted(by_size.items())}
                                 if size_total else {},
             "batch_size_seconds": {str(k): v for k, v in sorted(by_size.items())},
-            "speculative_step_share": _ratio(sum(r.speculative_steps for r in rows), steps),
+            "speculative_step_share": _ratio(sum(r.draft_steps for r in rows), steps),
             "decode_tokens_per_second": _ratio(tokens, size_total),
         },
         "pool_wins": dict(sorted(pool_wins.items())),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, or_, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -166,15 +166,6 @@ def cancel_job(s: Session, job_id: str) -> Job:
     job.status, job.cancel_requested_at = JobStatus.cancelling, now
     return refresh_job(s, job.id)
 
-
-def job_is_cancelled(s: Session, job_id: str) -> bool:
-    """True once a cancel was asked for (cancelling or cancelled)."""
-    status = s.scalar(select(Job.status).where(Job.id == job_id))
-    if status is None:
-        raise JobNotFound(f"no job {job_id!r}")
-    return JobStatus(status) in STOPPING_JOB
-
-
 def retry_failed(s: Session, job_id: str) -> list[int]:
     """Failed requests back to pending (attempts reset); returns their ids, for enqueueing."""
     job = get_job(s, job_id)
@@ -281,23 +272,6 @@ def renew_leases(s: Session, request_ids: Sequence[int], worker: str, lease_seco
               .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)))
     s.flush()
 
-
-def release_requests(s: Session, request_ids: Sequence[int]) -> None:
-    """Give back claimed requests that were not started: running -> pending, the claim's attempt
-    undone. Requests of a cancelled job become cancelled instead."""
-    if not request_ids:
-        return
-    ids = list(request_ids)
-    stopping = select(Job.id).where(Job.status.in_(STOPPING_JOB))
-    base = update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
-    s.execute(base.where(Request.job_id.in_(stopping))
-              .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
-    s.execute(base.values(status=RequestStatus.pending, lease_expires_at=None, worker=None,
-                          started_at=None,
-                          attempts=case((Request.attempts > 0, Request.attempts - 1), else_=0)))
-    s.flush()
-
-
 def _finite(x: float) -> float:
     return float(x) if math.isfinite(x) else 0.0
 
@@ -346,7 +320,7 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "pool_wins": {str(k): int(v) for k, v in st.pool_wins.items()}, "final_gamma": st.final_gamma,
         "speculation_disabled": bool(st.speculation_disabled), "worker": worker,
         "batch_size_seconds": {str(k): _finite(v) for k, v in st.batch_size_seconds.items()},
-        "speculative_steps": int(st.speculative_steps),
+        "draft_steps": int(st.draft_steps),
         "started_at": started, "finished_at": now, "latency_seconds": latency,
     }
     written = _insert_ignoring_duplicates(s, values)
@@ -397,5 +371,21 @@ def job_summary(s: Session, job_id: str) -> dict[str, Any]:
 
     job = get_job(s, job_id)
     out = job_dict(job, request_counts(s, [job.id])[job.id])
+    out["models"] = model_routes(s, job)
     out["stats"] = job_stats(s, job.id)
+    return out
+
+
+def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:
+    """Per body.model of the job's requests (None: lines without one), where it runs: {model, target,
+    drafts, requests}; the job's pair unless --model-map routed the model (one route per model)."""
+    out = []
+    counts = s.execute(select(Request.model, func.count()).where(Request.job_id == job.id)
+                       .group_by(Request.model)).all()
+    for model, n in sorted(counts, key=lambda r: (r[0] is not None, r[0] or "")):   # NULL first everywhere
+        same = Request.model.is_(None) if model is None else Request.model == model
+        target, drafts = s.execute(select(Request.target, Request.drafts)
+                                   .where(Request.job_id == job.id, same).limit(1)).one()
+        out.append({"model": model, "target": target or job.target,
+                    "drafts": list((drafts or []) if target else (job.drafts or [])), "requests": n})
     return out

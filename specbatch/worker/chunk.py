@@ -19,13 +19,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 
 from specbatch.config import Settings
+from specbatch.engine.types import GenerationOutput
 from specbatch.errors import SpecBatchError
+from specbatch.observability import tracing
+
+if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
+    from specbatch.engine.engine import Engine, EngineRequest
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,6 +48,8 @@ class ResultEvent:
     job_id: str
     output: Any = None
     error: str | None = None
+    claimed_ns: int = 0       # time.time_ns() at its claim, and when the engine returned it
+    generated_ns: int = 0
 
 
 @dataclass
@@ -106,7 +113,7 @@ class LeaseKeeper:
         self._thread.join(timeout=10)
 
 
-def _engine_request(claimed: Any) -> Any:
+def _engine_request(claimed: Any) -> EngineRequest:
     from specbatch.engine import EngineRequest
 
     return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params,
@@ -135,8 +142,8 @@ def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> 
     return jobs
 
 
-def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], worker_name: str, *,
-                  batch_size: int | None = None, on_result: Callable[[ResultEvent], None] | None = None,
+def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int], worker_name: str, *,
+                  batch_size: int | str | None = None, on_result: Callable[[ResultEvent], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> ChunkReport:
     """Generate every claimable request of ``request_ids``; see the module docstring.
 
@@ -167,7 +174,9 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
                 return list(store.claim_requests(s, group, worker_name, settings.lease_seconds,
                                                  settings.max_attempts))
 
-        claimed = with_db_retry(claim)
+        with tracing.span("claim", {"specbatch.request_ids": group}):
+            claimed = with_db_retry(claim)
+        claimed_ns = time.time_ns()
         got = {c.id for c in claimed}
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
@@ -182,8 +191,7 @@ def process_chunk(settings: Settings, engine: Any, request_ids: Sequence[int], w
         runs = [[c] for c in claimed] if solo else [claimed]
         for run in runs:
             _generate_run(settings, engine, sf, run, worker_name, report, on_result,
-                          "auto" if batch_size == "auto" or getattr(engine, "batch_size", 1) == "auto"
-                          else batch)
+                          "auto" if batch_size == "auto" or engine.batch_size == "auto" else batch, claimed_ns)
 
     if not_claimed:
         touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
@@ -228,15 +236,15 @@ def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, b
             if ids else []
 
 
-def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], worker: str,
+def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int | str = 1) -> None:
+                  batch: int | str = 1, claimed_ns: int = 0) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
     are left as they are: their lease stops being renewed and expires, then a later claim takes
     them with one more attempt, so a request that keeps crashing ends failed after max_attempts.
-    (``release_requests`` would undo the attempt and could loop forever.)
+    (Undoing the attempt instead could loop forever.)
     """
     from specbatch.jobs import store
 
@@ -244,7 +252,7 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
         requests = [_engine_request(c) for c in run]
         size = batch if batch == "auto" else min(int(batch), len(run))
         for idx, out in engine.generate_many(requests, batch_size=size):
-            c = run[idx]
+            c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
             if msg is None:
@@ -264,10 +272,11 @@ def _generate_run(settings: Settings, engine: Any, sf: Any, run: list[Any], work
                         store.refresh_job(s, c.job_id)
                 with_db_retry(fail)
                 report.failed.append(c.id)
-                event = ResultEvent(c.id, c.job_id, error=msg)
-            else:
+                event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
+            elif isinstance(out, GenerationOutput):      # (always, when there is no message)
                 report.completed.append(c.id)
                 report.new_tokens += len(out.token_ids)
-                event = ResultEvent(c.id, c.job_id, output=out)
+                event = ResultEvent(c.id, c.job_id, output=out, claimed_ns=claimed_ns,
+                                    generated_ns=generated_ns)
             if on_result is not None:
                 on_result(event)

@@ -8,6 +8,7 @@ from typing import Any
 
 from specbatch.config import Settings
 from specbatch.errors import BrokerUnavailable
+from specbatch.observability import tracing
 from specbatch.redact import mask
 from specbatch.worker.app import TASK_NAME, app_for
 
@@ -48,12 +49,15 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
     app = app_for(settings)
     sent = 0
     try:
-        with app.connection_for_write() as conn:
+        with tracing.span("enqueue", {"specbatch.job.id": job_id, "specbatch.queue": queue}), \
+                app.connection_for_write() as conn:
+            headers = tracing.inject() or None   # the trace context, for the chunk spans
             conn.ensure_connection(max_retries=1, timeout=3)
             with app.producer_or_acquire() as producer:
                 for chunk in chunks(request_ids, settings.chunk_size):
                     app.send_task(TASK_NAME, args=[job_id, chunk], queue=queue, routing_key=queue,
-                                  producer=producer, retry=True, retry_policy=RETRY_POLICY)
+                                  producer=producer, retry=True, retry_policy=RETRY_POLICY,
+                                  headers=headers)
                     sent += 1
     except BrokerUnavailable:
         raise

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from typing import Any
 from celery import bootsteps
 
 from specbatch.config import Settings
+from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
 from specbatch.worker.queues import queue_name
 
@@ -82,13 +84,20 @@ def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = 
 
 def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), ngram: bool = False,
                device: str = "cpu", dtype: str = "float32", batch_size: int | str = "auto",
-               max_memory: int | None = None, threads: int | None = None, hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
-               imports: Sequence[str] = (), extra_argv: Sequence[str] = ()) -> tuple[int, str | None]:
+               max_memory: int | None = None, threads: int | None = None,
+               hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
+               imports: Sequence[str] = (), extra_argv: Sequence[str] = (),
+               metrics_port: int = 0) -> tuple[int, str | None]:
     """Run a worker until it stops; returns (exit status, the model loading error if any).
 
     ``imports``: extra modules the pool child imports (tests use it to inject faults).
+    ``metrics_port``: serve Prometheus ``/metrics`` there (``specbatch.observability.metrics``).
     """
+    from celery.utils.nodenames import default_nodename, host_format
+
     queue = queue_name(target, drafts, ngram)
+    hostname = hostname or f"specbatch-{os.getpid()}@%h"
+    metrics_dir, server = _serve_metrics(settings, metrics_port)
     app = create_app(settings)
     fd, ready = tempfile.mkstemp(prefix="specbatch-ready-")
     os.close(fd)
@@ -98,24 +107,28 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
                           "dtype": dtype, "batch_size": batch_size, "max_memory": max_memory,
                           "threads": threads},
         specbatch_ready_file=ready if pool == "prefork" else None,
+        specbatch_observe={"worker": host_format(default_nodename(hostname)), "metrics": server is not None},
         imports=list(imports),
         task_default_queue=queue,
     )
     app.steps["worker"].add(EngineReady)
     if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
-        from specbatch.errors import SpecBatchError
         from specbatch.worker import tasks
 
         try:
             tasks.get_engine(app.conf)
         except SpecBatchError as e:
+            _stop_metrics(metrics_dir, server)
             return EX_MODEL_LOAD, str(e)
+        tasks.get_observer(app.conf)
     code = 0
     try:
         app.worker_main(worker_argv(queue, hostname=hostname, loglevel=loglevel, pool=pool,
                                     extra=extra_argv))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        _stop_metrics(metrics_dir, server)
     load_error = None
     try:
         with open(ready) as f:
@@ -126,3 +139,24 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     except FileNotFoundError:
         pass
     return code, load_error
+
+
+def _serve_metrics(settings: Settings, port: int) -> tuple[str, Any]:
+    """A fresh multiprocess directory and the /metrics server of this worker (("", None) if off)."""
+    if not port:
+        return "", None
+    from specbatch.observability import metrics
+
+    directory = metrics.prepare_multiprocess()   # before the pool child exists: it inherits it
+    try:
+        return directory, metrics.serve(port, settings.metrics_address, directory)
+    except OSError as e:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise SpecBatchError(f"cannot serve metrics on {settings.metrics_address}:{port}: {e.strerror or e}; "
+                             "choose another --metrics-port") from e
+
+
+def _stop_metrics(directory: str, server: Any) -> None:
+    if server is not None:
+        server.shutdown()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -13,20 +13,25 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from celery import Task, signals
 from celery.exceptions import Reject
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from specbatch.config import get_settings
+from specbatch.observability import tracing
+from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk
+
+if TYPE_CHECKING:
+    from specbatch.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 100          # worker-lost resends + waits for held leases + transient errors, together
-_ENGINE: dict[str, Any] = {}   # "engine" -> the loaded Engine of this process
+_ENGINE: dict[str, Engine] = {}   # "engine" -> the loaded Engine of this process
 
 
 def engine_spec(conf: Any) -> dict[str, Any]:
@@ -40,7 +45,7 @@ def engine_spec(conf: Any) -> dict[str, Any]:
             "threads": s.threads or None}
 
 
-def build_engine(spec: dict[str, Any]) -> Any:
+def build_engine(spec: dict[str, Any]) -> Engine:
     """Load the engine for ``spec`` (tests wrap this to inject faults)."""
     from specbatch.engine import Engine
     from specbatch.engine.threads import configure_threads
@@ -52,10 +57,18 @@ def build_engine(spec: dict[str, Any]) -> Any:
                        max_memory=spec.get("max_memory"))
 
 
-def get_engine(conf: Any) -> Any:
+def get_engine(conf: Any) -> Engine:
     if "engine" not in _ENGINE:
         _ENGINE["engine"] = build_engine(engine_spec(conf))
     return _ENGINE["engine"]
+
+
+def get_observer(conf: Any) -> observe.Observer:
+    """This process's metrics/traces hook (``specbatch_observe`` from ``specbatch worker``)."""
+    spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
+    return observe.start(target=spec["target"], drafts=spec.get("drafts") or (), ngram=bool(spec.get("ngram")),
+                         worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
+                         batch_size=int(spec.get("batch_size") or 1))
 
 
 def _write_ready(path: str | None, text: str) -> None:
@@ -95,7 +108,13 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
         logger.error("cannot load models: %s", e)
         _write_ready(ready, f"error\n{e}")
         return
+    get_observer(conf)
     _write_ready(ready, "ok\n")
+
+
+@signals.worker_process_shutdown.connect
+def _flush_spans(**_: Any) -> None:
+    tracing.shutdown()
 
 
 def _worker_name(task: Task) -> str:
@@ -124,7 +143,7 @@ class EngineTask(Task):
     default_retry_delay = 1   # the worker-lost resend; Task's own default is 180 s
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> Engine:
         return get_engine(self.app.conf)
 
 
@@ -132,9 +151,13 @@ class EngineTask(Task):
 def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) -> dict[str, Any]:
     """Generate the requests ``request_ids`` of job ``job_id``; see ``specbatch.worker.chunk``."""
     settings = get_settings()
+    observer = get_observer(self.app.conf)
     try:
-        report = process_chunk(settings, self.engine, request_ids, _worker_name(self),
-                               should_stop=_should_stop)
+        with tracing.continued(tracing.headers_of(self.request), "chunk",
+                               {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
+                                "specbatch.worker": _worker_name(self)}):
+            report = process_chunk(settings, self.engine, request_ids, _worker_name(self),
+                                   on_result=observer.on_result, should_stop=_should_stop)
     except TRANSIENT_DB_ERRORS + (KombuOperationalError, ConnectionError) as e:
         countdown = _countdown(settings, 2 ** min(self.request.retries, 6))
         logger.warning("chunk of job %s: transient error, retry in %ss: %s", job_id, countdown, e)

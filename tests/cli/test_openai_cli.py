@@ -64,6 +64,10 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
     summary = json.loads(result.stdout)
     assert summary["status"] == "completed_with_errors" and summary["source"] == "<stdin>"
     jid = summary["id"]
+    assert [(r["model"], r["target"], r["requests"]) for r in summary["models"]] == [
+        ("model-a", llama, 2), ("model-b", gpt2, 2)]
+    shown = invoke("status", jid).stdout
+    assert f"model-b: {gpt2} <- {tiny_models / 'gpt2-partial'} (2 requests)" in " ".join(shown.split())
 
     out, err = tmp_path / "output.jsonl", tmp_path / "errors.jsonl"
     result = invoke("export", jid, "-o", str(out), "--errors", str(err), "--json")

@@ -6,28 +6,40 @@ from __future__ import annotations
 import pytest
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
-from specbatch.engine.autopilot import Autopilot, check_batch_size
-from specbatch.engine.batch import BatchDecoder
+from specbatch.engine.autopilot import check_batch_size
+from specbatch.engine.decoder import Decoder
 from specbatch.engine.memory import SLACK, MemoryBudget, ModelShape, parse_bytes
+from specbatch.engine.policy import MeasuredPolicy, StepReport
 from tests.engine.test_batch import LENGTHS, PROMPTS
 from tests.engine.test_greedy_exact import target_greedy
 
 
-class Swinging(Autopilot):
-    """Allows 4, 1, 3, 1, 4 ... rows in turn and toggles speculation: forces pause and resume."""
+class Swinging(MeasuredPolicy):
+    """Allows 4, 1, 3, 1, 4 ... rows in turn and turns speculation off every other step: forces
+    pause and resume."""
 
     def __init__(self) -> None:
-        super().__init__(cap=4)
+        super().__init__(limit=4)
         self.calls = 0
         self.seen_rows: list[int] = []
 
-    def rows_allowed(self, waiting: int = 0) -> int:
+    def max_rows(self, waiting: int = 0) -> int:
         self.calls += 1
         return (4, 1, 3, 1)[(self.calls // 3) % 4]
 
-    def speculate(self, rows: int) -> bool | None:
-        self.seen_rows.append(rows)
-        return self.calls % 2 == 0
+    def gamma_cap(self, n_rows: int) -> int | None:
+        self.seen_rows.append(n_rows)
+        return 0 if self.calls % 2 else None
+
+
+class Recording(MeasuredPolicy):
+    def __init__(self) -> None:
+        super().__init__(limit=64)
+        self.seen: list[int] = []
+
+    def observe(self, report: StepReport) -> None:
+        super().observe(report)
+        self.seen.append(report.rows)
 
 
 @pytest.mark.parametrize("drafts,ngram", [(["llama-partial"], False), ([], True), ([], False)])
@@ -53,7 +65,7 @@ def test_paused_rows_resume_with_the_same_text(load):
     import torch
 
     with torch.inference_mode():
-        got = dict(BatchDecoder(target, load("llama-partial"), True, {}, 4, pilot).run(reqs))
+        got = dict(Decoder(target, engine.new_drafters(), pilot).run(reqs))
     assert max(pilot.seen_rows) >= 3 and 1 in pilot.seen_rows
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert got[i].token_ids == target_greedy(target, p, n), i
@@ -67,25 +79,20 @@ def test_memory_budget_caps_the_rows_and_a_long_request_runs_alone(load):
     budget.budget = int(2.5 * one_row)         # two rows of ~120 columns fit, three do not
     reqs = [(i, target.tokenizer(p)["input_ids"], GenerationParams(max_new_tokens=n))
             for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
-    seen: list[int] = []
-
-    class Recording(Autopilot):
-        def observe(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
-            seen.append(rows)
-
     import torch
 
+    policy = Recording()
     with torch.inference_mode():
-        got = dict(BatchDecoder(target, None, False, {}, 4, Recording(cap=64, start=64), budget).run(reqs))
-    assert max(seen) == 2
+        got = dict(Decoder(target, [], policy, memory=budget).run(reqs))
+    assert max(policy.seen) == 2
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert got[i].token_ids == target_greedy(target, p, n), i
     # a budget below one row: every request still runs, alone
     budget.budget = 1
-    seen.clear()
+    policy = Recording()
     with torch.inference_mode():
-        got = dict(BatchDecoder(target, None, False, {}, 4, Recording(cap=64, start=64), budget).run(reqs))
-    assert set(seen) == {1} and len(got) == len(PROMPTS)
+        got = dict(Decoder(target, [], policy, memory=budget).run(reqs))
+    assert set(policy.seen) == {1} and len(got) == len(PROMPTS)
 
 
 def test_row_estimate_follows_the_model_config(load):

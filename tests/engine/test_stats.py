@@ -1,4 +1,4 @@
-"""Statistics are data with exact definitions (DESIGN.md), and gamma adapts from measurements.
+"""Statistics are data with exact definitions (docs/statistics.md), and gamma adapts from measurements.
 
 Exact expectations come from a *scripted* drafter that knows the target's greedy continuation
 and proposes it correctly for its first ``good`` positions, then a wrong token: every step then
@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, GenerationParams
-from specbatch.engine.drafters import Proposal
+from specbatch.engine.decoder import Decoder
+from specbatch.engine.drafters import Drafter, Proposal
 from specbatch.engine.gamma import CostModel, GammaController, expected_tokens
-from specbatch.engine.speculative import speculative_generate
+from specbatch.engine.policy import MeasuredPolicy
 
 DESIGN_FIELDS = {"drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
                  "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds",
                  "verify_seconds", "wall_seconds", "tokens_per_second"}
 EXTRA_FIELDS = {"prompt_tokens", "new_tokens", "verify_steps", "pool_wins", "step_winners",
-                "final_gamma", "speculation_disabled", "batch_size_seconds", "speculative_steps"}
+                "final_gamma", "speculation_disabled", "draft_steps", "accepted_at_position",
+                "first_token_seconds", "batch_size_seconds"}
 PROMPT = "Once upon a time there was"
 
 
@@ -36,21 +38,27 @@ def _greedy_continuation(target, prompt_ids: list[int], n: int) -> list[int]:
     return ids[len(prompt_ids):]
 
 
-class Scripted:
+class Scripted(Drafter):
     """Proposes the target's greedy tokens for its first ``good`` positions, then wrong ones."""
 
-    forwards = 0
-
     def __init__(self, name: str, full: list[int], good: int, vocab: int) -> None:
-        self.name, self.full, self.good, self.vocab = name, full, good, vocab
+        super().__init__(name)
+        self.full, self.good, self.vocab = full, good, vocab
 
-    def propose(self, ids, k, warp, generator):
+    def propose(self, rows, k):
+        self.last = [self.scripted(r.ids, kb) if kb else None for r, kb in zip(rows, k)]
+        return self.last
+
+    def scripted(self, ids, k):
         right = self.full[len(ids): len(ids) + k]
         assert len(right) == k, "scripted reference too short"
         return Proposal([t if j < self.good else (t + 1) % self.vocab for j, t in enumerate(right)])
 
-    def observe(self, n_valid: int) -> None:
-        pass
+
+def decode_one(target, pool, prompt_ids, params):
+    """One request through the decoder, alone."""
+    [(_, out)] = Decoder(target, pool, MeasuredPolicy(1)).run([(0, prompt_ids, params)])
+    return out
 
 
 def _expected(n: int, gamma: int, goods: list[int]) -> dict:
@@ -84,8 +92,8 @@ def scripted_setup(load):
 def test_scripted_single_drafter_exact_stats(scripted_setup, gamma, good, n):
     target, prompt_ids, full = scripted_setup
     d = Scripted("script", full, good, target.vocab_size)
-    out = speculative_generate(target, [d], prompt_ids, GenerationParams(max_new_tokens=n, gamma=gamma,
-                                                                         adaptive=False), CostModel())
+    out = decode_one(target, [d], prompt_ids, GenerationParams(max_new_tokens=n, gamma=gamma,
+                                                                         adaptive=False))
     exp = _expected(n, gamma, [good])
     s = out.stats
     assert out.token_ids == full[len(prompt_ids): len(prompt_ids) + n]
@@ -107,8 +115,8 @@ def test_scripted_pool_winners(scripted_setup, goods):
     target, prompt_ids, full = scripted_setup
     pool = [Scripted(f"s{i}", full, g, target.vocab_size) for i, g in enumerate(goods)]
     n, gamma = 30, 4
-    out = speculative_generate(target, pool, prompt_ids, GenerationParams(max_new_tokens=n, gamma=gamma,
-                                                                          adaptive=False), CostModel())
+    out = decode_one(target, pool, prompt_ids, GenerationParams(max_new_tokens=n, gamma=gamma,
+                                                                          adaptive=False))
     exp = _expected(n, gamma, goods)
     s = out.stats
     assert out.token_ids == full[len(prompt_ids): len(prompt_ids) + n]
@@ -126,8 +134,8 @@ def test_scripted_eos_inside_a_draft_cuts_the_tokens(scripted_setup):
     at = next(i for i in range(2, 8) if cont[i] not in cont[:i])
     patched = dataclasses.replace(target, eos_token_ids=frozenset({cont[at]}))
     d = Scripted("script", full, 8, target.vocab_size)
-    out = speculative_generate(patched, [d], prompt_ids, GenerationParams(max_new_tokens=40, gamma=8,
-                                                                          adaptive=False), CostModel())
+    out = decode_one(patched, [d], prompt_ids, GenerationParams(max_new_tokens=40, gamma=8,
+                                                                          adaptive=False))
     s = out.stats
     assert out.finish_reason == "stop" and out.token_ids == cont[: at + 1]
     assert s.verify_steps == 1 and s.accepted_tokens == 8
@@ -169,6 +177,12 @@ def test_invariants(load, setup, adaptive):
         assert all(0.0 <= a <= 1.0 for a in s.accepted_per_position)
         if s.drafted_tokens:
             assert s.accepted_per_position, "drafted tokens but no per-position figures"
+        # the counts behind vLLM's spec-decode counters (fed to Prometheus by the worker)
+        assert sum(s.accepted_at_position) == s.accepted_tokens
+        assert len(s.accepted_at_position) == len(s.accepted_per_position)
+        assert (s.accepted_at_position[:1] or [0])[0] <= s.draft_steps <= s.verify_steps
+        assert (s.draft_steps > 0) == (s.drafted_tokens > 0)
+        assert 0 < s.first_token_seconds <= s.wall_seconds
         assert s.wall_seconds >= s.draft_seconds + s.verify_seconds >= 0
         assert d["tokens_per_second"] == pytest.approx(s.new_tokens / s.wall_seconds)
         if not adaptive:
@@ -184,21 +198,21 @@ def test_invariants(load, setup, adaptive):
 
 
 def test_accepted_per_position_is_conditional_on_drafting_j(scripted_setup):
-    """DESIGN.md: accepted at j / steps that drafted j. Near the end drafts are capped by the
+    """docs/statistics.md: accepted at j / steps that drafted j. Near the end drafts are capped by the
     remaining length, so the ratios need not be non-increasing in j even for one drafter: here
     step 1 drafts 4 and accepts 2, step 2 drafts 1 (2 tokens left) and it is rejected, step 3
     drafts nothing (1 token left)."""
     target, prompt_ids, full = scripted_setup
 
     class PerStep(Scripted):
-        def propose(self, ids, k, warp, generator):
+        def scripted(self, ids, k):
             self.good = self.goods.pop(0)
-            return super().propose(ids, k, warp, generator)
+            return super().scripted(ids, k)
 
     d = PerStep("script", full, 0, target.vocab_size)
     d.goods = [2, 0]
-    out = speculative_generate(target, [d], prompt_ids, GenerationParams(max_new_tokens=5, gamma=4,
-                                                                         adaptive=False), CostModel())
+    out = decode_one(target, [d], prompt_ids, GenerationParams(max_new_tokens=5, gamma=4,
+                                                                         adaptive=False))
     s = out.stats
     assert (s.verify_steps, s.drafted_tokens, s.accepted_tokens) == (3, 5, 2)
     assert s.accepted_per_position == pytest.approx([0.5, 1.0, 0.0, 0.0])
@@ -326,7 +340,7 @@ class FrozenCosts(CostModel):
 
 def test_loop_grows_gamma_with_an_exact_draft(load):
     engine = Engine(load("llama"), [load("llama-same")])
-    engine.costs = FrozenCosts(draft_step=0.001, verify=flat(0.05))
+    engine.costs[1] = FrozenCosts(draft_step=0.001, verify=flat(0.05))
     out = engine.generate(prompt="Once upon a time", params=GenerationParams(max_new_tokens=120))
     s = out.stats
     assert s.final_gamma > 4 and not s.speculation_disabled
@@ -336,7 +350,7 @@ def test_loop_grows_gamma_with_an_exact_draft(load):
 
 def test_loop_switches_off_with_an_unrelated_draft(load):
     engine = Engine(load("llama"), [load("llama-random")])
-    engine.costs = FrozenCosts(draft_step=0.02, verify=flat(0.05))
+    engine.costs[1] = FrozenCosts(draft_step=0.02, verify=flat(0.05))
     out = engine.generate(prompt="Once upon a time", params=GenerationParams(max_new_tokens=120))
     s = out.stats
     assert s.speculation_disabled

@@ -207,6 +207,8 @@ def test_output_and_error_files_in_one_call(job, tmp_path):
             export.write_openai(s, job_id, tmp_path / "new.jsonl", err)
         assert not (tmp_path / "new.jsonl").exists()               # nothing written when refused
         assert export.write_openai(s, job_id, out, err, force=True) == (2, 2)
+        with pytest.raises(ValueError, match="must differ"):
+            export.write_openai(s, job_id, out, tmp_path / "." / "output.jsonl", force=True)
         api_out, api_err = export_openai(s, job_id)
     assert [json.loads(x) for x in out.read_text().splitlines()] == api_out
     assert [json.loads(x) for x in err.read_text().splitlines()] == api_err
@@ -352,3 +354,14 @@ def test_export_refuses_to_overwrite_without_force(job, tmp_path):
     assert path.read_text() == "keep me"
     assert _parquet(url, job_id, path, force=True) == 5
     assert path.read_bytes()[:4] == b"PAR1"
+
+
+def test_job_summary_lists_where_each_model_runs(job, tmp_path):
+    url, job_id, _ = job
+    with db.session_factory(url).begin() as s:
+        store.create_job(s, target="other-job", drafts=[], ngram=False, params={}, queue="q2", requests=[
+            intake.ParsedRequest(1, "x", "completion", "p", None, {}, model="gpt-4o-mini")])  # not counted
+        routes = store.job_summary(s, job_id)["models"]
+    assert routes == [
+        {"model": "babbage-002", "target": "tgt", "drafts": [], "requests": 3},
+        {"model": "gpt-4o-mini", "target": "tgt-chat", "drafts": ["d-chat"], "requests": 2}]

@@ -345,3 +345,11 @@ def test_the_example_openai_batch_file():
     assert set(got.noop_fields) == {"presence_penalty", "frequency_penalty", "logprobs", "store", "service_tier",
                                     "metadata", "echo", "n"}
     assert len(got.warnings("t")) == 2
+
+
+def test_top_p_zero_is_greedy():
+    """OpenAI accepts top_p 0 (only the most likely token remains): greedy, whatever the temperature."""
+    (r,) = read(line({"model": "m", "messages": MSGS, "top_p": 0, "temperature": 0.8, "seed": 3})).requests
+    assert (r.params["temperature"], r.params["top_p"], r.params["seed"]) == (0.0, 1.0, 3)
+    assert refused(line({"model": "m", "messages": MSGS, "top_p": -0.5})) == [
+        "batch.jsonl:1: body.top_p: must be in (0, 1], got -0.5"]

@@ -25,9 +25,9 @@ JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 def upgrade() -> None:
     op.add_column("results", sa.Column("batch_size_seconds", JSON, nullable=False, server_default=sa.text("'{}'")))
-    op.add_column("results", sa.Column("speculative_steps", sa.Integer(), nullable=False, server_default="0"))
+    op.add_column("results", sa.Column("draft_steps", sa.Integer(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    op.drop_column("results", "speculative_steps")
+    op.drop_column("results", "draft_steps")
     op.drop_column("results", "batch_size_seconds")

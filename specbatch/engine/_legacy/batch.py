@@ -7,12 +7,6 @@ another and rollback is per row. Finished rows leave the batch and waiting reque
 prefilled on their own and merged in. Greedy rows equal the target's own greedy decoding; sampled
 rows keep the target's distribution (the per-row verification is the single-request one).
 
-How many rows are active and whether a step drafts is the ``Autopilot``'s call
-(``specbatch.engine.autopilot``): the loop asks it before admitting and before each step and
-reports every step to it; ``MemoryBudget`` (``specbatch.engine.memory``) keeps admission within
-the memory budget. When the autopilot allows fewer rows than are active, the newest rows pause
-(they leave the caches, keep their state) and resume later with their context prefilled again.
-
 Pool in a batch: one draft model and/or the n-gram drafter; each row verifies the chain of the
 member with the better recent acceptance on that row. A pool of several draft models decodes
 request by request (token-tree verification) instead.
@@ -28,21 +22,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.engine.autopilot import Autopilot
-from specbatch.engine.cache import BatchCache
-from specbatch.engine.drafters import NgramDrafter, fit_vocab
-from specbatch.engine.gamma import CostModel, GammaController
+from specbatch.engine._legacy.cache import BatchCache
+from specbatch.engine._legacy.drafters import NgramDrafter, fit_vocab
+from specbatch.engine._legacy.gamma import CostModel, GammaController
+from specbatch.engine._legacy.sampling import Verdict, Warp, sample, verify_sampling
+from specbatch.engine._legacy.speculative import Tally
+from specbatch.engine._legacy.speculative import common_prefix as _common_prefix
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.memory import MemoryBudget, measure
-from specbatch.engine.sampling import Verdict, Warp, sample, verify_sampling
-from specbatch.engine.speculative import Tally
-from specbatch.engine.speculative import common_prefix as _common_prefix
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 
 COMPACT_HOLES = 0.5      # squeeze holes out of a cache once this share of its columns are holes
 COMPACT_MIN_COLS = 64
-MAX_DRAFT = 12           # GammaController.max_gamma: the widest draft a step can verify
 
 
 @dataclass
@@ -60,24 +51,18 @@ class Row:
     score: dict[str, float] = field(default_factory=lambda: {"model": 0.5, "ngram": 0.4})
     finish: str | None = None
 
-    @property
-    def columns(self) -> int:
-        """The most cache columns this row can need (prompt + every new token + a draft)."""
-        return self.tally.stats.prompt_tokens + self.params.max_new_tokens + MAX_DRAFT + 1
-
 
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 class BatchDecoder:
-    """Decodes many requests, as many at a time as ``pilot`` allows. Call under inference mode."""
+    """Decodes many requests, at most ``max_batch`` at a time. Call under inference mode."""
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None, ngram: bool,
-                 costs: dict[int, CostModel], gamma: int, pilot: Autopilot,
-                 memory: MemoryBudget | None = None) -> None:
+                 costs: dict[int, CostModel], gamma: int, max_batch: int) -> None:
         self.target, self.draft, self.use_ngram = target, draft, ngram
-        self.costs, self.pilot, self.memory = costs, pilot, memory
+        self.costs, self.max_batch = costs, max_batch
         self.ctl = GammaController(self._costs(1), gamma=gamma)
         self.rows: list[Row] = []
         self.tcache = BatchCache(target)
@@ -90,69 +75,33 @@ class BatchDecoder:
     def run(self, requests: Iterable[tuple[int, list[int], GenerationParams]]
             ) -> Iterator[tuple[int, GenerationOutput]]:
         waiting = deque(requests)
-        paused: deque[Row] = deque()
-        if self.memory is not None:
-            self.memory.check(measure(self.target.device), 0, 0, 0)
-        while waiting or paused or self.rows:
-            limit = max(1, self.pilot.rows_allowed(len(waiting) + len(paused)))
-            if len(self.rows) > limit:
-                paused.extendleft(reversed(self._pause(len(self.rows) - limit)))
-            resuming: list[Row] = []
-            joining: list[tuple[int, list[int], GenerationParams]] = []
-            cols = max((r.columns for r in self.rows), default=0)
-            while len(self.rows) + len(resuming) + len(joining) < limit and (paused or waiting):
-                need = paused[0].columns if paused else len(waiting[0][1]) + waiting[0][2].max_new_tokens \
-                    + MAX_DRAFT + 1
-                n = len(self.rows) + len(resuming) + len(joining) + 1
-                if self.memory is not None and not self.memory.fits(n, max(cols, need), self.ctl.gamma):
-                    break   # waits for rows to finish; alone it always fits
-                cols = max(cols, need)
-                if paused:
-                    resuming.append(paused.popleft())
-                else:
-                    joining.append(waiting.popleft())
-            if joining or resuming:
-                self._admit(joining, resuming)
+        while waiting or self.rows:
+            joining = [waiting.popleft() for _ in range(min(len(waiting), self.max_batch - len(self.rows)))]
+            if joining:
+                self._admit(joining)
             else:
                 self._step()
             yield from self._retire()
 
     # -- admission: prefill new rows on their own, emit their first token, merge caches
-    def _admit(self, joining: list[tuple[int, list[int], GenerationParams]], resuming: list[Row]) -> None:
-        """New rows: prefill the prompt, emit the first token. Resumed rows: prefill all but the
-        last token again (a row's last token is always the one the next step feeds)."""
+    def _admit(self, joining: list[tuple[int, list[int], GenerationParams]]) -> None:
         t0 = time.perf_counter()
         new = [self._new_row(i, ids, p, t0) for i, ids, p in joining]
-        feeds = [r.ids for r in new] + [r.ids[:-1] for r in resuming]
-        tc = BatchCache(self.target, len(feeds))
-        logits = tc.forward(feeds, logits_to_keep=1)[:, -1]
+        tc = BatchCache(self.target, len(new))
+        logits = tc.forward([r.ids for r in new], logits_to_keep=1)[:, -1]
         if self.dcache is not None:
-            dc = BatchCache(self.draft, len(feeds))
-            dc.forward(feeds, logits_to_keep=1)
+            dc = BatchCache(self.draft, len(new))
+            dc.forward([r.ids for r in new], logits_to_keep=1)
             self.dcache.extend(dc)
         self.tcache.extend(tc)
         seconds = time.perf_counter() - t0
-        key = str(len(self.rows) + len(feeds))   # the prefill's time is the job's time too
-        for r in new + resuming:
-            st = r.tally.stats
-            st.batch_size_seconds[key] = st.batch_size_seconds.get(key, 0.0) + seconds / len(feeds)
+        for r, row_logits in zip(new, logits):
+            x = int(row_logits.argmax()) if r.warp is None else sample(r.warp.probs(row_logits), r.generator)
             r.tally.stats.target_forwards += 1
             r.tally.stats.draft_forwards += int(self.dcache is not None)
             r.tally.stats.verify_seconds += seconds
-        for r, row_logits in zip(new, logits):
-            x = int(row_logits.argmax()) if r.warp is None else sample(r.warp.probs(row_logits), r.generator)
             self._accept(r, Verdict([x], 0, [], -1), drafted=0)
-        self.rows.extend(new + resuming)
-
-    def _pause(self, n: int) -> list[Row]:
-        """The newest ``n`` rows leave the batch with their state (they resume later)."""
-        keep = list(range(len(self.rows) - n))
-        out = self.rows[len(keep):]
-        self.rows = self.rows[: len(keep)]
-        self.tcache.select(keep)
-        if self.dcache is not None:
-            self.dcache.select(keep)
-        return out
+        self.rows.extend(new)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
         warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p)
@@ -170,8 +119,7 @@ class BatchDecoder:
         costs = self._costs(len(rows))
         if costs is not self.ctl.costs:
             self.ctl.costs = costs
-        spec = self.pilot.speculate(len(rows)) if (self.dcache is not None or self.use_ngram) else False
-        k = self.ctl.next_gamma() if spec is None else (max(1, self.ctl.gamma) if spec else 0)
+        k = self.ctl.next_gamma() if (self.dcache is not None or self.use_ngram) else 0
         caps = [max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)) for r in rows]
         k = max(caps, default=0)
         t0 = time.perf_counter()
@@ -202,16 +150,6 @@ class BatchDecoder:
         for cache in (self.tcache, self.dcache):
             if cache is not None and cache.valid.shape[1] > COMPACT_MIN_COLS and cache.holes() > COMPACT_HOLES:
                 cache.compact()
-        seconds = time.perf_counter() - t0
-        drafted = sum(len(c) for c in chains)
-        for r in rows:   # each row's share of the step's time, by batch size (job statistics)
-            st = r.tally.stats
-            key = str(len(rows))
-            st.batch_size_seconds[key] = st.batch_size_seconds.get(key, 0.0) + seconds / len(rows)
-        self.pilot.observe(len(rows), drafted, sum(len(v.tokens) for v in verdicts), seconds)
-        if self.memory is not None:
-            self.memory.check(measure(self.target.device), len(rows), max(r.columns for r in rows),
-                              self.ctl.gamma)
 
     def _draft_model(self, k: int) -> tuple[list[list[int]], list[torch.Tensor | None], int]:
         """k draft tokens per row from the draft model, batched. Returns chains, q per row, and how

@@ -14,13 +14,19 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from specbatch.engine.cache import cache_length, rollback
-from specbatch.engine.drafters import Drafter, Proposal
-from specbatch.engine.gamma import CostModel, GammaController
+from specbatch.engine._legacy.cache import cache_length, rollback
+from specbatch.engine._legacy.drafters import Drafter, Proposal
+from specbatch.engine._legacy.gamma import CostModel, GammaController
+from specbatch.engine._legacy.sampling import Verdict, Warp, verify_greedy, verify_sampling
+from specbatch.engine._legacy.tree import (
+    TokenTree,
+    build_tree,
+    tree_mask,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.sampling import Verdict, Warp, verify_greedy, verify_sampling
 from specbatch.engine.stopping import StopCheck
-from specbatch.engine.tree import TokenTree, build_tree, tree_mask, verify_tree_greedy, verify_tree_sampling
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 
 
@@ -40,11 +46,14 @@ class Tally:
     stats: GenerationStats
     drafted_at: list[int] = field(default_factory=list)    # steps that drafted position j
     accepted_at: list[int] = field(default_factory=list)   # steps that accepted position j
+    t_start: float = field(default_factory=time.perf_counter)
 
     def step(self, drafted: int, n_accepted: int, winner: int, winner_name: str) -> None:
         s = self.stats
         s.verify_steps += 1
-        s.speculative_steps += int(drafted > 0)
+        if s.verify_steps == 1:   # the first step holds the prompt's forward
+            s.first_token_seconds = time.perf_counter() - self.t_start
+        s.draft_steps += drafted > 0
         s.drafted_tokens += drafted
         s.accepted_tokens += n_accepted
         grow_counts(self.drafted_at, drafted)
@@ -58,6 +67,7 @@ class Tally:
         s.new_tokens = new_tokens
         accepted = self.accepted_at + [0] * (len(self.drafted_at) - len(self.accepted_at))
         s.accepted_per_position = [a / d for a, d in zip(accepted, self.drafted_at)]
+        s.accepted_at_position = accepted
         s.final_gamma = ctl.gamma
         s.speculation_disabled = ctl.ever_off
         s.wall_seconds = wall_seconds
@@ -150,7 +160,7 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
     stop = StopCheck(target.tokenizer, target.eos_token_ids, params.max_new_tokens, params.stop)
     cache = DynamicCache()
     ids, generated = list(prompt_ids), list[int]()
-    tally = Tally(stats)
+    tally = Tally(stats, t_start=t_start)
     while True:
         remaining = params.max_new_tokens - len(generated)
         k = min(ctl.next_gamma(), remaining - 1) if drafters else 0
@@ -162,8 +172,6 @@ def speculative_generate(target: LoadedModel, drafters: list[Drafter], prompt_id
         stats.draft_forwards += step.draft_forwards
         stats.draft_seconds += step.draft_seconds
         stats.verify_seconds += step.verify_seconds
-        stats.batch_size_seconds["1"] = stats.batch_size_seconds.get("1", 0.0) + step.draft_seconds \
-            + step.verify_seconds
         # measured costs steer gamma (prefill steps are not representative)
         # (keyed by draft depth: a pool's tree costs what its depth costs with that pool)
         costs.observe_draft(step.draft_seconds, step.drafted)

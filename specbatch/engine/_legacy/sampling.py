@@ -1,0 +1,94 @@
+"""Warping and lossless verification. p = target distribution, q = draft distribution.
+
+All functions are pure: tensors in, tensors or a Verdict out. Call under ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Warp:
+    """Sampling parameters applied identically to p and q (HF order: temperature, top-k, top-p)."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: (..., V) -> probabilities (..., V) in float32."""
+        x = logits.float() / self.temperature
+        if 0 < self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:
+            # same rule as transformers' TopPLogitsWarper: drop the low tail whose mass <= 1 - top_p
+            sorted_x, idx = torch.sort(x, dim=-1, descending=False)
+            cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+            remove = cum <= (1 - self.top_p)
+            remove[..., -1] = False
+            x = x.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+        return x.softmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    tokens: list[int]        # accepted draft tokens + one token from the target
+    n_accepted: int          # accepted draft tokens
+    path: list[int]          # tree node indices (1-based) of the accepted draft tokens
+    winner: int = -1         # pool index of the drafter whose candidate was accepted (-1: none)
+
+
+def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    """draft_ids: (k,), target_logits: (k + 1, V). Lossless at temperature 0."""
+    target_ids = target_logits.argmax(dim=-1)
+    n = int((draft_ids == target_ids[:-1]).int().cumprod(dim=0).sum()) if draft_ids.numel() else 0
+    tokens = target_ids[: n + 1].tolist()
+    return Verdict(tokens=tokens, n_accepted=n, path=list(range(1, n + 1)))
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """probs: (V,) -> one token id."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """norm(max(0, p - q)) after rejecting x; a drafter with no q is a point mass at x."""
+    r = p.clone()
+    if q is None:
+        r[x] = 0.0
+    else:
+        r = (r - q).clamp_(min=0.0)
+    total = r.sum()
+    # total == 0 only when p == q exactly, where rejection has probability 0; keep p as a guard
+    return r / total if total > 0 else p
+
+
+def accept(p: torch.Tensor, q: torch.Tensor | None, x: int, generator: torch.Generator | None) -> bool:
+    """Accept draft token x with probability min(1, p(x) / q(x))."""
+    px = float(p[x])
+    qx = 1.0 if q is None else float(q[x])
+    if px >= qx:
+        return True
+    u = float(torch.rand((), generator=generator, device=p.device))
+    return u * qx < px
+
+
+def verify_sampling(draft_ids: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
+                    generator: torch.Generator | None) -> Verdict:
+    """Speculative sampling for one chain (Leviathan et al. 2023, Chen et al. 2023).
+
+    draft_ids: (k,), q: (k, V) draft probs or None (point masses), p: (k + 1, V) target probs,
+    both warped the same way. The emitted tokens are distributed exactly as sampling from p.
+    """
+    for j, x in enumerate(draft_ids.tolist()):
+        qj = None if q is None else q[j]
+        if not accept(p[j], qj, x, generator):
+            return Verdict(draft_ids[:j].tolist() + [sample(residual(p[j], qj, x), generator)],
+                           n_accepted=j, path=list(range(1, j + 1)))
+    k = draft_ids.numel()
+    return Verdict(draft_ids.tolist() + [sample(p[k], generator)], n_accepted=k,
+                   path=list(range(1, k + 1)))

@@ -1,0 +1,252 @@
+"""The decode loop: every request, alone or among others, is a row of one batched loop.
+
+Each step every row drafts (each pool member proposes up to the row's gamma), the row's
+proposals become its token tree, and one target forward scores every row's tree (a 4-D mask: a
+node sees its row's valid cache and its own ancestors). Each row then accepts its own number of
+tokens; rejected nodes become holes in the batch KV caches (``BatchCache``), so no row waits for
+another and rollback is per row. Finished rows leave the batch and waiting requests join it.
+Greedy rows equal the target's own greedy decoding; sampled rows keep the target's distribution.
+
+Call ``Decoder.run`` under ``torch.inference_mode()``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from specbatch.engine.cache import BatchCache
+from specbatch.engine.drafters import Drafter, Proposal
+from specbatch.engine.gamma import GammaController
+from specbatch.engine.loading import LoadedModel
+from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
+from specbatch.engine.policy import Policy, StepReport
+from specbatch.engine.sampling import Verdict, Warp
+from specbatch.engine.stopping import StopCheck
+from specbatch.engine.tally import Tally
+from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
+from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
+
+Request = tuple[int, list[int], GenerationParams]   # (caller's index, prompt ids, parameters)
+
+
+@dataclass
+class Row:
+    """One request being decoded."""
+
+    index: int
+    ids: list[int]                      # prompt + generated (the accepted sequence)
+    params: GenerationParams
+    stop: StopCheck
+    warp: Warp | None                   # None: greedy
+    generator: torch.Generator | None   # the request's own: its draws do not depend on the batch
+    ctl: GammaController
+    tally: Tally
+    t_start: float
+    generated: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+class Decoder:
+    """Decodes requests with a target and a draft pool, as many at a time as the policy allows."""
+
+    def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
+                 default_gamma: int = 4, memory: MemoryBudget | None = None) -> None:
+        self.target, self.drafters, self.policy = target, list(drafters), policy
+        self.default_gamma = default_gamma
+        self.memory = memory
+        self.rows: list[Row] = []
+        self.cache = BatchCache(target)
+
+    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, GenerationOutput]]:
+        """Yield (index, output) as each request finishes.
+
+        When the policy allows fewer rows than are active (the throughput autopilot lowering the
+        batch size) the newest rows pause: they leave the caches with their state and resume
+        later, their context cached again. A row joins only if the memory budget holds it.
+        """
+        waiting = deque(requests)
+        paused: deque[Row] = deque()
+        if self.memory is not None:
+            self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
+        while waiting or paused or self.rows:
+            limit = max(1, self.policy.max_rows(len(waiting) + len(paused)))
+            if len(self.rows) > limit:
+                paused.extendleft(reversed(self._pause(len(self.rows) - limit)))
+            resuming, joining = self._admissible(limit, waiting, paused)
+            if resuming or joining:
+                self._admit(joining, resuming)
+            else:
+                self._step()
+            yield from self._retire()
+
+    def _admissible(self, limit: int, waiting: deque[Request], paused: deque[Row]
+                    ) -> tuple[list[Row], list[Request]]:
+        """Paused rows first, then waiting requests, up to ``limit`` rows within the memory budget
+        (alone, a request always runs: one too long for the budget waits for a smaller batch)."""
+        resuming: list[Row] = []
+        joining: list[Request] = []
+        cols = max((row_columns(len(r.ids) - len(r.generated), r.params) for r in self.rows), default=0)
+        while len(self.rows) + len(resuming) + len(joining) < limit and (paused or waiting):
+            need = row_columns(len(paused[0].ids) - len(paused[0].generated), paused[0].params) if paused \
+                else row_columns(len(waiting[0][1]), waiting[0][2])
+            n = len(self.rows) + len(resuming) + len(joining) + 1
+            if self.memory is not None and not self.memory.fits(n, max(cols, need), MAX_DRAFT):
+                break
+            cols = max(cols, need)
+            if paused:
+                resuming.append(paused.popleft())
+            else:
+                joining.append(waiting.popleft())
+        return resuming, joining
+
+    def _pause(self, n: int) -> list[Row]:
+        """The newest ``n`` rows leave the batch with their state (they resume later)."""
+        keep = list(range(len(self.rows) - n))
+        out = self.rows[len(keep):]
+        self.rows = self.rows[: len(keep)]
+        self.cache.select(keep)
+        for d in self.drafters:
+            d.retire(keep)
+        return out
+
+    # -- admission: a fresh batch caches its prompts in its first step; rows joining a running
+    #    batch cache theirs (all but the last token) in a forward of their own, then merge
+    #    (resumed rows alike: their ids are prompt + what they generated so far)
+    def _admit(self, joining: list[Request], resuming: Sequence[Row] = ()) -> None:
+        t0 = time.perf_counter()
+        new = [self._new_row(i, ids, p, t0) for i, ids, p in joining] + list(resuming)
+        prefill = bool(self.rows)
+        cache = BatchCache(self.target, len(new))
+        feeds = [r.ids[:-1] for r in new]
+        prefilled = prefill and any(feeds)        # (one-token prompts have nothing to cache yet)
+        if prefilled:
+            cache.forward(feeds, logits_to_keep=1)
+        self.cache.extend(cache)
+        draft_forwards = sum(d.admit(new, prefill) for d in self.drafters)
+        if prefilled:
+            seconds = time.perf_counter() - t0
+            key = str(len(self.rows) + len(new))     # the prefill's time is the job's time too
+            for r in new:
+                r.tally.prefill(seconds, draft_forwards)
+                bs = r.tally.stats.batch_size_seconds
+                bs[key] = bs.get(key, 0.0) + seconds / len(new)
+        self.rows.extend(new)
+
+    def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
+        warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p)
+        gen = None
+        if warp is not None:
+            gen = torch.Generator(device=self.target.device)
+            gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
+        gamma = params.gamma if params.gamma is not None else self.default_gamma
+        ctl = GammaController(self.policy.costs(1), gamma=gamma, adaptive=not params.fixed_gamma)
+        return Row(index, list(ids), params, stop, warp, gen, ctl,
+                   Tally(GenerationStats(prompt_tokens=len(ids))), now)
+
+    # -- one step for every row: draft, verify the trees in one forward, accept, roll back
+    def _step(self) -> None:
+        rows, n = self.rows, len(self.rows)
+        pending = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
+        with_prompts = any(len(p) > 1 for p in pending)   # a fresh batch caches its prompts now
+        # 1. draft: each row's gamma, capped by the policy and by what the row may still emit
+        k = self._gammas()
+        t0 = time.perf_counter()
+        proposals = [d.propose(rows, k) for d in self.drafters] if any(k) else []
+        t1 = time.perf_counter()
+        # 2. verify: one target forward over each row's pending tokens (root last) and its tree
+        trees = [self._tree(b, [props[b] for props in proposals]) for b in range(n)]
+        keep = max(t.n_nodes for t in trees) + 1
+        chains = all(t.is_chain for t in trees)   # (then BatchCache may use the causal mask)
+        logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
+                                    parents=None if chains else
+                                    [t.feed_parents(len(p)) for p, t in zip(pending, trees)])
+        verdicts = self._verify(trees, logits)
+        t2 = time.perf_counter()
+        # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
+        self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
+                           for p, t, v in zip(pending, trees, verdicts)])
+        for d in self.drafters:
+            d.observe(rows, [v.tokens for v in verdicts])
+        # 4. statistics, as data; the measured step steers gamma
+        self.policy.observe(StepReport(n, max(t.depth for t in trees), sum(t.depth for t in trees),
+                                       sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, with_prompts))
+        for b, (r, t, v) in enumerate(zip(rows, trees, verdicts)):
+            forwards = sum(p.forwards for props in proposals if (p := props[b]) is not None)
+            winner = self.drafters[v.winner].name if v.winner >= 0 else ""
+            r.tally.step(t.depth, v.n_accepted, v.winner, winner, draft_forwards=forwards,
+                         draft_seconds=t1 - t0, verify_seconds=t2 - t1)
+            r.ctl.observe(t.depth, v.n_accepted)
+            self._accept(r, v)
+        seconds, key = time.perf_counter() - t0, str(n)
+        for r in rows:   # each row's share of the step's time, by rows in the step (job statistics)
+            bs = r.tally.stats.batch_size_seconds
+            bs[key] = bs.get(key, 0.0) + seconds / n
+        if self.memory is not None:
+            self.memory.check(measure(self.target.device), n,
+                              max(row_columns(len(r.ids) - len(r.generated), r.params) for r in rows), MAX_DRAFT)
+
+    def _gammas(self) -> list[int]:
+        if not self.drafters:
+            return [0] * len(self.rows)
+        cap = self.policy.gamma_cap(len(self.rows))
+        costs = self.policy.costs(len(self.rows))
+        ks = []
+        for r in self.rows:
+            r.ctl.costs = costs
+            k = r.ctl.next_gamma()
+            if cap is not None and r.ctl.adaptive:
+                k = min(k, cap)
+            ks.append(max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)))
+        return ks
+
+    def _tree(self, b: int, proposals: list[Proposal | None]) -> TokenTree:
+        """Row b's tree. Sampling tries members in order of their recent acceptance on the row."""
+        if self.rows[b].warp is None or len(proposals) < 2:
+            return build_tree(proposals)
+        order = sorted(range(len(proposals)), key=lambda i: -self.drafters[i].scores[b].rate)
+        return build_tree(proposals, order)
+
+    def _verify(self, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict]:
+        """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b)."""
+        keep = logits.shape[1]
+        greedy = any(r.warp is None for r in self.rows)
+        argmax = logits.argmax(dim=-1).tolist() if greedy else []
+        out = []
+        for b, (r, t) in enumerate(zip(self.rows, trees)):
+            start = keep - 1 - t.n_nodes
+            if r.warp is None:
+                out.append(verify_greedy(t, argmax[b][start:]))
+            else:
+                out.append(verify_sampling(t, r.warp.probs(logits[b, start:]), r.generator))
+        return out
+
+    def _accept(self, r: Row, v: Verdict) -> None:
+        """Extend the row's sequence; stop on EOS, max_new_tokens or a stop string."""
+        r.ids.extend(v.tokens)
+        r.generated.extend(v.tokens)
+        keep, reason = r.stop.step(r.generated, len(v.tokens))
+        if reason is not None:
+            del r.generated[keep:]
+            r.finish = reason
+
+    def _retire(self) -> Iterator[tuple[int, GenerationOutput]]:
+        if all(r.finish is None for r in self.rows):
+            return
+        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+        finished = [r for r in self.rows if r.finish is not None]
+        self.rows = [self.rows[i] for i in keep]
+        self.cache.select(keep)
+        for d in self.drafters:
+            d.retire(keep)
+        now = time.perf_counter()
+        for r in finished:
+            s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)
+            yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated,
+                                            r.finish or "length", s)

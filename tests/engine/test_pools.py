@@ -1,0 +1,102 @@
+"""Draft pools at any batch size: each row's pool is verified as that row's token tree.
+
+Greedy rows equal the target alone token for token; the token tree's 4-D mask and position ids
+equal a plain forward of each branch; a seeded sampled request decodes the same alone and in a
+batch (per-row generators; the numerics are those of this CPU, see docs/DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.cache import BatchCache
+from specbatch.engine.drafters import Proposal
+from specbatch.engine.tree import build_tree
+from tests.engine.test_batch import LENGTHS, PROMPTS
+from tests.engine.test_greedy_exact import target_greedy
+
+POOLS = {
+    "2 models": (["{a}-partial", "{a}-random"], False),
+    "2 models + ngram": (["{a}-partial", "{a}-random"], True),
+    "same + partial + ngram": (["{a}-same", "{a}-partial"], True),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("pool", list(POOLS))
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_pool_in_a_batch_matches_target_alone(load, arch, pool, batch_size):
+    names, ngram = POOLS[pool]
+    target = load(arch)
+    engine = Engine(target, [load(n.format(a=arch)) for n in names], ngram=ngram)
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n, gamma=4, adaptive=False))
+            for p, n in zip(PROMPTS, LENGTHS)]
+    got = dict(engine.generate_many(reqs, batch_size=batch_size))
+    assert sorted(got) == list(range(len(PROMPTS)))
+    winners = set()
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+        s = got[i].stats
+        assert s.accepted_tokens <= s.drafted_tokens
+        assert sum(s.pool_wins.values()) == sum(w >= 0 for w in s.step_winners)
+        winners |= set(s.pool_wins)
+    assert winners <= set(engine.drafter_names) and winners, "no pool member ever won"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tree_block_scores_each_branch_as_its_own_sequence(load, arch):
+    """Two rows (left padding, a hole) feed a branching tree; every node's logits equal a plain
+    forward of prompt + that node's branch, and after rejecting a branch the row continues as if
+    it had never been fed."""
+    target = load(arch)
+    tok = target.tokenizer
+    prompts = [tok("The quick brown fox")["input_ids"], tok("def f(")["input_ids"]]
+
+    def plain(ids: list[int]) -> torch.Tensor:
+        out = target.forward(torch.tensor([ids]), DynamicCache())
+        return out.logits[0, -1]
+
+    with torch.inference_mode():
+        cache = BatchCache(target, 2)
+        cache.forward([p[:-1] for p in prompts], logits_to_keep=1)
+        trees = [build_tree([Proposal([5, 6]), Proposal([5, 7]), Proposal([9])]),
+                 build_tree([Proposal([11, 12, 13])])]
+        feeds = [p[-1:] + t.tokens for p, t in zip(prompts, trees)]
+        logits = cache.forward(feeds, logits_to_keep=5, parents=[t.feed_parents(1) for t in trees])
+        for b, (p, t) in enumerate(zip(prompts, trees)):
+            start = 5 - 1 - t.n_nodes
+            for j in range(t.n_nodes + 1):            # the root, then each node
+                branch, a = [], j
+                while a:
+                    branch.insert(0, t.tokens[a - 1])
+                    a = t.parents[a - 1]
+                assert torch.allclose(logits[b, start + j], plain(p + branch), atol=1e-4), (b, j)
+        # row 0 keeps branch [5, 7] (nodes 1, 3), row 1 keeps [11]: the rest become holes
+        cache.reject([[1 + 2 - 1, 1 + 4 - 1], [1 + 2 - 1, 1 + 3 - 1]])
+        kept = [prompts[0] + [5, 7], prompts[1] + [11]]
+        nxt = cache.forward([[3], [4]], logits_to_keep=1)
+        for b, ids in enumerate(kept):
+            assert torch.allclose(nxt[b, -1], plain(ids + [[3], [4]][b]), atol=1e-4), b
+
+
+SAMPLED = dict(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.95, gamma=3)
+
+
+@pytest.mark.parametrize("pool", ["partial", "2 models + ngram"])
+def test_seeded_sample_alone_equals_in_a_batch(load, pool):
+    names, ngram = ({"partial": (["llama-partial"], False)} | POOLS)[pool]
+    engine = Engine(load("llama"), [load(n.format(a="llama")) for n in names], ngram=ngram)
+    seeds = [3, 17, 42]
+    alone = {s: engine.generate(prompt=PROMPTS[0], params=GenerationParams(seed=s, **SAMPLED)).token_ids
+             for s in seeds}
+    # the same requests among others: greedy rows, other seeds, other lengths, rows finishing early
+    reqs = [EngineRequest(prompt=PROMPTS[0], params=GenerationParams(seed=s, **SAMPLED)) for s in seeds]
+    reqs += [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in
+             zip(PROMPTS[1:], LENGTHS[1:])]
+    reqs += [EngineRequest(prompt=PROMPTS[2], params=GenerationParams(seed=99, **SAMPLED))]
+    got = dict(engine.generate_many(reqs, batch_size=8))
+    assert {s: got[i].token_ids for i, s in enumerate(seeds)} == alone
+    assert len({tuple(t) for t in alone.values()}) > 1, "different seeds should differ"
