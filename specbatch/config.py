@@ -129,12 +129,8 @@ class _MappingEnvSource(EnvSettingsSource):
         return {k.lower(): v for k, v in self._mapping.items() if v != ""}
 
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
-
-
 def check_database_url(url: str) -> None:
-    """ValueError unless ``url`` is a SQLAlchemy URL whose driver is installed and, for an existing
-    SQLite file, that file is a SQLite database (not, say, the prompt file)."""
+    """ValueError unless ``url`` is a SQLAlchemy URL whose driver is installed."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
@@ -148,15 +144,10 @@ def check_database_url(url: str) -> None:
     except ImportError as e:
         extra = " (pip install 'specbatch[postgres]')" if u.get_backend_name() == "postgresql" else ""
         raise ValueError(f"the {u.drivername} driver is not installed: {e}{extra}") from None
-    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" \
-            and not u.database.startswith("file:"):
-        path = Path(u.database).expanduser()
-        if path.is_dir():
-            raise ValueError(f"{path} is a directory, not a SQLite database file")
-        if path.is_file() and path.stat().st_size > 0:
-            with path.open("rb") as f:
-                if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
-                    raise ValueError(f"{path} exists and is not a SQLite database")
+    if u.get_backend_name() == "sqlite" and u.database and Path(u.database).expanduser().is_dir():
+        raise ValueError(f"{u.database} is a directory, not a SQLite database file")
+    # (whether an existing file is a SQLite database is checked where it is opened, in
+    # specbatch.db: reading it here would drop this process's SQLite locks on it, see there)
 
 
 def describe(error: ValidationError) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-import traceback
 
 import click
 
@@ -39,9 +38,8 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except SpecBatchError as e:
             if ctx.obj and ctx.obj.get("debug"):
-                # the stack trace asked for, with its credentials masked like everything else
-                click.echo(mask(traceback.format_exc()), err=True)
-                ctx.exit(1)
+                _mask_chain(e)   # the stack trace asked for, its credentials masked like the rest
+                raise
             error = click.ClickException(mask(str(e)))
             if isinstance(e, SettingsError):
                 error.exit_code = 2   # a usage error, like a bad option
@@ -49,6 +47,15 @@ class LazyGroup(click.Group):
         except click.ClickException as e:
             e.message = mask(e.message)
             raise
+
+
+def _mask_chain(error: BaseException | None) -> None:
+    """Mask credentials in the messages of ``error`` and the exceptions chained to it."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        error.args = tuple(mask(a) if isinstance(a, str) else a for a in error.args)
+        error = error.__cause__ or error.__context__
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

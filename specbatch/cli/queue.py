@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,6 +14,7 @@ import click
 from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
+from specbatch.errors import SpecBatchError
 from specbatch.redact import mask
 
 if TYPE_CHECKING:
@@ -45,6 +47,8 @@ def sampling_options(f: Any) -> Any:
 
 
 def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
+    if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
+        return target or settings.default_target, []
     if target is None and not drafts:
         return settings.default_target, [settings.default_draft]
     return target or settings.default_target, list(drafts)
@@ -75,19 +79,23 @@ def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_ma
 
 
 def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
-                defaults: dict[str, Any], queue: str, model_map: tuple[str, ...] = ()
+                defaults: dict[str, Any], queue: str, model_map: tuple[str, ...] = (), *,
+                parsed: Any = None, metadata: dict[str, Any] | None = None
                 ) -> tuple[str, dict[Any, list[int]]]:
-    """Validate and store the file as a job; returns its id and its pending request ids per pair."""
+    """Validate (unless ``parsed`` already is) and store the file as a job; returns its id and its
+    pending request ids per pair."""
     from specbatch.jobs import store
 
-    parsed = _read_file(settings, file, defaults, model_map)
-    for line in parsed.warnings(target):
-        warn(line)
+    if parsed is None:
+        parsed = _read_file(settings, file, defaults, model_map)
+        for line in parsed.warnings(target):
+            warn(line)
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
                                requests=parsed.requests, queue=queue,
-                               source="<stdin>" if file == "-" else str(Path(file).resolve()))
+                               source="<stdin>" if file == "-" else str(Path(file).resolve()),
+                               metadata=metadata)
         job_id = job.id
         routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
     return job_id, routes
@@ -155,11 +163,14 @@ def exit_by_outcome(summary: dict[str, Any]) -> None:
 @sampling_options
 @click.option("--wait", is_flag=True, help="Show a progress bar until the job ends; exit 0 only if every "
                                            "request completed.")
+@click.option("--fallback-draft", is_flag=True,
+              help="LOSSY: where the target keeps failing, generate with the draft alone; such "
+                   "results are flagged lossy in the database and every export. Off by default.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
 def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
            max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
-           seed: int | None, stop: tuple[str, ...], wait: bool, as_json: bool) -> None:
+           seed: int | None, stop: tuple[str, ...], wait: bool, fallback_draft: bool, as_json: bool) -> None:
     """Validate a JSONL prompt file ('-': standard input), store it as a job and queue it for the workers.
 
     Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
@@ -179,13 +190,19 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     settings = get_settings()
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
+    if fallback_draft and not drafts_:
+        raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    parsed = _read_file(settings, file, defaults, model_map)   # the file first: local and cheap
     check_broker(settings)  # broker down: fail before anything is written
+    for line in parsed.warnings(target_):
+        warn(line)
     tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
     with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
         with tracing.span("intake"):
-            job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
-                                         _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
-                                         model_map)
+            job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults, queue, model_map,
+                                         parsed=parsed,
+                                         metadata={"fallback_draft": True} if fallback_draft else None)
         tracing.set_attributes({"specbatch.job.id": job_id})
         sent = enqueue_routes(settings, job_id, routes, queue, ngram)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
@@ -207,12 +224,18 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
 
 @click.command()
 @click.argument("job_id")
+@click.option("--in-process", is_flag=True,
+              help="Finish the job here (like `specbatch run --resume`), without broker or worker.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was re-enqueued as JSON.")
-def resume(job_id: str, as_json: bool) -> None:
+@click.pass_context
+def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> None:
     """Re-enqueue a job's pending and lease-expired requests now.
 
     Use it after a broker flush or restart, or when a worker died holding requests; a request that
-    already has a result is never generated again.
+    already has a result is never generated again. Requests still leased by a worker are queued
+    too: they run once their lease ends, if that worker does not finish them first.
+    A job made by `specbatch run` is finished in this process (no broker needed), as with
+    --in-process.
 
     \b
     Example:
@@ -220,22 +243,38 @@ def resume(job_id: str, as_json: bool) -> None:
     """
     from specbatch.jobs import store
     from specbatch.observability import tracing
+    from specbatch.worker.embedded import release_dead_embedded
     from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.get_job(s, job_id)
-        queue, ngram = job.queue, job.ngram
-        routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
+        job_id, queue, ngram = job.id, job.queue, job.ngram
+        embedded = bool((job.meta or {}).get("embedded"))
+        released = release_dead_embedded(s, job_id)
+        leased = store.leased_requests(s, job_id)
+        ids = sorted(set(store.resumable_request_ids(s, job_id)) | {rid for rid, _, _ in leased})
+        routes = store.request_routes(s, job_id, ids)
+    if in_process or embedded:
+        ctx.invoke(run, resume_job=job_id, as_json=as_json)
+        return
     tracing.configure("specbatch")
     with tracing.span("resume", {"specbatch.job.id": job_id}):
         sent = enqueue_routes(settings, job_id, routes, queue, ngram)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
+    until = max((t for _, _, t in leased), default=None)
     if as_json:
-        echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks})
+        echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks,
+                   "leased": len(leased), "released": len(released),
+                   "leased_until": until.isoformat() if until else None})
     else:
         click.echo(f"job {job_id}: re-enqueued {n} requests in {tasks} tasks on queue {', '.join(sent) or queue}")
+        if leased and until is not None:
+            wait = max(0.0, (until - datetime.now(timezone.utc)).total_seconds())
+            workers = sorted({w for _, w, _ in leased})
+            click.echo(f"{len(leased)} of them are still leased by {', '.join(workers)}: claimable from "
+                       f"{until:%H:%M:%S} UTC (in {wait:.0f}s) unless that worker finishes them first")
     for q in sent:
         _warn_no_consumer(settings, q)
 
@@ -306,24 +345,37 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
     os.execve(sys.executable, argv, env)
 
 
+# `specbatch run` exit statuses (README "Exit status"): 0 every request completed; 1 the job
+# failed (no request completed) or an error; 2 usage or settings error; 3 the job completed with
+# some requests failed (partial results); 130 interrupted (Ctrl-C), resumable.
+EXIT_PARTIAL = 3
+EXIT_INTERRUPTED = 130
+
+
 @click.command()
-@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
+@click.argument("file", type=click.Path(exists=True, dir_okay=False, allow_dash=True), required=False)
 @model_options
 @model_map_option
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @throughput_options
+@click.option("--resume", "resume_job", metavar="JOB", default=None,
+              help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
-def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
+def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
         max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
         seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
         batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
-        as_json: bool) -> None:
+        resume_job: str | None, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
     database (SPECBATCH_DATABASE_URL); `specbatch export JOB` writes them to a file.
+
+    Ctrl-C stops at the next decoding step, keeps every finished result and marks the job
+    interrupted; `specbatch run --resume JOB` finishes it. A second Ctrl-C exits at once.
+    Exit status: 0 all completed, 1 the job failed, 3 some requests failed, 130 interrupted.
 
     \b
     Example:
@@ -331,48 +383,124 @@ def run(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, mod
       specbatch run prompts.jsonl --target DIR --draft DIR2 --ngram --max-new-tokens 64 --json
       specbatch run batch.jsonl --model-map gpt-4o-mini=DIR,DIR2 --model-map gpt-4o=DIR3
       cat prompts.jsonl | specbatch run -
+      specbatch run --resume 3f9a2c
     """
     from rich.console import Console
 
-    from specbatch.engine import Engine
     from specbatch.engine.threads import configure_threads
     from specbatch.jobs import store
     from specbatch.observability import tracing
+    from specbatch.worker.interrupt import stop_on_signals
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads)
     plain = no_draft(drafts, no_speculation)
-    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts)
     if plain:
-        drafts_, ngram = [], False
-    queue = queue_name(target_, drafts_, ngram)
+        drafts, ngram = ("none",), False
     batch = tp.batch_size
     configure_threads(tp.threads, settings.local_workers)
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
-    job_id, routes = _create_job(settings, file, target_, drafts_, ngram,
-                                 _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop), queue,
-                                 model_map)
     console = Console(stderr=True)
-    for route, ids in routes.items():     # one pair loaded at a time
-        route_target, route_drafts = route if route is not None else (target_, tuple(drafts_))
-        with console.status(f"loading {route_target} + {', '.join(route_drafts) or 'no draft'}"):
-            engine = Engine.load(route_target, drafts=list(route_drafts), ngram=ngram,
-                                 device=device or settings.device, dtype=dtype or settings.dtype,
-                                 cache_dir=settings.cache_dir or None, batch_size=batch,
-                                 max_memory=tp.max_memory)
-        _run_with_progress(settings, console, job_id, len(ids), engine, batch, ids if len(routes) > 1 else None)
-        del engine
+    engine = None
+    if resume_job is not None:
+        if file is not None:
+            raise click.UsageError("give FILE or --resume JOB, not both")
+        if target is not None or drafts or model_map:
+            raise click.UsageError("a resumed job runs on its own models; drop --target/--draft/--model-map")
+        with open_db(settings).begin() as s:
+            job = store.get_job(s, resume_job)
+            job_id, target_, drafts_, ngram = job.id, job.target, list(job.drafts or []), job.ngram
+            routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id)
+                                          + [rid for rid, _, _ in store.leased_requests(s, job_id)])
+    else:
+        if file is None:
+            raise click.UsageError("missing FILE (or --resume JOB)")
+        target_, drafts_ = resolve_pair(settings, target, drafts)
+        parsed = _read_file(settings, file, defaults, model_map)   # a bad file: nothing loaded or written
+        for line in parsed.warnings(target_):
+            warn(line)
+        # the models before the job: a pair that cannot load leaves no job behind (a --model-map
+        # route that cannot load later fails its own requests, with the reason)
+        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch, tp.max_memory)
+        job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
+                                     queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
+                                     metadata={"embedded": True})
+
+    def on_first() -> None:
+        console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
+
+    finished = True
+    with stop_on_signals(on_first) as stop_request:
+        try:
+            for route, ids in routes.items():     # one pair loaded at a time
+                route_target, route_drafts = route if route is not None else (target_, tuple(drafts_))
+                if engine is None or (route_target, list(route_drafts)) != (target_, list(drafts_)):
+                    del engine
+                    try:
+                        engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
+                                              device, dtype, batch, tp.max_memory)
+                    except SpecBatchError as e:
+                        if resume_job is not None and len(routes) == 1:
+                            raise
+                        _fail_requests(settings, job_id, ids, f"cannot load the models: {e}")
+                        engine = None
+                        continue
+                finished = _run_with_progress(settings, console, job_id, len(ids), engine, batch,
+                                              ids if len(routes) > 1 or resume_job else None,
+                                              stop=stop_request) and finished
+                if not finished:
+                    break
+        except KeyboardInterrupt:
+            click.echo(f"job {job_id}: stopped at once; finished results are saved. "
+                       f"`specbatch run --resume {job_id}` finishes it.", err=True)
+            sys.exit(EXIT_INTERRUPTED)
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
     if as_json:
         echo_json(summary)
     else:
         _print_summary(summary, settings)
+    if not finished:
+        left = summary["request_counts"].get("pending", 0)
+        click.echo(f"job {job_id} interrupted: {left} requests left; "
+                   f"`specbatch run --resume {job_id}` finishes it", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if summary["status"] == "failed":
+        sys.exit(1)
+    if summary["status"] == "completed_with_errors":
+        sys.exit(EXIT_PARTIAL)
+
+
+def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
+                 device: str | None, dtype: str | None, batch: int | str, max_memory: int | None = None) -> Any:
+    from specbatch.engine import Engine
+    from specbatch.errors import ModelLoadError
+
+    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
+        try:
+            return Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
+                               dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
+                               batch_size=batch, max_memory=max_memory)
+        except SpecBatchError:
+            raise
+        except Exception as e:   # a loader bug must still be one line, and leave no job behind
+            raise ModelLoadError(f"cannot load {target}: {type(e).__name__}: {e}") from e
+
+
+def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:
+    from specbatch.jobs import store
+
+    warn(reason)
+    with open_db(settings).begin() as s:
+        for rid in ids:
+            store.record_failure(s, rid, reason, "specbatch-run", error_type=store.SERVER_ERROR)
+        store.refresh_job(s, job_id)
 
 
 def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
-                       batch: int | str, only: list[int] | None = None) -> None:
+                       batch: int | str, only: list[int] | None = None, stop: Any = None) -> bool:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.worker.embedded import run_embedded
@@ -399,7 +527,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
                 speed += f"  failed {agg['failed']}"
             progress.update(task, advance=1, speed=speed)
 
-        run_embedded(settings, job_id, engine, on_progress, batch_size=batch, only=only)
+        return run_embedded(settings, job_id, engine, on_progress, batch_size=batch, only=only, stop=stop)
 
 
 def _print_summary(summary: dict[str, Any], settings: Settings) -> None:

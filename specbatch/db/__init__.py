@@ -59,6 +59,22 @@ def _sqlite_begin(conn: Any) -> None:
     conn.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _check_sqlite_file(path: Path) -> None:
+    """Refuse an existing file that is not a SQLite database (say, the prompt file) before SQLite
+    writes into it. Only here, before this process opens a connection to it: closing any other
+    descriptor of the file drops every POSIX lock SQLite holds on it in this process."""
+    from specbatch.errors import SpecBatchError
+
+    if path.is_file() and path.stat().st_size > 0:
+        with path.open("rb") as f:
+            if f.read(len(SQLITE_MAGIC)) != SQLITE_MAGIC:
+                raise SpecBatchError(f"SPECBATCH_DATABASE_URL points at {path}, which exists and is not "
+                                     "a SQLite database")
+
+
 def _create(url: str) -> Engine:
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
@@ -67,6 +83,7 @@ def _create(url: str) -> Engine:
     if path is None:    # in-memory: one shared connection, or the tables vanish
         engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
     else:
+        _check_sqlite_file(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
     event.listen(engine, "connect", _sqlite_connect)

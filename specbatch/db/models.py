@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
 )
 from sqlalchemy import text as sql_text
 from sqlalchemy.dialects.postgresql import JSONB
@@ -203,6 +204,10 @@ class Result(Base):
     pool_wins: Mapped[dict[str, int]] = mapped_column(JSONType, default=dict)
     final_gamma: Mapped[int] = mapped_column(Integer, default=0)
     speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # which models produced it (migration 0003); lossy: a --fallback-draft result, draft alone
+    target: Mapped[str | None] = mapped_column(String(512))
+    drafts: Mapped[list[str] | None] = mapped_column(JSONType)
+    lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     # what the throughput autopilot chose (GenerationStats.batch_size_seconds, draft_steps)
     batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
                                                                  server_default=sql_text("'{}'"))

@@ -62,6 +62,28 @@ class BatchCache:
         n_cols = self.valid.shape[1]
         pads = [width - len(f) for f in feeds]
         inp = torch.tensor([[0] * p + list(f) for p, f in zip(pads, feeds)], dtype=torch.long, device=dev)
+        if parents is None and not any(pads) and self._dense():
+            # no holes, no pads, chains: the model's own causal mask is the same and cheaper
+            new_valid = torch.ones(len(feeds), width, dtype=torch.bool, device=dev)
+            pos = self.n_valid[:, None] + torch.arange(width, device=dev)[None, :]
+            mask = torch.ones(len(feeds), n_cols + width, dtype=torch.long, device=dev)
+        else:
+            new_valid, pos, mask = self._block_mask(pads, parents, width)
+        out = self.model.forward(inp, self.cache, attention_mask=mask, position_ids=pos,
+                                 logits_to_keep=logits_to_keep)
+        self.valid = torch.cat([self.valid, new_valid], dim=1)
+        self.n_valid = self.n_valid + new_valid.sum(dim=1)
+        self._block = (n_cols, pads)
+        return out.logits
+
+    def _dense(self) -> bool:
+        """No holes: every column is valid for every row."""
+        return int(self.n_valid.min()) == self.valid.shape[1] if self.n_rows else True
+
+    def _block_mask(self, pads: list[int], parents: Sequence[Sequence[int]] | None, width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New columns' validity (B, W), position ids (B, W) and the additive mask (B, 1, W, L + W)."""
+        dev = self.model.device
         cols = torch.arange(width, device=dev)
         pad = torch.tensor(pads, device=dev)
         new_valid = cols[None, :] >= pad[:, None]                                   # (B, W)
@@ -71,31 +93,28 @@ class BatchCache:
         else:
             depth, seen = _tree_block(parents, pads, width, dev)
         seen[:, cols, cols] = True                                                  # pads see themselves
-        pos = self.n_valid[:, None] + depth
-        keys_valid = torch.cat([self.valid, new_valid], dim=1)                      # (B, L + W)
-        mask = None
-        if parents is not None or any(pads) or not bool(self.valid.all()):
-            allowed = torch.cat([self.valid[:, None, :].expand(-1, width, -1), seen], dim=2)
-            dtype = self.model.model.dtype
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-            mask = mask[:, None]
-        # (no holes, no pads, chains: the model's own causal mask is the same and cheaper)
-        out = self.model.forward(inp, self.cache, attention_mask=mask, position_ids=pos,
-                                 logits_to_keep=logits_to_keep)
-        self.valid = keys_valid
-        self.n_valid = self.n_valid + new_valid.sum(dim=1)
-        self._block = (n_cols, pads)
-        return out.logits
+        allowed = torch.cat([self.valid[:, None, :].expand(-1, width, -1), seen], dim=2)
+        dtype = self.model.model.dtype
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return new_valid, self.n_valid[:, None] + depth, mask[:, None]
 
     def reject(self, rejected: Sequence[Sequence[int]]) -> None:
         """Row b's feed indices ``rejected[b]`` in the last forward were not accepted: holes."""
         start, pads = self._block
         cols = [(b, start + pads[b] + i) for b, idx in enumerate(rejected) for i in idx]
-        self._invalidate(cols)
+        if cols:
+            self._invalidate(cols)
 
     def drop_tail(self, n_drop: Sequence[int]) -> None:
         """Row b's last n_drop[b] valid tokens were rejected: holes."""
+        if not any(n_drop):
+            return
+        if len(set(n_drop)) == 1 and self._dense():     # the same tail of every row: a crop
+            n = n_drop[0]
+            self.cache.crop(-n)
+            self.valid, self.n_valid = self.valid[:, :-n], self.n_valid - n
+            return
         cols = []
         for b, n in enumerate(n_drop):
             if n:

@@ -51,7 +51,6 @@ class Engine:
         self.costs: dict[int, CostModel] = {}
         self.autopilot: Autopilot | None = None   # kept across calls: what it measured stays true
         self.memory: MemoryBudget | None = None
-        self._legacy = False          # private: the old single-request loop, for one measurement
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
@@ -130,8 +129,6 @@ class Engine:
                  params: GenerationParams | None = None, *,
                  input_ids: list[int] | None = None) -> GenerationOutput:
         """Decode one request (a batch of one); raises RequestError when the request is invalid."""
-        if self._legacy:
-            return self._legacy_generate(prompt, messages, params, input_ids)
         req = EngineRequest(prompt, messages, params or GenerationParams(), input_ids)
         for _, out in self.generate_many([req], batch_size=1):
             if isinstance(out, SpecBatchError):
@@ -149,9 +146,6 @@ class Engine:
         (``specbatch.engine.autopilot``); ``policy`` replaces either.
         """
         size = check_batch_size(batch_size or self.batch_size)
-        if self._legacy:
-            yield from self._legacy_generate_many(requests, size if isinstance(size, int) else 1)
-            return
         valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
@@ -201,46 +195,3 @@ class Engine:
     def batch_report(self) -> dict[str, Any] | None:
         """What the autopilot chose and measured so far (None before an automatic batch ran)."""
         return self.autopilot.summary() if self.autopilot is not None else None
-
-    def _legacy_generate_many(self, requests: Sequence[EngineRequest], batch_size: int
-                              ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
-        from specbatch.engine._legacy.batch import BatchDecoder
-
-        if batch_size <= 1 or len(self.drafts) > 1:
-            for i, req in enumerate(requests):
-                try:
-                    yield i, self.generate(req.prompt, req.messages, req.params, input_ids=req.input_ids)
-                except SpecBatchError as e:
-                    yield i, e
-            return
-        valid = []
-        for i, req in enumerate(requests):
-            params = req.params.validate()
-            ids = self._ids(req.prompt, req.messages, req.input_ids)
-            valid.append((i, ids, params))
-        if not hasattr(self, "_legacy_batch_costs"):
-            self._legacy_batch_costs: dict[int, Any] = {}
-        decoder = BatchDecoder(self.target, self.drafts[0] if self.drafts else None, self.ngram,
-                               self._legacy_batch_costs, self.gamma, batch_size)
-        with torch.inference_mode():
-            yield from decoder.run(valid)
-
-    def _legacy_generate(self, prompt: str | None, messages: list[dict[str, Any]] | None,
-                         params: GenerationParams | None, input_ids: list[int] | None
-                         ) -> GenerationOutput:
-        from specbatch.engine._legacy.drafters import ModelDrafter as OldModel
-        from specbatch.engine._legacy.drafters import NgramDrafter as OldNgram
-        from specbatch.engine._legacy.gamma import CostModel as OldCosts
-        from specbatch.engine._legacy.speculative import speculative_generate
-
-        params = (params or GenerationParams()).validate()
-        ids = self._ids(prompt, messages, input_ids)
-        self._check_fits(ids, params)
-        pool: list[Any] = [OldModel(d, self.target.vocab_size) for d in self.drafts]
-        if self.ngram:
-            pool.append(OldNgram())
-        if not hasattr(self, "_legacy_costs"):
-            self._legacy_costs = OldCosts()
-        with torch.inference_mode():
-            return speculative_generate(self.target, pool, ids, params, self._legacy_costs,
-                                        default_gamma=self.gamma)

@@ -456,6 +456,27 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _bad_text(value: Any, where: str = "") -> Iterator[tuple[str | None, str]]:
+    """(field, problem) for every string in ``value`` that no database or tokenizer takes as text:
+    a NUL (PostgreSQL text cannot hold it; refused on SQLite too, so both behave the same) or a
+    lone surrogate escape such as \\ud800 (not encodable as UTF-8)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _bad_text(k, where)
+            yield from _bad_text(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _bad_text(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        if "\x00" in value:
+            yield where or None, "contains a NUL character (\\u0000), which text cannot hold"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            yield where or None, (f"contains a lone surrogate \\u{ord(value[e.start]):04x} at character "
+                                  f"{e.start + 1}, which is not valid text")
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -505,6 +526,11 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             continue
         if not isinstance(obj, dict):
             err(line_no, None, f"must be a JSON object, got {_json_type(obj)}")
+            continue
+        bad_text = list(_bad_text(obj))
+        for field, message in bad_text:
+            err(line_no, field, message)
+        if bad_text:
             continue
         try:
             fields_ = _parse_object(obj, base, model_map)

@@ -53,12 +53,20 @@ def request_models(job: Job, req: Request) -> tuple[str, list[str]]:
     return job.target, list(job.drafts or [])
 
 
+def produced_by(job: Job, req: Request, res: Result) -> tuple[str, list[str]]:
+    """The (target, drafts) that produced ``res``, as the result recorded them (a --fallback-draft
+    result: the draft alone, ``lossy``); results older than that record: the request's pair."""
+    if res.target is not None:
+        return res.target, [d for d in (res.drafts or []) if d != "ngram"]
+    return request_models(job, req)
+
+
 def stats(job: Job, req: Request, res: Result) -> dict[str, Any]:
     """The ``specbatch`` object of a success body: the request's body.model and metadata, who
     generated it and how speculation went."""
-    target, drafts = request_models(job, req)
+    target, drafts = produced_by(job, req, res)
     out: dict[str, Any] = {"model": req.model, "metadata": req.meta, "target": target, "drafts": drafts,
-                           "ngram": job.ngram}
+                           "ngram": job.ngram, "lossy": bool(res.lossy)}
     out.update({c: getattr(res, c) for c in STATS_COLUMNS})
     out.update(worker=res.worker, latency_seconds=res.latency_seconds,
                started_at=res.started_at.isoformat() if res.started_at else None,
@@ -85,7 +93,7 @@ def success_body(job: Job, req: Request, res: Result) -> dict[str, Any]:
         body = {"id": f"cmpl-{key}", "object": "text_completion",
                 "choices": [{"index": 0, "text": res.text, "logprobs": None,
                              "finish_reason": res.finish_reason}]}
-    body.update(created=int(res.finished_at.timestamp()), model=request_models(job, req)[0],
+    body.update(created=int(res.finished_at.timestamp()), model=produced_by(job, req, res)[0],
                 system_fingerprint=None, usage=usage, specbatch=stats(job, req, res))
     return body
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, or_, select, update
+from sqlalchemy import case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -272,6 +272,59 @@ def renew_leases(s: Session, request_ids: Sequence[int], worker: str, lease_seco
               .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds)))
     s.flush()
 
+
+def release_requests(s: Session, request_ids: Sequence[int]) -> None:
+    """Give back claimed requests that were not started: running -> pending, the claim's attempt
+    undone. Requests of a cancelled job become cancelled instead."""
+    if not request_ids:
+        return
+    ids = list(request_ids)
+    stopping = select(Job.id).where(Job.status.in_(STOPPING_JOB))
+    base = update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
+    s.execute(base.where(Request.job_id.in_(stopping))
+              .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
+    s.execute(base.values(status=RequestStatus.pending, lease_expires_at=None, worker=None,
+                          started_at=None,
+                          attempts=case((Request.attempts > 0, Request.attempts - 1), else_=0)))
+    s.flush()
+
+
+def running_workers(s: Session, job_id: str) -> list[str]:
+    """The workers holding a claim (live or expired) on one of the job's requests."""
+    return [w for w in s.scalars(select(Request.worker).where(
+        Request.job_id == job_id, Request.status == RequestStatus.running).distinct()) if w]
+
+
+def leased_requests(s: Session, job_id: str) -> list[tuple[int, str, datetime]]:
+    """(id, worker, lease end) of the job's running requests whose lease is still live."""
+    now = utcnow()
+    rows = s.execute(select(Request.id, Request.worker, Request.lease_expires_at).where(
+        Request.job_id == job_id, Request.status == RequestStatus.running,
+        Request.lease_expires_at > now).order_by(Request.id))
+    return [(rid, worker or "?", lease) for rid, worker, lease in rows]
+
+
+def release_held_by(s: Session, job_id: str, worker: str) -> list[int]:
+    """Release (see ``release_requests``) the job's requests ``worker`` holds; returns their ids."""
+    ids = list(s.scalars(select(Request.id).where(Request.job_id == job_id, Request.worker == worker,
+                                                  Request.status == RequestStatus.running)))
+    release_requests(s, ids)
+    return ids
+
+
+def set_interrupted(s: Session, job_id: str, interrupted: bool) -> None:
+    """Mark (or unmark) the job as interrupted: a ``specbatch run`` stopped before its end.
+    Kept in the job's metadata; ``job_dict`` shows such an unfinished job as ``interrupted``."""
+    job = get_job(s, job_id)
+    meta = dict(job.meta or {})
+    if interrupted:
+        meta["interrupted_at"] = utcnow().isoformat()
+    elif meta.pop("interrupted_at", None) is None:
+        return
+    job.meta = meta
+    s.flush()
+
+
 def _finite(x: float) -> float:
     return float(x) if math.isfinite(x) else 0.0
 
@@ -295,9 +348,11 @@ def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
         return False
 
 
-def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str) -> bool:
+def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str,
+                  models: dict[str, Any] | None = None) -> bool:
     """Store a request's output and mark it completed. Idempotent: False if a result existed
-    (the stored one is kept, the request still ends completed)."""
+    (the stored one is kept, the request still ends completed). ``models``: the ``target``,
+    ``drafts`` and ``lossy`` flag of the engine that produced it (recorded with the result)."""
     req = s.get(Request, request_id)
     if req is None:
         logger.warning("result for request %s dropped: no such request (job deleted?)", request_id)
@@ -322,6 +377,8 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "batch_size_seconds": {str(k): _finite(v) for k, v in st.batch_size_seconds.items()},
         "draft_steps": int(st.draft_steps),
         "started_at": started, "finished_at": now, "latency_seconds": latency,
+        "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),
+        "lossy": bool((models or {}).get("lossy", False)),
     }
     written = _insert_ignoring_duplicates(s, values)
     if req.status != RequestStatus.completed:
@@ -354,8 +411,12 @@ def _iso(t: datetime | None) -> str | None:
 
 def job_dict(job: Job, counts: dict[str, int] | None = None) -> dict[str, Any]:
     """The job's columns as JSON-ready data (``request_counts`` from ``counts`` if given)."""
+    status = JobStatus(job.status).value
+    if (job.meta or {}).get("interrupted_at") and not JobStatus(job.status).finished \
+            and job.status != JobStatus.cancelling:
+        status = "interrupted"   # a `specbatch run` stopped early; `specbatch run --resume` ends it
     return {
-        "id": job.id, "status": JobStatus(job.status).value, "target": job.target,
+        "id": job.id, "status": status, "target": job.target,
         "drafts": list(job.drafts or []), "ngram": job.ngram, "queue": job.queue,
         "params": dict(job.params or {}), "source": job.source, "metadata": dict(job.meta or {}),
         "created_at": _iso(job.created_at), "started_at": _iso(job.started_at),

@@ -14,13 +14,13 @@ import json
 from typing import Any
 
 from specbatch.db.models import STATS_COLUMNS, Job, Request, RequestStatus, Result
-from specbatch.jobs.openai_output import request_models
+from specbatch.jobs.openai_output import produced_by, request_models
 
 FLAT_COLUMNS = (
     "job_id", "request_id", "custom_id", "line_no", "kind", "status", "model", "target", "drafts",
     "prompt", "prompt_ids", "messages", "params", "metadata", "attempts", "error", "error_type", "text",
     "finish_reason", "prompt_tokens", "completion_tokens", "token_ids", *STATS_COLUMNS, "worker",
-    "started_at", "finished_at", "latency_seconds",
+    "started_at", "finished_at", "latency_seconds", "lossy",
 )
 _JSON_TEXT = ("drafts", "prompt_ids", "messages", "params", "metadata", "token_ids", "accepted_per_position",
               "pool_wins")
@@ -34,6 +34,12 @@ def _base(job: Job, req: Request) -> dict[str, Any]:
             "attempts": req.attempts, "error": req.error, "error_type": req.error_type}
 
 
+def _produced(job: Job, req: Request, res: Result) -> dict[str, Any]:
+    """target / drafts as the result recorded them, and ``lossy`` (--fallback-draft output)."""
+    target, drafts = produced_by(job, req, res)
+    return {"target": target, "drafts": drafts, "lossy": bool(res.lossy)}
+
+
 def flat_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]:
     """One CSV row: nested values as JSON text, times as ISO 8601."""
     row: dict[str, Any] = dict.fromkeys(FLAT_COLUMNS)
@@ -44,6 +50,7 @@ def flat_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]:
                    completion_tokens=res.completion_tokens, token_ids=list(res.token_ids), worker=res.worker,
                    started_at=res.started_at.isoformat() if res.started_at else None,
                    finished_at=res.finished_at.isoformat(), latency_seconds=res.latency_seconds)
+        row.update(_produced(job, req, res))
     for key in _JSON_TEXT:
         if row[key] is not None:
             row[key] = json.dumps(row[key], ensure_ascii=False)
@@ -88,6 +95,7 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
                    completion_tokens=res.completion_tokens, token_ids=list(res.token_ids), stats=stats,
                    worker=res.worker, started_at=res.started_at, finished_at=res.finished_at,
                    latency_seconds=res.latency_seconds)
+        row.update(_produced(job, req, res))
     return row
 
 
@@ -115,4 +123,5 @@ def parquet_schema() -> Any:
         ("error_type", s), ("text", s), ("finish_reason", s), ("prompt_tokens", i64),
         ("completion_tokens", i64), ("token_ids", pa.list_(i64)), ("conversation", message), ("stats", stats),
         ("worker", s), ("started_at", ts), ("finished_at", ts), ("latency_seconds", f64),
+        ("lossy", pa.bool_()),
     ])

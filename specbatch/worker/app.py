@@ -28,11 +28,15 @@ def celery_config(settings: Settings) -> dict:
     # Redis restores a dead worker's unacked messages once they are visibility_timeout old; kombu
     # only looks every interval * throttle seconds (100 s by default): look every vt / 10 instead.
     transport = {"visibility_timeout": settings.visibility_timeout, "unacked_restore_throttle": 1,
-                 "unacked_restore_interval": max(1, min(60, settings.visibility_timeout // 10))}
+                 "unacked_restore_interval": max(1, min(60, settings.visibility_timeout // 10)),
+                 # a broker that accepts TCP but never answers must not hang a call forever
+                 "socket_connect_timeout": settings.broker_timeout,
+                 "socket_timeout": settings.broker_timeout}
     return {
         "broker_url": settings.broker_url,
         "broker_transport_options": transport,
         "broker_connection_retry_on_startup": True,
+        "broker_connection_timeout": settings.broker_timeout,
         "result_backend": None,
         "task_ignore_result": True,
         "task_serializer": "json",

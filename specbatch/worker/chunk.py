@@ -28,6 +28,7 @@ from specbatch.config import Settings
 from specbatch.engine.types import GenerationOutput
 from specbatch.errors import SpecBatchError
 from specbatch.observability import tracing
+from specbatch.worker.guard import engine_models
 
 if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
     from specbatch.engine.engine import Engine, EngineRequest
@@ -258,7 +259,7 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
             if msg is None:
                 def write(c: Any = c, out: Any = out) -> None:
                     with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker)
+                        store.record_result(s, c.id, out, worker, models=engine_models(engine))
                         store.refresh_job(s, c.job_id)
                 try:
                     with_db_retry(write)

@@ -6,38 +6,52 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specbatch.config import Settings
 from specbatch.observability import tracing
 from specbatch.observability.worker import Observer
 from specbatch.worker.chunk import ResultEvent, batch_rows, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
+from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
+EMBEDDED_PREFIX = "embedded@"
+
+
+def embedded_worker_name(pid: int | None = None) -> str:
+    return f"{EMBEDDED_PREFIX}{socket.gethostname()}:{pid or os.getpid()}"
+
 
 def run_embedded(settings: Settings, job_id: str, engine: Engine,
                  on_progress: Callable[[ResultEvent], None] | None = None, *,
-                 batch_size: int | str | None = None, should_stop: Callable[[], bool] | None = None,
-                 only: Collection[int] | None = None) -> None:
+                 batch_size: int | str | None = None, stop: StopRequest | None = None,
+                 only: Collection[int] | None = None) -> bool:
     """Generate every pending (or lease-expired) request of ``job_id`` (of those in ``only``, when
-    given: the requests routed to ``engine``'s models), chunk by chunk."""
+    given: the requests routed to ``engine``'s models), chunk by chunk.
+
+    Returns False when ``stop`` interrupted it: the engine stopped at its next step, the results
+    written so far stay, the requests it held are released (pending again, the attempt undone)
+    and the job is marked interrupted (``specbatch run --resume`` finishes it).
+    """
     from specbatch.db import session_factory
     from specbatch.jobs import store
 
     sf = session_factory(settings.database_url)
     keep = None if only is None else set(only)
+    worker = embedded_worker_name()
 
     def resumable() -> list[int]:
         with sf.begin() as s:
+            release_dead_embedded(s, job_id)
+            store.set_interrupted(s, job_id, False)
             ids = store.resumable_request_ids(s, job_id)
         return ids if keep is None else [i for i in ids if i in keep]
 
-    worker = f"embedded@{socket.gethostname()}:{os.getpid()}"
     observer = Observer()   # the request spans, when tracing is on (no metrics port here)
 
     def on_result(event: ResultEvent) -> None:
@@ -50,16 +64,56 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     # autopilot the whole job is one chunk: its batch may grow to any size as it measures
     auto = (batch_size or engine.batch_size) == "auto"
     size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
+    finished = True
+    stop = stop or StopRequest()
     ids = with_db_retry(resumable)
-    with tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
-        for chunk in chunks(ids, len(ids) or 1) if auto else chunks(ids, size):
-            with tracing.span("chunk", {"specbatch.job.id": job_id, "specbatch.request_ids": chunk}):
-                report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
-                                       on_result=on_result, should_stop=should_stop)
-            if report.unstarted:
-                break
+    try:
+        with interruptible(engine, stop), \
+                tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
+            for chunk in chunks(ids, len(ids) or 1) if auto else chunks(ids, size):
+                with tracing.span("chunk", {"specbatch.job.id": job_id, "specbatch.request_ids": chunk}):
+                    report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
+                                           on_result=on_result, should_stop=stop)
+                if report.unstarted:
+                    finished = False
+                    break
+    except Interrupted:
+        finished = False
 
-    def refresh() -> None:
+    def wrap_up() -> None:
         with sf.begin() as s:
+            if not finished:
+                store.release_held_by(s, job_id, worker)
+                store.set_interrupted(s, job_id, True)
             store.refresh_job(s, job_id)
-    with_db_retry(refresh)
+    with_db_retry(wrap_up)
+    return finished
+
+
+def release_dead_embedded(s: Any, job_id: str) -> list[int]:
+    """Release the requests of ``job_id`` held by a ``specbatch run`` process of this host that
+    no longer exists (killed, or exited on a second Ctrl-C); returns their ids."""
+    from specbatch.jobs import store
+
+    host_prefix = f"{EMBEDDED_PREFIX}{socket.gethostname()}:"
+    released: list[int] = []
+    for worker in store.running_workers(s, job_id):
+        if not worker.startswith(host_prefix):
+            continue
+        try:
+            pid = int(worker[len(host_prefix):])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not _alive(pid):
+            released += store.release_held_by(s, job_id, worker)
+    return released
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -24,6 +24,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from celery import bootsteps
@@ -99,9 +100,8 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     hostname = hostname or f"specbatch-{os.getpid()}@%h"
     metrics_dir, server = _serve_metrics(settings, metrics_port)
     app = create_app(settings)
-    fd, ready = tempfile.mkstemp(prefix="specbatch-ready-")
-    os.close(fd)
-    os.unlink(ready)
+    own = worker_dir(settings)
+    ready = str(own / "ready")
     app.conf.update(
         specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram, "device": device,
                           "dtype": dtype, "batch_size": batch_size, "max_memory": max_memory,
@@ -133,12 +133,36 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     try:
         with open(ready) as f:
             text = f.read()
-        os.unlink(ready)
         if text.startswith("error"):
             load_error = text.partition("\n")[2].strip() or "unknown error"
     except FileNotFoundError:
         pass
+    shutil.rmtree(own, ignore_errors=True)
     return code, load_error
+
+
+def worker_dir(settings: Settings) -> Path:
+    """This worker's own scratch directory (its readiness file), made empty; the directories of
+    workers that no longer run (killed with SIGKILL: nothing cleaned up) are removed first."""
+    base = Path(settings.ready_dir or tempfile.gettempdir()) / f"specbatch-{os.getuid()}" / "workers"
+    base.mkdir(parents=True, exist_ok=True)
+    for d in base.iterdir():
+        if d.name.isdigit() and not _alive(int(d.name)):
+            shutil.rmtree(d, ignore_errors=True)
+    own = base / str(os.getpid())
+    shutil.rmtree(own, ignore_errors=True)
+    own.mkdir()
+    return own
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _serve_metrics(settings: Settings, port: int) -> tuple[str, Any]:

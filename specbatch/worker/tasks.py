@@ -20,10 +20,13 @@ from celery.exceptions import Reject
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from specbatch.config import get_settings
+from specbatch.errors import SpecBatchError
 from specbatch.observability import tracing
 from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
-from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk
+from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
+from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk, with_db_retry
+from specbatch.worker.guard import allows_fallback, draft_only, refusal
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 100          # worker-lost resends + waits for held leases + transient errors, together
 _ENGINE: dict[str, Engine] = {}   # "engine" -> the loaded Engine of this process
+_HEALTH: dict[str, TargetHealth] = {}   # "target" -> consecutive target failures of this process
+_REFUSED: set[str] = set()     # queues this process refused a task of (misconfigured worker)
 
 
 def engine_spec(conf: Any) -> dict[str, Any]:
@@ -147,21 +152,106 @@ class EngineTask(Task):
         return get_engine(self.app.conf)
 
 
+def _queue(task: Task) -> str | None:
+    info = getattr(task.request, "delivery_info", None) or {}
+    return info.get("routing_key") or info.get("queue")
+
+
+def _refuse(task: Task, reason: str) -> Reject:
+    """Stop consuming this queue and send the task back to it for a worker that fits."""
+    queue = _queue(task)
+    logger.error("REFUSED task %s: %s; back to %s", task.request.id, reason, queue)
+    if queue is not None:
+        _REFUSED.add(queue)
+    set_consuming(task.app, task.request.hostname, queue, on=False, reason=reason)
+    return Reject(reason, requeue=True)
+
+
+def _fallback_ok(settings: Any, job_id: str) -> bool:
+    from specbatch.db import session_factory
+
+    def read() -> bool:
+        with session_factory(settings.database_url).begin() as s:
+            return allows_fallback(s, job_id)
+    return with_db_retry(read)
+
+
+def _release_mine(settings: Any, job_id: str, worker: str) -> None:
+    from specbatch.db import session_factory
+    from specbatch.jobs import store
+
+    def release() -> None:
+        with session_factory(settings.database_url).begin() as s:
+            store.release_held_by(s, job_id, worker)
+            store.refresh_job(s, job_id)
+    with_db_retry(release)
+
+
 @app.task(bind=True, base=EngineTask, name=TASK_NAME)
 def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) -> dict[str, Any]:
-    """Generate the requests ``request_ids`` of job ``job_id``; see ``specbatch.worker.chunk``."""
+    """Generate the requests ``request_ids`` of job ``job_id``; see ``specbatch.worker.chunk``.
+
+    Guarded (``specbatch.worker.guard``): a job of other models or of another database is refused
+    and requeued. Breaker (``specbatch.worker.breaker``): a database outage pauses this worker
+    until the database answers; repeated target failures make it unhealthy.
+    """
+    from specbatch.db import session_factory
+
     settings = get_settings()
     observer = get_observer(self.app.conf)
-    try:
-        with tracing.continued(tracing.headers_of(self.request), "chunk",
-                               {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
-                                "specbatch.worker": _worker_name(self)}):
-            report = process_chunk(settings, self.engine, request_ids, _worker_name(self),
-                                   on_result=observer.on_result, should_stop=_should_stop)
-    except TRANSIENT_DB_ERRORS + (KombuOperationalError, ConnectionError) as e:
-        countdown = _countdown(settings, 2 ** min(self.request.retries, 6))
-        logger.warning("chunk of job %s: transient error, retry in %ss: %s", job_id, countdown, e)
-        raise self.retry(exc=e, countdown=countdown) from e
+    queue = _queue(self)
+    engine = None   # the loaded engine; the draft alone (lossy) once the target failed on a fallback job
+    if _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy and _fallback_ok(settings, job_id):
+        engine = draft_only(self.engine)
+    elif _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy:
+        raise _refuse(self, f"worker unhealthy after {_HEALTH['target'].failures} target failures "
+                            f"({_HEALTH['target'].last_error}); restart it")
+    if queue in _REFUSED:
+        raise _refuse(self, "this worker refused a task of this queue before")
+    worker = _worker_name(self)
+    health = _HEALTH.setdefault("target", TargetHealth(settings.target_failure_limit))
+    while True:
+        try:
+            def check() -> str | None:
+                with session_factory(settings.database_url).begin() as s:
+                    return refusal(s, job_id, request_ids, engine_spec(self.app.conf), settings.database_url)
+            reason = with_db_retry(check)
+            if reason is not None:
+                raise _refuse(self, reason)
+            with tracing.continued(tracing.headers_of(self.request), "chunk",
+                                   {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
+                                    "specbatch.worker": worker}):
+                report = process_chunk(settings, engine or self.engine, request_ids, worker,
+                                       on_result=observer.on_result, should_stop=_should_stop)
+            break
+        except TRANSIENT_DB_ERRORS as e:   # the database is down: pause, probe, resume, go on
+            set_consuming(self.app, self.request.hostname, queue, on=False,
+                          reason=f"database unreachable: {str(e).splitlines()[0]}")
+            wait_until_up(probe_database(settings.database_url), what="the database",
+                          maximum=settings.breaker_max_backoff)
+            _release_mine(settings, job_id, worker)
+            set_consuming(self.app, self.request.hostname, queue, on=True)
+        except (KombuOperationalError, ConnectionError) as e:
+            countdown = _countdown(settings, 2 ** min(self.request.retries, 6))
+            logger.warning("chunk of job %s: transient error, retry in %ss: %s", job_id, countdown, e)
+            raise self.retry(exc=e, countdown=countdown) from e
+        except (Reject, SpecBatchError):
+            raise
+        except Exception as e:   # the target itself failed (out of memory, a CUDA error, ...)
+            logger.exception("target failure on job %s", job_id)
+            _release_mine(settings, job_id, worker)
+            if engine is None and _fallback_ok(settings, job_id):
+                engine = draft_only(self.engine)
+                if engine is not None:
+                    logger.error("job %s: target failed; generating with the draft alone (LOSSY, "
+                                 "--fallback-draft): results are flagged lossy", job_id)
+                    continue
+            if health.failed(e):
+                set_consuming(self.app, self.request.hostname, queue, on=False,
+                              reason=f"worker unhealthy: {health.failures} target failures in a row "
+                                     f"({health.last_error}); restart it once the device is fixed")
+            raise Reject(f"target failure: {e}", requeue=True) from e
+    health.ok()
     if report.unstarted:  # warm shutdown: back to the queue, the finished part is skipped there
         raise Reject("worker shutting down", requeue=True)
     if report.held:  # another worker holds a lease on some: look again once it has expired

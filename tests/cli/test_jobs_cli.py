@@ -15,6 +15,7 @@ from specbatch.db.models import Job, Request, RequestStatus
 from specbatch.errors import BrokerUnavailable
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedRequest
+from tests.db.databases import head_revision
 
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
 COUNT_KEYS = {"total", "pending", "running", "completed", "failed", "cancelled"}
@@ -232,8 +233,8 @@ def test_db_upgrade_and_url(db_url, tmp_path):
     result = run("db", "upgrade")
     assert result.exit_code == 0, result.output
     assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in result.stderr
-    assert result.stdout.strip() == f"database {db_url} is at revision 0005"
-    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": "0005"}
+    assert result.stdout.strip() == f"database {db_url} is at revision {head_revision()}"
+    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": head_revision()}
     assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
                                                              "exists": True}
 

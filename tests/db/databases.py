@@ -83,3 +83,16 @@ def db_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
     get_engine(url)
     yield url
     forget_engines()
+
+
+def head_revision() -> str:
+    """The newest migration's revision id (the schema every new database is migrated to)."""
+    from alembic.config import Config
+    from alembic.script import ScriptDirectory
+
+    from specbatch.db import MIGRATIONS_DIR
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    (head,) = ScriptDirectory.from_config(cfg).get_heads()
+    return head

@@ -14,6 +14,7 @@ from specbatch import db
 from specbatch.db.models import RESULTS_VIEW, Base, Job, JobStatus, Request
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedRequest
+from tests.db.databases import head_revision
 
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
 
@@ -33,7 +34,7 @@ def test_tables_view_and_revision(db_url):
     insp = inspect(db.get_engine(db_url))
     assert {"jobs", "requests", "results", "alembic_version"} <= set(insp.get_table_names())
     assert RESULTS_VIEW in insp.get_view_names()
-    assert db.current_revision(db_url) == "0005"
+    assert db.current_revision(db_url) == head_revision()
     uniques = {tuple(u["column_names"]) for u in insp.get_unique_constraints("requests")}
     assert ("job_id", "custom_id") in uniques
     assert ("request_id",) in {tuple(u["column_names"]) for u in insp.get_unique_constraints("results")}
@@ -106,7 +107,7 @@ def test_sqlite_runs_wal_with_busy_timeout_and_foreign_keys(tmp_path):
             assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == db.SQLITE_BUSY_TIMEOUT_MS
             assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
         assert (tmp_path / "a" / "b" / "new.db").exists()
-        assert db.current_revision(url) == "0005"
+        assert db.current_revision(url) == head_revision()
     finally:
         db.forget_engines()
 

@@ -69,11 +69,12 @@ def test_every_command_masks_both_urls(tmp_path: Path, pg_database: str, tiny_mo
     from sqlalchemy import update
 
     from specbatch.db import session_factory
-    from specbatch.db.models import Request, RequestStatus
+    from specbatch.db.models import Job, Request, RequestStatus
 
     with session_factory(db_url).begin() as s:   # one failed request, so `retry` talks to the broker
         s.execute(update(Request).where(Request.job_id == job_id).values(status=RequestStatus.failed,
                                                                           error="x"))
+        s.execute(update(Job).where(Job.id == job_id).values(meta={}))  # a queued job: resume enqueues
     assert "cannot reach the broker at redis://:***@" in invoke("retry", job_id)
     assert "cannot reach the broker at redis://:***@" in invoke("submit", str(prompts), "--target", target)
     assert "cannot reach the broker" in invoke("resume", job_id)

@@ -43,7 +43,7 @@ def test_database_url_pointing_at_a_text_file(tmp_path: Path) -> None:
     text.write_text('{"prompt": "hi"}\n')
     code, output, exc = _invoke(["jobs"], {"SPECBATCH_DATABASE_URL": f"sqlite:///{text}"})
     assert exc is None, repr(exc)
-    assert code == 2 and "is not a SQLite database" in output and "Traceback" not in output
+    assert code == 1 and "is not a SQLite database" in output and "Traceback" not in output
     assert text.read_text() == '{"prompt": "hi"}\n'   # untouched
 
 

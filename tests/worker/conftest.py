@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from specbatch.config import Settings, get_settings
+from tests.db.databases import pg_database, pg_server  # noqa: F401 - fixtures
 from tests.worker.services import REPO, Proc, RedisServer, free_port, wait_for
 
 CLI = [sys.executable, "-c", "from specbatch.cli.main import main; main()"]  # `specbatch ...`

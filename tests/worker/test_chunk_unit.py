@@ -38,10 +38,10 @@ def test_a_result_that_cannot_be_stored_fails_its_request_and_the_job_goes_on(tm
     settings, job_id, ids = _job(tmp_path, 3)
     real = store.record_result
 
-    def refuse_second(s, request_id, output, worker):
+    def refuse_second(s, request_id, output, worker, **kw):
         if request_id == ids[1]:
             raise sa_exc.DataError("INSERT ...", {}, ValueError("text fields cannot contain NUL"))
-        return real(s, request_id, output, worker)
+        return real(s, request_id, output, worker, **kw)
 
     monkeypatch.setattr(store, "record_result", refuse_second)
     report = process_chunk(settings, FakeEngine(), ids, "w1")

@@ -38,10 +38,10 @@ def test_request_fault_is_invalid_request_and_storage_fault_is_server_error(tmp_
     settings, job_id, ids = _job(tmp_path, 3)
     real = store.record_result
 
-    def refuse_last(s, request_id, output, worker):
+    def refuse_last(s, request_id, output, worker, **kw):
         if request_id == ids[2]:
             raise sa_exc.DataError("INSERT ...", {}, ValueError("text fields cannot contain NUL"))
-        return real(s, request_id, output, worker)
+        return real(s, request_id, output, worker, **kw)
 
     monkeypatch.setattr(store, "record_result", refuse_last)
     # one id per call: the fake engine fails the first request of each call

@@ -1,7 +1,7 @@
 """results: time by batch size and speculative steps (what the throughput autopilot chose)
 
 Revision ID: 0005
-Revises: 0004 (assigned "0001"; chained after 0004 once main had it)
+Revises: 0003 (assigned "0001"; chained after main's last revision at the merge)
 Create Date: 2026-11-30
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0005"
-down_revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

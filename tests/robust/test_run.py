@@ -1,0 +1,167 @@
+"""`specbatch run`: Ctrl-C, models that fail to load, exit statuses (#16 items 2, 3, 4)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+from specbatch.config import get_settings
+
+N = 40   # prompts: enough that Ctrl-C lands mid-job, few enough to resume quickly
+EXE = str(Path(sys.executable).parent / "specbatch")
+
+
+def _prompts(path: Path, n: int, max_tokens: int) -> Path:
+    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"word {i} and", "max_tokens": max_tokens})
+                            + "\n" for i in range(n)))
+    return path
+
+
+def _db(url: str):
+    from specbatch.db import session_factory
+
+    return session_factory(url)
+
+
+def _counts(url: str) -> tuple[int, dict[str, int]]:
+    from sqlalchemy import func, select
+
+    from specbatch.db.models import Request, Result
+
+    with _db(url).begin() as s:
+        results = s.scalar(select(func.count()).select_from(Result)) or 0
+        by = dict(s.execute(select(Request.status, func.count()).group_by(Request.status)).all())
+    return results, {getattr(k, "value", k): v for k, v in by.items()}
+
+
+def _start_run(tmp_path: Path, env: dict[str, str], models: Path, *extra: str) -> subprocess.Popen:
+    prompts = _prompts(tmp_path / "p.jsonl", N, 48)
+    return subprocess.Popen([EXE, "run", str(prompts), "--target", str(models / "llama"),
+                             "--draft", str(models / "llama-partial"), *extra],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_results(url: str, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if _counts(url)[0] >= n:
+                return
+        except Exception:   # the database is not created yet
+            pass
+        time.sleep(0.2)
+    raise AssertionError("no results in time")
+
+
+def _env(tmp_path: Path) -> tuple[dict[str, str], str]:
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    return {**os.environ, "SPECBATCH_DATABASE_URL": url, "OMP_NUM_THREADS": "1",
+            "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}, url
+
+
+def test_ctrl_c_stops_keeps_results_releases_claims_and_resume_finishes(tmp_path: Path, tiny_models: Path) -> None:
+    env, url = _env(tmp_path)
+    proc = _start_run(tmp_path, env, tiny_models)
+    _wait_results(url, 3, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "--resume" in err
+    results, by = _counts(url)
+    assert results >= 3 and by.get("completed", 0) == results
+    assert by.get("running", 0) == 0                      # claims released
+    assert by.get("pending", 0) > 0 and results + by["pending"] == N
+    from specbatch.db.models import Request
+
+    with _db(url).begin() as s:                            # a released claim costs no attempt
+        assert all(r.attempts == 0 for r in s.query(Request).filter_by(status="pending"))
+    get_settings.cache_clear()
+    listing = CliRunner().invoke(cli, ["jobs", "--json"], env={"SPECBATCH_DATABASE_URL": url})
+    job = json.loads(listing.output)[0]
+    assert job["status"] == "interrupted", job
+    resumed = subprocess.run([EXE, "run", "--resume", job["id"][:6], "--json"], env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads(resumed.stdout)["status"] == "completed"
+    results, by = _counts(url)
+    assert results == N and by == {"completed": N}
+
+
+def test_second_ctrl_c_exits_at_once_and_resume_without_broker_finishes(tmp_path: Path,
+                                                                         tiny_models: Path) -> None:
+    env, url = _env(tmp_path)
+    proc = _start_run(tmp_path, env, tiny_models, "--batch-size", "4")
+    _wait_results(url, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err
+    get_settings.cache_clear()
+    job_id = json.loads(CliRunner().invoke(cli, ["jobs", "--json"],
+                                           env={"SPECBATCH_DATABASE_URL": url}).output)[0]["id"]
+    # `resume` of a `run` job needs no broker (there is none) and takes back the dead run's leases
+    resumed = subprocess.run([EXE, "resume", job_id], env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    results, by = _counts(url)
+    assert results == N and by == {"completed": N}
+
+
+@pytest.mark.parametrize("case", ["unknown", "other-vocabulary", "cuda", "dtype"])
+def test_model_that_cannot_load_leaves_no_job(tmp_path: Path, tiny_models: Path, case: str,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    args = {"unknown": ["--target", "no-such-model"],
+            "other-vocabulary": ["--target", str(tiny_models / "llama"), "--draft", str(tiny_models / "gpt2-bad")],
+            "cuda": ["--target", str(tiny_models / "llama"), "--device", "cuda:7"],
+            "dtype": ["--target", str(tiny_models / "llama"), "--dtype", "float8"]}[case]
+    if case == "other-vocabulary":
+        _other_vocabulary_model(tiny_models, tmp_path / "other")
+        args[-1] = str(tmp_path / "other")
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path / "p.jsonl", 2, 4)), *args])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert result.output.strip().splitlines()[-1].startswith("Error: ")
+    assert not (tmp_path / "db.sqlite").exists() or _counts(url)[1] == {}
+
+
+def _other_vocabulary_model(models: Path, out: Path) -> None:
+    """The tiny llama with a tokenizer that maps ids differently (a draft of another family)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if out.exists():
+        return
+    shutil.copytree(models / "llama", out)
+    tok = AutoTokenizer.from_pretrained(out)
+    tok.add_tokens([f"extra{i}" for i in range(40)])
+    model = AutoModelForCausalLM.from_pretrained(out)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def test_exit_status_follows_the_job(tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    target = ["--target", str(tiny_models / "llama")]
+    too_long = {"prompt": "x", "max_tokens": 100_000}       # exceeds the context: fails on its own
+    ok = {"prompt": "a b", "max_tokens": 3}
+    cases = {"failed": ([too_long, too_long], 1), "partial": ([ok, too_long], 3), "ok": ([ok], 0)}
+    for name, (lines, code) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+        get_settings.cache_clear()
+        result = CliRunner().invoke(cli, ["run", str(path), *target, "--json"])
+        assert result.exit_code == code, (name, result.output)
