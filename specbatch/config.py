@@ -11,7 +11,7 @@ import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
@@ -30,6 +30,10 @@ def _user_dir(xdg_var: str, fallback: str) -> Path:
 
 def _default_database_url() -> str:
     return f"sqlite:///{_user_dir('XDG_DATA_HOME', '.local/share') / 'specbatch.db'}"
+
+
+def _default_files_dir() -> str:
+    return str(_user_dir("XDG_DATA_HOME", ".local/share") / "files")
 
 
 def _default_cache_dir() -> str:
@@ -57,6 +61,7 @@ class Settings(BaseSettings):
     max_memory: str = ""                  # KV cache + activations budget, e.g. "8GiB"; "": a share of free
     threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers
     local_workers: Positive = 1           # worker processes started together on this machine
+    compile: Literal["auto", "on", "off"] = "auto"   # compiled forward (docs/COMPILE.md)
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = Field(default=5555, ge=1, le=65535)
@@ -66,6 +71,9 @@ class Settings(BaseSettings):
     breaker_max_backoff: float = Field(default=60.0, gt=0)  # seconds between outage probes, at most
     target_failure_limit: Positive = 3    # consecutive target (engine) failures before unhealthy
     ready_dir: str = ""                   # worker readiness files (default: a tmp dir per user)
+    api_keys: str = Field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
+    files_dir: str = Field(default_factory=_default_files_dir)  # the HTTP API's uploads and outputs
+    max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
 
     @field_validator("database_url")
     @classmethod
@@ -100,6 +108,10 @@ class Settings(BaseSettings):
         if env is not None:
             return init_settings, _MappingEnvSource(settings_cls, env)
         return init_settings, env_settings
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        return tuple(k.strip() for k in self.api_keys.split(",") if k.strip())
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

@@ -10,6 +10,10 @@ import pytest
 from specbatch.config import get_settings
 from tests.tiny import build_tiny_models
 
+# Compiling takes minutes on a small CPU: every process the tests start (workers, `specbatch run`)
+# decodes eagerly unless a test asks otherwise; tests/engine/test_compiled.py compiles on purpose.
+os.environ.setdefault("SPECBATCH_COMPILE", "off")
+
 
 @pytest.fixture(scope="session")
 def tiny_models() -> Path:

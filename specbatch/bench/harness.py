@@ -15,6 +15,7 @@ Order of work in ``run_bench``:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import platform
 import time
@@ -33,6 +34,7 @@ from specbatch.engine.loading import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 
 NGRAM = "ngram"
+COMPILED_TARGET = "target[compiled]"
 Progress = Callable[[str, int, int], None]   # (what, done, total)
 
 
@@ -57,6 +59,7 @@ class BenchOptions:
     random_weights: bool = False
     cost_repeats: int = 7
     quick: bool = False
+    compile: str = "off"                       # on: ours through the compiled forward (docs/COMPILE.md)
 
     @classmethod
     def quick_defaults(cls, **overrides: Any) -> BenchOptions:
@@ -90,6 +93,8 @@ def plan_configs(opts: BenchOptions, drafters: list[str]) -> list[Config]:
     models = [d for d in drafters if d != NGRAM]
     sn = short_name
     out = [Config("target", "target", "baseline")]
+    if opts.compile == "on":   # the compiled target alone: the reference ours must equal exactly
+        out.append(Config(COMPILED_TARGET, "target-compiled", "baseline"))
     for d in models:
         for s in opts.hf_settings:
             out.append(Config(f"hf-assisted[{sn(d)},{s}]", "hf-assisted", "baseline", (d,), hf_setting=s))
@@ -261,6 +266,9 @@ def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str,
     for cfg in configs:
         if cfg.kind == "target":
             runners[cfg.name] = HFRunner(target)
+        elif cfg.kind == "target-compiled":
+            engines[cfg.name] = Engine(target)   # no drafter: plain decoding through target.forward
+            runners[cfg.name] = EngineRunner(engines[cfg.name], gamma=0, adaptive=False)
         elif cfg.kind == "hf-assisted":
             runners[cfg.name] = HFRunner(target, drafts[cfg.drafters[0]],
                                          HF_ASSISTED_SETTINGS[cfg.hf_setting or "default"])
@@ -282,6 +290,23 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     t_start = time.perf_counter()
     say("loading models", 0, 1)
     target, drafts = load_models(opts)
+    compile_plan = None
+    if opts.compile == "auto":   # a bench is short: compile only when the on-disk cache holds it
+        from specbatch.config import get_settings
+        from specbatch.engine.compiled import is_cached
+
+        cache_dir = opts.cache_dir or get_settings().cache_dir
+        hit = all(is_cached(m, cache_dir) for m in [target, *drafts.values()] if m.compiled is None
+                  and not m.info.get("int8"))
+        opts = dataclasses.replace(opts, compile="on" if hit else "off")
+    if opts.compile == "on":
+        from specbatch.config import get_settings
+        from specbatch.engine.compiled import prepare
+
+        say("compiling the forward (minutes on a small CPU)", 0, 1)
+        compile_plan = prepare(target, list(drafts.values()), mode="on",
+                               batch_size=max(opts.batch_sizes, default=1),
+                               cache_dir=opts.cache_dir or get_settings().cache_dir)
     drafter_names = list(drafts) + ([NGRAM] if opts.ngram else [])
     configs = plan_configs(opts, drafter_names)
     encoder = Engine(target)
@@ -299,13 +324,15 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     k_max = max([g + 1 for g in opts.gamma_grid] + [5])
     prefix = (ids[0] + [t for x in ids for t in x])[: len(ids[0]) + n // 2]
     sampler = CostSampler(target.model, {name: lm.model for name, lm in drafts.items()}, target.device,
-                          prefix, range(1, k_max + 1))
+                          prefix, range(1, k_max + 1),
+                          compiled_target=target if target.compiled is not None else None)
     sampler.sample()   # warm-up of the timers (discarded)
     sampler.samples = {key: [] for key in sampler.samples}
 
     # interleaved timed runs: for each repeat, for each prompt, every configuration in turn
     accs = {cfg.name: _Acc() for cfg in configs}
     reference: list[list[int] | None] = [None] * len(prompts)
+    compiled_ref: list[list[int] | None] = [None] * len(prompts)   # ours run through it
     total, done = opts.repeats * len(prompts) * len(configs), 0
     for r in range(opts.repeats):
         for pi, prompt_ids in enumerate(ids):
@@ -321,7 +348,10 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
                     continue
                 if cfg.kind == "target" and reference[pi] is None:
                     reference[pi] = out.tokens
-                ref = reference[pi]
+                if cfg.kind == "target-compiled" and compiled_ref[pi] is None:
+                    compiled_ref[pi] = out.tokens
+                ref = compiled_ref[pi] if cfg.kind == "ours" and compiled_ref[pi] is not None \
+                    else reference[pi]
                 if ref is not None and out.tokens != ref:
                     acc.mismatches.append({"prompt": prompts[pi].id, "repeat": r,
                                            "first_difference": first_difference(out.tokens, ref),
@@ -349,6 +379,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
     if throughput:
         warnings += [f"throughput B={t['batch_size']} target (HF padded batch): {m}"
                      for t in throughput if t["mode"] == "target" for m in t["mismatches"]]
+        warnings += [f"throughput B={t['batch_size']} plain compiled vs the eager target (near-tie): {m}"
+                     for t in throughput if t["mode"] == "plain" for m in t["mismatches"]]
     return {
         "target": target.name, "drafters": drafter_names,
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.__dict__.items()},
@@ -358,6 +390,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
                         "device": str(target.device), "threads": torch.get_num_threads(),
                         "machine": platform.machine()},
         "costs": costs.to_dict(),
+        "compile": _compile_summary(compile_plan, opts),
         "configs": result_configs,
         "throughput": throughput,
         "best_hf_assisted": _best_hf(result_configs),
@@ -366,6 +399,16 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         "identical": not failures,
         "seconds": time.perf_counter() - t_start,
     }
+
+
+def _compile_summary(plan: Any, opts: BenchOptions) -> dict[str, Any] | None:
+    """This start's compile time and whether the on-disk cache held the graphs; the first start's
+    time (kept beside the cache) per model."""
+    if plan is None:
+        return None
+    out: dict[str, Any] = plan.to_dict()
+    out["this_start_cached"] = all(r.cached for r in plan.models)
+    return out
 
 
 def _best_hf(configs: list[dict[str, Any]]) -> str | None:
@@ -430,7 +473,12 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     models = [drafts[first]] if first and first != NGRAM else []
     engine = Engine(target, models, ngram=first == NGRAM)
     spec = EngineRunner(engine)
-    order = [(b, mode) for b in opts.batch_sizes for mode in ("speculative", "target")]
+    compiled = target.compiled is not None
+    # compiled: plain batched decoding through the compiled forward too; ours must equal it exactly
+    plain = EngineRunner(Engine(target), gamma=0, adaptive=False) if compiled else None
+    modes = ("plain", "speculative", "target") if compiled else ("speculative", "target")
+    order = [(b, mode) for b in opts.batch_sizes for mode in modes]
+    plain_outs: dict[int, list[list[int] | Exception]] = {}
     reference: list[list[int]] | None = None
     if 1 in opts.batch_sizes:   # the target at B=1 is the reference: run it first, timed
         order.remove((1, "target"))
@@ -442,8 +490,12 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     rows: list[dict[str, Any]] = []
     for i, (b, mode) in enumerate(order):
         say(f"throughput B={b} {mode}", i, len(order))
-        if mode == "speculative":
-            outs, seconds = spec.batch(ids, n, batch_size=b)
+        if mode in ("speculative", "plain"):
+            runner = spec if mode == "speculative" else plain
+            assert runner is not None
+            outs, seconds = runner.batch(ids, n, batch_size=b)
+            if mode == "plain":
+                plain_outs[b] = outs
         else:
             outs, seconds = [], 0.0
             for s in range(0, len(ids), b):
@@ -454,7 +506,10 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
             reference = [o if isinstance(o, list) else [] for o in outs]
         mism: list[str] = []
         tokens = 0
-        for p, out, ref in zip(prompts, outs, reference, strict=True):
+        refs = reference
+        if mode == "speculative" and b in plain_outs:   # same forward, same batch size
+            refs = [o if isinstance(o, list) else [] for o in plain_outs[b]]
+        for p, out, ref in zip(prompts, outs, refs, strict=True):
             if isinstance(out, Exception):
                 mism.append(f"{p.id}: {type(out).__name__}: {out}")
                 continue
@@ -464,7 +519,8 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
         rows.append({"batch_size": b, "mode": mode, "prompts": len(ids), "new_tokens": tokens,
                      "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None,
                      "identical": not mism, "mismatches": mism,
-                     "drafters": [first] if mode == "speculative" and first else []})
+                     "drafters": [first] if mode == "speculative" and first else [],
+                     "compiled": compiled and mode != "target"})
     rows.sort(key=lambda r: (opts.batch_sizes.index(r["batch_size"]), r["mode"] != "speculative"))
     base = {r["mode"]: r["tokens_per_second"] for r in rows if r["batch_size"] == opts.batch_sizes[0]}
     for r in rows:

@@ -50,6 +50,21 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
         lines.append(f"| {k} | {ms:.1f} | {costs['verify_ratio'][k]:.2f} |")
     for name, ms in costs["draft_step_ms"].items():
         lines.append(f"| draft {name} | {ms:.1f} | c = {costs['c'][name]:.3f} |")
+    if costs.get("compiled_step_ms"):
+        lines += ["", "Through the compiled forward (timed alternately with the eager T(k) above):", "",
+                  "| k | eager T(k) ms | compiled T(k) ms | compiled T(k)/T(1) | compiled / eager |",
+                  "|---:|---:|---:|---:|---:|"]
+        for k, ms in costs["compiled_step_ms"].items():
+            lines.append(f"| {k} | {costs['target_step_ms'][k]:.1f} | {ms:.1f} "
+                         f"| {costs['compiled_verify_ratio'][k]:.2f} | {costs['compiled_vs_eager'][k]:.2f} |")
+    comp = result.get("compile")
+    if comp:
+        lines += ["", f"Compiling ({'cached' if comp['this_start_cached'] else 'first start'}): "
+                  f"{comp['seconds']:.0f} s this start; {comp['reason']}.", "",
+                  "| model | this start s | first start s | cached | graphs |", "|---|---:|---:|---|---|"]
+        for m in comp["models"]:
+            lines.append(f"| {m['model']} | {m['seconds']:.0f} | {_f(m['first_start_seconds'], '.0f')} "
+                         f"| {m['cached']} | {', '.join(f'{k} {v:.0f}s' for k, v in m['graphs'].items())} |")
     width = max((len(c["accepted_per_position"]) for c in result["configs"]), default=0)
     if width:
         width = min(width, 10)

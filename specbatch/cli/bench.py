@@ -47,6 +47,9 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
               help="Random-weight models of the same shapes (speed only); adds a self-draft for acceptance.")
 @click.option("--threads", type=int, default=None,
               help="torch CPU threads (default: torch's choice); 1 helps on a busy shared machine.")
+@click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
+              help="on: ours (and a target[compiled] reference) through the compiled forward, T(k) compiled vs "
+                   "eager interleaved, compile time reported; auto: on when the compile cache holds it.")
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
 @click.option("--telemetry", is_flag=True,
               help="Instead: the worker's chunk loop with tracing + metrics on vs off, interleaved "
@@ -55,7 +58,7 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
               help="Job mode: this whole prompt file end to end per configuration (ours-auto, ours at fixed "
                    "B with and without speculation, HF generate at the same B, HF assisted at B=1).")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
-          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry,
+          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_,
           job_file) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
@@ -92,6 +95,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
         "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None,
         "random_weights": random_weights, "throughput_prompts": throughput_prompts,
         "batch_sizes": _ints(batch_sizes, "--batch-sizes") or (),
+        "compile": compile_,
     }
     for key, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens),
                        ("repeats", repeats), ("gamma_grid", _ints(gamma_grid, "--gamma-grid"))):

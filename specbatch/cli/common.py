@@ -50,3 +50,19 @@ def echo_json(data: Any) -> None:
 def warn(message: str) -> None:
     """A warning for people, on stderr (never mixed into --json output); credentials masked."""
     click.secho(f"warning: {mask(message)}", err=True, fg="yellow")
+
+
+def compile_option(f: Any) -> Any:
+    """--compile auto|on|off (default: SPECBATCH_COMPILE, itself auto). See docs/COMPILE.md."""
+    return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default=None,
+                        help="Compiled forward: on, off, or auto (when the job repays compiling) "
+                             "[default: SPECBATCH_COMPILE or auto].")(f)
+
+
+def report_compile(plan: Any) -> None:
+    """One stderr line on what compiling cost (a failure was already logged once as a warning)."""
+    if plan is None or not plan.enabled:
+        return
+    cached = all(m.cached for m in plan.models)
+    click.echo(f"specbatch: compiled forward ready in {plan.seconds:.0f}s "
+               f"({'cached' if cached else 'first start'}; {plan.reason})", err=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from specbatch.cli.common import echo_json
+from specbatch.cli.common import compile_option, echo_json, report_compile
 from specbatch.config import get_settings
 
 
@@ -25,9 +25,10 @@ from specbatch.config import get_settings
 @click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default from settings).")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16.")
+@compile_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fixed_gamma, temperature,
-             top_p, top_k, seed, stop, device, dtype, as_json) -> None:
+             top_p, top_k, seed, stop, device, dtype, compile_, as_json) -> None:
     """Generate for one prompt with speculative decoding.
 
     \b
@@ -47,7 +48,9 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
                               adaptive=not fixed_gamma).validate()
     engine = Engine.load(target or settings.default_target, list(drafts), ngram=ngram,
                          device=device or settings.device, dtype=dtype or settings.dtype,
-                         cache_dir=settings.cache_dir)
+                         cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
+                         expected_new_tokens=max_new_tokens)
+    report_compile(engine.compile_plan)
     msgs = [{"role": "user", "content": m} for m in messages] if messages else None
     out = engine.generate(prompt=prompt, messages=msgs, params=params)
     if as_json:

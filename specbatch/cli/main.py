@@ -17,6 +17,7 @@ COMMAND_MODULES = {
     "specbatch.cli.jobs": ("jobs", "status", "export", "cancel", "retry", "db"),
     "specbatch.cli.queue": ("submit", "run", "worker", "resume", "flower"),
     "specbatch.cli.bench": ("bench",),
+    "specbatch.cli.serve": ("serve",),
 }
 
 

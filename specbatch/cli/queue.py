@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.cli.common import compile_option, echo_json, open_db, report_compile, warn
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
@@ -49,9 +49,10 @@ def sampling_options(f: Any) -> Any:
 def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
     if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
         return target or settings.default_target, []
-    if target is None and not drafts:
-        return settings.default_target, [settings.default_draft]
-    return target or settings.default_target, list(drafts)
+    from specbatch.worker.submission import Pair
+
+    pair = Pair.resolve(settings, target, drafts)
+    return pair.target, pair.drafts
 
 
 def _defaults(max_new_tokens: int | None, temperature: float | None, top_p: float | None,
@@ -84,21 +85,17 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str], n
                 ) -> tuple[str, dict[Any, list[int]]]:
     """Validate (unless ``parsed`` already is) and store the file as a job; returns its id and its
     pending request ids per pair."""
-    from specbatch.jobs import store
+    from specbatch.worker.submission import Pair, store_job
 
     if parsed is None:
         parsed = _read_file(settings, file, defaults, model_map)
         for line in parsed.warnings(target):
             warn(line)
-    factory = open_db(settings)
-    with factory.begin() as s:
-        job = store.create_job(s, target=target, drafts=drafts, ngram=ngram, params=defaults,
-                               requests=parsed.requests, queue=queue,
-                               source="<stdin>" if file == "-" else str(Path(file).resolve()),
-                               metadata=metadata)
-        job_id = job.id
-        routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id))
-    return job_id, routes
+    pair = Pair(target, drafts, ngram)
+    assert pair.queue == queue, (pair.queue, queue)
+    with open_db(settings).begin() as s:
+        return store_job(s, parsed, pair=pair, defaults=defaults,
+                         source="<stdin>" if file == "-" else str(Path(file).resolve()), metadata=metadata)
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:
@@ -284,6 +281,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @throughput_options
+@compile_option
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
@@ -291,7 +289,8 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
               help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
            batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
-           hostname: str | None, loglevel: str, pool: str, metrics_port: int | None) -> None:
+           compile_: str | None, hostname: str | None, loglevel: str, pool: str,
+           metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
     Both models load before the worker consumes; start one worker per GPU.
@@ -314,7 +313,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
-                                  hostname=hostname, loglevel=loglevel, pool=pool,
+                                  compile=compile_ or settings.compile, hostname=hostname,
+                                  loglevel=loglevel, pool=pool,
                                   metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
         raise ModelLoadError(f"worker not started, cannot load models: {load_error}")
@@ -360,6 +360,7 @@ EXIT_INTERRUPTED = 130
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
 @throughput_options
+@compile_option
 @click.option("--resume", "resume_job", metavar="JOB", default=None,
               help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
@@ -367,7 +368,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
         seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
         batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
-        resume_job: str | None, as_json: bool) -> None:
+        compile_: str | None, resume_job: str | None, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -423,7 +424,9 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
             warn(line)
         # the models before the job: a pair that cannot load leaves no job behind (a --model-map
         # route that cannot load later fails its own requests, with the reason)
-        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch, tp.max_memory)
+        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
+                              compile_ or settings.compile, tp.max_memory,
+                              sum(int(r.params.get("max_new_tokens") or 0) for r in parsed.requests))
         job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
                                      queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
                                      metadata={"embedded": True})
@@ -440,7 +443,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                     del engine
                     try:
                         engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
-                                              device, dtype, batch, tp.max_memory)
+                                              device, dtype, batch, compile_ or settings.compile, tp.max_memory,
+                                              _expected_tokens(settings, job_id, ids))
                     except SpecBatchError as e:
                         if resume_job is not None and len(routes) == 1:
                             raise
@@ -474,19 +478,23 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 
 
 def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
-                 device: str | None, dtype: str | None, batch: int | str, max_memory: int | None = None) -> Any:
+                 device: str | None, dtype: str | None, batch: int | str, compile_mode: str = "off",
+                 max_memory: int | None = None, expected_new_tokens: int | None = None) -> Any:
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
     with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
         try:
-            return Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
-                               dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                               batch_size=batch, max_memory=max_memory)
+            engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
+                                 dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
+                                 batch_size=batch, compile=compile_mode, max_memory=max_memory,
+                                 expected_new_tokens=expected_new_tokens)
         except SpecBatchError:
             raise
         except Exception as e:   # a loader bug must still be one line, and leave no job behind
             raise ModelLoadError(f"cannot load {target}: {type(e).__name__}: {e}") from e
+    report_compile(engine.compile_plan)
+    return engine
 
 
 def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:
@@ -557,3 +565,11 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
     Console().print(table)
     click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")
+
+
+def _expected_tokens(settings: Settings, job_id: str, request_ids: list[int]) -> int:
+    """These requests' token budget (sum of max_new_tokens): what auto compile weighs compiling by."""
+    from specbatch.jobs import store
+
+    with open_db(settings, readonly=True).begin() as s:
+        return store.expected_new_tokens(s, job_id, request_ids)

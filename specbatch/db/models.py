@@ -195,6 +195,9 @@ class Result(Base):
     acceptance_rate: Mapped[float] = mapped_column(Float, default=0.0)
     mean_acceptance_length: Mapped[float] = mapped_column(Float, default=0.0)
     accepted_per_position: Mapped[list[float]] = mapped_column(JSONType, default=list)
+    # counts for counters summed across results (the API's /metrics); NULL on rows written before 0006
+    draft_steps: Mapped[int | None] = mapped_column(Integer)
+    accepted_at_position: Mapped[list[int] | None] = mapped_column(JSONType)
     target_forwards: Mapped[int] = mapped_column(Integer, default=0)
     draft_forwards: Mapped[int] = mapped_column(Integer, default=0)
     draft_seconds: Mapped[float] = mapped_column(Float, default=0.0)
@@ -208,10 +211,9 @@ class Result(Base):
     target: Mapped[str | None] = mapped_column(String(512))
     drafts: Mapped[list[str] | None] = mapped_column(JSONType)
     lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    # what the throughput autopilot chose (GenerationStats.batch_size_seconds, draft_steps)
+    # what the throughput autopilot chose (GenerationStats.batch_size_seconds)
     batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
                                                                  server_default=sql_text("'{}'"))
-    draft_steps: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # who and when
     worker: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
@@ -219,6 +221,45 @@ class Result(Base):
     latency_seconds: Mapped[float] = mapped_column(Float)        # finished_at - started_at
 
     request: Mapped[Request] = relationship(back_populates="result", lazy="raise")
+
+
+class ApiFile(Base):
+    """A file of the HTTP API (OpenAI Files): an uploaded batch input, or a batch's output/error file.
+    The bytes live in ``settings.files_dir`` under the id; this row is the index."""
+
+    __tablename__ = "api_files"
+    __table_args__ = (UniqueConstraint("batch_id", "kind"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    purpose: Mapped[str] = mapped_column(String(32))            # "batch" | "batch_output"
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    lines: Mapped[int] = mapped_column(Integer)                 # non-blank lines
+    sha256: Mapped[str] = mapped_column(String(64))
+    batch_id: Mapped[str | None] = mapped_column(String(64))    # set on a batch's output/error file
+    kind: Mapped[str | None] = mapped_column(String(16))        # "output" | "error" for those
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+
+
+class ApiBatch(Base):
+    """A batch of the HTTP API (OpenAI Batches): the job it created (none if its file was invalid)."""
+
+    __tablename__ = "api_batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    meta: Mapped[dict[str, Any]] = mapped_column("metadata", JSONType, default=dict)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)   # validation errors
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    finalized_at: Mapped[datetime | None] = mapped_column(UTCDateTime)   # output files written
 
 
 STATS_COLUMNS = (

@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 
+from specbatch.config import get_settings
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
 from specbatch.engine.chat import template_messages
+from specbatch.engine.compiled import CompilePlan
+from specbatch.engine.compiled import prepare as prepare_compiled
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
@@ -51,17 +54,26 @@ class Engine:
         self.costs: dict[int, CostModel] = {}
         self.autopilot: Autopilot | None = None   # kept across calls: what it measured stays true
         self.memory: MemoryBudget | None = None
+        self.compile_plan: CompilePlan | None = None  # set by load (compiled forward or not, why)
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
-             max_memory: int | None = None) -> Engine:
+             max_memory: int | None = None, compile: str = "off",
+             expected_new_tokens: int | None = None) -> Engine:
+        """Load the models; ``compile`` (auto / on / off) compiles them before returning
+        (``expected_new_tokens``: the job's size, for auto; None means a long-lived worker).
+        With batch_size "auto" the compile decision plans for ``planned_batch_size()`` rows."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
-        return cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
-                   batch_size=batch_size, max_memory=max_memory)
+        engine = cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
+                     batch_size=batch_size, max_memory=max_memory)
+        engine.compile_plan = prepare_compiled(
+            t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
+            cache_dir=cache_dir or get_settings().cache_dir, expected_new_tokens=expected_new_tokens)
+        return engine
 
     @property
     def target_name(self) -> str:

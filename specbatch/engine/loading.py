@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from specbatch.config import get_settings
+from specbatch.engine.compiled import CompiledForward
 from specbatch.errors import DeviceError, ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -79,15 +80,37 @@ class LoadedModel:
     max_positions: int | None
     load_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+    compiled: CompiledForward | None = None     # set by compiled.install
 
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
-        """One forward with a KV cache (the cache keyword was renamed within transformers 5.x)."""
-        return self.model(input_ids=input_ids, use_cache=True, **{_cache_kwarg(self.model): cache},
-                          **kwargs)
+        """One forward with a KV cache (the cache keyword was renamed within transformers 5.x).
+
+        Compiled when a compiled forward is installed and the cache is not empty; eager otherwise
+        (and for good once compiling failed, after one warning).
+        """
+        kwarg = _cache_kwarg(self.model)
+        compiled = self.compiled
+        if compiled is not None:
+            n_cached = int(cache.get_seq_length()) if cache is not None else 0
+            if compiled.eligible(input_ids, n_cached):
+                try:
+                    return compiled(input_ids, cache, kwarg, n_cached, **kwargs)
+                except Exception as e:  # noqa: BLE001 - a compiler failure: warn once, go eager
+                    if not _is_compile_error(e):
+                        raise
+                    compiled.fail(e)
+        return self.model(input_ids=input_ids, use_cache=True, **{kwarg: cache}, **kwargs)
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.get_text_config().vocab_size)
+
+
+def _is_compile_error(e: BaseException) -> bool:
+    """A failure of dynamo/inductor (or the C++ toolchain under it), not of the model's inputs."""
+    mod = type(e).__module__
+    return mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "subprocess")) or \
+        isinstance(e, (OSError, ImportError))
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -119,7 +119,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             "batch_size_share": {str(k): v / size_total for k, v in sorted(by_size.items())}
                                 if size_total else {},
             "batch_size_seconds": {str(k): v for k, v in sorted(by_size.items())},
-            "speculative_step_share": _ratio(sum(r.draft_steps for r in rows), steps),
+            "speculative_step_share": _ratio(sum(r.draft_steps or 0 for r in rows), steps),
             "decode_tokens_per_second": _ratio(tokens, size_total),
         },
         "pool_wins": dict(sorted(pool_wins.items())),

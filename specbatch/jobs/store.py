@@ -369,13 +369,14 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "accepted_tokens": st.accepted_tokens, "acceptance_rate": _finite(st.acceptance_rate),
         "mean_acceptance_length": _finite(st.mean_acceptance_length),
         "accepted_per_position": [_finite(x) for x in st.accepted_per_position],
+        "draft_steps": int(st.draft_steps),
+        "accepted_at_position": [int(x) for x in st.accepted_at_position],
         "target_forwards": st.target_forwards, "draft_forwards": st.draft_forwards,
         "draft_seconds": _finite(st.draft_seconds), "verify_seconds": _finite(st.verify_seconds),
         "wall_seconds": _finite(st.wall_seconds), "tokens_per_second": _finite(st.tokens_per_second),
         "pool_wins": {str(k): int(v) for k, v in st.pool_wins.items()}, "final_gamma": st.final_gamma,
         "speculation_disabled": bool(st.speculation_disabled), "worker": worker,
         "batch_size_seconds": {str(k): _finite(v) for k, v in st.batch_size_seconds.items()},
-        "draft_steps": int(st.draft_steps),
         "started_at": started, "finished_at": now, "latency_seconds": latency,
         "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),
         "lossy": bool((models or {}).get("lossy", False)),
@@ -435,6 +436,15 @@ def job_summary(s: Session, job_id: str) -> dict[str, Any]:
     out["models"] = model_routes(s, job)
     out["stats"] = job_stats(s, job.id)
     return out
+
+
+def expected_new_tokens(s: Session, job_id: str, request_ids: Sequence[int] | None = None) -> int:
+    """The token budget of a job's requests (all, or these): the sum of their ``max_new_tokens``
+    (what auto compile weighs compiling by)."""
+    q = select(Request.params).where(Request.job_id == job_id)
+    if request_ids is not None:
+        q = q.where(Request.id.in_(list(request_ids)))
+    return sum(int((p or {}).get("max_new_tokens") or 0) for p in s.execute(q).scalars())
 
 
 def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:

@@ -46,7 +46,7 @@ def engine_spec(conf: Any) -> dict[str, Any]:
         return dict(spec)
     s = get_settings()
     return {"target": s.default_target, "drafts": [s.default_draft], "ngram": False,
-            "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size,
+            "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size, "compile": s.compile,
             "threads": s.threads or None}
 
 
@@ -59,7 +59,9 @@ def build_engine(spec: dict[str, Any]) -> Engine:
     return Engine.load(spec["target"], drafts=list(spec.get("drafts") or ()), ngram=bool(spec.get("ngram")),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
                        cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
-                       max_memory=spec.get("max_memory"))
+                       max_memory=spec.get("max_memory"),
+                       # a worker compiles while it warms up, before it consumes (auto: it is long-lived)
+                       compile=spec.get("compile") or "off")
 
 
 def get_engine(conf: Any) -> Engine:

@@ -20,7 +20,7 @@ ISSUE_COMMANDS = {"submit", "run", "worker", "status", "jobs", "export", "cancel
 # commands that report something, so they take --json ("db" is a group: its subcommands do)
 REPORTING = ("submit", "run", "status", "jobs", "export", "cancel", "retry", "resume", "generate",
              "models", "bench", "db upgrade", "db url")
-NOT_REPORTING = ("worker", "flower")  # long-running processes with their own logs
+NOT_REPORTING = ("worker", "flower", "serve")  # long-running processes with their own logs
 
 
 def _all_commands() -> list[str]:

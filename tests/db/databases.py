@@ -69,7 +69,7 @@ def pg_database(pg_server: str) -> Iterator[str]:
 
 def empty_tables(url: str) -> None:
     with get_engine(url).begin() as conn:
-        conn.execute(text("TRUNCATE results, requests, jobs"))
+        conn.execute(text("TRUNCATE api_batches, api_files, results, requests, jobs"))
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -1,7 +1,7 @@
-"""results: time by batch size and speculative steps (what the throughput autopilot chose)
+"""results: time by batch size (what the throughput autopilot chose)
 
 Revision ID: 0005
-Revises: 0003 (assigned "0001"; chained after main's last revision at the merge)
+Revises: 0006 (assigned "0001"; chained after main's last revision at the merge)
 Create Date: 2026-11-30
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0005"
-down_revision = "0003"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
@@ -25,9 +25,7 @@ JSON = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 def upgrade() -> None:
     op.add_column("results", sa.Column("batch_size_seconds", JSON, nullable=False, server_default=sa.text("'{}'")))
-    op.add_column("results", sa.Column("draft_steps", sa.Integer(), nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
-    op.drop_column("results", "draft_steps")
     op.drop_column("results", "batch_size_seconds")

@@ -1,0 +1,109 @@
+"""The FastAPI app: ``create_app(settings)``; ``specbatch serve`` runs it under uvicorn.
+
+Routes are plain ``def`` where they touch the database (FastAPI runs them in its thread pool, so
+the event loop never waits on SQL); the upload is ``async`` because it streams the body.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request, Response
+from sqlalchemy.orm import sessionmaker
+
+from specbatch.config import Settings
+from specbatch.db import session_factory
+
+logger = logging.getLogger(__name__)
+
+MAX_JSON_BODY = 1 << 20
+
+
+class Finalizer:
+    """Writes finished batches' output files in the background, one batch at a time, each once
+    per process (a GET never waits for an export; the batch shows ``finalizing`` meanwhile)."""
+
+    def __init__(self, settings: Settings, factory: sessionmaker, reader: sessionmaker) -> None:
+        self.settings, self.factory, self.reader = settings, factory, reader
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-finalize")
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+
+    def schedule(self, batch_id: str) -> None:
+        with self._lock:
+            if batch_id in self._pending:
+                return
+            self._pending.add(batch_id)
+        self._pool.submit(self._run, batch_id)
+
+    def _run(self, batch_id: str) -> None:
+        from specbatch.jobs.batches import finalize
+
+        try:
+            finalize(self.settings, self.factory, self.reader, batch_id)
+        except Exception:
+            logger.exception("batch %s: writing the output files failed; the next read retries", batch_id)
+        finally:
+            with self._lock:
+                self._pending.discard(batch_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    factory: sessionmaker
+    reader: sessionmaker
+    finalizer: Finalizer
+    checks: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
+
+
+def state(request: Request) -> AppState:
+    return request.app.state.sb  # type: ignore[no-any-return]
+
+
+def create_app(settings: Settings) -> FastAPI:
+    from specbatch.api import batches, errors, files, health, metrics
+    from specbatch.api.auth import require_key
+    from specbatch.jobs.files import sweep_incoming
+
+    if swept := sweep_incoming(settings):
+        logger.warning("removed %d unfinished upload(s) left in %s/.incoming", swept, settings.files_dir)
+    factory = session_factory(settings.database_url)            # migrates the schema on first use
+    reader = session_factory(settings.database_url, readonly=True)
+    sb = AppState(settings, factory, reader, Finalizer(settings, factory, reader))
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        sb.finalizer.close()
+        sb.checks.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="specbatch", summary="OpenAI-compatible Batch API over specbatch's job queue",
+                  lifespan=lifespan)
+    app.state.sb = sb
+    errors.install(app)
+
+    @app.middleware("http")
+    async def bounded_bodies(request: Request, call_next: Any) -> Response:
+        # JSON bodies are small; only the upload streams (and bounds) a large one
+        length = request.headers.get("content-length", "")
+        if request.url.path != "/v1/files" and length.isdigit() and int(length) > MAX_JSON_BODY:
+            return errors.as_response(errors.ApiError(413, f"request bodies are at most {MAX_JSON_BODY} bytes"))
+        return await call_next(request)
+
+    keyed = [Depends(require_key)]
+    app.include_router(files.router, prefix="/v1", dependencies=keyed)
+    app.include_router(batches.router, prefix="/v1", dependencies=keyed)
+    app.include_router(metrics.router, dependencies=keyed)
+    app.include_router(health.router)
+    return app

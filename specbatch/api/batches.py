@@ -1,0 +1,152 @@
+"""OpenAI Batches: create, retrieve, list, cancel; and specbatch's ``/v1/batches/{id}/stats``.
+
+Creating a batch runs the CLI's own intake and submit path (jobs.intake + worker.submission) on
+the stored file; the batch row is written in the job's transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel
+from sqlalchemy.orm import Session
+
+from specbatch.api.app import AppState, state
+from specbatch.api.errors import BROKER_DOWN, ApiError
+from specbatch.api.files import page
+from specbatch.api.metadata import check_metadata, job_options
+from specbatch.db.models import ApiBatch
+from specbatch.errors import BrokerUnavailable, IntakeError
+from specbatch.jobs import batches, files, intake
+from specbatch.worker.enqueue import check_broker
+from specbatch.worker.submission import submit_job
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter(tags=["batches"])
+
+
+class CreateBatch(BaseModel):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    metadata: dict[str, Any] | None = None
+    output_expires_after: dict[str, Any] | None = None     # accepted; outputs are kept until deleted
+
+
+def _read(sb: AppState, s: Session, rows: list[ApiBatch]) -> tuple[list[dict[str, Any]], list[str]]:
+    """(Batch objects, []) and the output files of finished batches scheduled; or ([], ids of
+    batches past their window), to be expired first."""
+    jobs = batches.jobs_of(s, rows)
+    overdue = [b.id for b in rows if batches.is_overdue(b, jobs.get(b.job_id or ""))]
+    if overdue:
+        return [], overdue
+    for b in rows:
+        if batches.needs_finalizing(b, jobs.get(b.job_id or "")):
+            sb.finalizer.schedule(b.id)
+    return batches.batch_objects(s, rows, jobs), []
+
+
+def _expire(sb: AppState, batch_ids: list[str]) -> None:
+    for batch_id in batch_ids:
+        with sb.factory.begin() as s:
+            batches.expire(s, batch_id)
+    logger.info("expired %d batch(es) past their completion window", len(batch_ids))
+
+
+def _object(sb: AppState, batch_id: str) -> dict[str, Any]:
+    """The Batch object (one read; an overdue batch is expired first)."""
+    for _ in range(2):
+        with sb.reader.begin() as s:
+            objs, overdue = _read(sb, s, [batches.get_batch(s, batch_id)])
+        if not overdue:
+            return objs[0]
+        _expire(sb, overdue)
+    raise AssertionError(f"batch {batch_id} is still overdue after expiring it")
+
+
+@router.post("/batches")
+def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
+    sb = state(request)
+    if body.endpoint not in batches.ENDPOINTS:
+        raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
+                       param="endpoint")
+    if body.completion_window not in batches.COMPLETION_WINDOWS:
+        raise ApiError(400, f"completion_window must be one of {', '.join(batches.COMPLETION_WINDOWS)}",
+                       param="completion_window")
+    metadata = check_metadata(body.metadata)
+    options = job_options(metadata, sb.settings)
+    pair, defaults = options.pair, options.defaults
+    with sb.reader.begin() as s:
+        f = files.get_file(s, body.input_file_id)
+        purpose, filename = f.purpose, f.filename
+    if purpose != "batch":
+        raise ApiError(400, f"input file {body.input_file_id} has purpose {purpose!r}, not 'batch'",
+                       param="input_file_id")
+    check_broker(sb.settings, timeout=2.0)      # down: refuse before anything is written
+    batch_id = batches.new_batch_id()
+    fields: dict[str, Any] = {"batch_id": batch_id, "input_file_id": body.input_file_id, "endpoint": body.endpoint,
+              "completion_window": body.completion_window, "metadata": metadata}
+    path = files.file_path(sb.settings, body.input_file_id)
+    try:
+        with path.open("rb") as fp:
+            parsed = intake.read_stream(fp, filename, defaults, sb.settings, options.model_map)
+    except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
+        with sb.factory.begin() as s:
+            batches.create_batch(s, **fields, errors=batches.intake_errors(e))
+        return _object(sb, batch_id)
+    try:
+        submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
+                   source=f"{body.input_file_id} ({filename})", metadata={**metadata, "batch_id": batch_id},
+                   with_job=lambda s, job_id: batches.create_batch(s, **fields, job_id=job_id))
+    except BrokerUnavailable:
+        with sb.factory.begin() as s:     # nobody will run it: end it now rather than leave it queued
+            batches.fail(s, batch_id, [{"code": "broker_unavailable", "line": None, "param": None,
+                                        "message": BROKER_DOWN}])
+        raise
+    return _object(sb, batch_id)
+
+
+@router.get("/batches")
+def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
+    sb = state(request)
+    for _ in range(2):
+        with sb.reader.begin() as s:
+            rows, more = batches.list_batches(s, limit=limit, after=after)
+            data, overdue = _read(sb, s, rows)
+        if not overdue:
+            return page(data, more)
+        _expire(sb, overdue)
+    raise AssertionError("batches are still overdue after expiring them")
+
+
+@router.get("/batches/{batch_id}")
+def retrieve_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    return _object(state(request), batch_id)
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+    sb = state(request)
+    with sb.factory.begin() as s:
+        batches.cancel(s, batch_id)
+    return _object(sb, batch_id)
+
+
+@router.get("/batches/{batch_id}/stats")
+def batch_stats(request: Request, batch_id: str) -> dict[str, Any]:
+    """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
+    from specbatch.jobs import store
+
+    sb = state(request)
+    with sb.reader.begin() as s:
+        batch = batches.get_batch(s, batch_id)
+        if batch.job_id is None:
+            return {"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
+                    "request_counts": None, "stats": None}
+        summary = store.job_summary(s, batch.job_id)
+    return {"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
+            "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
+            "request_counts": summary["request_counts"], "stats": summary["stats"]}

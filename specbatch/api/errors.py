@@ -1,0 +1,82 @@
+"""Errors in OpenAI's JSON shape: ``{"error": {"message", "type", "param", "code"}}``.
+
+The official client turns the status into its exception class (401 AuthenticationError, 404
+NotFoundError, 400 BadRequestError, ...) and reads the message from this body.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from specbatch.errors import BrokerUnavailable, InputError, JobNotFound, SpecBatchError
+from specbatch.jobs.batches import BatchNotFound
+from specbatch.jobs.files import FileNotFound
+
+logger = logging.getLogger(__name__)
+
+
+BROKER_DOWN = "the job queue's broker cannot be reached; nothing was queued, try again later"
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def as_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def from_domain(e: SpecBatchError) -> ApiError:
+    """Our exceptions as API errors; the message is the one a CLI user would read."""
+    if isinstance(e, (FileNotFound, BatchNotFound, JobNotFound)):
+        return ApiError(404, str(e), param="id")
+    if isinstance(e, InputError):
+        return ApiError(400, e.reason, param=e.field)
+    if isinstance(e, BrokerUnavailable):     # its text names the broker URL, which may hold a password
+        return ApiError(503, BROKER_DOWN, type="server_error", code="broker_unavailable")
+    return ApiError(400, str(e))
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return as_response(e)
+
+    @app.exception_handler(SpecBatchError)
+    async def domain_error(_: Request, e: SpecBatchError) -> JSONResponse:
+        return as_response(from_domain(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
+        return as_response(ApiError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return as_response(ApiError(e.status_code, str(e.detail), code=code,
+                                  headers=dict(e.headers) if e.headers else None))
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return as_response(ApiError(500, "The server had an error while processing your request.",
+                                  type="server_error"))

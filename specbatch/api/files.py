@@ -1,0 +1,86 @@
+"""OpenAI Files: upload (``purpose=batch``), list, retrieve, content, delete."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import FileResponse
+
+from specbatch.api import upload
+from specbatch.api.app import AppState, state
+from specbatch.api.errors import ApiError
+from specbatch.jobs import files
+
+router = APIRouter(tags=["files"])
+
+
+def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """OpenAI's cursor page (the client follows ``after=last id`` while ``has_more``)."""
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+def _save(sb: AppState, tmp: Any, form: upload.Upload) -> dict[str, Any]:
+    file_id = files.new_file_id()
+    final = files.place(sb.settings, tmp, file_id)
+    try:
+        with sb.factory.begin() as s:
+            return files.file_object(files.add_file(s, file_id=file_id, purpose="batch",
+                                                    filename=form.filename or "upload.jsonl", tally=form.tally))
+    except BaseException:
+        final.unlink(missing_ok=True)
+        raise
+
+
+@router.post("/files")
+async def create_file(request: Request) -> dict[str, Any]:
+    sb = state(request)
+    with files.incoming(sb.settings) as tmp:
+        form = await upload.receive(request, tmp, sb.settings)
+        purpose = form.fields.get("purpose")
+        if purpose != "batch":
+            raise ApiError(400, f"purpose must be 'batch' (got {purpose!r}): this server runs batches only",
+                           param="purpose")
+        if form.filename is None:
+            raise ApiError(400, "the 'file' part is missing", param="file")
+        if form.tally.lines == 0:
+            raise ApiError(400, "the file is empty; one JSON request per line is expected", param="file")
+        return await run_in_threadpool(_save, sb, tmp, form)
+
+
+@router.get("/files")
+def list_files(request: Request, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> dict[str, Any]:
+    with state(request).reader.begin() as s:
+        rows, more = files.list_files(s, limit=limit, after=after, purpose=purpose, order=order)
+        return page([files.file_object(f) for f in rows], more)
+
+
+@router.get("/files/{file_id}")
+def retrieve_file(request: Request, file_id: str) -> dict[str, Any]:
+    with state(request).reader.begin() as s:
+        return files.file_object(files.get_file(s, file_id))
+
+
+@router.get("/files/{file_id}/content")
+def file_content(request: Request, file_id: str) -> FileResponse:
+    sb = state(request)
+    with sb.reader.begin() as s:
+        row = files.get_file(s, file_id)
+        filename = row.filename
+    path = files.file_path(sb.settings, file_id)
+    if not path.exists():
+        raise ApiError(404, f"No such File object: {file_id} (its bytes are gone from {sb.settings.files_dir})",
+                       param="id")
+    return FileResponse(path, media_type="application/octet-stream", filename=filename)
+
+
+@router.delete("/files/{file_id}")
+def delete_file(request: Request, file_id: str) -> dict[str, Any]:
+    sb = state(request)
+    with sb.factory.begin() as s:
+        files.delete_file(s, file_id)
+    files.file_path(sb.settings, file_id).unlink(missing_ok=True)
+    return {"id": file_id, "object": "file", "deleted": True}

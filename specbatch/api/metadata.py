@@ -1,0 +1,109 @@
+"""Reserved metadata keys of ``POST /v1/batches``: the model pair and job defaults of the batch's job.
+
+OpenAI metadata is at most 16 string pairs (keys <= 64, values <= 512 characters); keys starting
+with ``specbatch_`` are ours (README, "HTTP API"), every other key is the client's own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from specbatch.config import Settings
+from specbatch.errors import InputError, IntakeError
+from specbatch.jobs import intake
+from specbatch.worker.submission import Pair
+
+RESERVED_PREFIX = "specbatch_"
+# reserved key -> (job default it sets, its type); values are strings, as all OpenAI metadata values
+DEFAULT_KEYS: dict[str, tuple[str, type]] = {
+    "specbatch_max_tokens": ("max_new_tokens", int), "specbatch_temperature": ("temperature", float),
+    "specbatch_top_p": ("top_p", float), "specbatch_top_k": ("top_k", int), "specbatch_seed": ("seed", int),
+    "specbatch_stop": ("stop", str)}
+PAIR_KEYS = ("specbatch_target", "specbatch_draft", "specbatch_ngram", "specbatch_model_map")
+RESERVED_KEYS = (*PAIR_KEYS, *DEFAULT_KEYS)
+MAX_METADATA = 16
+MAX_KEY, MAX_VALUE = 64, 512
+
+
+def check_metadata(metadata: Any) -> dict[str, str]:
+    """OpenAI's metadata rules; raises InputError naming the key."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise InputError("must be an object of string keys and values", field="metadata")
+    if len(metadata) > MAX_METADATA:
+        raise InputError(f"has {len(metadata)} keys; the limit is {MAX_METADATA}", field="metadata")
+    for k, v in metadata.items():
+        if not isinstance(v, str):
+            raise InputError("must be a string", field=f"metadata.{k}")
+        if len(k) > MAX_KEY or len(v) > MAX_VALUE:
+            raise InputError(f"keys are at most {MAX_KEY} characters and values at most {MAX_VALUE}",
+                             field=f"metadata.{k}")
+    return dict(metadata)
+
+
+def _flag(value: str, key: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise InputError(f"must be true or false, got {value!r}", field=f"metadata.{key}")
+
+
+def _value(key: str, raw: str, kind: type) -> Any:
+    if kind is str:      # specbatch_stop
+        if not raw.lstrip().startswith("["):
+            return raw
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise InputError(f"must be a string or a JSON array of strings ({e.msg})",
+                             field=f"metadata.{key}") from e
+    try:
+        return kind(raw)
+    except ValueError as e:
+        raise InputError(f"must be {'an integer' if kind is int else 'a number'}, got {raw!r}",
+                         field=f"metadata.{key}") from e
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    pair: Pair
+    defaults: dict[str, Any]
+    model_map: dict[str, Any] | None = None     # intake.parse_model_map: body.model -> (target, drafts)
+
+
+def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
+    """The pair, job defaults and model map the reserved keys choose; no model key: the default pair.
+
+    ``specbatch_target``, ``specbatch_draft`` (comma-separated: a draft pool), ``specbatch_ngram``
+    (true/false), ``specbatch_model_map`` (``NAME=TARGET[,DRAFT...]``, ``;``-separated: lines whose
+    body.model is NAME run on that pair, as ``--model-map``); ``specbatch_max_tokens``,
+    ``specbatch_temperature``, ``specbatch_top_p``, ``specbatch_top_k``, ``specbatch_seed``,
+    ``specbatch_stop`` (a string or a JSON array).
+    """
+    for key in metadata:
+        if key.startswith(RESERVED_PREFIX) and key not in RESERVED_KEYS:
+            raise InputError(f"unknown reserved key; known: {', '.join(RESERVED_KEYS)}",
+                             field=f"metadata.{key}")
+    target = metadata.get("specbatch_target", "").strip() or None
+    drafts = [d.strip() for d in metadata.get("specbatch_draft", "").split(",") if d.strip()]
+    pair = Pair.resolve(settings, target, drafts, _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram"))
+    defaults = {name: _value(key, metadata[key], kind) for key, (name, kind) in DEFAULT_KEYS.items()
+                if key in metadata}
+    try:
+        intake.job_params(defaults)
+    except IntakeError as e:    # fields come back as CLI options (--max-new-tokens): name our key
+        first = e.errors[0]
+        name = (first.field or "").lstrip("-").replace("-", "_")
+        key = next((k for k, (n, _) in DEFAULT_KEYS.items() if n == name), "")
+        raise InputError(first.reason, field=f"metadata.{key}" if key else "metadata") from e
+    specs = [x.strip() for x in metadata.get("specbatch_model_map", "").split(";") if x.strip()]
+    try:
+        model_map = intake.parse_model_map(specs)
+    except IntakeError as e:
+        raise InputError(e.errors[0].reason, field="metadata.specbatch_model_map") from e
+    return JobOptions(pair, defaults, model_map)

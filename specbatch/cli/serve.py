@@ -1,0 +1,53 @@
+"""``specbatch serve``: the OpenAI-compatible Batch API (specbatch.api) under uvicorn."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import click
+
+from specbatch.config import get_settings
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False        # a host name: it may resolve to anything
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; any non-loopback address needs SPECBATCH_API_KEYS.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(host: str, port: int, log_level: str) -> None:
+    """Serve OpenAI's Files and Batches API (plus /healthz and /metrics) over the job queue.
+
+    Clients use the official `openai` package with base_url="http://HOST:PORT/v1" and one of the
+    keys in SPECBATCH_API_KEYS (comma-separated) as api_key. Batches become jobs for `specbatch
+    worker`s; the server never loads a model. Files go to SPECBATCH_FILES_DIR.
+
+    \b
+    Example:
+      specbatch serve                                   # 127.0.0.1:8000, no key needed
+      SPECBATCH_API_KEYS=k1,k2 specbatch serve --host 0.0.0.0 --port 8000
+    """
+    import uvicorn
+
+    from specbatch.api.app import create_app
+    from specbatch.cli.common import open_db
+
+    settings = get_settings()
+    keys = settings.api_key_list
+    if not keys and not is_loopback(host):
+        raise click.UsageError(f"refusing to serve on {host} without keys: set SPECBATCH_API_KEYS "
+                               "(comma-separated) or bind 127.0.0.1")
+    open_db(settings)           # a bad database URL fails here, as one line
+    app = create_app(settings)
+    click.echo(f"specbatch API on http://{host}:{port}/v1 ({len(keys)} key(s); "
+               f"{'no authentication' if not keys else 'bearer keys required'})", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")

@@ -1,0 +1,382 @@
+"""Compiled forward: the whole causal LM through ``torch.compile`` (inductor), caches unchanged.
+
+Why this shape (measured, see docs/COMPILE.md): on CPU most of an eager decode step is not the
+matrix products but the Python and dispatch overhead around ~30 layers of small ops, and the
+LM head's fp32 GEMM, which eager runs once per row. Compiling only the projections would leave
+the overhead; a static KV cache would re-implement rollback, holes and row select/extend. So the
+whole model is compiled with dynamic shapes over the unchanged ``DynamicCache``: dynamo replays
+the cache's ``torch.cat`` appends, so crop / index_select / batch select / extend keep working
+eagerly between calls. ``freezing`` turns every linear into a pre-packed oneDNN GEMM whose cost
+hardly grows with the rows, which is what makes verifying k tokens cost about one.
+
+Shapes: one graph per (rows == 1 or more) x (tokens == 1 or more) x (kept logits == 1 or more)
+(dynamo specializes sizes 0 and 1); the cache length, row count and token count are symbolic
+inside each graph, so no padding to buckets is needed. Every call is normalized to the same
+signature (explicit 4-D additive mask, position ids, kept-logit indices), so a chain verify, a
+tree verify and a batched step share graphs. A forward over an empty cache (prefill) stays eager.
+
+Artefacts (FX graph, AOT autograd, kernels) live under ``<cache_dir>/inductor``, shared across
+processes; ``warm_up`` compiles the graphs a decode will need and records how long it took, so
+later starts know whether they hit the cache and how long compiling takes here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+COMPILE_MODES = ("auto", "on", "off")
+# Measured here (SmolLM2-135M, 2 shared cores, see docs/COMPILE.md): eager / compiled decode time.
+EXPECTED_SPEEDUP = 2.5
+# Seconds per graph when nothing is cached and when the on-disk cache holds it (same machine).
+FIRST_COMPILE_SECONDS_PER_GRAPH = 100.0
+CACHED_COMPILE_SECONDS_PER_GRAPH = 15.0
+
+_configured: dict[str, str] = {}
+_lock = threading.Lock()
+
+
+def inductor_cache_dir(cache_dir: str | os.PathLike[str]) -> Path:
+    return Path(cache_dir) / "inductor"
+
+
+def configure_inductor(cache_dir: str | os.PathLike[str]) -> Path:
+    """The one place inductor is configured: on-disk caches under ``cache_dir``, freezing.
+
+    Inductor reads its cache location from ``TORCHINDUCTOR_CACHE_DIR`` only, so it is set here
+    (before the first compile); the value comes from the settings, never from the environment.
+    """
+    import torch._inductor.config as ic
+
+    path = inductor_cache_dir(cache_dir)
+    with _lock:
+        path.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
+        ic.freezing = True              # weights become constants: pre-packed GEMMs, folded ops
+        ic.fx_graph_cache = True        # compiled graphs reused by later processes
+        ic.autotune_local_cache = True
+        torch._functorch.config.enable_autograd_cache = True  # type: ignore[attr-defined]
+        # every graph of every model this process compiles (targets, drafts, their shape variants)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _configured["dir"] = str(path)
+    return path
+
+
+@dataclass
+class CompileReport:
+    """What compiling a model cost and whether it worked (errors as data)."""
+
+    model: str
+    enabled: bool = False
+    seconds: float = 0.0                      # warm-up wall time, all graphs
+    graphs: dict[str, float] = field(default_factory=dict)   # shape -> seconds of its first call
+    cached: bool = False                      # a previous process had warmed the same graphs up
+    first_start_seconds: float | None = None  # the first (uncached) start's warm-up, as recorded
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "enabled": self.enabled, "seconds": round(self.seconds, 2),
+                "graphs": {k: round(v, 2) for k, v in self.graphs.items()}, "cached": self.cached,
+                "first_start_seconds": None if self.first_start_seconds is None
+                else round(self.first_start_seconds, 2), "error": self.error}
+
+
+class CompiledForward:
+    """A model's forward through ``torch.compile``; eager for prefill and after a failure."""
+
+    def __init__(self, model: Any, name: str, device: torch.device) -> None:
+        self.model = model
+        self.name = name
+        self.device = device
+        self.failed: str | None = None
+        # CUDA: CUDA graphs remove the per-kernel launch cost that dominates small batches. With
+        # the cache length symbolic, a graph would be re-recorded at every new length, so inductor
+        # is told to skip CUDA graphs for dynamic graphs (Triton kernels still fuse); static
+        # shapes (a static cache) are what CUDA graphs need - not built, see docs/COMPILE.md
+        mode = "reduce-overhead" if device.type == "cuda" else None
+        if device.type == "cuda":
+            import torch._inductor.config as ic
+
+            ic.triton.cudagraph_skip_dynamic_graphs = True
+        self._fn = torch.compile(model, dynamic=True, mode=mode)
+
+    def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
+        # an empty cache is a prefill (long, once per request, eager GEMMs are fine there) and
+        # takes the cache's lazy-initialization path, which would be one more graph
+        return self.failed is None and n_cached >= 2 and input_ids.dim() == 2
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any, cache_kwarg: str, n_cached: int,
+                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                 logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> Any:
+        rows, width = input_ids.shape
+        dev = input_ids.device
+        # a crop (rollback) leaves the cache as views whose strides still reflect the longer
+        # length; the graphs assume contiguous cache tensors, and a view would recompile them
+        for layer in getattr(cache, "layers", ()):
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is not None and not keys.is_contiguous():
+                layer.keys = keys.contiguous()
+            if values is not None and not values.is_contiguous():
+                layer.values = values.contiguous()
+        if attention_mask is None:
+            attention_mask = causal_mask(rows, width, n_cached, self.model.dtype, dev)
+        if position_ids is None:
+            position_ids = (n_cached + torch.arange(width, device=dev)).expand(rows, width)
+        keep = width
+        if isinstance(logits_to_keep, int):
+            keep = width if logits_to_keep == 0 else min(logits_to_keep, width)
+            # one kept logit would be a graph of its own (sizes 1 are specialized): keep two and
+            # drop one here, one extra LM-head row costs next to nothing in a pre-packed GEMM
+            logits_to_keep = torch.arange(width - max(keep, min(2, width)), width, device=dev)
+        out = self._fn(input_ids=input_ids, attention_mask=attention_mask,
+                       position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=True,
+                       **{cache_kwarg: cache}, **kwargs)
+        if out.logits.shape[1] != keep:
+            out.logits = out.logits[:, -keep:]
+        return out
+
+    def fail(self, error: BaseException) -> None:
+        """Give up compiling this model: log one warning (per process), stay eager from now on."""
+        self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}" \
+            if str(error).strip() else type(error).__name__
+        _warn_once(f"compiling {self.name} failed, decoding eagerly instead ({self.failed})")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if "compile" not in _warned:
+        _warned.add("compile")
+        logger.warning(message)
+
+
+def causal_mask(rows: int, width: int, n_cached: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """(rows, 1, width, n_cached + width) additive mask: every cached column, causal on the new."""
+    cols = torch.arange(n_cached + width, device=device)
+    allowed = cols[None, :] <= (n_cached + torch.arange(width, device=device))[:, None]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].expand(rows, 1, width, n_cached + width)
+
+
+def compilable(model: Any) -> str | None:
+    """None when the model can be compiled here, else why not."""
+    if any("quantized" in type(m).__module__ for m in model.modules()):
+        return "dynamically quantized (int8) layers are not compiled"
+    return None
+
+
+def install(lm: Any) -> CompiledForward | None:
+    """Route ``lm.forward`` through a compiled forward (compiled lazily, see ``warm_up``)."""
+    why = compilable(lm.model)
+    if why is not None:
+        logger.info("%s: not compiled: %s", lm.name, why)
+        return None
+    lm.compiled = CompiledForward(lm.model, lm.name, lm.device)
+    return lm.compiled
+
+
+# (rows, tokens, kept logits): one of each graph (sizes 1 and more than 1 differ). Fewer kept
+# logits than tokens, so the graph does not assume they are equal (a verify after a catch-up
+# keeps fewer than it feeds).
+WARM_SHAPES: tuple[tuple[int, int, int], ...] = ((1, 1, 1), (1, 4, 2))
+BATCH_SHAPES: tuple[tuple[int, int, int], ...] = ((2, 1, 1), (2, 4, 2))
+
+
+def warm_shapes(batch_size: int, draft: bool = False) -> tuple[tuple[int, int, int], ...]:
+    """The graphs a decode will hit: single-sequence steps, and batched ones when batching."""
+    return WARM_SHAPES + (BATCH_SHAPES if batch_size > 1 else ())
+
+
+def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str]
+            ) -> CompileReport:
+    """Compile ``lm``'s graphs for ``shapes`` now (before serving); falls back to eager on failure."""
+    from transformers import DynamicCache
+
+    report = CompileReport(model=lm.name)
+    compiled: CompiledForward | None = getattr(lm, "compiled", None)
+    if compiled is None:
+        report.error = compilable(lm.model) or "not installed"
+        return report
+    marker = _marker(cache_dir, lm)
+    report.cached = marker.exists()
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for rows, width, keep in shapes:
+                cache = DynamicCache()
+                prefix = torch.zeros(rows, 4, dtype=torch.long, device=lm.device)
+                lm.forward(prefix, cache, logits_to_keep=1)      # eager prefill
+                ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
+                t = time.perf_counter()
+                lm.forward(ids, cache, logits_to_keep=keep)
+                report.graphs[f"{rows}x{width}:{keep}"] = time.perf_counter() - t
+                if compiled.failed:
+                    break
+    except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
+        compiled.fail(e)
+    report.seconds = time.perf_counter() - t0
+    report.enabled = compiled.failed is None
+    report.error = compiled.failed
+    if report.enabled:
+        report.first_start_seconds = _write_marker(marker, report)
+    return report
+
+
+def _marker(cache_dir: str | os.PathLike[str], lm: Any) -> Path:
+    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{lm.name}-{lm.info.get('source', '')}")
+    return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}.json"
+
+
+def _write_marker(marker: Path, report: CompileReport) -> float:
+    """Record this warm-up; returns the first start's seconds (kept: what a cold machine pays)."""
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    data = report.to_dict()
+    first = report.seconds
+    if marker.exists():
+        try:
+            first = float(json.loads(marker.read_text()).get("first_start_seconds") or first)
+        except (OSError, ValueError):
+            pass
+    data["first_start_seconds"] = first
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, marker)
+    return first
+
+
+def is_cached(lm: Any, cache_dir: str | os.PathLike[str]) -> bool:
+    """Whether a previous process warmed this model's compiled graphs up under ``cache_dir``."""
+    return _marker(cache_dir, lm).exists()
+
+
+def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str]) -> float | None:
+    """The last warm-up time of this model here (a cached start), when one was recorded."""
+    try:
+        return float(json.loads(_marker(cache_dir, lm).read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
+    per = CACHED_COMPILE_SECONDS_PER_GRAPH if cached else FIRST_COMPILE_SECONDS_PER_GRAPH
+    return n_graphs * per
+
+
+def compile_pays(expected_decode_seconds: float, compile_seconds_estimate: float, cached: bool,
+                 speedup: float = EXPECTED_SPEEDUP) -> bool:
+    """Whether compiling repays itself: the eager decode time it saves exceeds its cost.
+
+    ``expected_decode_seconds``: eager decoding time of the job (tokens x eager step time);
+    ``compile_seconds_estimate``: what warm-up costs (first start or cached, see
+    ``compile_seconds_estimate``); ``cached``: whether the on-disk cache holds the graphs (the
+    estimate should already reflect it; a cached start is cheap, so ties go to compiling).
+    """
+    saved = expected_decode_seconds * (1.0 - 1.0 / speedup)
+    return saved > compile_seconds_estimate or (cached and saved >= compile_seconds_estimate)
+
+
+def resolve_mode(mode: str) -> str:
+    mode = mode.strip().lower()
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile mode {mode!r}: use one of {', '.join(COMPILE_MODES)}")
+    return mode
+
+
+@dataclass
+class CompilePlan:
+    """The decision for one engine (auto / on / off) and what warming up cost."""
+
+    mode: str
+    enabled: bool
+    reason: str
+    models: list[CompileReport] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return sum(r.seconds for r in self.models)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "enabled": self.enabled, "reason": self.reason,
+                "seconds": round(self.seconds, 2), "models": [r.to_dict() for r in self.models]}
+
+
+def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
+    """One eager decode step of ``lm`` after a short prefix (what auto mode weighs compiling by)."""
+    from transformers import DynamicCache
+
+    from specbatch.engine.loading import _cache_kwarg
+
+    cache = DynamicCache()
+    kw = {_cache_kwarg(lm.model): cache}
+    with torch.inference_mode():
+        lm.model(input_ids=torch.zeros(1, prefix, dtype=torch.long, device=lm.device), use_cache=True,
+                 logits_to_keep=1, **kw)
+        one = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            lm.model(input_ids=one, use_cache=True, logits_to_keep=1, **kw)
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
+            cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None) -> CompilePlan:
+    """Decide (auto / on / off), then install and warm the compiled forwards up before serving.
+
+    auto with ``expected_new_tokens`` None (a worker: it serves until stopped) compiles; with a
+    token count (``run``, ``generate``) it compiles only when ``compile_pays``.
+    """
+    mode = resolve_mode(mode)
+    if mode == "off":
+        return CompilePlan(mode, False, "compile off")
+    models = [(target, warm_shapes(batch_size))] + [(d, warm_shapes(batch_size, draft=True))
+                                                    for d in drafts]
+    models = [(m, s) for m, s in models if compilable(m.model) is None]
+    if not models:
+        return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
+    if mode == "auto" and expected_new_tokens is not None:
+        cached = all(is_cached(m, cache_dir) for m, _ in models)
+        estimate = sum(recorded_seconds(m, cache_dir) or compile_seconds_estimate(len(s), cached)
+                       for m, s in models)
+        decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
+        if not compile_pays(decode, estimate, cached):
+            return CompilePlan(mode, False, f"auto: about {decode:.0f}s of eager decoding does not "
+                                            f"repay ~{estimate:.0f}s of compiling")
+        reason = f"auto: about {decode:.0f}s of eager decoding repays ~{estimate:.0f}s of compiling"
+    else:
+        reason = "compile on" if mode == "on" else "auto: a long-lived worker"
+    configure_inductor(cache_dir)
+    plan = CompilePlan(mode, True, reason)
+    torch.compiler.set_stance("default")
+    for lm, shapes in models:
+        if install(lm) is None:
+            continue
+        report = warm_up(lm, shapes, cache_dir)
+        plan.models.append(report)
+        if report.error:  # the toolchain failed: nothing else will compile either
+            break
+    failed = next((r.error for r in plan.models if r.error), None)
+    if failed:
+        for lm, _ in models:
+            if lm.compiled is not None and lm.compiled.failed is None:
+                lm.compiled.failed = failed
+        plan.enabled, plan.reason = False, f"compiling failed, eager instead: {failed}"
+    # serving: a shape no warmed graph covers runs eagerly instead of stalling for minutes on a
+    # recompile (the bench saw a 20 s stall on a tiny model; minutes on the default target)
+    torch.compiler.set_stance("eager_on_recompile")
+    return plan

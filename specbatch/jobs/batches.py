@@ -1,0 +1,296 @@
+"""Batches of the HTTP API (OpenAI Batches) over jobs: creation records, status mapping, output files.
+
+A batch is an ``api_batches`` row pointing at the job it created. A file that fails validation
+makes a batch with no job, status ``failed`` and OpenAI's ``errors.data[{code, line, param,
+message}]``. The job's lifecycle maps to OpenAI's statuses (README, "HTTP API"):
+
+    queued, running                       -> in_progress
+    completed[_with_errors], failed       -> finalizing, then completed once the files are written
+    cancelling                            -> cancelling
+    cancelled                             -> cancelling, then cancelled once the files are written
+    past the window (job cancelled)       -> finalizing, then expired once the files are written
+
+A request that failed on its own is a line of the error file; the batch still completes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, TextIO, cast
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from specbatch.config import Settings
+from specbatch.db.models import ApiBatch, Job, JobStatus, Result, utcnow
+from specbatch.errors import InputError, IntakeError, SpecBatchError
+from specbatch.jobs import export, files, intake, openai_output, store
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
+MAX_ERRORS = intake.KEPT_ERRORS
+
+
+class BatchNotFound(SpecBatchError):
+    """No batch with that id."""
+
+
+def new_batch_id() -> str:
+    return f"batch_{secrets.token_hex(12)}"
+
+
+# ---------------------------------------------------------------- creation
+
+
+def _error_code(e: InputError) -> str:
+    reason = e.reason
+    if e.line_no is None:
+        return "invalid_file"
+    if reason.startswith("invalid JSON") or reason.startswith("must be a JSON object"):
+        return "invalid_json_line"
+    if "bytes; the limit is" in reason:
+        return "line_too_long"
+    if reason.startswith("duplicate") or (e.field == "custom_id" and "taken" in reason):
+        return "duplicate_custom_id"
+    if "is required" in reason:
+        return "missing_required_parameter"
+    if reason.startswith("unknown key"):
+        return "unknown_parameter"
+    return "invalid_value"
+
+
+def intake_errors(e: IntakeError) -> list[dict[str, Any]]:
+    """OpenAI's ``errors.data`` entries for every problem intake found (at most MAX_ERRORS)."""
+    out = [{"code": _error_code(x), "line": x.line_no, "param": x.field, "message": x.reason}
+           for x in e.errors[:MAX_ERRORS]]
+    if e.total > len(out):
+        out.append({"code": "too_many_errors", "line": None, "param": None,
+                    "message": f"{e.total - len(out)} more errors not listed"})
+    return out
+
+
+def create_batch(s: Session, *, batch_id: str, input_file_id: str, endpoint: str, completion_window: str,
+                 metadata: dict[str, str], job_id: str | None = None,
+                 errors: list[dict[str, Any]] | None = None) -> ApiBatch:
+    """The batch row; with ``errors`` (and no job) it is born failed."""
+    now = utcnow()
+    row = ApiBatch(id=batch_id, job_id=job_id, input_file_id=input_file_id, endpoint=endpoint,
+                   completion_window=completion_window, meta=dict(metadata), errors=errors, created_at=now,
+                   expires_at=now + COMPLETION_WINDOWS[completion_window],
+                   failed_at=now if errors else None)
+    s.add(row)
+    s.flush()
+    return row
+
+
+# ---------------------------------------------------------------- reading
+
+
+def get_batch(s: Session, batch_id: str) -> ApiBatch:
+    row = s.get(ApiBatch, batch_id) if batch_id.startswith("batch_") else None
+    if row is None:
+        raise BatchNotFound(f"No such Batch object: {batch_id}")
+    return row
+
+
+def list_batches(s: Session, *, limit: int, after: str | None = None) -> tuple[list[ApiBatch], bool]:
+    """Newest first, ``after`` a batch id (OpenAI's cursor)."""
+    return files.page_after(s, ApiBatch, select(ApiBatch), limit, after, descending=True)
+
+
+def jobs_of(s: Session, batches: Sequence[ApiBatch]) -> dict[str, Job]:
+    ids = [b.job_id for b in batches if b.job_id]
+    return {j.id: j for j in s.scalars(select(Job).where(Job.id.in_(ids)))} if ids else {}
+
+
+def batch_status(batch: ApiBatch, job: Job | None) -> str:
+    if job is None or batch.failed_at is not None:
+        return "failed"
+    status = JobStatus(job.status)
+    if status == JobStatus.cancelling:
+        return "cancelling"
+    if status == JobStatus.cancelled:
+        if batch.finalized_at is None:
+            return "finalizing" if batch.expired_at else "cancelling"
+        return "expired" if batch.expired_at else "cancelled"
+    if status.finished:
+        return "completed" if batch.finalized_at else "finalizing"
+    return "in_progress"
+
+
+def needs_finalizing(batch: ApiBatch, job: Job | None) -> bool:
+    return (job is not None and JobStatus(job.status).finished and batch.finalized_at is None
+            and batch.failed_at is None)
+
+
+def is_overdue(batch: ApiBatch, job: Job | None, now: datetime | None = None) -> bool:
+    """Past its completion window with work left: to be expired (the job cancelled)."""
+    return (job is not None and JobStatus(job.status) in store.ACTIVE_JOB and batch.expired_at is None
+            and (now or utcnow()) >= batch.expires_at)
+
+
+def expire(s: Session, batch_id: str) -> None:
+    """Cancel an overdue batch's job (finished requests keep their results); idempotent."""
+    batch = get_batch(s, batch_id)
+    job = s.get(Job, batch.job_id) if batch.job_id else None
+    if is_overdue(batch, job):
+        assert job is not None
+        store.cancel_job(s, job.id)
+        batch.expired_at = utcnow()
+        s.flush()
+
+
+def cancel(s: Session, batch_id: str) -> ApiBatch:
+    """Cancel the batch's job: pending requests are dropped, running ones finish first. A batch
+    that has ended is returned unchanged."""
+    batch = get_batch(s, batch_id)
+    if batch.job_id is not None and batch.failed_at is None:
+        store.cancel_job(s, batch.job_id)
+    return batch
+
+
+def fail(s: Session, batch_id: str, errors: list[dict[str, Any]]) -> None:
+    """The batch could not start (its job is cancelled, if it has one)."""
+    batch = get_batch(s, batch_id)
+    if batch.job_id is not None:
+        store.cancel_job(s, batch.job_id)
+    batch.errors, batch.failed_at = errors, utcnow()
+    s.flush()
+
+
+def _ts(t: datetime | None) -> int | None:
+    return int(t.timestamp()) if t is not None else None
+
+
+@dataclass(frozen=True)
+class Usage:
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
+                "total_tokens": self.input_tokens + self.output_tokens,
+                "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+
+
+def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
+    if not job_ids:
+        return {}
+    rows = s.execute(select(Result.job_id, func.sum(Result.prompt_tokens), func.sum(Result.completion_tokens))
+                     .where(Result.job_id.in_(list(job_ids))).group_by(Result.job_id))
+    return {j: Usage(int(p or 0), int(c or 0)) for j, p, c in rows}
+
+
+def batch_objects(s: Session, batches: Sequence[ApiBatch],
+                  jobs: dict[str, Job] | None = None) -> list[dict[str, Any]]:
+    """OpenAI's Batch object for each batch (three queries for the lot; two given ``jobs_of``)."""
+    jobs = jobs_of(s, batches) if jobs is None else jobs
+    counts = store.request_counts(s, list(jobs))
+    usage = usage_of(s, list(jobs))
+    return [batch_object(b, jobs.get(b.job_id or ""), counts.get(b.job_id or ""), usage.get(b.job_id or ""))
+            for b in batches]
+
+
+def batch_object(batch: ApiBatch, job: Job | None, counts: dict[str, int] | None,
+                 usage: Usage | None) -> dict[str, Any]:
+    status = batch_status(batch, job)
+    c = counts or {}
+    finalizing_at = None
+    if job is not None and JobStatus(job.status).finished:
+        finalizing_at = job.cancelled_at if job.status == JobStatus.cancelled else job.finished_at
+    return {
+        "id": batch.id, "object": "batch", "endpoint": batch.endpoint,
+        "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
+        "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
+        "status": status, "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
+        "created_at": _ts(batch.created_at),
+        "in_progress_at": _ts(job.created_at) if job is not None else None,
+        "expires_at": _ts(batch.expires_at),
+        "finalizing_at": _ts(finalizing_at),
+        "completed_at": _ts(batch.finalized_at) if status == "completed" else None,
+        "failed_at": _ts(batch.failed_at),
+        "expired_at": _ts(batch.expired_at),
+        "cancelling_at": _ts(job.cancel_requested_at) if job is not None else None,
+        "cancelled_at": _ts(job.cancelled_at) if status == "cancelled" and job is not None else None,
+        "request_counts": {"total": c.get("total", 0), "completed": c.get("completed", 0),
+                           "failed": c.get("failed", 0) + c.get("cancelled", 0)},
+        "metadata": dict(batch.meta or {}),
+        "model": job.target if job is not None else None,
+        "usage": (usage or Usage()).as_openai() if job is not None else None,
+    }
+
+
+# ---------------------------------------------------------------- output files
+
+
+def write_pair(s: Session, job_id: str, out: TextIO, err: TextIO, expired: bool) -> tuple[int, int]:
+    """OpenAI's output/error file pair (#13's lines and split). An expired batch's job was cancelled
+    to stop its workers, so its cancelled requests are ``batch_expired`` lines, as OpenAI writes."""
+    if not expired:
+        return export.write_openai(s, job_id, out, err)
+    counts = [0, 0]
+    for line in openai_output.openai_lines(s, job_id, expired=True):
+        if line["error"] is not None and line["error"]["code"] == "batch_cancelled":
+            line["error"] = {"code": "batch_expired", "message": "the batch expired before this request was completed"}
+        ok = openai_output.is_output_line(line)
+        (out if ok else err).write(json.dumps(line, ensure_ascii=False) + "\n")
+        counts[0 if ok else 1] += 1
+    return counts[0], counts[1]
+
+
+class _TallyWriter(io.TextIOBase):
+    """A text stream that writes UTF-8 to ``fh`` and tallies what it wrote."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.tally = fh, files.Tally()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:  # type: ignore[override]
+        data = text.encode("utf-8")
+        self.tally.feed(data)
+        self.fh.write(data)
+        return len(text)
+
+
+def finalize(settings: Settings, factory: sessionmaker, reader: sessionmaker, batch_id: str) -> bool:
+    """Write a finished batch's output and error files; False if there was nothing to do (not
+    finished, or already finalized, here or by another process)."""
+    with reader.begin() as s:
+        batch = get_batch(s, batch_id)
+        job = s.get(Job, batch.job_id) if batch.job_id else None
+        if not needs_finalizing(batch, job):
+            return False
+        expired = batch.expired_at is not None
+        with files.incoming(settings) as out_tmp, files.incoming(settings) as err_tmp:
+            with out_tmp.open("wb") as fo, err_tmp.open("wb") as fe:
+                out, err = _TallyWriter(fo), _TallyWriter(fe)
+                n_out, n_err = write_pair(s, batch.job_id or "", cast(TextIO, out), cast(TextIO, err),
+                                          expired=expired)
+            return _publish(settings, factory, batch_id, [("output", out_tmp, out.tally, n_out),
+                                                          ("error", err_tmp, err.tally, n_err)])
+
+
+def _publish(settings: Settings, factory: sessionmaker, batch_id: str,
+             made: list[tuple[str, Any, files.Tally, int]]) -> bool:
+    ids = {kind: files.new_file_id() if n else None for kind, _, _, n in made}
+    with factory.begin() as s:
+        claimed = s.execute(update(ApiBatch).where(ApiBatch.id == batch_id, ApiBatch.finalized_at.is_(None))
+                            .values(finalized_at=utcnow(), output_file_id=ids["output"],
+                                    error_file_id=ids["error"])).rowcount
+        if not claimed:
+            return False
+        for kind, tmp, tally, _ in made:
+            file_id = ids[kind]
+            if file_id is None:
+                continue
+            files.place(settings, tmp, file_id)
+            files.add_file(s, file_id=file_id, purpose="batch_output", filename=f"{batch_id}_{kind}.jsonl",
+                           tally=tally.close(), batch_id=batch_id, kind=kind)
+    return True

@@ -1,0 +1,188 @@
+"""Files of the HTTP API (OpenAI Files): bytes under ``settings.files_dir``, one ``api_files`` row each.
+
+A file is written beside its final place (``files_dir/.incoming``), fsynced, then renamed to
+``files_dir/<id>``; the row is written after the bytes, so a row always has its bytes. Ids are
+``file-`` + 24 hex digits; nothing a client sends becomes part of a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from specbatch.config import Settings
+from specbatch.db.models import ApiFile, utcnow
+from specbatch.errors import InputError, SpecBatchError
+
+ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
+PURPOSES = ("batch", "batch_output")
+
+
+class FileNotFound(SpecBatchError):
+    """No file with that id."""
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+def files_root(settings: Settings) -> Path:
+    root = Path(settings.files_dir).expanduser()
+    (root / ".incoming").mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def file_path(settings: Settings, file_id: str) -> Path:
+    if not ID_RE.match(file_id):
+        raise FileNotFound(f"No such File object: {file_id}")
+    return files_root(settings) / file_id
+
+
+@dataclass
+class Tally:
+    """Size, non-blank line count and sha256 of bytes fed in chunks (lines split across chunks too)."""
+
+    size: int = 0
+    lines: int = 0
+    longest_line: int = 0
+    _line_len: int = 0
+    _line_blank: bool = True
+    _sha: Any = field(default_factory=hashlib.sha256)
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        self._sha.update(chunk)
+        parts = chunk.split(b"\n")
+        for i, part in enumerate(parts):
+            self._line_len += len(part)
+            if self._line_blank and part.strip():
+                self._line_blank = False
+            if i < len(parts) - 1:      # a newline ends this line
+                self._end_line()
+
+    def _end_line(self) -> None:
+        self.longest_line = max(self.longest_line, self._line_len)
+        if not self._line_blank:
+            self.lines += 1
+        self._line_len, self._line_blank = 0, True
+
+    def close(self) -> Tally:
+        self._end_line()
+        return self
+
+    @property
+    def sha256(self) -> str:
+        return str(self._sha.hexdigest())
+
+
+@contextmanager
+def incoming(settings: Settings) -> Iterator[Path]:
+    """A fresh path in ``files_dir/.incoming``; removed on exit unless ``place`` moved it away."""
+    tmp = files_root(settings) / ".incoming" / secrets.token_hex(12)
+    try:
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def sweep_incoming(settings: Settings, older_than: float = 24 * 3600) -> int:
+    """Remove uploads a killed process left half-written (old ones only: another API process may
+    be writing into the same directory right now); returns how many."""
+    import time
+
+    cutoff, n = time.time() - older_than, 0
+    for p in (files_root(settings) / ".incoming").iterdir():
+        try:
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+                n += 1
+        except FileNotFoundError:
+            continue
+    return n
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def place(settings: Settings, tmp: Path, file_id: str) -> Path:
+    """Durably move a finished incoming file to its place (fsync the bytes, rename, fsync the dir)."""
+    with tmp.open("rb+") as fh:
+        os.fsync(fh.fileno())
+    final = file_path(settings, file_id)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def add_file(s: Session, *, file_id: str, purpose: str, filename: str, tally: Tally,
+             batch_id: str | None = None, kind: str | None = None) -> ApiFile:
+    row = ApiFile(id=file_id, purpose=purpose, filename=filename[:512], bytes=tally.size, lines=tally.lines,
+                  sha256=tally.sha256, batch_id=batch_id, kind=kind, created_at=utcnow())
+    s.add(row)
+    s.flush()
+    return row
+
+
+def get_file(s: Session, file_id: str) -> ApiFile:
+    row = s.get(ApiFile, file_id) if ID_RE.match(file_id) else None
+    if row is None:
+        raise FileNotFound(f"No such File object: {file_id}")
+    return row
+
+
+def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool) -> tuple[list[Any], bool]:
+    """Rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more)."""
+    key = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
+    if after:
+        cursor = s.get(model, after)
+        if cursor is None:
+            raise InputError(f"no object with id {after!r} to list after", field="after")
+        t, i = cursor.created_at, cursor.id
+        if descending:
+            stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
+        else:
+            stmt = stmt.where(or_(model.created_at > t, and_(model.created_at == t, model.id > i)))
+    rows = list(s.scalars(stmt.order_by(*key).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def list_files(s: Session, *, limit: int, after: str | None = None, purpose: str | None = None,
+               order: str = "desc") -> tuple[list[ApiFile], bool]:
+    stmt = select(ApiFile)
+    if purpose:
+        stmt = stmt.where(ApiFile.purpose == purpose)
+    return page_after(s, ApiFile, stmt, limit, after, order != "asc")
+
+
+def delete_file(s: Session, file_id: str) -> None:
+    """The row, in the caller's transaction; unlink ``file_path`` after it commits (bytes without a
+    row are harmless, a row without bytes is not)."""
+    s.delete(get_file(s, file_id))
+    s.flush()
+
+
+def _ts(t: datetime) -> int:
+    return int(t.timestamp())
+
+
+def file_object(f: ApiFile) -> dict[str, Any]:
+    """OpenAI's FileObject."""
+    return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": _ts(f.created_at),
+            "filename": f.filename, "purpose": f.purpose, "status": "processed", "expires_at": None,
+            "status_details": None}

@@ -1,0 +1,83 @@
+"""Validated requests in, a queued job out: how `specbatch submit`/`run` and POST /v1/batches make jobs.
+
+    parsed = intake.read_file(path, defaults, settings, model_map)      # or intake.read_stream(...)
+    with factory.begin() as s:
+        job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=path)
+    enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    # or both at once: submit_job(settings, factory, parsed, pair=pair, defaults=defaults, source=path)
+
+The job and its request rows are written in one transaction; tasks are sent after it commits (a
+worker must find the rows). ``check_broker`` first keeps a dead broker from leaving a saved job
+nobody will run. (The CLI calls the two steps itself, each in its own trace span.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from specbatch.config import Settings
+from specbatch.jobs import store
+from specbatch.jobs.intake import ParsedFile
+from specbatch.worker import enqueue
+from specbatch.worker.queues import queue_name
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The models a job runs on; its queue follows from them."""
+
+    target: str
+    drafts: list[str] = field(default_factory=list)
+    ngram: bool = False
+
+    @property
+    def queue(self) -> str:
+        return queue_name(self.target, self.drafts, self.ngram)
+
+    @classmethod
+    def resolve(cls, settings: Settings, target: str | None, drafts: list[str] | tuple[str, ...],
+                ngram: bool = False) -> Pair:
+        """No model given: the default pair from settings. A target alone runs without a draft."""
+        if target is None and not drafts:
+            return cls(settings.default_target, [settings.default_draft], ngram)
+        return cls(target or settings.default_target, list(drafts), ngram)
+
+
+Routes = dict[Any, list[int]]     # store.request_routes: None (the job's pair) or a routed pair -> ids
+
+
+@dataclass(frozen=True)
+class Submission:
+    job_id: str
+    routes: Routes
+    sent: dict[str, int]            # queue -> tasks sent
+
+    @property
+    def requests(self) -> int:
+        return sum(len(ids) for ids in self.routes.values())
+
+
+def store_job(s: Session, parsed: ParsedFile, *, pair: Pair, defaults: dict[str, Any], source: str | None,
+              metadata: dict[str, Any] | None = None) -> tuple[str, Routes]:
+    """Write the job and its pending requests in the caller's transaction; (job id, ids per route)."""
+    job = store.create_job(s, target=pair.target, drafts=pair.drafts, ngram=pair.ngram, params=defaults,
+                           requests=parsed.requests, queue=pair.queue, source=source, metadata=metadata)
+    return job.id, store.request_routes(s, job.id, store.resumable_request_ids(s, job.id))
+
+
+def submit_job(settings: Settings, factory: sessionmaker, parsed: ParsedFile, *, pair: Pair,
+               defaults: dict[str, Any], source: str | None, metadata: dict[str, Any] | None = None,
+               with_job: Callable[[Session, str], Any] | None = None) -> Submission:
+    """Store the job, then send its tasks. ``with_job(session, job_id)`` writes more rows in the
+    job's transaction (the API's batch). Raises BrokerUnavailable if the send fails (the job is
+    saved: ``specbatch resume`` re-sends it)."""
+    with factory.begin() as s:
+        job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=source, metadata=metadata)
+        if with_job is not None:
+            with_job(s, job_id)
+    sent = enqueue.enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    return Submission(job_id=job_id, routes=routes, sent=sent)

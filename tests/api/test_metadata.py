@@ -1,0 +1,67 @@
+"""Reserved metadata keys -> the job's model pair and defaults; OpenAI's metadata bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from specbatch.api.metadata import check_metadata, job_options
+from specbatch.config import Settings
+from specbatch.errors import InputError
+
+SETTINGS = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "tgt", "SPECBATCH_DEFAULT_DRAFT": "drf"})
+
+
+def test_no_model_key_is_the_default_pair_and_no_defaults() -> None:
+    o = job_options({"team": "x"}, SETTINGS)
+    assert (o.pair.target, o.pair.drafts, o.pair.ngram, o.defaults, o.model_map) == ("tgt", ["drf"], False, {}, None)
+
+
+def test_pair_keys() -> None:
+    pair = job_options({"specbatch_target": "big"}, SETTINGS).pair
+    assert (pair.target, pair.drafts) == ("big", [])             # a target alone runs without a draft
+    pair = job_options({"specbatch_target": "big", "specbatch_draft": "a, b", "specbatch_ngram": "true"},
+                       SETTINGS).pair
+    assert (pair.target, pair.drafts, pair.ngram) == ("big", ["a", "b"], True)
+    assert pair.queue != job_options({"specbatch_target": "big"}, SETTINGS).pair.queue
+    o = job_options({"specbatch_model_map": "gpt-4o=big,small; mini=tiny"}, SETTINGS)
+    assert o.model_map == {"gpt-4o": ("big", ["small"]), "mini": ("tiny", [])}
+
+
+def test_default_keys_are_typed() -> None:
+    defaults = job_options({"specbatch_max_tokens": "64", "specbatch_temperature": "0.7",
+                               "specbatch_top_p": "0.9", "specbatch_top_k": "40", "specbatch_seed": "3",
+                               "specbatch_stop": '["a", "b"]'}, SETTINGS).defaults
+    assert defaults == {"max_new_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 3,
+                        "stop": ["a", "b"]}
+    assert job_options({"specbatch_stop": "END"}, SETTINGS).defaults == {"stop": "END"}
+
+
+@pytest.mark.parametrize("meta, field", [
+    ({"specbatch_max_tokens": "lots"}, "metadata.specbatch_max_tokens"),
+    ({"specbatch_max_tokens": "0"}, "metadata.specbatch_max_tokens"),
+    ({"specbatch_top_p": "1.5"}, "metadata.specbatch_top_p"),
+    ({"specbatch_stop": "[1, 2]"}, "metadata.specbatch_stop"),
+    ({"specbatch_stop": "[oops"}, "metadata.specbatch_stop"),
+    ({"specbatch_ngram": "maybe"}, "metadata.specbatch_ngram"),
+    ({"specbatch_model": "x"}, "metadata.specbatch_model"),
+    ({"specbatch_model_map": "gpt-4o"}, "metadata.specbatch_model_map"),
+    ({"specbatch_model_map": "a=x;a=y"}, "metadata.specbatch_model_map"),
+])
+def test_bad_values_name_their_key(meta: dict[str, str], field: str) -> None:
+    with pytest.raises(InputError) as e:
+        job_options(meta, SETTINGS)
+    assert e.value.field == field and e.value.reason
+
+
+@pytest.mark.parametrize("meta, field", [
+    ({f"k{i}": "v" for i in range(17)}, "metadata"),
+    ({"k": "v" * 513}, "metadata.k"),
+    ({"k" * 65: "v"}, "metadata." + "k" * 65),
+    ({"k": 1}, "metadata.k"),
+    (["k"], "metadata"),
+])
+def test_openai_metadata_bounds(meta: object, field: str) -> None:
+    with pytest.raises(InputError) as e:
+        check_metadata(meta)
+    assert e.value.field == field
+    assert check_metadata({f"k{i}": "v" * 512 for i in range(16)})

@@ -1,0 +1,224 @@
+"""The compiled forward (docs/COMPILE.md): lossless through it, eager fallback, auto decision.
+
+Compiling a tiny model still takes tens of seconds on 2 cores, so the compiled tests share one
+module-scoped pair of compiled models (their own instances: the session's ``load`` fixture keeps
+eager ones for every other test) and are marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from specbatch.config import Settings
+from specbatch.engine import Engine, GenerationParams
+from specbatch.engine import compiled as C
+from specbatch.engine.loading import load_model
+from tests.engine.test_sampling_distribution import WARP, chi2_pvalue, empirical, exact_joint, tv
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The",
+           "Write a haiku about"]
+N = 40
+
+
+# ------------------------------------------------------------------------------------------------
+# fast: the decision and the settings
+
+
+def test_compile_pays_weighs_saved_decode_time_against_compile_time():
+    # 2.5x faster decoding saves 60% of the eager decode time
+    assert C.compile_pays(1000.0, 500.0, cached=False, speedup=2.5)
+    assert not C.compile_pays(100.0, 500.0, cached=False, speedup=2.5)
+    assert not C.compile_pays(100.0, 60.0, cached=False, speedup=2.5)       # saves exactly 60
+    assert C.compile_pays(100.0, 60.0, cached=True, speedup=2.5)           # a cached tie compiles
+    assert C.compile_seconds_estimate(4, cached=True) < C.compile_seconds_estimate(4, cached=False)
+
+
+def test_compile_mode_setting_and_validation():
+    assert Settings.from_env({}).compile == "auto"
+    assert Settings.from_env({"SPECBATCH_COMPILE": "off"}).compile == "off"
+    assert C.resolve_mode(" ON ") == "on"
+    with pytest.raises(ValueError, match="auto, on, off"):
+        C.resolve_mode("sometimes")
+
+
+@pytest.mark.parametrize("command", ["run", "worker", "generate", "bench"])
+def test_compile_option_on_every_decoding_command(command):
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+
+    assert "--compile [auto|on|off]" in CliRunner().invoke(cli, [command, "--help"]).output
+    bad = CliRunner().invoke(cli, [command, "--compile", "sometimes"])
+    assert bad.exit_code == 2 and "'sometimes' is not one of 'auto', 'on', 'off'" in bad.output
+
+
+def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path):
+    target = load_model(str(tiny_models / "llama"))
+    plan = C.prepare(target, [], mode="off", batch_size=1, cache_dir=tmp_path)
+    assert not plan.enabled and target.compiled is None
+    # a short job in auto mode does not repay a first compile
+    plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
+    assert not plan.enabled and "does not repay" in plan.reason and target.compiled is None
+    from specbatch.engine.loading import _quantize_int8
+
+    int8 = load_model(str(tiny_models / "llama"))
+    int8.model = _quantize_int8(int8.model, int8.device)
+    assert C.compilable(int8.model) is not None
+    assert C.install(int8) is None
+
+
+def test_bench_times_the_loaded_models_forward_beside_the_eager_model(tiny_models):
+    """T(k) through ``LoadedModel.forward`` (compiled when installed) next to the raw model's."""
+    from specbatch.bench.costs import CostSampler
+
+    lm = load_model(str(tiny_models / "llama"))
+    sampler = CostSampler(lm.model, {}, lm.device, list(range(5, 25)), [1, 3], compiled_target=lm)
+    sampler.sample(2)
+    table = sampler.table()
+    assert set(table.target) == set(table.compiled) == {1, 3}
+    d = table.to_dict()
+    assert set(d["compiled_vs_eager"]) == {"1", "3"} and d["compiled_verify_ratio"]["1"] == 1.0
+    assert table.t(3) == table.compiled[3]     # ours decode through the compiled forward
+
+
+def test_causal_mask_matches_the_models_own_masking(tiny_models):
+    """The compiled path always passes an explicit mask; it must equal the implicit causal one."""
+    from transformers import DynamicCache
+
+    lm = load_model(str(tiny_models / "llama"))
+    ids = torch.tensor([[5, 9, 13, 2, 7, 7, 30]])
+    with torch.inference_mode():
+        cache = DynamicCache()
+        lm.model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+        implicit = lm.model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True).logits
+        cache = DynamicCache()
+        lm.model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+        explicit = lm.model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True,
+                            attention_mask=C.causal_mask(1, 3, 4, torch.float32, lm.device),
+                            position_ids=torch.arange(4, 7)[None]).logits
+    torch.testing.assert_close(explicit, implicit)
+
+
+# ------------------------------------------------------------------------------------------------
+# slow: through compiled models
+
+
+@pytest.fixture(scope="module")
+def compiled_pair(tiny_models, tmp_path_factory):
+    """The target compiled for single and batched steps (4 graphs). The draft stays eager: it goes
+    through the same ``LoadedModel.forward`` and cannot change what the target accepts, and
+    compiling it too would double this file's CI time (a compiled draft was checked by hand)."""
+    cache_dir = tmp_path_factory.mktemp("compile-cache")
+    target = load_model(str(tiny_models / "llama"))
+    draft = load_model(str(tiny_models / "llama-partial"))
+    plan = C.prepare(target, [], mode="on", batch_size=3, cache_dir=cache_dir)
+    assert plan.enabled, plan.to_dict()
+    return target, draft, plan
+
+
+def _greedy(engine: Engine, prompt: str, n: int = N, gamma: int = 4) -> list[int]:
+    return engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=n, gamma=gamma,
+                                                                  adaptive=False)).token_ids
+
+
+@pytest.mark.slow
+def test_compiled_forward_is_used_and_close_to_eager(compiled_pair):
+    from transformers import DynamicCache
+
+    target, _, plan = compiled_pair
+    assert target.compiled is not None and target.compiled.failed is None
+    assert all(r.graphs for r in plan.models) and plan.seconds > 0
+    ids = target.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.inference_mode():
+        caches = [DynamicCache(), DynamicCache()]
+        for c in caches:
+            target.model(input_ids=ids, past_key_values=c, use_cache=True)
+        new = torch.tensor([[3, 17, 40]])
+        eager = target.model(input_ids=new, past_key_values=caches[0], use_cache=True).logits
+        calls = torch._dynamo.utils.counters["stats"]["calls_captured"]
+        fast = target.forward(new, caches[1]).logits
+    torch.testing.assert_close(fast, eager, rtol=1e-4, atol=1e-4)
+    assert caches[1].get_seq_length() == caches[0].get_seq_length()   # the cache was appended to
+    assert torch._dynamo.utils.counters["stats"]["calls_captured"] == calls   # no recompilation
+
+
+@pytest.mark.slow
+def test_greedy_through_compiled_target_is_lossless_for_every_setup(compiled_pair, tiny_models):
+    """Every drafter setup and batch size gives exactly the compiled target's own greedy output."""
+    target, draft, _ = compiled_pair
+    alone = Engine(target)
+    refs = {p: _greedy(alone, p) for p in PROMPTS}
+    setups = {"draft": Engine(target, [draft]), "ngram": Engine(target, ngram=True),
+              "pool": Engine(target, [draft], ngram=True)}
+    for name, engine in setups.items():
+        for gamma in (1, 4):
+            for p in PROMPTS:
+                assert _greedy(engine, p, gamma=gamma) == refs[p], (name, gamma, p)
+    from specbatch.engine.engine import EngineRequest
+
+    for name in ("draft", "ngram"):
+        reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=N, adaptive=False))
+                for p in PROMPTS]
+        for batch in (2, 3):
+            outs = dict(setups[name].generate_many(reqs, batch_size=batch))
+            assert [outs[i].token_ids for i in range(len(PROMPTS))] == [refs[p] for p in PROMPTS], \
+                (name, batch)
+
+
+@pytest.mark.slow
+def test_compiled_target_against_eager_hf_generate(compiled_pair):
+    """On the tiny models the logit margins are wide: no near-tie, so no divergence at all."""
+    target, _, _ = compiled_pair
+    alone = Engine(target)
+    for p in PROMPTS:
+        ids = target.tokenizer(p, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            hf = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N,
+                                       do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        assert _greedy(alone, p) == hf, p
+
+
+@pytest.mark.slow
+def test_sampling_distribution_through_compiled_target(compiled_pair):
+    target, draft, _ = compiled_pair
+    engine = Engine(target, [draft])
+    joint = exact_joint(target)
+    counts = empirical(engine, 400)
+    assert WARP.top_k == 4
+    assert tv(counts, joint) < 0.1
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+FAILING = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    from specbatch.engine import Engine, GenerationParams
+    e = Engine.load(sys.argv[1], compile="on", cache_dir=sys.argv[2])
+    plan = e.compile_plan
+    assert not plan.enabled and plan.models and plan.models[0].error, plan.to_dict()
+    p = GenerationParams(max_new_tokens=12, adaptive=False)
+    a = e.generate(prompt="def fibonacci(n):", params=p).token_ids
+    b = e.generate(prompt="The quick brown fox", params=p).token_ids
+    e.target.compiled = None
+    assert e.generate(prompt="def fibonacci(n):", params=p).token_ids == a
+    print("EAGER-OK", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_no_cxx_compiler_falls_back_to_eager_with_one_warning(tiny_models, tmp_path):
+    """A machine without a working C++ compiler: one warning, then the same output eagerly."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-c++"), "OMP_NUM_THREADS": "1",
+           "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-c", FAILING, str(tiny_models / "gpt2"), str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert "EAGER-OK" in proc.stdout, proc.stderr[-3000:]
+    ours = [line for line in proc.stderr.splitlines() if "decoding eagerly instead" in line]
+    assert len(ours) == 1, proc.stderr[-3000:]
+    assert "WARNING" in ours[0]

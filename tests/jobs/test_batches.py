@@ -1,0 +1,151 @@
+"""OpenAI batches over jobs, on SQLite and PostgreSQL: the status mapping through a job's whole life,
+output/error files written once (even by two finalizers at once), expiry after the window, and
+the per-position counters summed in SQL."""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import null, update
+
+from specbatch import db
+from specbatch.config import Settings
+from specbatch.db.models import ApiBatch, Job, Result
+from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
+from specbatch.jobs import batches, files, store
+from specbatch.jobs.intake import ParsedRequest
+
+PARAMS = {k: getattr(GenerationParams(), k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "seed")}
+PARAMS["stop"] = []
+
+
+def _setup(db_url: str, tmp_path: Path, n: int = 3) -> tuple[Settings, str, list[int]]:
+    settings = Settings.from_env({"SPECBATCH_DATABASE_URL": db_url, "SPECBATCH_FILES_DIR": str(tmp_path / "files")})
+    reqs = [ParsedRequest(line_no=i + 1, custom_id=f"c{i}", kind="chat", prompt=None,
+                          messages=[{"role": "user", "content": "hi"}], params=PARAMS) for i in range(n)]
+    with db.session_factory(db_url).begin() as s:
+        job = store.create_job(s, target="t", drafts=["d"], ngram=False, params={}, requests=reqs, queue="q")
+        batch_id = batches.new_batch_id()
+        batches.create_batch(s, batch_id=batch_id, input_file_id=files.new_file_id(), endpoint="/v1/chat/completions",
+                             completion_window="24h", metadata={"k": "v"}, job_id=job.id)
+        ids = store.resumable_request_ids(s, job.id)
+    return settings, batch_id, ids
+
+
+def _output(per_pos: list[int], drafts: int) -> GenerationOutput:
+    stats = GenerationStats(prompt_tokens=3, new_tokens=4, verify_steps=3, drafted_tokens=2 * drafts,
+                            accepted_tokens=sum(per_pos), draft_steps=drafts, accepted_at_position=per_pos)
+    return GenerationOutput(text="out", token_ids=[1, 2, 3, 4], finish_reason="length", stats=stats)
+
+
+def _object(db_url: str, batch_id: str) -> dict:
+    with db.session_factory(db_url).begin() as s:
+        return batches.batch_objects(s, [batches.get_batch(s, batch_id)])[0]
+
+
+def _finalize(settings: Settings, db_url: str, batch_id: str) -> bool:
+    return batches.finalize(settings, db.session_factory(db_url), db.session_factory(db_url, readonly=True), batch_id)
+
+
+def _lines(settings: Settings, file_id: str) -> list[dict]:
+    return [json.loads(x) for x in files.file_path(settings, file_id).read_text().splitlines()]
+
+
+def test_status_follows_the_job_and_files_are_written_once(db_url: str, tmp_path: Path) -> None:
+    settings, batch_id, ids = _setup(db_url, tmp_path)
+    assert _object(db_url, batch_id)["status"] == "in_progress"
+    assert not _finalize(settings, db_url, batch_id)            # not finished: nothing to write
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        claimed = store.claim_requests(s, ids, "w", 60, 3)
+        assert len(claimed) == 3
+        store.record_result(s, ids[0], _output([1, 1], 2), "w")
+        store.record_result(s, ids[1], _output([2], 2), "w")
+        store.record_failure(s, ids[2], "too long", "w")
+        store.refresh_job(s, claimed[0].job_id)
+    obj = _object(db_url, batch_id)
+    assert obj["status"] == "finalizing" and obj["finalizing_at"] and obj["completed_at"] is None
+    assert obj["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert obj["usage"]["output_tokens"] == 8 and obj["usage"]["input_tokens"] == 6
+    assert _finalize(settings, db_url, batch_id)
+    assert not _finalize(settings, db_url, batch_id)            # once
+    obj = _object(db_url, batch_id)
+    assert obj["status"] == "completed" and obj["completed_at"] >= obj["finalizing_at"]
+    out, err = _lines(settings, obj["output_file_id"]), _lines(settings, obj["error_file_id"])
+    assert [x["custom_id"] for x in out] == ["c0", "c1"] and [x["custom_id"] for x in err] == ["c2"]
+    assert "too long" in json.dumps(err[0])
+    with factory.begin() as s:
+        f = files.get_file(s, obj["output_file_id"])
+        assert (f.purpose, f.batch_id, f.kind, f.lines) == ("batch_output", batch_id, "output", 2)
+        assert f.bytes == files.file_path(settings, f.id).stat().st_size
+
+
+def test_two_finalizers_at_once_write_one_pair(db_url: str, tmp_path: Path) -> None:
+    settings, batch_id, ids = _setup(db_url, tmp_path, n=2)
+    with db.session_factory(db_url).begin() as s:
+        job_id = batches.get_batch(s, batch_id).job_id
+        store.cancel_job(s, job_id)                       # nothing ran: every line is an error line
+    results: list[bool] = []
+    threads = [threading.Thread(target=lambda: results.append(_finalize(settings, db_url, batch_id)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [False, True]
+    obj = _object(db_url, batch_id)
+    assert obj["status"] == "cancelled" and obj["output_file_id"] is None
+    stored = [p.name for p in (tmp_path / "files").iterdir() if p.is_file()]
+    assert stored == [obj["error_file_id"]]
+    assert not list((tmp_path / "files" / ".incoming").iterdir())
+    assert {x["error"]["code"] for x in _lines(settings, obj["error_file_id"])} == {"batch_cancelled"}
+
+
+def test_an_overdue_batch_expires(db_url: str, tmp_path: Path) -> None:
+    settings, batch_id, ids = _setup(db_url, tmp_path, n=2)
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        store.claim_requests(s, ids[:1], "w", 60, 3)
+        store.record_result(s, ids[0], _output([1], 1), "w")
+        b = batches.get_batch(s, batch_id)
+        job = s.get(Job, b.job_id)
+        assert not batches.is_overdue(b, job)
+        s.execute(update(ApiBatch).where(ApiBatch.id == batch_id).values(expires_at=b.created_at - timedelta(seconds=1)))
+    with factory.begin() as s:
+        batches.expire(s, batch_id)
+    assert _object(db_url, batch_id)["status"] == "finalizing"
+    assert _finalize(settings, db_url, batch_id)
+    obj = _object(db_url, batch_id)
+    assert obj["status"] == "expired" and obj["expired_at"]
+    assert obj["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    assert [x["error"]["code"] for x in _lines(settings, obj["error_file_id"])] == ["batch_expired"]
+
+
+def test_per_position_counts_are_summed_in_sql(db_url: str, tmp_path: Path) -> None:
+    from specbatch.api.metrics import accepted_per_position
+
+    _, batch_id, ids = _setup(db_url, tmp_path, n=4)
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        store.claim_requests(s, ids, "w", 60, 3)
+        store.record_result(s, ids[0], _output([3, 1, 0], 3), "w")
+        store.record_result(s, ids[1], _output([2], 2), "w")
+        store.record_result(s, ids[2], _output([5, 4], 5), "w")
+        store.record_result(s, ids[3], _output([7], 7), "w")
+        # rows written before migration 0006 have no counts (SQL NULL; or a JSON null)
+        s.execute(update(Result).where(Result.request_id == ids[2]).values(accepted_at_position=null()))
+        s.execute(update(Result).where(Result.request_id == ids[3]).values(accepted_at_position=None))
+    with factory.begin() as s:
+        assert accepted_per_position(s) == {0: 5, 1: 1, 2: 0}
+
+
+def test_listing_after_an_unknown_id_is_an_input_error(db_url: str) -> None:
+    from specbatch.errors import InputError
+
+    with db.session_factory(db_url).begin() as s, pytest.raises(InputError) as e:
+        batches.list_batches(s, limit=10, after="batch_nope")
+    assert e.value.field == "after"

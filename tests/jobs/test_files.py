@@ -1,0 +1,49 @@
+"""The HTTP API's file tally: size, non-blank lines (as intake counts requests) and sha256, fed in
+arbitrary chunks."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from specbatch.config import Settings
+from specbatch.jobs.files import Tally, file_path
+
+TEXT = b'{"a": 1}\r\n\n  \n{"b": 2}\n{"c": 3}'      # CRLF, a blank and a whitespace line, no final newline
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_tally_is_independent_of_chunking(size: int) -> None:
+    t = Tally()
+    for i in range(0, len(TEXT), size):
+        t.feed(TEXT[i:i + size])
+    t.close()
+    assert (t.size, t.lines, t.longest_line, t.sha256) == (len(TEXT), 3, 9, hashlib.sha256(TEXT).hexdigest())
+
+
+def test_ids_never_become_paths(tmp_path) -> None:  # noqa: ANN001
+    from specbatch.jobs.files import FileNotFound
+
+    settings = Settings.from_env({"SPECBATCH_FILES_DIR": str(tmp_path)})
+    assert file_path(settings, "file-0123456789abcdef01234567") == tmp_path / "file-0123456789abcdef01234567"
+    for bad in ("../x", "file-../../etc/passwd", "file-0123456789ABCDEF01234567", "/etc/passwd"):
+        with pytest.raises(FileNotFound):
+            file_path(settings, bad)
+
+
+def test_sweep_removes_only_old_leftovers(tmp_path) -> None:  # noqa: ANN001
+    import os
+    import time
+
+    from specbatch.jobs.files import incoming, sweep_incoming
+
+    settings = Settings.from_env({"SPECBATCH_FILES_DIR": str(tmp_path)})
+    old, new = tmp_path / ".incoming" / "old", tmp_path / ".incoming" / "new"
+    with incoming(settings):                      # creates the directory
+        pass
+    old.write_bytes(b"x")
+    new.write_bytes(b"y")
+    os.utime(old, (time.time() - 2 * 86400,) * 2)
+    assert sweep_incoming(settings) == 1
+    assert not old.exists() and new.exists()
