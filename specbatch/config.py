@@ -57,7 +57,10 @@ class Settings(BaseSettings):
     default_draft: str = "smollm2-135m-int8"
     device: str = "cpu"
     dtype: str = "float32"
-    batch_size: Positive = 1
+    batch_size: int | str = "auto"        # "auto" (the throughput autopilot) or rows decoded together
+    max_memory: str = ""                  # KV cache + activations budget, e.g. "8GiB"; "": a share of free
+    threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers
+    local_workers: Positive = 1           # worker processes started together on this machine
     compile: Literal["auto", "on", "off"] = "auto"   # compiled forward (docs/COMPILE.md)
     flower_user: str = "admin"
     flower_password: str = ""
@@ -77,6 +80,22 @@ class Settings(BaseSettings):
     def _database_url(cls, url: str) -> str:
         check_database_url(url)
         return url
+
+    @field_validator("batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, value: object) -> int | str:
+        from specbatch.engine.autopilot import check_batch_size
+
+        return check_batch_size(value)
+
+    @field_validator("max_memory")
+    @classmethod
+    def _max_memory(cls, value: str) -> str:
+        from specbatch.engine.memory import parse_bytes
+
+        if value:
+            parse_bytes(value)
+        return value
 
     @classmethod
     def settings_customise_sources(cls, settings_cls: type[BaseSettings],

@@ -54,14 +54,19 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--telemetry", is_flag=True,
               help="Instead: the worker's chunk loop with tracing + metrics on vs off, interleaved "
                    "[6 prompts x 32 tokens, 3 repeats].")
+@click.option("--job", "job_file", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Job mode: this whole prompt file end to end per configuration (ours-auto, ours at fixed "
+                   "B with and without speculation, HF generate at the same B, HF assisted at B=1).")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
-          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_) -> None:
+          throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_,
+          job_file) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
     Example:
       specbatch bench --quick --threads 1 --out bench-results
       specbatch bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-int8 --ngram --batch-sizes 1,4,8,16
+      specbatch bench --job examples/prompts.jsonl --quick --threads 1
     """
     from specbatch.bench.harness import BenchOptions, run_bench
     from specbatch.bench.report import markdown, write_all
@@ -77,6 +82,12 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
     if telemetry:
         return _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats,
                           device, dtype, as_json)
+    if job_file is not None:
+        from specbatch.cli.bench_job import bench_job
+
+        bench_job(settings, job_file, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
+                  max_new_tokens, repeats, out_dir, as_json, device, dtype, quick)
+        return
     given = {
         "target": target or settings.default_target,
         "drafts": tuple(drafts) if drafts else (settings.default_draft,),

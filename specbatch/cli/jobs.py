@@ -34,6 +34,14 @@ def _counts_line(c: dict[str, int]) -> str:
                                              "cancelled"))
 
 
+def batching_line(b: dict[str, Any]) -> str:
+    """ "B=16 81% of decode time, B=8 12%, ...; speculated 20% of steps" (largest share first)."""
+    shares = sorted(b["batch_size_share"].items(), key=lambda kv: -kv[1])
+    sizes = ", ".join(f"B={k} {v:.0%}" for k, v in shares[:5])
+    spec = b.get("speculative_step_share")
+    return sizes + ("" if spec is None else f"; speculated {spec:.0%} of steps")
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -130,6 +138,9 @@ def _status_view(d: dict[str, Any]) -> Any:
         info.add_row("latency", f"p50 {_num(lat['p50'], '{:.2f}')} s, p95 {_num(lat['p95'], '{:.2f}')} s")
         if st["pool_wins"]:
             info.add_row("pool wins", ", ".join(f"{k} {v}" for k, v in st["pool_wins"].items()))
+        batching = st.get("batching") or {}
+        if batching.get("batch_size_share"):
+            info.add_row("batch sizes", batching_line(batching))
     parts: list[Any] = [info]
     if st["workers"]:
         workers = Table(title="workers", title_justify="left", box=None)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from specbatch.cli.common import compile_option, echo_json, open_db, report_compile, warn
+from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
 from specbatch.redact import mask
@@ -46,6 +47,8 @@ def sampling_options(f: Any) -> Any:
 
 
 def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
+    if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
+        return target or settings.default_target, []
     from specbatch.worker.submission import Pair
 
     pair = Pair.resolve(settings, target, drafts)
@@ -287,7 +290,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 @model_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
+@throughput_options
 @compile_option
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
 @click.option("--loglevel", "-l", default="INFO", show_default=True)
@@ -295,7 +298,8 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | None, compile_: str | None, hostname: str | None, loglevel: str, pool: str,
+           batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
+           compile_: str | None, hostname: str | None, loglevel: str, pool: str,
            metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
@@ -311,10 +315,14 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     from specbatch.worker.runner import run_worker
 
     settings = get_settings()
-    target_, drafts_ = resolve_pair(settings, target, drafts)
+    tp = resolve_throughput(settings, batch_size, max_memory, threads)
+    plain = no_draft(drafts, no_speculation)
+    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts)
+    if plain:
+        drafts_, ngram = [], False
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
-                                  batch_size=batch_size or settings.batch_size,
+                                  batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
                                   compile=compile_ or settings.compile, hostname=hostname,
                                   loglevel=loglevel, pool=pool,
                                   metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
@@ -361,7 +369,7 @@ EXIT_INTERRUPTED = 130
 @sampling_options
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
 @click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Requests generated together.")
+@throughput_options
 @compile_option
 @click.option("--resume", "resume_job", metavar="JOB", default=None,
               help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
@@ -370,8 +378,8 @@ EXIT_INTERRUPTED = 130
 def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
         max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
         seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
-        batch_size: int | None, compile_: str | None, resume_job: str | None, no_cache: bool,
-        as_json: bool) -> None:
+        batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
+        compile_: str | None, resume_job: str | None, no_cache: bool, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -391,13 +399,19 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     """
     from rich.console import Console
 
+    from specbatch.engine.threads import configure_threads
     from specbatch.jobs import store
     from specbatch.observability import tracing
     from specbatch.worker.interrupt import stop_on_signals
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
-    batch = batch_size or settings.batch_size
+    tp = resolve_throughput(settings, batch_size, max_memory, threads)
+    plain = no_draft(drafts, no_speculation)
+    if plain:
+        drafts, ngram = ("none",), False
+    batch = tp.batch_size
+    configure_threads(tp.threads, settings.local_workers)
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
     console = Console(stderr=True)
@@ -422,7 +436,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         # the models before the job: a pair that cannot load leaves no job behind (a --model-map
         # route that cannot load later fails its own requests, with the reason)
         engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
-                              compile_ or settings.compile,
+                              compile_ or settings.compile, tp.max_memory,
                               sum(int(r.params.get("max_new_tokens") or 0) for r in parsed.requests))
         job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
                                      queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
@@ -440,7 +454,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                     del engine
                     try:
                         engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
-                                              device, dtype, batch, compile_ or settings.compile,
+                                              device, dtype, batch, compile_ or settings.compile, tp.max_memory,
                                               _expected_tokens(settings, job_id, ids))
                     except SpecBatchError as e:
                         if resume_job is not None and len(routes) == 1:
@@ -475,8 +489,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 
 
 def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
-                 device: str | None, dtype: str | None, batch: int, compile_mode: str = "off",
-                 expected_new_tokens: int | None = None) -> Any:
+                 device: str | None, dtype: str | None, batch: int | str, compile_mode: str = "off",
+                 max_memory: int | None = None, expected_new_tokens: int | None = None) -> Any:
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
@@ -484,7 +498,7 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
         try:
             engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
                                  dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                                 batch_size=batch, compile=compile_mode,
+                                 batch_size=batch, compile=compile_mode, max_memory=max_memory,
                                  expected_new_tokens=expected_new_tokens)
         except SpecBatchError:
             raise
@@ -505,7 +519,7 @@ def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str)
 
 
 def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
-                       batch: int, only: list[int] | None = None, stop: Any = None) -> bool:
+                       batch: int | str, only: list[int] | None = None, stop: Any = None) -> bool:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specbatch.worker.embedded import run_embedded
@@ -558,6 +572,10 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         elif isinstance(value, dict | list):
             continue
         table.add_row(key, str(value))
+    if (stats.get("batching") or {}).get("batch_size_share"):
+        from specbatch.cli.jobs import batching_line
+
+        table.add_row("batch sizes", batching_line(stats["batching"]))
     Console().print(table)
     click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')}` writes them to a file")

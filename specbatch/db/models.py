@@ -28,6 +28,7 @@ from sqlalchemy import (
     false,
     true,
 )
+from sqlalchemy import text as sql_text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -197,7 +198,7 @@ class Result(Base):
     acceptance_rate: Mapped[float] = mapped_column(Float, default=0.0)
     mean_acceptance_length: Mapped[float] = mapped_column(Float, default=0.0)
     accepted_per_position: Mapped[list[float]] = mapped_column(JSONType, default=list)
-    # counts for counters summed across results (the API's /metrics); NULL on rows written before 0006
+    # counts for counters summed across results (the API's /metrics); NULL on rows written before 0004
     draft_steps: Mapped[int | None] = mapped_column(Integer)
     accepted_at_position: Mapped[list[int] | None] = mapped_column(JSONType)
     target_forwards: Mapped[int] = mapped_column(Integer, default=0)
@@ -213,13 +214,16 @@ class Result(Base):
     target: Mapped[str | None] = mapped_column(String(512))
     drafts: Mapped[list[str] | None] = mapped_column(JSONType)
     lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # what the throughput autopilot chose (GenerationStats.batch_size_seconds)
+    batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
+                                                                 server_default=sql_text("'{}'"))
     # who and when
     worker: Mapped[str] = mapped_column(String(255))
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finished_at: Mapped[datetime] = mapped_column(UTCDateTime)
     latency_seconds: Mapped[float] = mapped_column(Float)        # finished_at - started_at
     # the results cache (jobs.result_cache): the key of a deterministic request; a hit is a copy
-    # marked cached, referring to the generated row it copies (a soft reference, see 0002)
+    # marked cached, referring to the generated row it copies (a soft reference, see 0005)
     cache_key: Mapped[str | None] = mapped_column(String(64), index=True)
     cache_target: Mapped[str | None] = mapped_column(String(64))      # the target's fingerprint
     cached: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())

@@ -24,6 +24,7 @@ from specbatch.engine.cache import BatchCache
 from specbatch.engine.drafters import Drafter, Proposal
 from specbatch.engine.gamma import GammaController
 from specbatch.engine.loading import LoadedModel
+from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
 from specbatch.engine.sampling import Verdict, Warp
 from specbatch.engine.stopping import StopCheck
@@ -55,28 +56,71 @@ class Decoder:
     """Decodes requests with a target and a draft pool, as many at a time as the policy allows."""
 
     def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
-                 default_gamma: int = 4) -> None:
+                 default_gamma: int = 4, memory: MemoryBudget | None = None) -> None:
         self.target, self.drafters, self.policy = target, list(drafters), policy
         self.default_gamma = default_gamma
+        self.memory = memory
         self.rows: list[Row] = []
         self.cache = BatchCache(target)
 
     def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, GenerationOutput]]:
-        """Yield (index, output) as each request finishes."""
+        """Yield (index, output) as each request finishes.
+
+        When the policy allows fewer rows than are active (the throughput autopilot lowering the
+        batch size) the newest rows pause: they leave the caches with their state and resume
+        later, their context cached again. A row joins only if the memory budget holds it.
+        """
         waiting = deque(requests)
-        while waiting or self.rows:
-            room = self.policy.max_rows() - len(self.rows)
-            if waiting and room > 0:
-                self._admit([waiting.popleft() for _ in range(min(room, len(waiting)))])
+        paused: deque[Row] = deque()
+        if self.memory is not None:
+            self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
+        while waiting or paused or self.rows:
+            limit = max(1, self.policy.max_rows(len(waiting) + len(paused)))
+            if len(self.rows) > limit:
+                paused.extendleft(reversed(self._pause(len(self.rows) - limit)))
+            resuming, joining = self._admissible(limit, waiting, paused)
+            if resuming or joining:
+                self._admit(joining, resuming)
             else:
                 self._step()
             yield from self._retire()
 
+    def _admissible(self, limit: int, waiting: deque[Request], paused: deque[Row]
+                    ) -> tuple[list[Row], list[Request]]:
+        """Paused rows first, then waiting requests, up to ``limit`` rows within the memory budget
+        (alone, a request always runs: one too long for the budget waits for a smaller batch)."""
+        resuming: list[Row] = []
+        joining: list[Request] = []
+        cols = max((row_columns(len(r.ids) - len(r.generated), r.params) for r in self.rows), default=0)
+        while len(self.rows) + len(resuming) + len(joining) < limit and (paused or waiting):
+            need = row_columns(len(paused[0].ids) - len(paused[0].generated), paused[0].params) if paused \
+                else row_columns(len(waiting[0][1]), waiting[0][2])
+            n = len(self.rows) + len(resuming) + len(joining) + 1
+            if self.memory is not None and not self.memory.fits(n, max(cols, need), MAX_DRAFT):
+                break
+            cols = max(cols, need)
+            if paused:
+                resuming.append(paused.popleft())
+            else:
+                joining.append(waiting.popleft())
+        return resuming, joining
+
+    def _pause(self, n: int) -> list[Row]:
+        """The newest ``n`` rows leave the batch with their state (they resume later)."""
+        keep = list(range(len(self.rows) - n))
+        out = self.rows[len(keep):]
+        self.rows = self.rows[: len(keep)]
+        self.cache.select(keep)
+        for d in self.drafters:
+            d.retire(keep)
+        return out
+
     # -- admission: a fresh batch caches its prompts in its first step; rows joining a running
     #    batch cache theirs (all but the last token) in a forward of their own, then merge
-    def _admit(self, joining: list[Request]) -> None:
+    #    (resumed rows alike: their ids are prompt + what they generated so far)
+    def _admit(self, joining: list[Request], resuming: Sequence[Row] = ()) -> None:
         t0 = time.perf_counter()
-        new = [self._new_row(i, ids, p, t0) for i, ids, p in joining]
+        new = [self._new_row(i, ids, p, t0) for i, ids, p in joining] + list(resuming)
         prefill = bool(self.rows)
         cache = BatchCache(self.target, len(new))
         feeds = [r.ids[:-1] for r in new]
@@ -87,8 +131,11 @@ class Decoder:
         draft_forwards = sum(d.admit(new, prefill) for d in self.drafters)
         if prefilled:
             seconds = time.perf_counter() - t0
+            key = str(len(self.rows) + len(new))     # the prefill's time is the job's time too
             for r in new:
                 r.tally.prefill(seconds, draft_forwards)
+                bs = r.tally.stats.batch_size_seconds
+                bs[key] = bs.get(key, 0.0) + seconds / len(new)
         self.rows.extend(new)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
@@ -137,6 +184,13 @@ class Decoder:
                          draft_seconds=t1 - t0, verify_seconds=t2 - t1)
             r.ctl.observe(t.depth, v.n_accepted)
             self._accept(r, v)
+        seconds, key = time.perf_counter() - t0, str(n)
+        for r in rows:   # each row's share of the step's time, by rows in the step (job statistics)
+            bs = r.tally.stats.batch_size_seconds
+            bs[key] = bs.get(key, 0.0) + seconds / n
+        if self.memory is not None:
+            self.memory.check(measure(self.target.device), n,
+                              max(row_columns(len(r.ids) - len(r.generated), r.params) for r in rows), MAX_DRAFT)
 
     def _gammas(self) -> list[int]:
         if not self.drafters:

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from specbatch.config import get_settings
+from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
 from specbatch.engine.chat import template_messages
 from specbatch.engine.compiled import CompilePlan
 from specbatch.engine.compiled import prepare as prepare_compiled
@@ -17,11 +18,14 @@ from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
+from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
 logger = logging.getLogger(__name__)
+
+AUTO_MAX_BATCH = 256     # the autopilot's ceiling, below whatever the memory budget allows
 
 
 @dataclass(frozen=True)
@@ -36,32 +40,38 @@ class Engine:
     """Holds the loaded target and draft models and the step costs measured with them."""
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
-                 ngram: bool = False, gamma: int = 4, batch_size: int = 1) -> None:
+                 ngram: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
+                 max_memory: int | None = None) -> None:
         for d in drafts:
             check_same_tokenizer(target, d)
         self.target = target
         self.drafts = list(drafts)
         self.ngram = ngram
         self.gamma = gamma
-        self.batch_size = batch_size
+        self.batch_size = check_batch_size(batch_size)
+        self.max_memory = max_memory  # bytes for KV caches + activations; None: a share of free memory
         # measured step costs per batch-size bucket (policy.bucket), shared by every request
         self.costs: dict[int, CostModel] = {}
+        self.autopilot: Autopilot | None = None   # kept across calls: what it measured stays true
+        self.memory: MemoryBudget | None = None
         self.compile_plan: CompilePlan | None = None  # set by load (compiled forward or not, why)
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
-             trust_remote_code: bool = False, gamma: int = 4, batch_size: int = 1,
-             compile: str = "off", expected_new_tokens: int | None = None) -> Engine:
+             trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
+             max_memory: int | None = None, compile: str = "off",
+             expected_new_tokens: int | None = None) -> Engine:
         """Load the models; ``compile`` (auto / on / off) compiles them before returning
-        (``expected_new_tokens``: the job's size, for auto; None means a long-lived worker)."""
+        (``expected_new_tokens``: the job's size, for auto; None means a long-lived worker).
+        With batch_size "auto" the compile decision plans for ``planned_batch_size()`` rows."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
         engine = cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
-                     batch_size=batch_size)
+                     batch_size=batch_size, max_memory=max_memory)
         engine.compile_plan = prepare_compiled(
-            t, engine.drafts, mode=compile, batch_size=batch_size,
+            t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
             cache_dir=cache_dir or get_settings().cache_dir, expected_new_tokens=expected_new_tokens)
         return engine
 
@@ -138,14 +148,16 @@ class Engine:
             return out
         raise AssertionError("generate_many yields one result per request")
 
-    def generate_many(self, requests: Sequence[EngineRequest], batch_size: int | None = None, *,
+    def generate_many(self, requests: Sequence[EngineRequest], batch_size: BatchSize | None = None, *,
                       policy: Policy | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
         """Yield (index, output or the request's own error) as each request finishes.
 
-        Up to ``batch_size`` requests decode together (continuous batching); ``policy`` replaces
-        the default (that fixed limit, costs measured per batch-size bucket).
+        Up to ``batch_size`` requests decode together (continuous batching); "auto" lets the
+        throughput autopilot choose the batch size and whether to speculate by measurement
+        (``specbatch.engine.autopilot``); ``policy`` replaces either.
         """
+        size = check_batch_size(batch_size or self.batch_size)
         valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
@@ -157,7 +169,41 @@ class Engine:
                 continue
             valid.append((i, ids, params))
         if policy is None:
-            policy = MeasuredPolicy(batch_size or self.batch_size, self.costs)
-        decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma)
+            policy = self._policy(size, valid)
+        decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
+                          memory=self._memory())
         with torch.inference_mode():
             yield from decoder.run(valid)
+
+    @property
+    def speculates(self) -> bool:
+        return bool(self.drafts) or self.ngram
+
+    def _memory(self) -> MemoryBudget:
+        if self.memory is None:
+            budget = self.max_memory or default_budget(self.target.device)
+            shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
+            self.memory = MemoryBudget(budget, shapes)
+        return self.memory
+
+    def _policy(self, size: BatchSize, valid: list[Request]) -> Policy:
+        if size != AUTO:
+            return MeasuredPolicy(int(size), self.costs)
+        # the search's ceiling: rows of the median request that fit (admission checks each one)
+        cols = sorted(row_columns(len(ids), p) for _, ids, p in valid) or [1]
+        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], MAX_DRAFT))
+        if self.autopilot is None:
+            self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
+        self.autopilot.cap = cap
+        return AutopilotPolicy(cap, self.costs, pilot=self.autopilot)
+
+    def planned_batch_size(self) -> int:
+        """Rows decoding will run at (fixed size, or the autopilot's kept size; 8 before it
+        measured): what a compile decision made before decoding plans for."""
+        if self.batch_size != AUTO:
+            return int(self.batch_size)
+        return self.autopilot.planned_rows() if self.autopilot is not None else 8
+
+    def batch_report(self) -> dict[str, Any] | None:
+        """What the autopilot chose and measured so far (None before an automatic batch ran)."""
+        return self.autopilot.summary() if self.autopilot is not None else None

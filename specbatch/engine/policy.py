@@ -29,8 +29,9 @@ class StepReport:
 
 
 class Policy(Protocol):
-    def max_rows(self) -> int:
-        """Rows that may be active at once; asked before admitting waiting requests."""
+    def max_rows(self, waiting: int = 0) -> int:
+        """Rows that may be active at once; asked before admitting ``waiting`` requests (fewer
+        than are active: the newest rows pause until there is room again)."""
         ...
 
     def gamma_cap(self, n_rows: int) -> int | None:
@@ -64,7 +65,7 @@ class MeasuredPolicy:
     warmup_steps: int = 3
     spec_steps: dict[int, int] = field(default_factory=dict)   # speculative steps seen per bucket
 
-    def max_rows(self) -> int:
+    def max_rows(self, waiting: int = 0) -> int:
         return max(1, self.limit)
 
     def gamma_cap(self, n_rows: int) -> int | None:

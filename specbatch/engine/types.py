@@ -85,6 +85,9 @@ class GenerationStats:
     step_winners: list[int] = field(default_factory=list)    # per step: pool index, -1 if none
     final_gamma: int = 0
     speculation_disabled: bool = False
+    # this request's share of decode time by active rows in the step ("16": seconds / 16 summed
+    # over the steps it took at 16 rows): summed over a job's requests, the job's time per size
+    batch_size_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:

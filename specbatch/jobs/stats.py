@@ -43,7 +43,8 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             Result.mean_acceptance_length, Result.target_forwards, Result.draft_forwards,
             Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
             Result.started_at, Result.finished_at, Result.latency_seconds, Result.pool_wins,
-            Result.accepted_per_position, Result.speculation_disabled, Result.cached)
+            Result.accepted_per_position, Result.speculation_disabled, Result.cached,
+            Result.batch_size_seconds, Result.draft_steps)
     rows = s.execute(select(*cols).where(Result.job_id == job_id).order_by(Result.id)).all()
     generated = [r for r in rows if not r.cached]        # results-cache hits generated nothing
 
@@ -58,6 +59,11 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
     latencies = [r.latency_seconds for r in rows]
 
     pool_wins: dict[str, int] = defaultdict(int)
+    by_size: dict[int, float] = defaultdict(float)
+    for r in rows:
+        for size, seconds in (r.batch_size_seconds or {}).items():
+            by_size[int(size)] += float(seconds)
+    size_total = sum(by_size.values())
     per_position: dict[int, list[float]] = defaultdict(list)
     by_worker: dict[str, list[Any]] = defaultdict(list)
     for r in rows:
@@ -113,6 +119,14 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             "max": max(latencies) if latencies else None,
         },
         "speculation_disabled": sum(1 for r in rows if r.speculation_disabled),
+        "batching": {
+            # decode time by rows active in the step (each request's share summed): what was chosen
+            "batch_size_share": {str(k): v / size_total for k, v in sorted(by_size.items())}
+                                if size_total else {},
+            "batch_size_seconds": {str(k): v for k, v in sorted(by_size.items())},
+            "speculative_step_share": _ratio(sum(r.draft_steps or 0 for r in rows), steps),
+            "decode_tokens_per_second": _ratio(tokens, size_total),
+        },
         "pool_wins": dict(sorted(pool_wins.items())),
         "workers": workers,
     }

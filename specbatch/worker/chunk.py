@@ -148,7 +148,7 @@ def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> 
 
 
 def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int], worker_name: str, *,
-                  batch_size: int | None = None, on_result: Callable[[ResultEvent], None] | None = None,
+                  batch_size: int | str | None = None, on_result: Callable[[ResultEvent], None] | None = None,
                   should_stop: Callable[[], bool] | None = None) -> ChunkReport:
     """Generate every claimable request of ``request_ids``; see the module docstring.
 
@@ -163,7 +163,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
     cache = ResultCache.for_engine(engine, settings.cache_dir or None)
     report = ChunkReport()
     todo = list(dict.fromkeys(int(i) for i in request_ids))
-    batch = max(1, batch_size or engine.batch_size or 1)
+    batch = batch_rows(engine, batch_size)
     touched_jobs: set[str] = set()
     not_claimed: list[int] = []
 
@@ -188,6 +188,10 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
             continue
+        if batch > 1 and not any(c.attempts > 1 for c in claimed):
+            def ahead(claimed: list[Any] = claimed) -> list[Any]:
+                return _claim_ahead(sf, settings, claimed, worker_name, batch)
+            claimed += with_db_retry(ahead)
         touched_jobs.update(c.job_id for c in claimed)
 
         def serve(claimed: list[Any] = claimed) -> tuple[list[Any], list[Any]]:
@@ -198,9 +202,10 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         # suspects (a worker died holding them before) run alone, so they take no neighbour down
         solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
+        rows: int | str = "auto" if batch_size == "auto" or engine.batch_size == "auto" else batch
         with LeaseKeeper(sf, cache.waiting_ids(), worker_name, settings.lease_seconds):
             for run in runs:
-                _generate_run(settings, engine, sf, run, worker_name, report, on_result, batch, claimed_ns,
+                _generate_run(settings, engine, sf, run, worker_name, report, on_result, rows, claimed_ns,
                               cache)
 
     if not_claimed:
@@ -222,9 +227,42 @@ def _report_cached(report: ChunkReport, on_result: Callable[[ResultEvent], None]
                               cached=True))
 
 
+def batch_rows(engine: Any, batch_size: int | str | None = None) -> int:
+    """Rows the engine decodes together now: a fixed size, or the autopilot's current choice
+    (its ceiling before it measured anything is not a good guess: 8)."""
+    b = batch_size or getattr(engine, "batch_size", 1) or 1
+    if b != "auto":
+        return max(1, int(b))
+    pilot = getattr(engine, "autopilot", None)
+    return max(8, int(pilot.kept[0])) if pilot is not None else 8
+
+
+def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, batch: int) -> list[Any]:
+    """More pending requests of the same job, so a batch larger than the chunk keeps full (the
+    chunk size follows the batch size): up to 2 x batch rows in all. The tasks that carry those
+    ids find them finished (or held) and skip them."""
+    from specbatch.jobs import store
+
+    want = 2 * batch - len(claimed)
+    if want <= 0:
+        return []
+    job_id, first = claimed[0].job_id, claimed[0].id
+    mine = {c.id for c in claimed}
+    with sf.begin() as s:
+        pending = [i for i in store.resumable_request_ids(s, job_id) if i not in mine]
+        if not pending:
+            return []
+        # only requests routed to the same pair (--model-map): another pair's worker owns the rest
+        routes = store.request_routes(s, job_id, [first, *pending])
+        same = next(ids for ids in routes.values() if first in ids)
+        ids = [i for i in same if i not in mine][:want]
+        return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
+            if ids else []
+
+
 def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int = 1, claimed_ns: int = 0, cache: Any = None) -> None:
+                  batch: int | str = 1, claimed_ns: int = 0, cache: Any = None) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
@@ -236,7 +274,8 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
 
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
-        for idx, out in engine.generate_many(requests, batch_size=min(batch, len(run))):
+        size = batch if batch == "auto" else min(int(batch), len(run))
+        for idx, out in engine.generate_many(requests, batch_size=size):
             c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)

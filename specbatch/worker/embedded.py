@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from specbatch.config import Settings
 from specbatch.observability import tracing
 from specbatch.observability.worker import Observer
-from specbatch.worker.chunk import ResultEvent, process_chunk, with_db_retry
+from specbatch.worker.chunk import ResultEvent, batch_rows, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
 
@@ -29,7 +29,7 @@ def embedded_worker_name(pid: int | None = None) -> str:
 
 def run_embedded(settings: Settings, job_id: str, engine: Engine,
                  on_progress: Callable[[ResultEvent], None] | None = None, *,
-                 batch_size: int | None = None, stop: StopRequest | None = None,
+                 batch_size: int | str | None = None, stop: StopRequest | None = None,
                  only: Collection[int] | None = None) -> bool:
     """Generate every pending (or lease-expired) request of ``job_id`` (of those in ``only``, when
     given: the requests routed to ``engine``'s models), chunk by chunk.
@@ -59,15 +59,18 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
         if on_progress is not None:
             on_progress(event)
 
-    batch = max(1, batch_size or engine.batch_size or 1)
-    # with batching, chunks several batches long keep the batch full as rows finish
+    batch = batch_rows(engine, batch_size)
+    # with batching, chunks several batches long keep the batch full as rows finish; with the
+    # autopilot the whole job is one chunk: its batch may grow to any size as it measures
+    auto = (batch_size or engine.batch_size) == "auto"
     size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
     finished = True
     stop = stop or StopRequest()
+    ids = with_db_retry(resumable)
     try:
         with interruptible(engine, stop), \
                 tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
-            for chunk in chunks(with_db_retry(resumable), size):
+            for chunk in chunks(ids, len(ids) or 1) if auto else chunks(ids, size):
                 with tracing.span("chunk", {"specbatch.job.id": job_id, "specbatch.request_ids": chunk}):
                     report = process_chunk(settings, engine, chunk, worker, batch_size=batch_size,
                                            on_result=on_result, should_stop=stop)

@@ -84,7 +84,8 @@ def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = 
 
 
 def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), ngram: bool = False,
-               device: str = "cpu", dtype: str = "float32", batch_size: int = 1, compile: str = "auto",
+               device: str = "cpu", dtype: str = "float32", batch_size: int | str = "auto",
+               max_memory: int | None = None, threads: int | None = None, compile: str = "auto",
                hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
                imports: Sequence[str] = (), extra_argv: Sequence[str] = (),
                metrics_port: int = 0) -> tuple[int, str | None]:
@@ -103,7 +104,8 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     ready = str(own / "ready")
     app.conf.update(
         specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram, "device": device,
-                          "dtype": dtype, "batch_size": batch_size, "compile": compile},
+                          "dtype": dtype, "batch_size": batch_size, "max_memory": max_memory,
+                          "threads": threads, "compile": compile},
         specbatch_ready_file=ready if pool == "prefork" else None,
         specbatch_observe={"worker": host_format(default_nodename(hostname)), "metrics": server is not None},
         imports=list(imports),

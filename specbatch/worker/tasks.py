@@ -46,16 +46,20 @@ def engine_spec(conf: Any) -> dict[str, Any]:
         return dict(spec)
     s = get_settings()
     return {"target": s.default_target, "drafts": [s.default_draft], "ngram": False,
-            "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size, "compile": s.compile}
+            "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size, "compile": s.compile,
+            "threads": s.threads or None}
 
 
 def build_engine(spec: dict[str, Any]) -> Engine:
     """Load the engine for ``spec`` (tests wrap this to inject faults)."""
     from specbatch.engine import Engine
+    from specbatch.engine.threads import configure_threads
 
+    configure_threads(spec.get("threads"), get_settings().local_workers)   # before the first forward
     return Engine.load(spec["target"], drafts=list(spec.get("drafts") or ()), ngram=bool(spec.get("ngram")),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
-                       cache_dir=get_settings().cache_dir or None, batch_size=int(spec.get("batch_size") or 1),
+                       cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
+                       max_memory=spec.get("max_memory"),
                        # a worker compiles while it warms up, before it consumes (auto: it is long-lived)
                        compile=spec.get("compile") or "off")
 

@@ -143,7 +143,7 @@ def test_a_database_from_a_newer_specbatch_is_refused(tmp_path):
         db.forget_engines()
 
 
-def test_0002_adds_the_results_cache_to_existing_rows(db_url):
+def test_0005_adds_the_results_cache_to_existing_rows(db_url):
     """Upgrading a database with jobs and results: old results are plain generated rows (no key,
     not cached) and old jobs use the cache; the key is indexed for the lookup."""
     from sqlalchemy import select
@@ -151,14 +151,14 @@ def test_0002_adds_the_results_cache_to_existing_rows(db_url):
     from specbatch.db.models import Result
     from specbatch.engine.types import GenerationOutput, GenerationStats
 
-    db.downgrade(db_url, "0006")      # the revision before 0002 in this chain
+    db.downgrade(db_url, "0004")      # the revision before the results cache (0005)
     with db.get_engine(db_url).begin() as conn:
         conn.execute(text("INSERT INTO jobs (id, status, target, drafts, ngram, queue, params, metadata, total, "
                           "pending, running, completed, failed, cancelled, created_at, updated_at) VALUES "
                           "('old', 'queued', 't', '[]', false, 'q', '{}', '{}', 0, 0, 0, 0, 0, 0, "
                           "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
     db.upgrade(db_url)
-    assert db.current_revision(db_url) == "0002"
+    assert db.current_revision(db_url) == head_revision()
     insp = inspect(db.get_engine(db_url))
     assert {"ix_results_cache_key": ["cache_key"]}.items() <= {
         i["name"]: i["column_names"] for i in insp.get_indexes("results")}.items()

@@ -21,7 +21,7 @@ class Recording:
     asked: list[int] = field(default_factory=list)
     model: CostModel = field(default_factory=CostModel)
 
-    def max_rows(self) -> int:
+    def max_rows(self, waiting: int = 0) -> int:
         return self.limit
 
     def gamma_cap(self, n_rows: int) -> int | None:

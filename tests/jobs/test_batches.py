@@ -136,7 +136,7 @@ def test_per_position_counts_are_summed_in_sql(db_url: str, tmp_path: Path) -> N
         store.record_result(s, ids[1], _output([2], 2), "w")
         store.record_result(s, ids[2], _output([5, 4], 5), "w")
         store.record_result(s, ids[3], _output([7], 7), "w")
-        # rows written before migration 0006 have no counts (SQL NULL; or a JSON null)
+        # rows written before migration 0004 have no counts (SQL NULL; or a JSON null)
         s.execute(update(Result).where(Result.request_id == ids[2]).values(accepted_at_position=null()))
         s.execute(update(Result).where(Result.request_id == ids[3]).values(accepted_at_position=None))
     with factory.begin() as s:

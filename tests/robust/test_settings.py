@@ -21,7 +21,10 @@ def _invoke(args: list[str], env: dict[str, str]) -> tuple[int, str, BaseExcepti
 
 @pytest.mark.parametrize("name,value,expected", [
     ("SPECBATCH_CHUNK_SIZE", "eight", "SPECBATCH_CHUNK_SIZE='eight': Input should be a valid integer"),
-    ("SPECBATCH_BATCH_SIZE", "0", "SPECBATCH_BATCH_SIZE='0': Input should be greater than or equal to 1"),
+    ("SPECBATCH_BATCH_SIZE", "0", "SPECBATCH_BATCH_SIZE='0': must be an integer >= 1 or 'auto'"),
+    ("SPECBATCH_BATCH_SIZE", "2.5", "SPECBATCH_BATCH_SIZE='2.5': must be an integer >= 1 or 'auto'"),
+    ("SPECBATCH_MAX_MEMORY", "lots", "SPECBATCH_MAX_MEMORY='lots': 'lots' is not a size"),
+    ("SPECBATCH_THREADS", "-1", "SPECBATCH_THREADS='-1': Input should be greater than or equal to 0"),
     ("SPECBATCH_DATABASE_URL", "mysql://u:S3CRETPW@127.0.0.1/db", "the mysql driver is not installed"),
     ("SPECBATCH_DATABASE_URL", "not a url at all", "not a database URL"),
 ])

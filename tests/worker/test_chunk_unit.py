@@ -50,3 +50,33 @@ def test_a_result_that_cannot_be_stored_fails_its_request_and_the_job_goes_on(tm
         summary = store.job_summary(s, job_id)
     assert summary["status"] == "completed_with_errors"
     assert summary["request_counts"]["failed"] == 1 and summary["request_counts"]["running"] == 0
+
+
+class RecordingEngine(FakeEngine):
+    def __init__(self, batch_size) -> None:
+        self.batch_size = batch_size
+        self.calls: list[tuple[int, object]] = []
+
+    def generate_many(self, requests, batch_size=None):
+        self.calls.append((len(requests), batch_size))
+        yield from super().generate_many(requests, batch_size)
+
+
+def test_a_batch_larger_than_the_chunk_claims_ahead_and_tasks_skip_what_it_took(tmp_path):
+    settings, job_id, ids = _job(tmp_path, 12)
+    engine = RecordingEngine(4)
+    report = process_chunk(settings, engine, ids[:2], "w1")     # an 8-request-chunk-like task, B=4
+    assert engine.calls == [(8, 4)]                             # 2 of its own + 6 more: 2 x the batch
+    assert sorted(report.completed) == ids[:8]
+    later = process_chunk(settings, engine, ids[2:6], "w2")     # the task that carried those ids
+    assert later.completed == [] and sorted(later.finished) == ids[2:6]
+
+
+def test_auto_passes_auto_and_batch_one_never_claims_ahead(tmp_path):
+    settings, _, ids = _job(tmp_path, 30)
+    auto = RecordingEngine("auto")
+    process_chunk(settings, auto, ids[:3], "w1")
+    assert auto.calls == [(16, "auto")]                         # 2 x 8 before the autopilot measured
+    one = RecordingEngine(1)
+    report = process_chunk(settings, one, ids[16:18], "w2")
+    assert one.calls == [(1, 1), (1, 1)] and sorted(report.completed) == ids[16:18]

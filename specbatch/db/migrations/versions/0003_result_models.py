@@ -1,7 +1,7 @@
 """results record the models that produced them, and whether the output is lossy
 
 Revision ID: 0003
-Revises: 0004
+Revises: 0002
 Create Date: 2026-11-30
 """
 
@@ -12,7 +12,7 @@ from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0003"
-down_revision = "0004"   # assigned "0001"; chained after main's 0004 at the merge
+down_revision = "0002"
 branch_labels = None
 depends_on = None
 

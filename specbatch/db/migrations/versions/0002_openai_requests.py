@@ -1,6 +1,6 @@
 """requests: OpenAI batch fields (model, routed pair, metadata, token-id prompt) and the error's type
 
-Revision ID: 0004
+Revision ID: 0002
 Revises: 0001
 Create Date: 2026-11-30
 """
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0004"
+revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None

@@ -1,7 +1,7 @@
 """results cache: results.cache_key (indexed), cache_target, cached, cached_from; jobs.cache
 
-Revision ID: 0002
-Revises: 0006
+Revision ID: 0005
+Revises: 0004
 Create Date: 2026-11-30
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0002"
-down_revision = "0006"   # chained after main's head (0006) at the merge; ids are assigned per branch
+revision = "0005"
+down_revision = "0004"
 branch_labels = None
 depends_on = None
 

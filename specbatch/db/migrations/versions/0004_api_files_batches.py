@@ -1,6 +1,6 @@
 """HTTP API: files and batches tables; per-position accepted token counts on results
 
-Revision ID: 0006
+Revision ID: 0004
 Revises: 0003
 Create Date: 2026-11-30
 """
@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
 
-revision = "0006"
-down_revision = "0003"   # assigned "0001"; chained after main's head (0003) at the merge
+revision = "0004"
+down_revision = "0003"
 branch_labels = None
 depends_on = None
 

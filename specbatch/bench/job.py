@@ -1,0 +1,266 @@
+"""`specbatch bench --job FILE`: a whole prompt file end to end, per configuration, in one process.
+
+Configurations (``plan``):
+  ours-auto                 the defaults: ``Engine(batch_size="auto")`` with the draft (autopilot);
+  ours[B=b,spec|plain]      ``generate_many`` at a fixed B, with the draft or the target alone;
+  hf-generate[B=b]          Hugging Face ``generate`` on left-padded batches of b, greedy;
+  hf-assisted[B=1]          Hugging Face assisted generation with the draft, one prompt at a time.
+Every configuration decodes every prompt of the file (greedy; each line's max_tokens, or
+``--max-new-tokens``) from a fresh engine, so nothing one learned helps another. Repeats run the
+configurations in a rotated order (A B C, B C A, ...): drift on a shared machine hits all alike.
+tokens/s = new tokens of the whole file / wall seconds of the whole file. Every output is
+compared with the target's own unbatched greedy output, token for token (cut at EOS).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specbatch.bench.runners import HF_ASSISTED_SETTINGS, HFRunner, cut_at_eos
+from specbatch.engine.loading import LoadedModel
+
+Progress = Callable[[str, int, int], None]
+FULL_SIZES = (1, 4, 8, 16, 32)
+QUICK_SIZES = (1, 4, 16)
+
+
+@dataclass(frozen=True)
+class JobBenchOptions:
+    file: str
+    target: str = "smollm2-135m"
+    draft: str = "smollm2-135m-int8"
+    batch_sizes: tuple[int, ...] = FULL_SIZES
+    max_new_tokens: int | None = None      # None: each line's own
+    num_prompts: int | None = None         # None: the whole file
+    repeats: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    cache_dir: str | None = None
+    quick: bool = False
+
+    @classmethod
+    def quick_defaults(cls, **overrides: Any) -> JobBenchOptions:
+        """Under 5 minutes on the default pair on an idle 2-core CPU: 12 prompts, 32 tokens, B in 1,4,16."""
+        base: dict[str, Any] = {"batch_sizes": QUICK_SIZES, "max_new_tokens": 32, "num_prompts": 12,
+                                "quick": True}
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    name: str
+    kind: str                     # ours | hf-generate | hf-assisted
+    batch_size: int | str         # "auto" for ours-auto
+    speculative: bool | str       # "auto": the autopilot decides
+
+
+def plan(sizes: tuple[int, ...]) -> list[JobConfig]:
+    out = [JobConfig("ours-auto", "ours", "auto", "auto")]
+    for b in sizes:
+        out.append(JobConfig(f"ours[B={b},spec]", "ours", b, True))
+        out.append(JobConfig(f"ours[B={b},plain]", "ours", b, False))
+        out.append(JobConfig(f"hf-generate[B={b}]", "hf-generate", b, False))
+    if 1 in sizes:   # (--batch-sizes without 1 narrows B=1 away, assisted generation included)
+        out.append(JobConfig("hf-assisted[B=1]", "hf-assisted", 1, True))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ours(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[list[int]],
+          limits: list[int]) -> tuple[list[list[int]], float, dict[str, Any] | None]:
+    from specbatch.engine import Engine, EngineRequest, GenerationParams
+
+    engine = Engine(target, [draft] if cfg.speculative else [], batch_size=cfg.batch_size)
+    reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n)) for x, n in zip(ids, limits)]
+    outs: list[list[int]] = [[] for _ in ids]
+    _sync(target.device)
+    t0 = time.perf_counter()
+    for i, out in engine.generate_many(reqs):
+        if isinstance(out, Exception):
+            raise RuntimeError(f"prompt {i}: {out}")
+        outs[i] = list(out.token_ids)
+    _sync(target.device)
+    return outs, time.perf_counter() - t0, engine.batch_report()
+
+
+def _hf(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[list[int]],
+        limits: list[int]) -> tuple[list[list[int]], float]:
+    if cfg.kind == "hf-assisted":
+        runner = HFRunner(target, draft, HF_ASSISTED_SETTINGS["default"])
+        outs, seconds = [], 0.0
+        for x, n in zip(ids, limits):
+            r = runner(x, n)
+            outs.append(r.tokens)
+            seconds += r.seconds
+        return outs, seconds
+    hf = HFRunner(target)
+    b = int(cfg.batch_size)
+    outs, seconds = [], 0.0
+    for s in range(0, len(ids), b):
+        chunk, sec = hf.batch(ids[s: s + b], max(limits[s: s + b]))
+        outs.extend(chunk)
+        seconds += sec
+    return outs, seconds
+
+
+def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel,
+                  requests: list[tuple[list[int], int]], say: Progress | None = None) -> dict[str, Any]:
+    """``requests``: (prompt ids, max new tokens) per line of the file, in order."""
+    say = say or (lambda *_: None)
+    requests = requests[: opts.num_prompts] if opts.num_prompts else requests
+    ids = [x for x, _ in requests]
+    limits = [opts.max_new_tokens or n for _, n in requests]
+    eos = target.eos_token_ids
+    configs = plan(opts.batch_sizes)
+
+    def clean(outs: list[list[int]]) -> list[list[int]]:
+        return [cut_at_eos(o, eos)[:n] for o, n in zip(outs, limits)]
+
+    _ours(target, draft, JobConfig("warm-up", "ours", 2, True), ids[:2], [4, 4])   # untimed
+
+    acc: dict[str, dict[str, Any]] = {c.name: {"tokens": 0, "seconds": 0.0, "outputs": []} for c in configs}
+    reports: dict[str, Any] = {}
+    total = len(configs) * opts.repeats
+    for r in range(opts.repeats):
+        order = configs[r % len(configs):] + configs[: r % len(configs)]
+        for i, cfg in enumerate(order):
+            say(f"repeat {r + 1}/{opts.repeats}: {cfg.name}", r * len(configs) + i, total)
+            if cfg.kind == "ours":
+                outs, seconds, report = _ours(target, draft, cfg, ids, limits)
+                if report is not None:
+                    reports[f"{cfg.name}#{r + 1}"] = report
+            else:
+                outs, seconds = _hf(target, draft, cfg, ids, limits)
+            outs = clean(outs)
+            a = acc[cfg.name]
+            a["tokens"] += sum(len(o) for o in outs)
+            a["seconds"] += seconds
+            a["outputs"].append(outs)
+    # the reference: the target alone, unbatched (the timed B=1 run when the grid has it)
+    if acc.get("hf-generate[B=1]", {}).get("outputs"):
+        reference = acc["hf-generate[B=1]"]["outputs"][0]
+    else:
+        say("reference: the target alone, unbatched", total, total + 1)
+        ref_cfg = JobConfig("hf-generate[B=1]", "hf-generate", 1, False)
+        reference = clean(_hf(target, draft, ref_cfg, ids, limits)[0])
+    for a in acc.values():
+        a["mismatch"] = sorted({j for outs in a["outputs"] for j, (o, ref) in enumerate(zip(outs, reference))
+                                if o != ref})
+    say("done", total, total)
+
+    rows = []
+    for c in configs:
+        a = acc[c.name]
+        tps = a["tokens"] / a["seconds"] if a["seconds"] else None
+        rows.append({"name": c.name, "batch_size": c.batch_size, "speculative": c.speculative,
+                     "tokens_per_second": tps, "identical": not a["mismatch"],
+                     "kind": c.kind, "seconds": a["seconds"], "new_tokens": a["tokens"],
+                     "mismatched_prompts": a["mismatch"]})
+    fixed = [r for r in rows if r["kind"] == "ours" and r["batch_size"] != "auto" and r["tokens_per_second"]]
+    best = max(fixed, key=lambda r: r["tokens_per_second"]) if fixed else None
+    hf = [r for r in rows if r["kind"] == "hf-generate" and r["tokens_per_second"]]
+    best_hf = max(hf, key=lambda r: r["tokens_per_second"]) if hf else None
+    for row in rows:
+        tps = row["tokens_per_second"]
+        row["ratio_vs_best_fixed"] = tps / best["tokens_per_second"] if tps and best else None
+        row["ratio_vs_best_hf_generate"] = tps / best_hf["tokens_per_second"] if tps and best_hf else None
+    return {"job": rows, "best_fixed": best["name"] if best else None,
+            "best_hf_generate": best_hf["name"] if best_hf else None,
+            "file": opts.file, "prompts": len(ids), "max_new_tokens": opts.max_new_tokens,
+            "repeats": opts.repeats, "target": opts.target, "draft": opts.draft,
+            "threads": torch.get_num_threads(), "device": str(target.device), "autopilot": reports}
+
+
+PUBLIC_KEYS = ("name", "batch_size", "speculative", "tokens_per_second", "ratio_vs_best_fixed", "identical")
+
+
+def public(result: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` shape: {"job": [{name, batch_size, speculative, tokens_per_second,
+    ratio_vs_best_fixed, identical}], "best_fixed": NAME}."""
+    return {"job": [{k: r[k] for k in PUBLIC_KEYS} for r in result["job"]], "best_fixed": result["best_fixed"]}
+
+
+def markdown(result: dict[str, Any], command: str | None = None) -> str:
+    def f(x: Any, fmt: str = ".2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    lines = [f"# specbatch bench --job {Path(result['file']).name}", ""]
+    if command:
+        lines += ["```", command, "```", ""]
+    lines += [f"{result['prompts']} prompts, target {result['target']}, draft {result['draft']}, "
+              f"{result['device']}, {result['threads']} threads, {result['repeats']} repeat(s); "
+              f"max new tokens: {result['max_new_tokens'] or 'per line'}.", "",
+              "| configuration | B | speculative | tokens/s | vs best fixed | vs best HF generate | identical |",
+              "|---|---:|---|---:|---:|---:|---|"]
+    for r in result["job"]:
+        lines.append(f"| {r['name']} | {r['batch_size']} | {r['speculative']} | {f(r['tokens_per_second'], '.1f')} "
+                     f"| {f(r['ratio_vs_best_fixed'])} | {f(r['ratio_vs_best_hf_generate'])} "
+                     f"| {'yes' if r['identical'] else 'NO'} |")
+    lines += ["", f"best fixed: {result['best_fixed']}; best HF generate: {result['best_hf_generate']}."]
+    for name, rep in result["autopilot"].items():
+        if name.startswith("ours-auto"):
+            shares = ", ".join(f"B={k} {v:.0%}" for k, v in rep["batch_size_share"].items())
+            spec = rep["speculated_step_share"]
+            lines.append(f"{name}: kept B={rep['chosen']['batch_size']}, speculative "
+                         f"{rep['chosen']['speculative']}; time by B: {shares}; speculated "
+                         f"{f(spec and 100 * spec, '.0f')}% of steps; exploration {rep['explore_steps']} "
+                         f"of {rep['steps']} steps.")
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """tokens/s against B for each mode; ours-auto as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["job"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, pick in (("ours, speculative", lambda r: r["kind"] == "ours" and r["speculative"] is True),
+                        ("ours, target alone", lambda r: r["kind"] == "ours" and r["speculative"] is False),
+                        ("HF generate", lambda r: r["kind"] == "hf-generate")):
+        pts = sorted((r["batch_size"], r["tokens_per_second"] or 0) for r in rows if pick(r))
+        if pts:
+            ax.plot(*zip(*pts, strict=True), "o-", label=label)
+    for r in rows:
+        if r["name"] == "ours-auto" and r["tokens_per_second"]:
+            ax.axhline(r["tokens_per_second"], color="tab:red", ls="--", lw=1, label="ours-auto")
+        if r["kind"] == "hf-assisted" and r["tokens_per_second"]:
+            ax.scatter([1], [r["tokens_per_second"]], marker="x", color="black", label="HF assisted (B=1)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("generated tokens/s (whole file)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_files(result: dict[str, Any], out_dir: Path, command: str | None) -> dict[str, str]:
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "job-report.md"
+    md.write_text(markdown(result, command), encoding="utf-8")
+    js = out_dir / "job-result.json"
+    js.write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
+    files = {"markdown": str(md), "json": str(js)}
+    try:
+        files["plot"] = str(plot(result, out_dir / "job-throughput.png"))
+    except ImportError:   # matplotlib is the bench extra
+        pass
+    return files

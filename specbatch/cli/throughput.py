@@ -1,0 +1,81 @@
+"""Options that set how fast a job runs: --batch-size, --max-memory, --threads, --no-speculation.
+
+Shared by ``run`` and ``worker``; bad values are usage errors (exit 2) naming the option.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from specbatch.config import Settings
+
+
+class BatchSizeType(click.ParamType):
+    name = "auto|N"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from specbatch.engine.autopilot import check_batch_size
+
+        try:
+            return check_batch_size(value)
+        except ValueError as e:
+            self.fail(f"{value!r}: {e}", param, ctx)
+
+
+class BytesType(click.ParamType):
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from specbatch.engine.memory import parse_bytes
+
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_bytes(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def throughput_options(f: Any) -> Any:
+    f = click.option("--no-speculation", is_flag=True,
+                     help="Plain decoding with the target alone (same as --draft none).")(f)
+    f = click.option("--threads", type=click.IntRange(min=1), default=None,
+                     help="torch CPU threads for this process [SPECBATCH_THREADS; default: usable cores "
+                          "/ SPECBATCH_LOCAL_WORKERS].")(f)
+    f = click.option("--max-memory", type=BytesType(), default=None,
+                     help="Memory budget for KV caches and activations, e.g. 8GiB or 512MB "
+                          "[SPECBATCH_MAX_MEMORY; default: half the free RAM, 80% of free GPU memory].")(f)
+    f = click.option("--batch-size", type=BatchSizeType(), default=None,
+                     help="Requests decoded together: 'auto' (by measurement) or N "
+                          "[SPECBATCH_BATCH_SIZE, default auto].")(f)
+    return f
+
+
+@dataclass(frozen=True)
+class Throughput:
+    batch_size: int | str
+    max_memory: int | None
+    threads: int | None
+
+
+def resolve_throughput(settings: Settings, batch_size: int | str | None, max_memory: int | None,
+                       threads: int | None) -> Throughput:
+    """Options over settings (which validated their own values)."""
+    from specbatch.engine.memory import parse_bytes
+
+    if max_memory is None and settings.max_memory:
+        max_memory = parse_bytes(settings.max_memory)
+    return Throughput(settings.batch_size if batch_size is None else batch_size, max_memory,
+                      threads or settings.threads or None)
+
+
+def no_draft(drafts: tuple[str, ...], no_speculation: bool) -> bool:
+    """--no-speculation, or --draft none: the target alone."""
+    if [d.lower() for d in drafts] == ["none"]:
+        return True
+    if "none" in (d.lower() for d in drafts):
+        raise click.BadParameter("'none' cannot be combined with other drafts", param_hint="--draft")
+    return no_speculation

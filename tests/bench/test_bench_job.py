@@ -1,0 +1,64 @@
+"""`specbatch bench --job FILE` end to end on tiny models: the --json shape, identity, files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.bench.job import PUBLIC_KEYS, plan
+from specbatch.cli.main import cli
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_plan_covers_the_grid():
+    names = [c.name for c in plan((1, 4))]
+    assert names == ["ours-auto", "ours[B=1,spec]", "ours[B=1,plain]", "hf-generate[B=1]",
+                     "ours[B=4,spec]", "ours[B=4,plain]", "hf-generate[B=4]", "hf-assisted[B=1]"]
+    assert [c.name for c in plan((8,))] == ["ours-auto", "ours[B=8,spec]", "ours[B=8,plain]", "hf-generate[B=8]"]
+
+
+def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Path):
+    prompts = tmp_path / "job.jsonl"
+    lines = [{"custom_id": f"q{i}", "prompt": p, "max_tokens": 6 + 2 * i} for i, p in
+             enumerate(["def fibonacci(n):", "Write a haiku about", "SELECT id FROM", "Once upon a time"])]
+    lines.append({"custom_id": "chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 5})
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["bench", "--job", str(prompts), "--target", str(tiny_models / "llama"),
+                                   "--draft", str(tiny_models / "llama-partial"), "--batch-sizes", "1,2",
+                                   "--threads", "1", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert set(data) == {"job", "best_fixed"}
+    names = [r["name"] for r in data["job"]]
+    assert names == [c.name for c in plan((1, 2))]
+    for r in data["job"]:
+        assert tuple(r) == PUBLIC_KEYS
+        assert r["tokens_per_second"] > 0
+    ours = {r["name"]: r for r in data["job"] if r["name"].startswith("ours")}
+    assert all(r["identical"] for r in ours.values()), ours
+    assert data["best_fixed"] in ours and ours[data["best_fixed"]]["ratio_vs_best_fixed"] == pytest.approx(1.0)
+    assert all(r["ratio_vs_best_fixed"] <= 1.0 + 1e-9 for n, r in ours.items() if n != "ours-auto")
+    assert ours["ours-auto"]["batch_size"] == "auto"
+    report = (out / "job-report.md").read_text()
+    assert "| ours-auto | auto |" in report and "ours-auto#1: kept B=" in report
+    assert (out / "job-throughput.png").stat().st_size > 1000
+
+
+def test_bench_job_rejects_a_bad_file(tiny_models: Path, tmp_path: Path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": 3}\n')
+    res = CliRunner().invoke(cli, ["bench", "--job", str(bad), "--target", str(tiny_models / "llama"),
+                                   "--draft", str(tiny_models / "llama-partial")])
+    assert res.exit_code == 1 and "bad.jsonl" in res.output and "Traceback" not in res.output

@@ -1,0 +1,95 @@
+"""`specbatch run` with the throughput autopilot (the default) on tiny models; bad throughput
+options are usage errors (exit 2) that write nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+from specbatch.config import get_settings
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'specbatch.db'}")
+    get_settings.cache_clear()
+
+
+def _prompts(tmp_path: Path, n: int = 14) -> Path:
+    words = ["The quick brown fox", "def fibonacci(n):", "SELECT id FROM", "Once upon a time", "Write a haiku"]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"{words[i % 5]} {i}",
+                                        "max_tokens": 8 + 3 * (i % 4)}) + "\n" for i in range(n)))
+    return path
+
+
+def _run(args: list[str]) -> dict:
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["run", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout[result.stdout.index("{"):])
+
+
+def _tokens(job_id: str) -> dict[str, list[int]]:
+    from specbatch.db import session_factory
+    from specbatch.db.models import Request, Result
+
+    get_settings.cache_clear()
+    with session_factory(get_settings().database_url).begin() as s:
+        rows = s.query(Request.custom_id, Result.token_ids).join(Result, Result.request_id == Request.id) \
+            .filter(Request.job_id == job_id).all()
+    return {cid: list(toks) for cid, toks in rows}
+
+
+def test_run_auto_equals_batch_one_and_records_the_choice(tmp_path: Path, tiny_models: Path) -> None:
+    prompts = _prompts(tmp_path)
+    models = ["--target", str(tiny_models / "llama"), "--draft", str(tiny_models / "llama-partial")]
+    auto = _run([str(prompts), *models, "--threads", "1"])           # --batch-size auto is the default
+    one = _run([str(prompts), *models, "--batch-size", "1"])
+    plain = _run([str(prompts), *models, "--no-speculation", "--max-memory", "512MiB"])
+    for summary in (auto, one, plain):
+        assert summary["status"] == "completed" and summary["request_counts"]["completed"] == 14
+    assert _tokens(auto["id"]) == _tokens(one["id"]) == _tokens(plain["id"])
+
+    b = auto["stats"]["batching"]
+    assert abs(sum(b["batch_size_share"].values()) - 1) < 1e-6
+    assert max(int(k) for k in b["batch_size_share"]) > 1      # it grew the batch
+    assert 0 < b["speculative_step_share"] <= 1
+    assert b["decode_tokens_per_second"] > 0
+    assert set(one["stats"]["batching"]["batch_size_share"]) == {"1"}
+    assert plain["stats"]["batching"]["speculative_step_share"] == 0
+    assert plain["drafts"] == []
+
+    get_settings.cache_clear()
+    status = CliRunner().invoke(cli, ["status", auto["id"]])
+    assert status.exit_code == 0, status.output
+    assert "batch sizes" in status.output and "speculated" in status.output
+
+
+@pytest.mark.parametrize("command", ["run", "worker"])
+@pytest.mark.parametrize("option,value,message", [
+    ("--batch-size", "0", "must be an integer >= 1 or 'auto'"),
+    ("--batch-size", "-3", "must be an integer >= 1 or 'auto'"),
+    ("--batch-size", "2.5", "must be an integer >= 1 or 'auto'"),
+    ("--batch-size", "lots", "must be an integer >= 1 or 'auto'"),
+    ("--max-memory", "plenty", "is not a size"),
+    ("--max-memory", "0GB", "must be above 0"),
+    ("--threads", "0", "--threads"),
+])
+def test_bad_throughput_options_exit_2(tmp_path: Path, command: str, option: str, value: str,
+                                       message: str) -> None:
+    args = [command, *([str(_prompts(tmp_path, 1))] if command == "run" else []), option, value]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and option in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "specbatch.db").exists()   # nothing written
+
+
+def test_draft_none_cannot_be_mixed(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path, 1)), "--draft", "none", "--draft", "x"])
+    assert result.exit_code == 2 and "'none'" in result.output

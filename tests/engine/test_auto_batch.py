@@ -1,0 +1,133 @@
+"""The batched loop under the autopilot: outputs never depend on its choices (greedy equals the
+target alone), rows paused and resumed keep their text, the memory budget caps admission."""
+
+from __future__ import annotations
+
+import pytest
+
+from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.autopilot import check_batch_size
+from specbatch.engine.decoder import Decoder
+from specbatch.engine.memory import SLACK, MemoryBudget, ModelShape, parse_bytes
+from specbatch.engine.policy import MeasuredPolicy, StepReport
+from tests.engine.test_batch import LENGTHS, PROMPTS
+from tests.engine.test_greedy_exact import target_greedy
+
+
+class Swinging(MeasuredPolicy):
+    """Allows 4, 1, 3, 1, 4 ... rows in turn and turns speculation off every other step: forces
+    pause and resume."""
+
+    def __init__(self) -> None:
+        super().__init__(limit=4)
+        self.calls = 0
+        self.seen_rows: list[int] = []
+
+    def max_rows(self, waiting: int = 0) -> int:
+        self.calls += 1
+        return (4, 1, 3, 1)[(self.calls // 3) % 4]
+
+    def gamma_cap(self, n_rows: int) -> int | None:
+        self.seen_rows.append(n_rows)
+        return 0 if self.calls % 2 else None
+
+
+class Recording(MeasuredPolicy):
+    def __init__(self) -> None:
+        super().__init__(limit=64)
+        self.seen: list[int] = []
+
+    def observe(self, report: StepReport) -> None:
+        super().observe(report)
+        self.seen.append(report.rows)
+
+
+@pytest.mark.parametrize("drafts,ngram", [(["llama-partial"], False), ([], True), ([], False)])
+def test_auto_outputs_equal_the_target_alone(load, drafts, ngram):
+    target = load("llama")
+    engine = Engine(target, [load(d) for d in drafts], ngram=ngram, batch_size="auto")
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
+    got = dict(engine.generate_many(reqs))
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+        assert sum(got[i].stats.batch_size_seconds.values()) > 0
+    report = engine.batch_report()
+    assert report is not None and report["steps"] > 0
+    if not drafts and not ngram:
+        assert report["speculated_step_share"] == 0
+
+
+def test_paused_rows_resume_with_the_same_text(load):
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")], ngram=True)
+    reqs = [(i, engine.encode(p), GenerationParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    pilot = Swinging()
+    import torch
+
+    with torch.inference_mode():
+        got = dict(Decoder(target, engine.new_drafters(), pilot).run(reqs))
+    assert max(pilot.seen_rows) >= 3 and 1 in pilot.seen_rows
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+
+
+def test_memory_budget_caps_the_rows_and_a_long_request_runs_alone(load):
+    target = load("llama")
+    shape = ModelShape.of(target.model)
+    budget = MemoryBudget(0, (shape,))
+    one_row = budget.row_bytes(120, 4)
+    budget.budget = int(2.5 * one_row)         # two rows of ~120 columns fit, three do not
+    reqs = [(i, target.tokenizer(p)["input_ids"], GenerationParams(max_new_tokens=n))
+            for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    import torch
+
+    policy = Recording()
+    with torch.inference_mode():
+        got = dict(Decoder(target, [], policy, memory=budget).run(reqs))
+    assert max(policy.seen) == 2
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+    # a budget below one row: every request still runs, alone
+    budget.budget = 1
+    policy = Recording()
+    with torch.inference_mode():
+        got = dict(Decoder(target, [], policy, memory=budget).run(reqs))
+    assert set(policy.seen) == {1} and len(got) == len(PROMPTS)
+
+
+def test_row_estimate_follows_the_model_config(load):
+    shape = ModelShape.of(load("llama").model)
+    cfg = load("llama").model.config
+    assert shape.kv_bytes_per_token == cfg.num_hidden_layers * cfg.num_key_value_heads * \
+        (cfg.hidden_size // cfg.num_attention_heads) * 2 * 4
+    b = MemoryBudget(10**9, (shape,))
+    assert b.row_bytes(200, 4) > b.row_bytes(100, 4)
+    assert b.max_rows(100, 4) > b.max_rows(200, 4)
+    n = b.max_rows(200, 4)
+    assert n * b.row_bytes(200, 4) <= b.budget < (n + 1) * b.row_bytes(200, 4)
+    b.check(1000, 0, 0, 0)                       # baseline
+    before = b.row_bytes(100, 4)
+    b.check(1000 + SLACK + int(3 * 8 * before), 8, 100, 4)   # measured 3x the estimate for 8 rows
+    assert b.row_bytes(100, 4) == pytest.approx(3 * before)
+
+
+@pytest.mark.parametrize("text,value", [("8GiB", 8 * 1024**3), ("512MB", 512 * 10**6), ("1.5 gb", 1.5e9),
+                                        ("1000", 1000)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GB", "0", "5 parsecs", "1e9"])
+def test_parse_bytes_rejects_nonsense(text):
+    with pytest.raises(ValueError):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize("value,ok", [("auto", "auto"), ("AUTO", "auto"), ("4", 4), (8, 8), ("0", None),
+                                      (0, None), ("-2", None), ("2.5", None), ("x", None), (True, None)])
+def test_check_batch_size(value, ok):
+    if ok is None:
+        with pytest.raises(ValueError):
+            check_batch_size(value)
+    else:
+        assert check_batch_size(value) == ok
