@@ -29,7 +29,8 @@ def _prompts(tmp_path: Path, n: int = 14) -> Path:
 
 def _run(args: list[str]) -> dict:
     get_settings.cache_clear()
-    result = CliRunner().invoke(cli, ["run", *args, "--json"], catch_exceptions=False)
+    # --no-cache: each run must decode (a results-cache hit records no batching at all)
+    result = CliRunner().invoke(cli, ["run", *args, "--no-cache", "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout[result.stdout.index("{"):])
 
