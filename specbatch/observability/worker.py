@@ -44,7 +44,7 @@ class Observer:
 
 
 def start(*, target: str, drafts: Sequence[str] = (), ngram: bool = False, worker: str, metrics: bool,
-          batch_size: int = 1, service: str = "specbatch-worker") -> Observer:
+          batch_size: int | None = 1, service: str = "specbatch-worker") -> Observer:
     """The observer of this process (made once): tracing per OTEL_*, metrics if ``metrics``."""
     if "observer" in _current:
         return _current["observer"]

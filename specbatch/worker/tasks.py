@@ -75,7 +75,16 @@ def get_observer(conf: Any) -> observe.Observer:
     spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
     return observe.start(target=spec["target"], drafts=spec.get("drafts") or (), ngram=bool(spec.get("ngram")),
                          worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
-                         batch_size=int(spec.get("batch_size") or 1))
+                         batch_size=_rows_now(spec.get("batch_size")))
+
+
+def _rows_now(batch_size: Any) -> int | None:
+    """A fixed --batch-size, or with auto the autopilot's starting size (the gauge then follows
+    its choice after each chunk); None before the engine is loaded."""
+    if batch_size not in (None, "", "auto"):
+        return int(batch_size)
+    pilot = getattr(_ENGINE.get("engine"), "autopilot", None)
+    return int(pilot.kept[0]) if pilot is not None else None
 
 
 def _write_ready(path: str | None, text: str) -> None:
@@ -225,6 +234,9 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
                                     "specbatch.worker": worker}):
                 report = process_chunk(settings, engine or self.engine, request_ids, worker,
                                        on_result=observer.on_result, should_stop=_should_stop)
+            pilot = getattr(engine or self.engine, "autopilot", None)
+            if pilot is not None:   # what the autopilot keeps now: the batch-size/speculation gauges
+                observer.set_decoding(batch_size=int(pilot.kept[0]), speculation=bool(pilot.kept[1]))
             break
         except TRANSIENT_DB_ERRORS as e:   # the database is down: pause, probe, resume, go on
             set_consuming(self.app, self.request.hostname, queue, on=False,

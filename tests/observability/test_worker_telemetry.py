@@ -80,7 +80,7 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     m = cluster.models
     pair = ["--target", str(m / "llama"), "--draft", str(m / "llama-partial")]
-    proc = Proc([*CLI, "worker", *pair, "-n", "obs@%h", "--metrics-port", str(port)], {**cluster.env, **otel},
+    proc = Proc([*CLI, "worker", *pair, "-n", "obs@%h", "--metrics-port", str(port), "--batch-size", "1"], {**cluster.env, **otel},
                 cluster.tmp / "worker-obs.log")
     cluster.procs.append(proc)
     cluster.wait_consuming(proc)
