@@ -27,6 +27,7 @@ from specbatch.config import Settings
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields
+from specbatch.jobs.openai_fields import json_type
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
@@ -126,18 +127,6 @@ class _Problems(Exception):
         self.problems = problems
 
 
-def _json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an array"
-    return "an object"
 
 
 def _is_int(v: Any) -> bool:
@@ -152,32 +141,32 @@ def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
     """(normalised value, problem or None) for one generation parameter."""
     if name in MAX_TOKENS_KEYS:
         if not _is_int(v):
-            return v, f"must be an integer >= 1, got {_json_type(v)}"
+            return v, f"must be an integer >= 1, got {json_type(v)}"
         return v, None if v >= 1 else f"must be >= 1, got {v}"
     if name == "temperature":
         if not _is_number(v):
-            return v, f"must be a number >= 0, got {_json_type(v)}"
+            return v, f"must be a number >= 0, got {json_type(v)}"
         return float(v), None if math.isfinite(v) and v >= 0 else f"must be >= 0, got {v}"
     if name == "top_p":
         if not _is_number(v):
-            return v, f"must be a number in (0, 1], got {_json_type(v)}"
+            return v, f"must be a number in (0, 1], got {json_type(v)}"
         return float(v), None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
     if name == "top_k":
         if not _is_int(v):
-            return v, f"must be an integer >= 0 (0: no top-k), got {_json_type(v)}"
+            return v, f"must be an integer >= 0 (0: no top-k), got {json_type(v)}"
         return v, None if v >= 0 else f"must be >= 0, got {v}"
     if name == "seed":
         if v is None:
             return None, None
         if not _is_int(v):
-            return v, f"must be an integer, got {_json_type(v)}"
+            return v, f"must be an integer, got {json_type(v)}"
         return v, None if 0 <= v <= MAX_SEED else f"must be in [0, 2**63 - 1], got {v}"
     if name == "stop":
         if v is None:
             return [], None
         stops = [v] if isinstance(v, str) else v
         if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-            return v, f"must be a string or a list of strings, got {_json_type(v)}"
+            return v, f"must be a string or a list of strings, got {json_type(v)}"
         if any(s == "" for s in stops):
             return v, "stop strings must not be empty"
         return list(stops), None
@@ -214,7 +203,7 @@ def _check_text_content(content: Any, where: str) -> tuple[str | None, list[tupl
     if isinstance(content, str):
         return content, []
     if not isinstance(content, list):
-        got = "missing" if content is _MISSING else f"got {_json_type(content)}"
+        got = "missing" if content is _MISSING else f"got {json_type(content)}"
         return None, [(f"{where}.content", f"must be a string or an array of text parts ({got})")]
     problems: list[tuple[str, str]] = []
     texts: list[str] = []
@@ -237,14 +226,14 @@ def _check_messages(v: Any, field: str) -> tuple[list[dict[str, Any]], list[tupl
     ``{"role", "content": str, ["name"], ["tool_call_id"]}``."""
     problems: list[tuple[str, str]] = []
     if not isinstance(v, list):
-        return v, [(field, f"must be an array of {{\"role\", \"content\"}} objects, got {_json_type(v)}")]
+        return v, [(field, f"must be an array of {{\"role\", \"content\"}} objects, got {json_type(v)}")]
     if not v:
         return v, [(field, "must not be empty")]
     out: list[dict[str, Any]] = []
     for i, m in enumerate(v):
         where = f"{field}[{i}]"
         if not isinstance(m, dict):
-            problems.append((where, f"must be an object with \"role\" and \"content\", got {_json_type(m)}"))
+            problems.append((where, f"must be an object with \"role\" and \"content\", got {json_type(m)}"))
             continue
         role = m.get("role")
         if role not in ROLES:
@@ -266,7 +255,7 @@ def _check_messages(v: Any, field: str) -> tuple[list[dict[str, Any]], list[tupl
         for key in ("name", "tool_call_id"):
             if key in m and key in known:
                 if not isinstance(m[key], str):
-                    problems.append((f"{where}.{key}", f"must be a string, got {_json_type(m[key])}"))
+                    problems.append((f"{where}.{key}", f"must be a string, got {json_type(m[key])}"))
                 msg[key] = m[key]
         out.append(msg)
     return out, problems
@@ -287,17 +276,17 @@ def _check_prompt(v: Any, field: str) -> tuple[str | None, list[int] | None, lis
         return None, None, [(field, f"holds {len(v)} prompts; give one prompt per line")]
     if isinstance(v, list) and not v:
         return None, None, [(field, "must not be empty")]
-    return None, None, [(field, f"must be a string or an array of token ids, got {_json_type(v)}")]
+    return None, None, [(field, f"must be a string or an array of token ids, got {json_type(v)}")]
 
 
 def _check_metadata(v: Any, field: str) -> tuple[dict[str, str] | None, list[tuple[str, str]]]:
     if v is None:
         return None, []
     if not isinstance(v, dict):
-        return None, [(field, f"must be an object of strings, got {_json_type(v)}")]
+        return None, [(field, f"must be an object of strings, got {json_type(v)}")]
     bad = [k for k, x in v.items() if not isinstance(x, str)]
     if bad:
-        return None, [(f"{field}.{bad[0]}", f"must be a string, got {_json_type(v[bad[0]])}")]
+        return None, [(f"{field}.{bad[0]}", f"must be a string, got {json_type(v[bad[0]])}")]
     return dict(v), []
 
 
@@ -348,13 +337,13 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
             problems.append(("url", f"must be one of {', '.join(BATCH_URLS)} (got {json.dumps(url)})"))
         body = obj.get("body")
         if not isinstance(body, dict):
-            problems.append(("body", f"must be an object, got {_json_type(body)}"
+            problems.append(("body", f"must be an object, got {json_type(body)}"
                              if "body" in obj else "is required"))
             raise _Problems(problems)
         problems += _check_body(body, kind, noop)
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            problems.append(("body.model", f"must be a string, got {_json_type(model)}"))
+            problems.append(("body.model", f"must be a string, got {json_type(model)}"))
             model = None
         if model_map is not None and model is not None:
             route = model_map.get(model)
@@ -383,7 +372,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
 
     custom_id = obj.get("custom_id")
     if "custom_id" in obj and (not isinstance(custom_id, str) or not custom_id):
-        problems.append(("custom_id", f"must be a non-empty string, got {_json_type(custom_id)}"
+        problems.append(("custom_id", f"must be a non-empty string, got {json_type(custom_id)}"
                          if not isinstance(custom_id, str) else "must not be empty"))
     elif isinstance(custom_id, str) and len(custom_id) > MAX_CUSTOM_ID:
         problems.append(("custom_id", f"is {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID}"))
@@ -525,7 +514,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             err(line_no, None, f"invalid JSON: {e}")
             continue
         if not isinstance(obj, dict):
-            err(line_no, None, f"must be a JSON object, got {_json_type(obj)}")
+            err(line_no, None, f"must be a JSON object, got {json_type(obj)}")
             continue
         bad_text = list(_bad_text(obj))
         for field, message in bad_text:

@@ -30,7 +30,8 @@ COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", 
 EXTENSIONS = ("top_k", "max_new_tokens")
 
 
-def _kind(v: Any) -> str:
+def json_type(v: Any) -> str:
+    """How an error message names a JSON value's type."""
     if v is None:
         return "null"
     if isinstance(v, bool):
@@ -51,7 +52,7 @@ def _any_of(*types: type, what: str) -> Check:
     def check(v: Any) -> str | None:
         if v is None or isinstance(v, types):
             return None
-        return f"must be {what}, got {_kind(v)}"
+        return f"must be {what}, got {json_type(v)}"
     return check
 
 
@@ -59,7 +60,7 @@ def _penalty(v: Any) -> str | None:
     if v is None or (_is_num(v) and v == 0):
         return None
     if not _is_num(v):
-        return f"must be a number, got {_kind(v)}"
+        return f"must be a number, got {json_type(v)}"
     return f"must be 0: specbatch cannot apply penalties, so the text would differ (got {v})"
 
 
@@ -68,7 +69,7 @@ def _one(what: str) -> Check:
         if v is None or (isinstance(v, int) and not isinstance(v, bool) and v == 1):
             return None
         if not (isinstance(v, int) and not isinstance(v, bool)):
-            return f"must be 1, got {_kind(v)}"
+            return f"must be 1, got {json_type(v)}"
         return f"must be 1: {what} (got {v}); write one line per completion"
     return check
 
@@ -77,7 +78,7 @@ def _false(why: str) -> Check:
     def check(v: Any) -> str | None:
         if v is None or v is False:
             return None
-        return f"must be false: {why}" if v is True else f"must be false, got {_kind(v)}"
+        return f"must be false: {why}" if v is True else f"must be false, got {json_type(v)}"
     return check
 
 
@@ -85,14 +86,14 @@ def _empty(why: str, container: type) -> Check:
     def check(v: Any) -> str | None:
         if v is None or (isinstance(v, container) and not v):
             return None
-        return f"{why}" if isinstance(v, container) else f"must be {_kind(container())}, got {_kind(v)}"
+        return f"{why}" if isinstance(v, container) else f"must be {json_type(container())}, got {json_type(v)}"
     return check
 
 
 def _response_format(v: Any) -> str | None:
     if v is None or (isinstance(v, dict) and v.get("type") == "text"):
         return None
-    got = json.dumps(v.get("type")) if isinstance(v, dict) else _kind(v)
+    got = json.dumps(v.get("type")) if isinstance(v, dict) else json_type(v)
     return f'only {{"type": "text"}}: specbatch does not constrain the output format (got {got})'
 
 

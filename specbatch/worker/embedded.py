@@ -14,6 +14,7 @@ from specbatch.observability.worker import Observer
 from specbatch.worker.chunk import ResultEvent, batch_rows, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
+from specbatch.worker.pids import alive
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -104,16 +105,7 @@ def release_dead_embedded(s: Any, job_id: str) -> list[int]:
             pid = int(worker[len(host_prefix):])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not alive(pid):
             released += store.release_held_by(s, job_id, worker)
     return released
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -32,6 +32,7 @@ from celery import bootsteps
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
+from specbatch.worker.pids import alive
 from specbatch.worker.queues import queue_name
 
 logger = logging.getLogger(__name__)
@@ -147,22 +148,13 @@ def worker_dir(settings: Settings) -> Path:
     base = Path(settings.ready_dir or tempfile.gettempdir()) / f"specbatch-{os.getuid()}" / "workers"
     base.mkdir(parents=True, exist_ok=True)
     for d in base.iterdir():
-        if d.name.isdigit() and not _alive(int(d.name)):
+        if d.name.isdigit() and not alive(int(d.name)):
             shutil.rmtree(d, ignore_errors=True)
     own = base / str(os.getpid())
     shutil.rmtree(own, ignore_errors=True)
     own.mkdir()
     return own
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _serve_metrics(settings: Settings, port: int) -> tuple[str, Any]:
