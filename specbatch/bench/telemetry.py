@@ -71,8 +71,9 @@ def _new_job(settings: Any, rows: list[Any], params: dict[str, Any], path: Path)
                                        else {"messages": list(p.messages or ())}) + "\n" for p in rows))
     parsed = intake.parse_file(path, params, settings)
     with session_factory(settings.database_url).begin() as s:
+        # cache=False: every run must decode the same work (a results-cache hit would time nothing)
         job = store.create_job(s, target="bench", drafts=[], ngram=False, params=params, requests=parsed,
-                               queue="bench")
+                               queue="bench", cache=False)
         return list(store.resumable_request_ids(s, job.id))
 
 
