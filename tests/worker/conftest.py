@@ -47,11 +47,11 @@ class Cluster:
         return Settings.from_env(self.env)
 
     def worker(self, name: str, target: str = "llama", draft: str = "llama-partial",
-               imports: tuple[str, ...] = (), wait: bool = True) -> Proc:
+               imports: tuple[str, ...] = (), wait: bool = True, extra: tuple[str, ...] = ()) -> Proc:
         argv = [*CLI, "worker"] if not imports else \
             [sys.executable, "-m", "tests.worker.entry", *sum((["--imports", m] for m in imports), [])]
         argv += ["--target", str(self.models / target), "--draft", str(self.models / draft),
-                 "-n", f"{name}@%h"]
+                 "-n", f"{name}@%h", *extra]
         if not imports:
             argv += ["--loglevel", "INFO"]
         proc = Proc(argv, self.env, self.tmp / f"worker-{name}-{len(self.procs)}.log")
