@@ -105,7 +105,7 @@ def test_sigkill_pool_child_then_whole_worker_then_second_worker(cluster) -> Non
     os.killpg(w1.pid, signal.SIGKILL)
     w1.wait(10)
     assert cluster.summary(job_id)["status"] == "running"
-    cluster.worker("w2")
+    cluster.worker("w2", extra=("--batch-size", "1"))
     summary = cluster.wait_finished(job_id, timeout=180)
     assert summary["status"] == "completed", summary
     _one_result_each(cluster.rows(job_id))
