@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +63,12 @@ class Decoder:
         self.rows: list[Row] = []
         self.cache = BatchCache(target)
 
-    def run(self, requests: Iterable[Request]) -> Iterator[tuple[int, GenerationOutput]]:
+    def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None
+            ) -> Iterator[tuple[int, GenerationOutput]]:
         """Yield (index, output) as each request finishes.
+
+        ``on_start(indices)`` is called as requests join the batch, before any forward over them:
+        a worker charges a request's attempt there, not when it only waits in the queue.
 
         When the policy allows fewer rows than are active (the throughput autopilot lowering the
         batch size) the newest rows pause: they leave the caches with their state and resume
@@ -80,6 +84,8 @@ class Decoder:
                 paused.extendleft(reversed(self._pause(len(self.rows) - limit)))
             resuming, joining = self._admissible(limit, waiting, paused)
             if resuming or joining:
+                if joining and on_start is not None:
+                    on_start([i for i, _, _ in joining])
                 self._admit(joining, resuming)
             else:
                 self._step()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,13 +149,14 @@ class Engine:
         raise AssertionError("generate_many yields one result per request")
 
     def generate_many(self, requests: Sequence[EngineRequest], batch_size: BatchSize | None = None, *,
-                      policy: Policy | None = None
+                      policy: Policy | None = None, on_start: Callable[[list[int]], None] | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
         """Yield (index, output or the request's own error) as each request finishes.
 
         Up to ``batch_size`` requests decode together (continuous batching); "auto" lets the
         throughput autopilot choose the batch size and whether to speculate by measurement
-        (``specbatch.engine.autopilot``); ``policy`` replaces either.
+        (``specbatch.engine.autopilot``); ``policy`` replaces either. ``on_start(indices)``:
+        called as requests start decoding (join the batch), before any forward over them.
         """
         size = check_batch_size(batch_size or self.batch_size)
         valid: list[Request] = []
@@ -173,7 +174,7 @@ class Engine:
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
                           memory=self._memory())
         with torch.inference_mode():
-            yield from decoder.run(valid)
+            yield from decoder.run(valid, on_start)
 
     @property
     def speculates(self) -> bool:

@@ -227,8 +227,11 @@ def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_se
                    max_attempts: int) -> list[ClaimedRequest]:
     """Take a lease on the claimable requests among ``request_ids`` (see docs/CONTRACTS.md).
 
-    Claimable: pending, or running with an expired lease. attempts += 1 per claim; a request that
-    already used ``max_attempts`` is failed instead; requests of a cancelled job become cancelled.
+    Claimable: pending, or running with an expired lease. A request that already used
+    ``max_attempts`` is failed instead; requests of a cancelled job become cancelled. The claim
+    charges no attempt: ``start_requests`` does, when decoding begins, so requests a worker held
+    queued behind its batch are not blamed if it dies (``ClaimedRequest.attempts``: decodes begun
+    before, none finished).
     """
     if not request_ids:
         return []
@@ -252,8 +255,7 @@ def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_se
             r.error = f"attempted {r.attempts} times, the worker died each time"
             r.error_type, r.error_param = SERVER_ERROR, None
             continue
-        r.attempts += 1
-        r.status, r.worker, r.started_at = RequestStatus.running, worker, now
+        r.status, r.worker, r.started_at = RequestStatus.running, worker, None
         r.lease_expires_at = now + timedelta(seconds=lease_seconds)
         claimed.append(ClaimedRequest(id=r.id, job_id=r.job_id, custom_id=r.custom_id, prompt=r.prompt,
                                       messages=r.messages, params=params_from_dict(r.params),
@@ -264,6 +266,18 @@ def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_se
                   .values(status=JobStatus.running, started_at=now))
     s.flush()
     return claimed
+
+
+def start_requests(s: Session, request_ids: Sequence[int], worker: str) -> None:
+    """Decoding of the claimed ``request_ids`` begins: each is charged an attempt (a worker that
+    dies now is blamed on them: after ``max_attempts`` the claim fails them) and its latency
+    starts."""
+    if not request_ids:
+        return
+    s.execute(update(Request).where(Request.id.in_(list(request_ids)), Request.worker == worker,
+                                    Request.status == RequestStatus.running)
+              .values(attempts=Request.attempts + 1, started_at=utcnow()))
+    s.flush()
 
 
 def renew_leases(s: Session, request_ids: Sequence[int], worker: str, lease_seconds: int) -> None:
@@ -277,8 +291,9 @@ def renew_leases(s: Session, request_ids: Sequence[int], worker: str, lease_seco
 
 
 def release_requests(s: Session, request_ids: Sequence[int]) -> None:
-    """Give back claimed requests that were not started: running -> pending, the claim's attempt
-    undone. Requests of a cancelled job become cancelled instead."""
+    """Give back claimed requests (the worker stops: Ctrl-C, an outage): running -> pending, the
+    attempt of those that began decoding undone (not their fault). Requests of a cancelled job
+    become cancelled instead."""
     if not request_ids:
         return
     ids = list(request_ids)
@@ -288,7 +303,8 @@ def release_requests(s: Session, request_ids: Sequence[int]) -> None:
               .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
     s.execute(base.values(status=RequestStatus.pending, lease_expires_at=None, worker=None,
                           started_at=None,
-                          attempts=case((Request.attempts > 0, Request.attempts - 1), else_=0)))
+                          attempts=case((Request.started_at.is_not(None) & (Request.attempts > 0),
+                                         Request.attempts - 1), else_=Request.attempts)))
     s.flush()
 
 

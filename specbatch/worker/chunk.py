@@ -7,7 +7,9 @@ Per request (or per batch of ``batch_size`` requests):
   -> generate with no transaction open, a thread renewing the lease meanwhile
   -> write the result (or the request's own error) at once, in its own short transaction.
 Claiming one request at a time means a request that kills its worker only burns its own
-attempts; requests already attempted before (``attempts > 1``, suspects) always run alone.
+attempts; requests already attempted before (``attempts > 0``, suspects) always run alone.
+An attempt is charged when a request starts decoding (``store.start_requests``), not at its
+claim: requests claimed ahead of the batch and still queued in it are not blamed for a crash.
 Transient database errors are retried here with backoff; what still fails propagates to the
 caller (the Celery task retries the whole chunk, finished requests are skipped then).
 """
@@ -188,7 +190,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
             continue
-        if batch > 1 and not any(c.attempts > 1 for c in claimed):
+        if batch > 1 and not any(c.attempts > 0 for c in claimed):
             def ahead(claimed: list[Any] = claimed) -> list[Any]:
                 return _claim_ahead(sf, settings, claimed, worker_name, batch)
             claimed += with_db_retry(ahead)
@@ -200,7 +202,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         for c, out in hits:
             _report_cached(report, on_result, c, out, claimed_ns)
         # suspects (a worker died holding them before) run alone, so they take no neighbour down
-        solo = len(claimed) > 1 and any(c.attempts > 1 for c in claimed)
+        solo = len(claimed) > 1 and any(c.attempts > 0 for c in claimed)
         runs = [[c] for c in claimed] if solo else [claimed]
         rows: int | str = "auto" if batch_size == "auto" or engine.batch_size == "auto" else batch
         with LeaseKeeper(sf, cache.waiting_ids(), worker_name, settings.lease_seconds):
@@ -275,7 +277,12 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
         size = batch if batch == "auto" else min(int(batch), len(run))
-        for idx, out in engine.generate_many(requests, batch_size=size):
+        def start(indices: list[int]) -> None:
+            def write() -> None:
+                with sf.begin() as s:
+                    store.start_requests(s, [run[i].id for i in indices], worker)
+            with_db_retry(write)
+        for idx, out in engine.generate_many(requests, batch_size=size, on_start=start):
             c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)

@@ -64,9 +64,13 @@ def test_paused_rows_resume_with_the_same_text(load):
     pilot = Swinging()
     import torch
 
+    starts: list[list[int]] = []
     with torch.inference_mode():
-        got = dict(Decoder(target, engine.new_drafters(), pilot).run(reqs))
+        got = dict(Decoder(target, engine.new_drafters(), pilot).run(reqs, starts.append))
     assert max(pilot.seen_rows) >= 3 and 1 in pilot.seen_rows
+    # each request starts once, as it joins (a resumed row does not start again), at most 4 at a time
+    assert sorted(i for s in starts for i in s) == list(range(len(reqs)))
+    assert len(starts[0]) <= 4 < len(reqs)
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert got[i].token_ids == target_greedy(target, p, n), i
 

@@ -71,25 +71,49 @@ def test_list_jobs_newest_first(db_url):
         assert [j.id for j in store.list_jobs(s, limit=1)] == [second]
 
 
-def test_claim_takes_a_lease_and_counts_the_attempt(db_url):
+def test_claim_takes_a_lease_and_starting_counts_the_attempt(db_url):
     job_id, ids = make_job(db_url, 3)
     f = db.session_factory(db_url)
     with f.begin() as s:
         claimed = store.claim_requests(s, ids[:2], "w1", 60, 3)
     assert [c.id for c in claimed] == ids[:2]
     c = claimed[0]
-    assert (c.job_id, c.custom_id, c.prompt, c.messages, c.attempts) == (job_id, "c0", "prompt 0", None, 1)
+    assert (c.job_id, c.custom_id, c.prompt, c.messages, c.attempts) == (job_id, "c0", "prompt 0", None, 0)
     assert c.params == GenerationParams(max_new_tokens=8, temperature=0.5, top_p=0.9, top_k=4, seed=3,
                                         stop=("\n",))
     with f.begin() as s:
         r = s.get(Request, ids[0])
         assert r.status == RequestStatus.running and r.worker == "w1"
         assert timedelta(seconds=50) < r.lease_expires_at - utcnow() <= timedelta(seconds=60)
+        assert (r.attempts, r.started_at) == (0, None)          # held, not yet decoding
         job = store.get_job(s, job_id)
         assert job.status == JobStatus.running and job.started_at is not None
     with f.begin() as s:
         again = store.claim_requests(s, ids, "w2", 60, 3)
     assert [c.id for c in again] == [ids[2]]
+    with f.begin() as s:
+        store.start_requests(s, ids[:1], "w1")
+        store.start_requests(s, ids[1:2], "w-other")               # not its claim: nothing happens
+        rows = [s.get(Request, i) for i in ids[:2]]
+        assert [r.attempts for r in rows] == [1, 0]
+        assert rows[0].started_at is not None and rows[1].started_at is None
+
+
+def test_release_undoes_only_the_attempts_of_started_requests(db_url):
+    """Ctrl-C / an outage gives claims back: a request that began decoding is not blamed for it,
+    and one that only waited behind the batch was never charged."""
+    job_id, ids = make_job(db_url, 2)
+    f = db.session_factory(db_url)
+    with f.begin() as s:
+        s.execute(update(Request).where(Request.id == ids[1]).values(attempts=1))   # a suspect
+        store.claim_requests(s, ids, "w", 60, 3)
+        store.start_requests(s, ids[:1], "w")
+    with f.begin() as s:
+        assert store.release_held_by(s, job_id, "w") == ids
+    with f.begin() as s:
+        rows = [s.get(Request, i) for i in ids]
+        assert [(r.status, r.attempts, r.started_at) for r in rows] == [
+            (RequestStatus.pending, 0, None), (RequestStatus.pending, 1, None)]
 
 
 def test_expired_lease_is_claimed_again_until_max_attempts(db_url):
@@ -98,7 +122,10 @@ def test_expired_lease_is_claimed_again_until_max_attempts(db_url):
     for attempt in (1, 2):
         with f.begin() as s:
             got = store.claim_requests(s, ids, f"w{attempt}", 0, 2)     # lease 0 s: expires at once
-        assert [c.attempts for c in got] == [attempt]
+            assert [c.attempts for c in got] == [attempt - 1]          # decodes begun before
+            if attempt == 2:   # a worker that dies before decoding what it claimed costs nothing
+                assert [c.attempts for c in store.claim_requests(s, ids, "w-idle", 0, 2)] == [1]
+            store.start_requests(s, ids, s.get(Request, ids[0]).worker)   # ... it dies decoding
     with f.begin() as s:
         assert store.resumable_request_ids(s, job_id) == ids          # running, but nobody holds it
         assert store.claim_requests(s, ids, "w3", 60, 2) == []
@@ -136,6 +163,7 @@ def test_record_result_is_an_idempotent_upsert(db_url):
     f = db.session_factory(db_url)
     with f.begin() as s:
         store.claim_requests(s, ids, "w1", 60, 3)
+        store.start_requests(s, ids, "w1")
     with f.begin() as s:
         assert store.record_result(s, ids[0], output(), "w1") is True
     with f.begin() as s:        # a redelivered task writes the same result again
@@ -197,6 +225,7 @@ def test_retry_resets_only_failed_requests(db_url):
     f = db.session_factory(db_url)
     with f.begin() as s:
         store.claim_requests(s, ids, "w", 60, 3)
+        store.start_requests(s, ids, "w")
         store.record_result(s, ids[0], output(), "w")
         store.record_failure(s, ids[1], "boom", "w")
         store.record_failure(s, ids[2], "boom", "w")
@@ -281,6 +310,7 @@ def test_summary_counts_and_statistics(db_url):
     f = db.session_factory(db_url)
     with f.begin() as s:
         store.claim_requests(s, ids, "w1", 60, 3)
+        store.start_requests(s, ids, "w1")
         # request 0: 10 tokens, 8 drafted / 6 accepted over 4 steps; request 1: 2 tokens, 2 drafted / 0
         store.record_result(s, ids[0], output(new_tokens=10, drafted=8, accepted=6, steps=4, wall=1.0,
                                               wins={"d1": 3, "ngram": 1}), "w1")

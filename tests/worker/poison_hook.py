@@ -19,11 +19,14 @@ class _PoisonedEngine:
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self._engine, name)
 
-    def generate_many(self, requests, batch_size=None):  # noqa: ANN001, ANN201
-        for r in requests:
-            if r.prompt and "POISON" in r.prompt:
+    def generate_many(self, requests, batch_size=None, on_start=None):  # noqa: ANN001, ANN201
+        def start(indices):  # noqa: ANN001, ANN202
+            if on_start is not None:
+                on_start(indices)
+            # the worker dies as the poison request starts decoding (its attempt is charged)
+            if any(requests[i].prompt and "POISON" in requests[i].prompt for i in indices):
                 os._exit(13)
-        return self._engine.generate_many(requests, batch_size=batch_size)
+        return self._engine.generate_many(requests, batch_size=batch_size, on_start=start)
 
 
 def _build(spec):  # noqa: ANN001, ANN202

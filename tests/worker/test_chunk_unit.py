@@ -15,7 +15,9 @@ from specbatch.worker.chunk import process_chunk
 class FakeEngine:
     batch_size = 1
 
-    def generate_many(self, requests, batch_size=None):
+    def generate_many(self, requests, batch_size=None, on_start=None):
+        if on_start is not None:
+            on_start(list(range(len(requests))))
         for i, _ in enumerate(requests):
             yield i, GenerationOutput("ok", [1, 2], "length", GenerationStats(new_tokens=2, verify_steps=1))
 
@@ -57,9 +59,9 @@ class RecordingEngine(FakeEngine):
         self.batch_size = batch_size
         self.calls: list[tuple[int, object]] = []
 
-    def generate_many(self, requests, batch_size=None):
+    def generate_many(self, requests, batch_size=None, on_start=None):
         self.calls.append((len(requests), batch_size))
-        yield from super().generate_many(requests, batch_size)
+        yield from super().generate_many(requests, batch_size, on_start)
 
 
 def test_a_batch_larger_than_the_chunk_claims_ahead_and_tasks_skip_what_it_took(tmp_path):
@@ -80,3 +82,32 @@ def test_auto_passes_auto_and_batch_one_never_claims_ahead(tmp_path):
     one = RecordingEngine(1)
     report = process_chunk(settings, one, ids[16:18], "w2")
     assert one.calls == [(1, 1), (1, 1)] and sorted(report.completed) == ids[16:18]
+
+
+class DiesMidBatch(FakeEngine):
+    """Starts the first ``batch_size`` requests, then the process "dies" (an error escapes)."""
+
+    def __init__(self, batch_size) -> None:
+        self.batch_size = batch_size
+
+    def generate_many(self, requests, batch_size=None, on_start=None):
+        on_start(list(range(self.batch_size)))
+        raise RuntimeError("killed")
+        yield  # a generator, like the real one
+
+
+def test_a_crash_charges_only_the_rows_being_decoded_not_those_claimed_ahead(tmp_path):
+    from sqlalchemy import select
+
+    from specbatch.db import session_factory
+    from specbatch.db.models import Request
+
+    settings, job_id, ids = _job(tmp_path, 12)
+    try:
+        process_chunk(settings, DiesMidBatch(4), ids[:2], "w1")   # holds 8: 4 decoding, 4 queued
+    except RuntimeError:
+        pass
+    with session_factory(settings.database_url).begin() as s:
+        rows = s.execute(select(Request.id, Request.status, Request.attempts).order_by(Request.id)).all()
+    assert [(r.status.value, r.attempts) for r in rows[:8]] == [("running", 1)] * 4 + [("running", 0)] * 4
+    assert [r.attempts for r in rows[8:]] == [0] * 4

@@ -18,7 +18,9 @@ class MixedEngine:
 
     batch_size = 1
 
-    def generate_many(self, requests, batch_size=None):
+    def generate_many(self, requests, batch_size=None, on_start=None):
+        if on_start is not None:
+            on_start(list(range(len(requests))))
         for i, _ in enumerate(requests):
             if i == 0:
                 yield i, RequestError("prompt + max_new_tokens exceeds the context", field="max_new_tokens")
@@ -58,8 +60,9 @@ def test_out_of_attempts_is_server_error_and_retry_clears_it(tmp_path):
 
     settings, job_id, ids = _job(tmp_path, 1)
     with session_factory(settings.database_url).begin() as s:
-        for _ in range(2):                      # claimed twice, its worker died each time
+        for _ in range(2):                      # started twice, its worker died each time
             store.claim_requests(s, ids, "w", 0, 2)
+            store.start_requests(s, ids, "w")
         assert store.claim_requests(s, ids, "w", 0, 2) == []
     assert [(st.value, t) for _, st, t, _ in _kinds(settings, job_id)] == [("failed", store.SERVER_ERROR)]
     with session_factory(settings.database_url).begin() as s:
@@ -70,6 +73,8 @@ def test_out_of_attempts_is_server_error_and_retry_clears_it(tmp_path):
 class _Ok:
     batch_size = 1
 
-    def generate_many(self, requests, batch_size=None):
+    def generate_many(self, requests, batch_size=None, on_start=None):
+        if on_start is not None:
+            on_start(list(range(len(requests))))
         for i, _ in enumerate(requests):
             yield i, GenerationOutput("ok", [1], "length", GenerationStats(new_tokens=1, verify_steps=1))
