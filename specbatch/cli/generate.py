@@ -82,12 +82,14 @@ def models(as_json: bool) -> None:
     if as_json:
         echo_json(rows)
         return
+    from rich.markup import escape
     from rich.table import Column
 
-    # names and install commands are meant to be copied: never wrap or cut them
+    # names and install commands are meant to be copied: never wrap or cut them (nor read
+    # "specbatch[bench-models]" as a markup tag)
     table = Table(Column("name", no_wrap=True), "installed", "description",
                   Column("install", overflow="fold"))
     for r in rows:
         table.add_row(r["name"], "yes" if r["installed"] else "no", r["description"],
-                      "" if r["installed"] else r["install"])
+                      "" if r["installed"] else escape(r["install"]))
     Console().print(table)

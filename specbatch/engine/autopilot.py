@@ -93,7 +93,7 @@ class Autopilot:
     cap: int = 64
     fixed: int | None = None
     speculation: bool = True
-    start: int = 4                  # rows at first: the climb from there is short; half is tried too
+    start: int = 8                  # rows at first (the prior the worker and the compile plan use too); half is tried too
     trial_steps: int = 5            # measured steps a trial needs before it is judged
     trial_timeout: int = 24         # steps a trial may wait for its rows (not enough work: dropped)
     margin: float = 0.03            # a trial must beat the kept configuration by this much

@@ -62,6 +62,9 @@ class Decoder:
         self.memory = memory
         self.rows: list[Row] = []
         self.cache = BatchCache(target)
+        # the draft models' caches lag the rows: rows joined, or steps ran, without drafting
+        # (their first proposal then feeds the backlog: a catch-up, not a measured step)
+        self.drafts_behind = False
 
     def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None
             ) -> Iterator[tuple[int, GenerationOutput]]:
@@ -134,7 +137,12 @@ class Decoder:
         if prefilled:
             cache.forward(feeds, logits_to_keep=1)
         self.cache.extend(cache)
-        draft_forwards = sum(d.admit(new, prefill) for d in self.drafters)
+        # a draft caches the joining prompts only where the policy speculates now: where it
+        # decodes plainly (a large CPU batch) that prefill would be wasted; if speculation comes
+        # back later, the draft's first proposal catches the rows up
+        draft_prefill = prefill and self.policy.gamma_cap(len(self.rows) + len(new)) != 0
+        draft_forwards = sum(d.admit(new, draft_prefill) for d in self.drafters)
+        self.drafts_behind |= prefill and not draft_prefill
         if prefilled:
             seconds = time.perf_counter() - t0
             key = str(len(self.rows) + len(new))     # the prefill's time is the job's time too
@@ -163,6 +171,10 @@ class Decoder:
         with_prompts = any(len(p) > 1 for p in pending)   # a fresh batch caches its prompts now
         # 1. draft: each row's gamma, capped by the policy and by what the row may still emit
         k = self._gammas()
+        if any(k) and self.drafts_behind:     # this step's drafting also catches the drafts up
+            with_prompts, self.drafts_behind = True, False
+        elif not any(k) and any(d.keeps_cache for d in self.drafters):
+            self.drafts_behind = True
         t0 = time.perf_counter()
         proposals = [d.propose(rows, k) for d in self.drafters] if any(k) else []
         t1 = time.perf_counter()
@@ -178,7 +190,7 @@ class Decoder:
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
                            for p, t, v in zip(pending, trees, verdicts)])
-        for d in self.drafters:
+        for d in self.drafters if proposals else ():   # (a plain step: nothing to judge them on)
             d.observe(rows, [v.tokens for v in verdicts])
         # 4. statistics, as data; the measured step steers gamma
         self.policy.observe(StepReport(n, max(t.depth for t in trees), sum(t.depth for t in trees),

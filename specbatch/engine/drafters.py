@@ -78,6 +78,8 @@ class Drafter:
     Call ``propose`` and ``observe`` under ``torch.inference_mode()``.
     """
 
+    keeps_cache = False     # a KV cache that lags the rows while they decode without drafting
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.scores: list[Acceptance] = []
@@ -108,7 +110,13 @@ class Drafter:
 
 
 class ModelDrafter(Drafter):
-    """A small causal LM with one batched KV cache (the classic draft model)."""
+    """A small causal LM with one batched KV cache (the classic draft model).
+
+    The cache holds a prefix of each row's ids; ``propose`` first feeds whatever it lacks, so a
+    row admitted without ``prefill`` or decoded for a while without drafting catches up there.
+    """
+
+    keeps_cache = True
 
     def __init__(self, draft: LoadedModel, vocab_size: int) -> None:
         super().__init__(draft.name)

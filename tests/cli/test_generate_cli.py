@@ -209,3 +209,8 @@ def test_models_table():
     assert r.exit_code == 0, r.output
     for name in KNOWN:
         assert name in r.stdout
+    from specbatch.engine.loading import known_model_status
+
+    for row in known_model_status():     # install commands print whole (no markup eaten)
+        if not row["installed"]:
+            assert row["install"] in " ".join(r.stdout.replace("│", " ").split()), row

@@ -135,3 +135,51 @@ def test_check_batch_size(value, ok):
             check_batch_size(value)
     else:
         assert check_batch_size(value) == ok
+
+
+class PlainThenSpeculate(MeasuredPolicy):
+    """Decodes plainly for the first ``plain_steps`` steps, then lets the rows draft."""
+
+    def __init__(self, plain_steps: int) -> None:
+        super().__init__(limit=2)
+        self.plain_steps, self.steps = plain_steps, 0
+        self.prefill_steps = 0
+
+    def gamma_cap(self, n_rows: int) -> int | None:
+        return 0 if self.steps < self.plain_steps else None
+
+    def observe(self, report: StepReport) -> None:
+        self.steps += 1
+        self.prefill_steps += report.prefill
+        super().observe(report)
+
+
+def test_rows_that_join_while_decoding_plainly_cost_the_draft_nothing_until_it_drafts(load):
+    """Where the policy decodes plainly the draft model caches no prompt; when speculation comes
+    back its first proposal catches the rows up (a step reported as prefill, not measured), and
+    outputs still equal the target alone."""
+    import torch
+
+    target, draft = load("llama"), load("llama-partial")
+    engine = Engine(target, [draft])
+    reqs = [(i, engine.encode(p), GenerationParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
+    calls = []
+    real = draft.forward
+    draft.forward = lambda *a, **k: calls.append(1) or real(*a, **k)   # type: ignore[method-assign]
+    try:
+        never = MeasuredPolicy(limit=2)
+        never.gamma_cap = lambda n_rows: 0   # type: ignore[method-assign]
+        with torch.inference_mode():
+            got = dict(Decoder(target, engine.new_drafters(), never).run(reqs))
+        assert calls == []
+        for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+            assert got[i].token_ids == target_greedy(target, p, n), i
+        later = PlainThenSpeculate(plain_steps=3)
+        with torch.inference_mode():
+            got = dict(Decoder(target, engine.new_drafters(), later).run(reqs))
+    finally:
+        draft.forward = real   # type: ignore[method-assign]
+    assert calls and later.prefill_steps >= 2   # the fresh batch's first step, the catch-up
+    assert sum(o.stats.drafted_tokens for o in got.values()) > 0
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
