@@ -8,7 +8,8 @@ costs (tests/engine/test_autopilot.py). ``AutopilotPolicy`` plugs it into the de
 seam (``specbatch.engine.policy``).
 
 Search. Generated tokens per second are kept per configuration (batch-size bucket, speculation
-on/off) as ratios of exponential moving averages of tokens and seconds. The autopilot holds a
+on/off) as ratios of exponential moving averages of tokens and seconds. The first batch takes the
+waiting work (up to ``start_max`` rows and the memory cap), plain. The autopilot holds a
 *kept* configuration and runs short *trials* of its neighbours: twice the size (while the memory
 cap and the waiting work allow; speculation as kept, then toggled), the same size with
 speculation toggled, then half the size. A trial that beats the kept configuration by
@@ -24,6 +25,8 @@ Exploration bound. Steps spent in trials that lost are the exploration cost. A t
 only if, should it lose, that cost stays within ``explore_share * steps + explore_allowance``
 (by default 10% of all steps + 64 steps); a trial that wins costs nothing (it was the better
 configuration all along). ``explore_steps`` never exceeds the bound (asserted in the tests).
+A trial that turns speculation on over plainly decoded rows also pays the draft's catch-up (about
+a prefill of the batch); it starts only once that cost fits ``explore_share`` of the time spent.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class Autopilot:
     fixed: int | None = None
     speculation: bool = True
     start: int = 8                  # rows at first (the prior the worker and the compile plan use too); half is tried too
+    start_max: int = 32             # ... or up to this many, when that much work waits at the first step
     trial_steps: int = 5            # measured steps a trial needs before it is judged
     trial_timeout: int = 24         # steps a trial may wait for its rows (not enough work: dropped)
     margin: float = 0.03            # a trial must beat the kept configuration by this much
@@ -115,6 +119,10 @@ class Autopilot:
     tokens: int = 0
     seconds: float = 0.0
     history: list[tuple[int, Config, str]] = field(default_factory=list)   # (step, config, why)
+    opened: bool = False            # the first batch's size was set from the waiting work
+    elapsed: float = 0.0            # seconds of every reported step, prefills and catch-ups included
+    explore_seconds: float = 0.0    # prefill/catch-up seconds paid while a trial ran
+    prefill_per_row: float | None = None   # seconds a step that cached whole contexts took per row
 
     def __post_init__(self) -> None:
         self.cap = max(1, self.cap)
@@ -140,6 +148,8 @@ class Autopilot:
         """How many rows may be active now (before admitting ``waiting`` more requests)."""
         if not self.auto:
             return self.kept[0]
+        if not self.opened:
+            self._open(waiting)
         if self.trial is None and self.steps > 0:
             self._maybe_start_trial(waiting)
         return min(self.current[0], self.cap)
@@ -161,12 +171,18 @@ class Autopilot:
 
     # -- what the loop reports
 
-    def observe(self, rows: int, drafted: int, tokens: int, seconds: float) -> None:
-        """One decode step: ``rows`` active rows, ``drafted`` draft tokens in all, ``tokens`` emitted."""
+    def observe(self, rows: int, drafted: int, tokens: int, seconds: float,
+                speculating: bool | None = None) -> None:
+        """One decode step: ``rows`` active rows, ``drafted`` draft tokens in all, ``tokens`` emitted.
+
+        ``speculating``: whether the step ran with speculation on (what ``speculate`` said); its
+        rows' gamma controllers may still have drafted nothing, and that is part of what speculation
+        on yields at this size. None: the step speculated if it drafted."""
         if rows <= 0 or seconds <= 0:
             return
         size = bucket(rows)
-        config = (size, drafted > 0)
+        config = (size, drafted > 0 if speculating is None else speculating)
+        self.elapsed += seconds
         self.steps += 1
         self.tokens += tokens
         self.seconds += seconds
@@ -184,11 +200,48 @@ class Autopilot:
             elif self.steps - self.trial_started >= self.trial_timeout:
                 self._end_trial(won=False, why="timeout")
 
+    def observe_prefill(self, rows: int, seconds: float) -> None:
+        """A step that also cached whole contexts (a fresh batch's prompts, a draft catching up):
+        not a decode measurement, but time the job spent, and what a catch-up would cost."""
+        if rows <= 0 or seconds <= 0:
+            return
+        self.elapsed += seconds
+        if self.trial is not None:
+            self.explore_seconds += seconds
+        per_row = seconds / rows
+        self.prefill_per_row = per_row if self.prefill_per_row is None else \
+            self.prefill_per_row + self.decay * (per_row - self.prefill_per_row)
+
     # -- the search
 
     def budget(self) -> float:
         """The most exploration steps allowed so far."""
         return self.explore_share * self.steps + self.explore_allowance
+
+    def _open(self, waiting: int) -> None:
+        """The first batch takes the waiting work, up to ``start_max`` rows and the memory cap.
+
+        Plain throughput rose with the batch up to 32 rows on every device measured (this CPU:
+        docs/bench/report-job-default-pair.md; a GPU far further), and a batch grown by joins
+        pays each join's prefill on its own, so a job starts at the large end and its first
+        trials measure half the size and speculation toggled; growing beyond still follows trials."""
+        self.opened = True
+        first = min(waiting, self.start_max, self.cap)
+        if first > self.kept[0]:
+            self.kept = (bucket(first), self.kept[1])
+        # plain first: the draft then caches nothing until a speculation trial is affordable
+        # (``_affordable``); a draft as large as the default one costs most of a target prefill
+        self.kept = (self.kept[0], False)
+
+    def _affordable(self, config: Config) -> bool:
+        """Turning speculation on where the rows decoded plainly first catches the draft up on
+        every row's context: about a prefill of the batch. Such a trial waits until that cost
+        fits ``explore_share`` of the time spent so far (at once on a GPU, where prefill is cheap
+        next to decoding; after minutes on a small CPU, where one prefill costs dozens of steps)."""
+        if not config[1] or self.kept[1] or self.prefill_per_row is None:
+            return True
+        cost = self.prefill_per_row * min(config[0], self.cap)
+        return self.explore_seconds + cost <= self.explore_share * self.elapsed
 
     def _stale(self, config: Config) -> bool:
         r = self.rates.get(config)
@@ -213,7 +266,7 @@ class Autopilot:
         if self.explore_steps + self.trial_timeout > self.budget():
             return   # a trial that loses costs at most trial_timeout steps: none fits now
         for config in candidates:
-            if self._stale(config):
+            if self._stale(config) and self._affordable(config):
                 self.trial, self.trial_started, self.trial_samples = config, self.steps, 0
                 self.pending_trial_steps = 0
                 self.history.append((self.steps, config, "trial"))
@@ -288,6 +341,10 @@ class AutopilotPolicy(MeasuredPolicy):
 
     def observe(self, report: StepReport) -> None:
         super().observe(report)
-        if not report.prefill:   # a step that also cached prompts is no decode measurement
+        if report.prefill:   # a step that also cached prompts is no decode measurement
+            self.pilot.observe_prefill(report.rows, report.draft_seconds + report.verify_seconds)
+        else:
             self.pilot.observe(report.rows, report.drafted, report.emitted,
-                               report.draft_seconds + report.verify_seconds)
+                               report.draft_seconds + report.verify_seconds,
+                               speculating=self.pilot.speculate(report.rows) is not False
+                               if self.pilot.auto else None)

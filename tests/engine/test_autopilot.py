@@ -152,3 +152,52 @@ def test_compile_seam_plans_rows_and_expected_time():
     assert pilot.planned_rows() == 16
     assert pilot.expected_seconds(640) == pytest.approx(640 / 64, rel=0.05)
     assert Autopilot(fixed=4).planned_rows() == 4
+
+
+def test_the_first_batch_takes_the_waiting_work_up_to_start_max_and_the_cap():
+    assert Autopilot(cap=64).rows_allowed(48) == 32            # start_max
+    assert Autopilot(cap=64).rows_allowed(20) == 32            # its bucket: all 20 rows at once
+    assert Autopilot(cap=64).rows_allowed(12) == 16
+    assert Autopilot(cap=12).rows_allowed(100) == 12           # the memory cap
+    assert Autopilot(cap=64).rows_allowed(3) == 8              # less work than the prior: the prior
+    pilot = Autopilot(cap=64)
+    pilot.rows_allowed(100)
+    assert pilot.kept == (32, False)                           # plain until speculation is affordable
+    assert pilot.rows_allowed(1000) == 32                      # decided once, at the first call
+
+
+def _plain_steps(pilot: Autopilot, n: int, rows: int = 32, seconds: float = 0.1) -> None:
+    for _ in range(n):
+        pilot.rows_allowed(0)
+        pilot.observe(rows, drafted=0, tokens=rows, seconds=seconds, speculating=pilot.speculate(rows))
+
+
+def test_turning_speculation_on_waits_until_the_draft_catch_up_fits_the_exploration_share():
+    pilot = Autopilot(cap=32)
+    pilot.rows_allowed(32)
+    pilot.observe_prefill(32, 3.2)     # caching the batch's contexts cost 0.1 s a row
+    # a catch-up of 32 rows costs ~3.2 s: affordable once 10% of the time spent covers it (32 s)
+    _plain_steps(pilot, 200)           # 20 s more: 23.2 s spent
+    assert all(cfg != (32, True) for _, cfg, _ in pilot.history), pilot.history
+    _plain_steps(pilot, 100)           # 33.2 s spent
+    assert (32, True) in [cfg for _, cfg, why in pilot.history if why == "trial"], pilot.history
+
+
+def test_cheap_prefill_lets_speculation_be_tried_at_once():
+    pilot = Autopilot(cap=32)
+    pilot.rows_allowed(32)
+    pilot.observe_prefill(32, 0.032)
+    _plain_steps(pilot, 6)
+    assert pilot.trial == (32, True)
+
+
+def test_steps_in_speculative_mode_count_for_it_even_when_no_row_drafts():
+    """The rows' gamma controllers may draft nothing at a speculative size; those steps are still
+    what speculation on yields there, so the kept configuration gets measured (and judged)."""
+    pilot = Autopilot(cap=1, speculation=True)
+    pilot.rows_allowed(10)
+    pilot.trial = None
+    pilot.kept = (1, True)
+    for _ in range(6):
+        pilot.observe(1, drafted=0, tokens=1, seconds=0.1, speculating=True)
+    assert pilot.rates[(1, True)].samples == 6 and (1, False) not in pilot.rates
