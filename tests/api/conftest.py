@@ -19,7 +19,10 @@ from tests.worker.services import REPO, Proc, RedisServer, free_port, wait_for
 
 CLI = [sys.executable, "-c", "from specbatch.cli.main import main; main()"]
 KEYS = ("sk-test-one", "sk-test-two")
-LIMITS = {"SPECBATCH_MAX_UPLOAD_BYTES": "60000", "SPECBATCH_MAX_REQUESTS": "200"}
+LIMITS = {"SPECBATCH_MAX_UPLOAD_BYTES": "60000", "SPECBATCH_MAX_REQUESTS": "200",
+          # a fixed size: its gamma controller drafts from the first step, so the spec-decode
+          # counters have something to count (auto speculates only once a trial is affordable)
+          "SPECBATCH_BATCH_SIZE": "4"}
 
 
 class Api:

@@ -59,7 +59,8 @@ def test_run_auto_equals_batch_one_and_records_the_choice(tmp_path: Path, tiny_m
     b = auto["stats"]["batching"]
     assert abs(sum(b["batch_size_share"].values()) - 1) < 1e-6
     assert max(int(k) for k in b["batch_size_share"]) > 1      # it grew the batch
-    assert 0 < b["speculative_step_share"] <= 1
+    # a job this small may end before a speculation trial is affordable (autopilot._affordable)
+    assert 0 <= b["speculative_step_share"] <= 1
     assert b["decode_tokens_per_second"] > 0
     assert set(one["stats"]["batching"]["batch_size_share"]) == {"1"}
     assert plain["stats"]["batching"]["speculative_step_share"] == 0
