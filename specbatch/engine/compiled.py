@@ -37,8 +37,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "on", "off")
-# Measured here (SmolLM2-135M, 2 shared cores, see docs/COMPILE.md): eager / compiled decode time.
-EXPECTED_SPEEDUP = 2.5
+# Eager / compiled decode-step time per device type, as measured (docs/COMPILE.md). CPU: this
+# compiled forward measured no faster than eager on a quiet 2-core machine (T(1) 69.9 vs 66.2 ms,
+# 1 thread), so auto never compiles there; CUDA: not measured yet, the gpt-fast-like prior.
+EXPECTED_SPEEDUP = {"cpu": 0.95, "cuda": 2.5}
+
+
+def expected_speedup(device: torch.device | str) -> float:
+    return EXPECTED_SPEEDUP.get(torch.device(device).type, 1.0)
 # Seconds per graph when nothing is cached and when the on-disk cache holds it (same machine).
 FIRST_COMPILE_SECONDS_PER_GRAPH = 100.0
 CACHED_COMPILE_SECONDS_PER_GRAPH = 15.0
@@ -277,7 +283,7 @@ def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
 
 
 def compile_pays(expected_decode_seconds: float, compile_seconds_estimate: float, cached: bool,
-                 speedup: float = EXPECTED_SPEEDUP) -> bool:
+                 speedup: float = EXPECTED_SPEEDUP["cuda"]) -> bool:
     """Whether compiling repays itself: the eager decode time it saves exceeds its cost.
 
     ``expected_decode_seconds``: eager decoding time of the job (tokens x eager step time);
@@ -338,8 +344,9 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None) -> CompilePlan:
     """Decide (auto / on / off), then install and warm the compiled forwards up before serving.
 
-    auto with ``expected_new_tokens`` None (a worker: it serves until stopped) compiles; with a
-    token count (``run``, ``generate``) it compiles only when ``compile_pays``.
+    auto compiles only where the compiled forward measured faster than eager on this device
+    type (``expected_speedup``); then with ``expected_new_tokens`` None (a worker: it serves until
+    stopped) it compiles, and with a token count (``run``, ``generate``) only when ``compile_pays``.
     """
     mode = resolve_mode(mode)
     if mode == "off":
@@ -349,12 +356,16 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     models = [(m, s) for m, s in models if compilable(m.model) is None]
     if not models:
         return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
+    speedup = expected_speedup(target.device)
+    if mode == "auto" and speedup <= 1.0:
+        return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager on "
+                                        f"{torch.device(target.device).type} (docs/COMPILE.md)")
     if mode == "auto" and expected_new_tokens is not None:
         cached = all(is_cached(m, cache_dir) for m, _ in models)
         estimate = sum(recorded_seconds(m, cache_dir) or compile_seconds_estimate(len(s), cached)
                        for m, s in models)
         decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
-        if not compile_pays(decode, estimate, cached):
+        if not compile_pays(decode, estimate, cached, speedup):
             return CompilePlan(mode, False, f"auto: about {decode:.0f}s of eager decoding does not "
                                             f"repay ~{estimate:.0f}s of compiling")
         reason = f"auto: about {decode:.0f}s of eager decoding repays ~{estimate:.0f}s of compiling"

@@ -58,11 +58,16 @@ def test_compile_option_on_every_decoding_command(command):
     assert bad.exit_code == 2 and "'sometimes' is not one of 'auto', 'on', 'off'" in bad.output
 
 
-def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path):
+def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path, monkeypatch):
     target = load_model(str(tiny_models / "llama"))
     plan = C.prepare(target, [], mode="off", batch_size=1, cache_dir=tmp_path)
     assert not plan.enabled and target.compiled is None
-    # a short job in auto mode does not repay a first compile
+    # auto on CPU: the compiled forward measured no faster there, so neither a job nor a worker compiles
+    for tokens in (8, None):
+        plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=tokens)
+        assert not plan.enabled and "no faster than eager on cpu" in plan.reason and target.compiled is None
+    # where it measured faster, a short job in auto mode still does not repay a first compile
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", 2.5)
     plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
     assert not plan.enabled and "does not repay" in plan.reason and target.compiled is None
     from specbatch.engine.loading import _quantize_int8
