@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specbatch.engine.policy import MeasuredPolicy, StepReport
+from specbatch.engine.policy import MeasuredPolicy, StepReport, bucket
 
 AUTO = "auto"
 BatchSize = int | str    # rows decoded together, or "auto"
@@ -51,11 +51,6 @@ def check_batch_size(value: object) -> BatchSize:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError("must be an integer >= 1 or 'auto'")
     return value
-
-
-def bucket(n: int) -> int:
-    """The batch-size bucket of n rows: the next power of two (1, 2, 4, 8, ...)."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 Config = tuple[int, bool]   # (batch-size bucket, speculating)
@@ -120,7 +115,7 @@ class Autopilot:
     seconds: float = 0.0
     history: list[tuple[int, Config, str]] = field(default_factory=list)   # (step, config, why)
     opened: bool = False            # the first batch's size was set from the waiting work
-    elapsed: float = 0.0            # seconds of every reported step, prefills and catch-ups included
+    prefill_seconds: float = 0.0    # seconds of steps that cached whole contexts (not in ``seconds``)
     explore_seconds: float = 0.0    # prefill/catch-up seconds paid while a trial ran
     prefill_per_row: float | None = None   # seconds a step that cached whole contexts took per row
 
@@ -182,7 +177,6 @@ class Autopilot:
             return
         size = bucket(rows)
         config = (size, drafted > 0 if speculating is None else speculating)
-        self.elapsed += seconds
         self.steps += 1
         self.tokens += tokens
         self.seconds += seconds
@@ -205,7 +199,7 @@ class Autopilot:
         not a decode measurement, but time the job spent, and what a catch-up would cost."""
         if rows <= 0 or seconds <= 0:
             return
-        self.elapsed += seconds
+        self.prefill_seconds += seconds
         if self.trial is not None:
             self.explore_seconds += seconds
         per_row = seconds / rows
@@ -221,17 +215,14 @@ class Autopilot:
     def _open(self, waiting: int) -> None:
         """The first batch takes the waiting work, up to ``start_max`` rows and the memory cap.
 
-        Plain throughput rose with the batch up to 32 rows on every device measured (this CPU:
-        docs/bench/report-job-default-pair.md; a GPU far further), and a batch grown by joins
-        pays each join's prefill on its own, so a job starts at the large end and its first
-        trials measure half the size and speculation toggled; growing beyond still follows trials."""
+        Plain throughput rose with the batch up to 32 rows on this CPU
+        (docs/bench/report-job-default-pair.md; a GPU's batch pays further), and a batch grown by
+        joins pays each join's prefill on its own, so a job starts at the large end and its first
+        trials measure half the size and speculation toggled; growing beyond still follows trials.
+        Plain first: the draft caches nothing until a speculation trial is affordable
+        (``_affordable``); a draft as large as the default one costs most of a target prefill."""
         self.opened = True
-        first = min(waiting, self.start_max, self.cap)
-        if first > self.kept[0]:
-            self.kept = (bucket(first), self.kept[1])
-        # plain first: the draft then caches nothing until a speculation trial is affordable
-        # (``_affordable``); a draft as large as the default one costs most of a target prefill
-        self.kept = (self.kept[0], False)
+        self.kept = (max(self.kept[0], bucket(min(waiting, self.start_max, self.cap))), False)
 
     def _affordable(self, config: Config) -> bool:
         """Turning speculation on where the rows decoded plainly first catches the draft up on
@@ -241,7 +232,7 @@ class Autopilot:
         if not config[1] or self.kept[1] or self.prefill_per_row is None:
             return True
         cost = self.prefill_per_row * min(config[0], self.cap)
-        return self.explore_seconds + cost <= self.explore_share * self.elapsed
+        return self.explore_seconds + cost <= self.explore_share * (self.seconds + self.prefill_seconds)
 
     def _stale(self, config: Config) -> bool:
         r = self.rates.get(config)
@@ -301,8 +292,8 @@ class Autopilot:
 
     def expected_seconds(self, new_tokens: int) -> float | None:
         """Decode time of ``new_tokens`` more tokens at the kept configuration's measured rate
-        (None before it is measured): ``compile_pays(expected_seconds, compile_seconds, cached)``
-        weighs compiling against this."""
+        (None before it is measured): ``compile_pays(expected_seconds, compile_seconds, cached,
+        speedup)`` weighs compiling against this."""
         r = self.rates.get(self.kept)
         return new_tokens / r.value if r is not None and r.value > 0 else None
 

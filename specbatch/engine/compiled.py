@@ -41,10 +41,6 @@ COMPILE_MODES = ("auto", "on", "off")
 # compiled forward measured no faster than eager on a quiet 2-core machine (T(1) 69.9 vs 66.2 ms,
 # 1 thread), so auto never compiles there; CUDA: not measured yet, the gpt-fast-like prior.
 EXPECTED_SPEEDUP = {"cpu": 0.95, "cuda": 2.5}
-
-
-def expected_speedup(device: torch.device | str) -> float:
-    return EXPECTED_SPEEDUP.get(torch.device(device).type, 1.0)
 # Seconds per graph when nothing is cached and when the on-disk cache holds it (same machine).
 FIRST_COMPILE_SECONDS_PER_GRAPH = 100.0
 CACHED_COMPILE_SECONDS_PER_GRAPH = 15.0
@@ -282,14 +278,20 @@ def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
     return n_graphs * per
 
 
+def expected_speedup(device: torch.device | str) -> float:
+    """Eager / compiled step time measured on this device type (1.0, no gain, where unmeasured)."""
+    return EXPECTED_SPEEDUP.get(torch.device(device).type, 1.0)
+
+
 def compile_pays(expected_decode_seconds: float, compile_seconds_estimate: float, cached: bool,
-                 speedup: float = EXPECTED_SPEEDUP["cuda"]) -> bool:
+                 speedup: float) -> bool:
     """Whether compiling repays itself: the eager decode time it saves exceeds its cost.
 
     ``expected_decode_seconds``: eager decoding time of the job (tokens x eager step time);
     ``compile_seconds_estimate``: what warm-up costs (first start or cached, see
     ``compile_seconds_estimate``); ``cached``: whether the on-disk cache holds the graphs (the
-    estimate should already reflect it; a cached start is cheap, so ties go to compiling).
+    estimate should already reflect it; a cached start is cheap, so ties go to compiling);
+    ``speedup``: ``expected_speedup(device)``.
     """
     saved = expected_decode_seconds * (1.0 - 1.0 / speedup)
     return saved > compile_seconds_estimate or (cached and saved >= compile_seconds_estimate)
