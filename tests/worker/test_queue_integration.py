@@ -116,7 +116,8 @@ def test_sigkill_pool_child_then_whole_worker_then_second_worker(cluster) -> Non
 
 def test_sigterm_mid_prompt_finishes_it_nothing_redelivered(cluster) -> None:  # noqa: ANN001
     w1 = cluster.worker("w1")
-    job_id, ids = cluster.submit(_rows(2, max_tokens=40))  # one chunk
+    # one chunk; long enough to be seen running (a 2-row batch of tiny models decodes in ms a step)
+    job_id, ids = cluster.submit(_rows(2, max_tokens=300))
     running = _wait_running(cluster, job_id)
     w1.signal(signal.SIGTERM)
     assert w1.wait(120) == 0, w1.output()[-3000:]
@@ -141,7 +142,7 @@ def test_redis_restarted_mid_job_completes_with_resume(cluster) -> None:  # noqa
     from specbatch.cli.main import cli
 
     cluster.worker("w1")
-    job_id, ids = cluster.submit(_rows(6, max_tokens=24))
+    job_id, ids = cluster.submit(_rows(6, max_tokens=300))   # long enough to be seen running
     _wait_running(cluster, job_id)
     cluster.redis.restart(down_seconds=1.0)  # no persistence: every queued message is gone
     time.sleep(cluster.settings.lease_seconds + 1)
