@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,8 +54,22 @@ def inductor_cache_dir(cache_dir: str | os.PathLike[str]) -> Path:
     return Path(cache_dir) / "inductor"
 
 
-def configure_inductor(cache_dir: str | os.PathLike[str]) -> Path:
-    """The one place inductor is configured: on-disk caches under ``cache_dir``, freezing.
+def inductor_options(device: torch.device | str) -> dict[str, Any]:
+    """What inductor is told beyond its defaults, per device type.
+
+    CPU: inductor's own C++ micro-GEMM kernels (max-autotune, chosen per linear against
+    oneDNN/MKL) stream each weight once for all M rows, which is what makes a verify of k tokens
+    cost about one step; the frozen oneDNN linears alone measured no faster than eager at M=1
+    (docs/COMPILE.md).
+    """
+    options: dict[str, Any] = {"freezing": True}  # weights become constants: packed GEMMs, folded ops
+    if torch.device(device).type == "cpu":
+        options |= {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+    return options
+
+
+def configure_inductor(cache_dir: str | os.PathLike[str], device: torch.device | str = "cpu") -> Path:
+    """The one place inductor is configured: on-disk caches under ``cache_dir``, ``inductor_options``.
 
     Inductor reads its cache location from ``TORCHINDUCTOR_CACHE_DIR`` only, so it is set here
     (before the first compile); the value comes from the settings, never from the environment.
@@ -65,7 +80,15 @@ def configure_inductor(cache_dir: str | os.PathLike[str]) -> Path:
     with _lock:
         path.mkdir(parents=True, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
-        ic.freezing = True              # weights become constants: pre-packed GEMMs, folded ops
+        for name, value in inductor_options(device).items():
+            setattr(ic, name, value)
+        if ic.max_autotune:   # its per-GEMM timing tables go to stderr: not a user's business
+            import torch._inductor.select_algorithm as sa
+
+            ic.max_autotune_report_choices_stats = False
+            sa.PRINT_AUTOTUNE = False
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated",
+                                    module="torch._inductor")
         ic.fx_graph_cache = True        # compiled graphs reused by later processes
         ic.autotune_local_cache = True
         torch._functorch.config.enable_autograd_cache = True  # type: ignore[attr-defined]
@@ -131,8 +154,16 @@ class CompiledForward:
                 layer.keys = keys.contiguous()
             if values is not None and not values.is_contiguous():
                 layer.values = values.contiguous()
-        if attention_mask is None:
-            attention_mask = causal_mask(rows, width, n_cached, self.model.dtype, dev)
+        # one signature for every call, as warmed up: a 4-D additive mask (a 2-D padding mask, the
+        # dense path's, is folded into the causal one), position ids, contiguous inference tensors.
+        # Anything else fails a guard of the warmed graphs (dispatch keys, stride 0 of an expanded
+        # tensor), and after warm-up a miss runs eagerly: silently no faster (tests hold this)
+        if attention_mask is None or attention_mask.dim() == 2:
+            causal = causal_mask(rows, width, n_cached, self.model.dtype, dev)
+            if attention_mask is not None:
+                causal = causal.masked_fill(attention_mask[:, None, None, :] == 0,
+                                            torch.finfo(self.model.dtype).min)
+            attention_mask = causal
         if position_ids is None:
             position_ids = (n_cached + torch.arange(width, device=dev)).expand(rows, width)
         keep = width
@@ -141,6 +172,10 @@ class CompiledForward:
             # one kept logit would be a graph of its own (sizes 1 are specialized): keep two and
             # drop one here, one extra LM-head row costs next to nothing in a pre-packed GEMM
             logits_to_keep = torch.arange(width - max(keep, min(2, width)), width, device=dev)
+        with torch.inference_mode():   # contiguous: an expanded (stride 0) input is a graph of its own
+            input_ids, attention_mask, position_ids, logits_to_keep = (
+                t.contiguous() if t.is_inference() else t.clone(memory_format=torch.contiguous_format)
+                for t in (input_ids, attention_mask, position_ids, logits_to_keep))
         out = self._fn(input_ids=input_ids, attention_mask=attention_mask,
                        position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=True,
                        **{cache_kwarg: cache}, **kwargs)
@@ -240,7 +275,10 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
 
 def _marker(cache_dir: str | os.PathLike[str], lm: Any) -> Path:
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{lm.name}-{lm.info.get('source', '')}")
-    return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}.json"
+    # graphs compiled with other inductor options are not these
+    tag = "-".join(f"{v}" for k, v in sorted(inductor_options(lm.device).items()) if k != "freezing")
+    tag = "".join(c if c.isalnum() else "_" for c in tag) or "default"
+    return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}-{tag}.json"
 
 
 def _write_marker(marker: Path, report: CompileReport) -> float:
@@ -373,7 +411,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         reason = f"auto: about {decode:.0f}s of eager decoding repays ~{estimate:.0f}s of compiling"
     else:
         reason = "compile on" if mode == "on" else "auto: a long-lived worker"
-    configure_inductor(cache_dir)
+    configure_inductor(cache_dir, target.device)
     plan = CompilePlan(mode, True, reason)
     torch.compiler.set_stance("default")
     for lm, shapes in models:
