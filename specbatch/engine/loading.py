@@ -220,6 +220,11 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one readable error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
+    _tie_missing_head(model)
+    missing = [n for n, t in model.state_dict().items() if t.device.type == "meta"]
+    if missing:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: no weights for {', '.join(missing[:3])}")
     tok.save_pretrained(tmp)
     model.config.save_pretrained(tmp)
     if model.generation_config is not None:
@@ -230,6 +235,18 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
     except OSError:  # another loader finished first: use its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _tie_missing_head(model: Any) -> None:
+    """A GGUF file omits ``output.weight`` when the LM head is the token embedding (llama.cpp then
+    reuses ``token_embd``); tie it here if the loader left the head unmaterialized (seen once in a
+    full CI run: a (49152, 576) meta head on a cold cache, not reproduced alone)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    if head is None or embed is None or not head.weight.is_meta or embed.weight.is_meta:
+        return
+    if head.weight.shape == embed.weight.shape:
+        head.weight = embed.weight
+        model.config.get_text_config().tie_word_embeddings = True
 
 
 def _quantize_int8(model: Any, device: torch.device) -> Any:

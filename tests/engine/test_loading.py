@@ -173,6 +173,15 @@ def test_gguf_tied_embeddings(tied_llama, tmp_path):
     torch.testing.assert_close(_logits(again, ids), _logits(ref, ids), rtol=1e-5, atol=1e-5)
 
 
+def test_a_gguf_head_left_unmaterialized_is_tied_to_the_embedding(tied_llama):
+    model = load_model(str(tied_llama)).model
+    embed = model.get_input_embeddings().weight
+    model.get_output_embeddings().weight = torch.nn.Parameter(torch.empty_like(embed, device="meta"))
+    loading._tie_missing_head(model)
+    assert model.get_output_embeddings().weight is embed
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
 def test_gguf_second_load_uses_the_cache(gguf_file, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = load_model(str(gguf_file), cache_dir=cache)
