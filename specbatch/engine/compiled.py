@@ -3,11 +3,13 @@
 Why this shape (measured, see docs/COMPILE.md): on CPU most of an eager decode step is not the
 matrix products but the Python and dispatch overhead around ~30 layers of small ops, and the
 LM head's fp32 GEMM, which eager runs once per row. Compiling only the projections would leave
-the overhead; a static KV cache would re-implement rollback, holes and row select/extend. So the
-whole model is compiled with dynamic shapes over the unchanged ``DynamicCache``: dynamo replays
-the cache's ``torch.cat`` appends, so crop / index_select / batch select / extend keep working
-eagerly between calls. ``freezing`` turns every linear into a pre-packed oneDNN GEMM whose cost
-hardly grows with the rows, which is what makes verifying k tokens cost about one.
+the overhead; a static KV cache would re-implement rollback, holes and row select/extend, and
+measured no faster than this design with the same inductor options. So the whole model is
+compiled with dynamic shapes over the unchanged ``DynamicCache``: dynamo replays the cache's
+``torch.cat`` appends, so crop / index_select / batch select / extend keep working eagerly
+between calls. ``inductor_options``: ``freezing`` makes the weights constants, and on CPU
+max-autotune picks inductor's C++ GEMM per linear, whose cost hardly grows with the rows, which
+is what makes verifying k tokens cost little more than one.
 
 Shapes: one graph per (rows == 1 or more) x (tokens == 1 or more) x (kept logits == 1 or more)
 (dynamo specializes sizes 0 and 1); the cache length, row count and token count are symbolic
@@ -15,8 +17,8 @@ inside each graph, so no padding to buckets is needed. Every call is normalized 
 signature (explicit 4-D additive mask, position ids, kept-logit indices), so a chain verify, a
 tree verify and a batched step share graphs. A forward over an empty cache (prefill) stays eager.
 
-Artefacts (FX graph, AOT autograd, kernels) live under ``<cache_dir>/inductor``, shared across
-processes; ``warm_up`` compiles the graphs a decode will need and records how long it took, so
+Artefacts live under ``<cache_dir>/inductor``, shared across processes (frozen graphs bypass the
+FX graph cache, so what a later start reuses is kernels and autotuning); ``warm_up`` compiles the graphs a decode will need and records how long it took, so
 later starts know whether they hit the cache and how long compiling takes here.
 """
 
@@ -40,9 +42,9 @@ logger = logging.getLogger(__name__)
 COMPILE_MODES = ("auto", "on", "off")
 # Eager / compiled decode-step time per device type, as measured (docs/COMPILE.md), for the
 # batched decoding jobs run at. CPU (1 thread, 2026-12-01, every step through a warmed graph):
-# batch 1 is 1.14x faster compiled end to end, but the compiled batch-16 plain decode ran below
-# HF generate (0.90x) where eager runs above it, so auto does not compile there. CUDA: not
-# measured yet, the gpt-fast-like prior.
+# batch 1 is 1.14x faster compiled end to end, but plain decoding at batch 16 ran 0.94x eager
+# (one process, alternating), so auto does not compile there. CUDA: not measured yet, the
+# gpt-fast-like prior.
 EXPECTED_SPEEDUP = {"cpu": 0.95, "cuda": 2.5}
 # Seconds per graph when nothing is cached and when a previous process warmed the same graphs up
 # (default target, 2 threads, max-autotune: 733 s for 4 graphs first, 319 s for 2 cached; the FX
@@ -50,7 +52,6 @@ EXPECTED_SPEEDUP = {"cpu": 0.95, "cuda": 2.5}
 FIRST_COMPILE_SECONDS_PER_GRAPH = 185.0
 CACHED_COMPILE_SECONDS_PER_GRAPH = 160.0
 
-_configured: dict[str, str] = {}
 _lock = threading.Lock()
 
 
@@ -98,7 +99,6 @@ def configure_inductor(cache_dir: str | os.PathLike[str], device: torch.device |
         torch._functorch.config.enable_autograd_cache = True  # type: ignore[attr-defined]
         # every graph of every model this process compiles (targets, drafts, their shape variants)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _configured["dir"] = str(path)
     return path
 
 
