@@ -49,7 +49,7 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
     engine = Engine.load(target or settings.default_target, list(drafts), ngram=ngram,
                          device=device or settings.device, dtype=dtype or settings.dtype,
                          cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
-                         expected_new_tokens=max_new_tokens)
+                         batch_size=1, expected_new_tokens=max_new_tokens)  # one prompt: one row
     report_compile(engine.compile_plan)
     msgs = [{"role": "user", "content": m} for m in messages] if messages else None
     out = engine.generate(prompt=prompt, messages=msgs, params=params)

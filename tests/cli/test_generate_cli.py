@@ -214,3 +214,21 @@ def test_models_table():
     for row in known_model_status():     # install commands print whole (no markup eaten)
         if not row["installed"]:
             assert row["install"] in " ".join(r.stdout.replace("│", " ").split()), row
+
+
+def test_generate_plans_its_compile_for_one_row(tiny_models, monkeypatch):
+    """One prompt decodes at batch 1, so a compiled forward warms only the single-row graphs
+    (planning for the autopilot's 8-row prior warmed two batched graphs nothing used)."""
+    import specbatch.engine.engine as engine_mod
+    from specbatch.engine.compiled import CompilePlan, warm_shapes
+
+    planned: list[int] = []
+
+    def fake_prepare(target, drafts, *, mode, batch_size, cache_dir, expected_new_tokens=None):
+        planned.append(batch_size)
+        return CompilePlan(mode, False, "recorded by the test")
+
+    monkeypatch.setattr(engine_mod, "prepare_compiled", fake_prepare)
+    generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "4", "--compile", "on")
+    assert planned == [1]
+    assert warm_shapes(1) != warm_shapes(8)  # the plan decides which graphs warm
