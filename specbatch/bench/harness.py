@@ -406,8 +406,12 @@ def _compile_summary(plan: Any, opts: BenchOptions) -> dict[str, Any] | None:
     time (kept beside the cache) per model."""
     if plan is None:
         return None
+    from specbatch.engine.compiled import forward_counts
+
     out: dict[str, Any] = plan.to_dict()
     out["this_start_cached"] = all(r.cached for r in plan.models)
+    # a compiled column is only what it says if its steps hit the warmed graphs
+    out["forward_calls"] = {m: {"calls": c, "misses": x} for m, (c, x) in forward_counts().items()}
     return out
 
 

@@ -65,6 +65,12 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
         for m in comp["models"]:
             lines.append(f"| {m['model']} | {m['seconds']:.0f} | {_f(m['first_start_seconds'], '.0f')} "
                          f"| {m['cached']} | {', '.join(f'{k} {v:.0f}s' for k, v in m['graphs'].items())} |")
+        calls = comp.get("forward_calls") or {}
+        lines += [""] if calls else []
+        for model, n in calls.items():
+            lines.append(f"- {model}: {n['calls']} forwards after warm-up, {n['misses']} of them matched no "
+                         "warmed graph and ran eagerly"
+                         + (" (the compiled numbers above include eager steps)" if n["misses"] else "") + ".")
     width = max((len(c["accepted_per_position"]) for c in result["configs"]), default=0)
     if width:
         width = min(width, 10)

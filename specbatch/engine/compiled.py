@@ -30,6 +30,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,12 @@ class CompiledForward:
 
             ic.triton.cudagraph_skip_dynamic_graphs = True
         self._fn = torch.compile(model, dynamic=True, mode=mode)
+        # after warm_up, a call that fails every warmed graph's guards runs eagerly instead of
+        # compiling for minutes; it is counted and warned about, never silent (docs/COMPILE.md)
+        self.warmed = False
+        self.calls = 0     # calls after warm-up
+        self.misses = 0    # of those, how many missed every warmed graph and ran eagerly
+        _forwards.add(self)
 
     def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
         # an empty cache is a prefill (long, once per request, eager GEMMs are fine there) and
@@ -180,12 +187,31 @@ class CompiledForward:
             input_ids, attention_mask, position_ids, logits_to_keep = (
                 t.contiguous() if t.is_inference() else t.clone(memory_format=torch.contiguous_format)
                 for t in (input_ids, attention_mask, position_ids, logits_to_keep))
-        out = self._fn(input_ids=input_ids, attention_mask=attention_mask,
-                       position_ids=position_ids, logits_to_keep=logits_to_keep, use_cache=True,
-                       **{cache_kwarg: cache}, **kwargs)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "logits_to_keep": logits_to_keep, "use_cache": True, cache_kwarg: cache, **kwargs}
+        out = self._fn(**inputs) if not self.warmed else self._served(inputs)
         if out.logits.shape[1] != keep:
             out.logits = out.logits[:, -keep:]
         return out
+
+    def _served(self, inputs: dict[str, Any]) -> Any:
+        """A call after warm-up: through a warmed graph, or eagerly (counted) when it misses them
+        all. The stance is scoped to this call: nothing else in the process is affected."""
+        self.calls += 1
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._fn(**inputs)
+        except RuntimeError as e:   # raised by dynamo before the frame runs: the cache is untouched
+            if not str(e).startswith(_MISS):
+                raise
+            self.misses += 1
+            reasons = [ln.strip("- ").strip() for ln in str(e).splitlines() if ln.strip().startswith("- ")]
+            if self.name not in _warned_miss:
+                _warned_miss.add(self.name)
+                logger.warning("%s: a decode step matched no warmed compiled graph and ran eagerly (%s); "
+                               "further misses are counted, not logged (specbatch_compiled_forward_misses)",
+                               self.name, "; ".join(reasons[:3]) or "no guard reason given")
+            return self.model(**inputs)
 
     def fail(self, error: BaseException) -> None:
         """Give up compiling this model: log one warning (per process), stay eager from now on."""
@@ -195,6 +221,20 @@ class CompiledForward:
 
 
 _warned: set[str] = set()
+_warned_miss: set[str] = set()
+_forwards: weakref.WeakSet[CompiledForward] = weakref.WeakSet()
+# how dynamo's fail_on_recompile stance words a miss (torch is pinned; a unit test holds this)
+_MISS = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
+
+
+def forward_counts() -> dict[str, tuple[int, int]]:
+    """Per model name: (calls after warm-up, of which missed every warmed graph and ran eagerly),
+    over the compiled forwards alive in this process."""
+    out: dict[str, tuple[int, int]] = {}
+    for f in list(_forwards):
+        calls, misses = out.get(f.name, (0, 0))
+        out[f.name] = (calls + f.calls, misses + f.misses)
+    return out
 
 
 def _warn_once(message: str) -> None:
@@ -252,6 +292,7 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
     if compiled is None:
         report.error = compilable(lm.model) or "not installed"
         return report
+    compiled.warmed = False   # compile what misses (a second warm-up may add shapes)
     marker = _marker(cache_dir, lm)
     report.cached = marker.exists()
     t0 = time.perf_counter()
@@ -270,6 +311,7 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
     except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
         compiled.fail(e)
     report.seconds = time.perf_counter() - t0
+    compiled.warmed = True
     report.enabled = compiled.failed is None
     report.error = compiled.failed
     if report.enabled:
@@ -417,7 +459,6 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         reason = "compile on" if mode == "on" else "auto: a long-lived worker"
     configure_inductor(cache_dir, target.device)
     plan = CompilePlan(mode, True, reason)
-    torch.compiler.set_stance("default")
     for lm, shapes in models:
         if install(lm) is None:
             continue
@@ -431,7 +472,4 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             if lm.compiled is not None and lm.compiled.failed is None:
                 lm.compiled.failed = failed
         plan.enabled, plan.reason = False, f"compiling failed, eager instead: {failed}"
-    # serving: a shape no warmed graph covers runs eagerly instead of stalling for minutes on a
-    # recompile (the bench saw a 20 s stall on a tiny model; minutes on the default target)
-    torch.compiler.set_stance("eager_on_recompile")
     return plan

@@ -9,6 +9,11 @@ a ``specbatch_`` prefix, so its dashboards translate by renaming:
   specbatch_spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at draft position j
   (acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts)
 
+With ``--compile``: ``specbatch_compiled_forward_calls_total{model}`` counts forwards through a
+warmed compiled graph and ``specbatch_compiled_forward_misses_total{model}`` those that matched none
+and ran eagerly (no faster; docs/COMPILE.md). Misses above zero mean the compiled speed is not
+being had.
+
 Every series carries the model pair (``target``, ``drafts``) and the ``worker`` node name. The
 counters add up to the job statistics in the database for the same work (``specbatch status``):
 generation tokens = tokens_generated, draft/accepted tokens = drafted_tokens/accepted_tokens,
@@ -77,6 +82,14 @@ class WorkerMetrics:
         self.tpot = Histogram("specbatch_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1).", LABELS,
                               buckets=TPOT_BUCKETS, registry=reg)
+        # the compiled forward (specbatch.engine.compiled): steps after warm-up, and those that
+        # matched no warmed graph and ran eagerly (no faster); fed as deltas of its own counts
+        self.compiled_calls = counter("specbatch_compiled_forward_calls",
+                                      "Forwards through a warmed compiled model, by model.", ("model",))
+        self.compiled_misses = counter("specbatch_compiled_forward_misses",
+                                       "Of those, forwards that matched no warmed graph and ran eagerly.",
+                                       ("model",))
+        self._compiled_seen: dict[str, tuple[int, int]] = {}
         # gauges: the value the latest process set wins (a replaced pool child's stale files lose)
         self.batch_size = Gauge("specbatch_batch_size", "Requests the decoder runs together.", LABELS,
                                 multiprocess_mode="mostrecent", registry=reg)
@@ -101,6 +114,16 @@ class WorkerMetrics:
             self.tpot.labels(**lv).observe(max(0.0, st.wall_seconds - st.first_token_seconds) / (n - 1))
         if st.verify_steps:   # what the adaptive controller did on this request
             self.speculation.labels(**lv).set(int(st.draft_steps > 0 and not st.speculation_disabled))
+
+    def observe_compiled(self, counts: dict[str, tuple[int, int]]) -> None:
+        """``counts``: ``specbatch.engine.compiled.forward_counts()`` (totals; the growth is added)."""
+        for model, (calls, misses) in counts.items():
+            seen_calls, seen_misses = self._compiled_seen.get(model, (0, 0))
+            if calls > seen_calls:
+                self.compiled_calls.labels(**self.labels, model=model).inc(calls - seen_calls)
+            if misses > seen_misses:
+                self.compiled_misses.labels(**self.labels, model=model).inc(misses - seen_misses)
+            self._compiled_seen[model] = (max(calls, seen_calls), max(misses, seen_misses))
 
     def observe_failed(self) -> None:
         self.requests.labels(**self.labels, outcome="failed").inc()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from specbatch.engine.compiled import forward_counts
 from specbatch.observability import tracing
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class Observer:
                     self.metrics.observe_completed(event.output, latency)
                 else:
                     self.metrics.observe_failed()
+                self.metrics.observe_compiled(forward_counts())
             tracing.record_request(event, now)
         except Exception as e:  # telemetry never fails a request whose result is stored
             logger.warning("recording telemetry for request %s failed: %s", event.request_id, e)

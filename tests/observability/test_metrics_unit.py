@@ -56,6 +56,21 @@ def test_counters_follow_vllm_meanings() -> None:
     assert value("specbatch_batch_size") == 8 and value("specbatch_speculation_enabled") == 1
 
 
+def test_compiled_forward_counts_are_added_as_they_grow() -> None:
+    m = WorkerMetrics(LABELS)
+    m.observe_compiled({"t": (10, 0)})
+    m.observe_compiled({"t": (25, 2), "d1": (4, 0)})
+    m.observe_compiled({"t": (25, 2)})                                  # nothing new: nothing added
+
+    def value(name: str, model: str) -> float | None:
+        return m.registry.get_sample_value(name, {**LABELS, "model": model})
+
+    assert value("specbatch_compiled_forward_calls_total", "t") == 25
+    assert value("specbatch_compiled_forward_misses_total", "t") == 2
+    assert value("specbatch_compiled_forward_calls_total", "d1") == 4
+    assert value("specbatch_compiled_forward_misses_total", "d1") is None   # never missed
+
+
 @pytest.mark.parametrize("env, expected", [
     ({}, ()),
     ({"OTEL_SERVICE_NAME": "x"}, ()),
