@@ -277,32 +277,5 @@ STATS_COLUMNS = (
     "wall_seconds", "tokens_per_second", "pool_wins", "final_gamma", "speculation_disabled",
 )
 
-# The plain-SQL view for sqlite3 / psql users; created by the migrations (portable SQL only).
+# The plain-SQL view for sqlite3 / psql users; created by the migrations (0001, columns in 0007).
 RESULTS_VIEW = "specbatch_results"
-RESULTS_VIEW_SQL = f"""
-CREATE VIEW {RESULTS_VIEW} AS
-SELECT
-    q.job_id AS job_id,
-    q.id AS request_id,
-    q.custom_id AS custom_id,
-    q.line_no AS line_no,
-    q.kind AS kind,
-    q.status AS status,
-    q.prompt AS prompt,
-    q.messages AS messages,
-    q.params AS params,
-    q.attempts AS attempts,
-    q.error AS error,
-    r.text AS text,
-    r.finish_reason AS finish_reason,
-    r.prompt_tokens AS prompt_tokens,
-    r.completion_tokens AS completion_tokens,
-    r.token_ids AS token_ids,
-    {", ".join(f"r.{c} AS {c}" for c in STATS_COLUMNS)},
-    r.worker AS worker,
-    r.started_at AS started_at,
-    r.finished_at AS finished_at,
-    r.latency_seconds AS latency_seconds
-FROM requests q
-LEFT JOIN results r ON r.request_id = q.id
-"""

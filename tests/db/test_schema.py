@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -51,6 +52,14 @@ def test_upgrade_is_idempotent_and_downgrade_round_trips(db_url):
     assert "jobs" in insp.get_table_names() and RESULTS_VIEW in insp.get_view_names()
 
 
+def test_view_has_every_csv_column(db_url):
+    """The SQL view and the CSV export describe the same rows: a column added to one is added to both."""
+    from specbatch.jobs.table import FLAT_COLUMNS
+
+    cols = {c["name"] for c in inspect(db.get_engine(db_url)).get_columns(RESULTS_VIEW)}
+    assert set(FLAT_COLUMNS) <= cols, set(FLAT_COLUMNS) - cols
+
+
 def test_unique_custom_id_per_job(db_url):
     factory = db.session_factory(db_url)
     with factory.begin() as s:
@@ -89,13 +98,19 @@ def test_view_joins_requests_and_results_in_plain_sql(db_url):
         store.claim_requests(s, ids, "w", 60, 3)
         out = GenerationOutput("hi", [5, 6], "stop", GenerationStats(prompt_tokens=3, new_tokens=2,
                                verify_steps=1, drafted_tokens=4, accepted_tokens=1, wall_seconds=0.5))
-        store.record_result(s, ids[0], out, "w")
+        store.record_result(s, ids[0], out, "w", models={"target": "t-used", "drafts": ["d"], "lossy": True})
+        store.record_failure(s, ids[1], "too long", "w", param="max_tokens")
     with db.get_engine(db_url).connect() as conn:
         rows = conn.execute(text(f"SELECT custom_id, status, text, completion_tokens, acceptance_rate, "
-                                 f"worker FROM {RESULTS_VIEW} WHERE job_id = :j ORDER BY line_no"),
+                                 f"worker, target, lossy, cached, error_type, error_param, drafts "
+                                 f"FROM {RESULTS_VIEW} WHERE job_id = :j ORDER BY line_no"),
                             {"j": job_id}).all()
-    assert [tuple(r) for r in rows] == [("c1", "completed", "hi", 2, 0.25, "w"),
-                                        ("c2", "running", None, None, None, None)]
+    # the newer columns (migration 0007): who produced a result (recorded, else the job's pair)
+    drafts = [json.loads(r[-1]) if isinstance(r[-1], str) else r[-1] for r in rows]
+    assert drafts == [["d"], ["d"]]
+    assert [tuple(r)[:-1] for r in rows] == [
+        ("c1", "completed", "hi", 2, 0.25, "w", "t-used", True, False, None, None),
+        ("c2", "failed", None, None, None, None, "t", None, None, "invalid_request_error", "max_tokens")]
 
 
 def test_sqlite_runs_wal_with_busy_timeout_and_foreign_keys(tmp_path):
