@@ -381,6 +381,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
                      for t in throughput if t["mode"] == "target" for m in t["mismatches"]]
         warnings += [f"throughput B={t['batch_size']} plain compiled vs the eager target (near-tie): {m}"
                      for t in throughput if t["mode"] == "plain" for m in t["mismatches"]]
+        warnings += [f"throughput B={t['batch_size']} plain eager batch vs the target alone (near-tie): {m}"
+                     for t in throughput if t["mode"] == "plain-eager" for m in t["mismatches"]]
     return {
         "target": target.name, "drafters": drafter_names,
         "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.__dict__.items()},
@@ -478,9 +480,10 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     engine = Engine(target, models, ngram=first == NGRAM)
     spec = EngineRunner(engine)
     compiled = target.compiled is not None
-    # compiled: plain batched decoding through the compiled forward too; ours must equal it exactly
+    # compiled: plain batched decoding through the compiled forward too (ours must equal it
+    # exactly), and the same plain decoding eager, interleaved: what compiling buys at each B
     plain = EngineRunner(Engine(target), gamma=0, adaptive=False) if compiled else None
-    modes = ("plain", "speculative", "target") if compiled else ("speculative", "target")
+    modes = ("plain", "plain-eager", "speculative", "target") if compiled else ("speculative", "target")
     order = [(b, mode) for b in opts.batch_sizes for mode in modes]
     plain_outs: dict[int, list[list[int] | Exception]] = {}
     reference: list[list[int]] | None = None
@@ -500,6 +503,13 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
             outs, seconds = runner.batch(ids, n, batch_size=b)
             if mode == "plain":
                 plain_outs[b] = outs
+        elif mode == "plain-eager":
+            assert plain is not None
+            installed, target.compiled = target.compiled, None
+            try:
+                outs, seconds = plain.batch(ids, n, batch_size=b)
+            finally:
+                target.compiled = installed
         else:
             outs, seconds = [], 0.0
             for s in range(0, len(ids), b):
@@ -524,7 +534,7 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
                      "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None,
                      "identical": not mism, "mismatches": mism,
                      "drafters": [first] if mode == "speculative" and first else [],
-                     "compiled": compiled and mode != "target"})
+                     "compiled": compiled and mode in ("plain", "speculative")})
     rows.sort(key=lambda r: (opts.batch_sizes.index(r["batch_size"]), r["mode"] != "speculative"))
     base = {r["mode"]: r["tokens_per_second"] for r in rows if r["batch_size"] == opts.batch_sizes[0]}
     for r in rows:
@@ -534,4 +544,6 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     for r in rows:
         t = by_b.get((r["batch_size"], "target"))
         r["speedup_vs_target"] = r["tokens_per_second"] / t if t and r["tokens_per_second"] else None
+        e = by_b.get((r["batch_size"], "plain-eager"))
+        r["vs_plain_eager"] = r["tokens_per_second"] / e if e and r["tokens_per_second"] else None
     return rows

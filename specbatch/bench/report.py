@@ -85,13 +85,15 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     if result.get("throughput"):
         lines += ["", f"Throughput: {result['throughput'][0]['prompts']} prompts, total generated "
                   "tokens/s (speculative: `generate_many(batch_size=B)`; target: HF `generate` on "
-                  "left-padded batches).", "",
-                  "| B | mode | tok/s | vs first B | vs target at B | identical |",
-                  "|---:|---|---:|---:|---:|:-:|"]
+                  "left-padded batches; compiled runs add plain decoding through the compiled forward "
+                  "and the same eagerly, plain-eager).", "",
+                  "| B | mode | tok/s | vs first B | vs target at B | vs plain-eager at B | identical |",
+                  "|---:|---|---:|---:|---:|---:|:-:|"]
         for t in result["throughput"]:
             lines.append(f"| {t['batch_size']} | {t['mode']} | {_f(t['tokens_per_second'], '.1f')} "
                          f"| {_f(t['vs_first_batch_size'], '.2f', 'x')} "
-                         f"| {_f(t['speedup_vs_target'], '.2f', 'x')} | {_f(t['identical'])} |")
+                         f"| {_f(t['speedup_vs_target'], '.2f', 'x')} "
+                         f"| {_f(t.get('vs_plain_eager'), '.2f', 'x')} | {_f(t['identical'])} |")
     if result["failures"]:
         lines += ["", "**Failures** (outputs not identical to the target's, or errors):", ""]
         lines += [f"- {f}" for f in result["failures"]]
@@ -184,8 +186,10 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
     if result.get("throughput"):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for mode in ("speculative", "target"):
+        for mode in ("speculative", "plain", "plain-eager", "target"):
             rows = [t for t in result["throughput"] if t["mode"] == mode]
+            if not rows:
+                continue
             ax.plot([t["batch_size"] for t in rows], [t["tokens_per_second"] or 0 for t in rows], "o-",
                     label=mode)
         ax.set_xlabel("batch size B")

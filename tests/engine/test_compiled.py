@@ -39,6 +39,31 @@ def test_compile_pays_weighs_saved_decode_time_against_compile_time():
     assert C.compile_seconds_estimate(4, cached=True) < C.compile_seconds_estimate(4, cached=False)
 
 
+def test_expected_speedup_is_the_measurement_at_the_nearest_smaller_batch(monkeypatch):
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 1.1, 16: 1.4})
+    assert C.expected_speedup("cpu") == C.expected_speedup("cpu", 8) == 1.1
+    assert C.expected_speedup("cpu", 16) == C.expected_speedup("cpu", 64) == 1.4
+    assert C.expected_speedup("mps", 16) == 1.0          # unmeasured: no gain assumed
+
+
+def test_batched_graphs_are_warmed_at_the_planned_rows():
+    """Autotune picks each GEMM's kernel for the rows it is warmed at (docs/COMPILE.md)."""
+    assert C.warm_shapes(1) == C.WARM_SHAPES
+    assert C.warm_shapes(16) == (*C.WARM_SHAPES, (16, 1, 1), (16, 4, 2))
+
+
+def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, tmp_path, monkeypatch):
+    """A long-lived worker (no job size) compiles, before it consumes; a short job does not."""
+    target = load_model(str(tiny_models / "llama"))
+    warmed = []
+    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: warmed.append(shapes) or
+                        C.CompileReport(model=lm.name, enabled=True, seconds=1.0))
+    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
+    assert not plan.enabled and "does not repay" in plan.reason and not warmed
+    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
+
+
 def test_compile_mode_setting_and_validation():
     assert Settings.from_env({}).compile == "auto"
     assert Settings.from_env({"SPECBATCH_COMPILE": "off"}).compile == "off"
@@ -75,12 +100,13 @@ def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path, monkeypat
     target = load_model(str(tiny_models / "llama"))
     plan = C.prepare(target, [], mode="off", batch_size=1, cache_dir=tmp_path)
     assert not plan.enabled and target.compiled is None
-    # auto on CPU: the compiled forward measured no faster there, so neither a job nor a worker compiles
+    # auto where nothing was measured: no gain assumed, so neither a job nor a worker compiles
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {})
     for tokens in (8, None):
         plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=tokens)
         assert not plan.enabled and "no faster than eager on cpu" in plan.reason and target.compiled is None
     # where it measured faster, a short job in auto mode still does not repay a first compile
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", 2.5)
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.5})
     plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
     assert not plan.enabled and "does not repay" in plan.reason and target.compiled is None
     from specbatch.engine.loading import _quantize_int8
