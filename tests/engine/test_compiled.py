@@ -39,10 +39,13 @@ def test_compile_pays_weighs_saved_decode_time_against_compile_time():
     assert C.compile_seconds_estimate(4, cached=True) < C.compile_seconds_estimate(4, cached=False)
 
 
-def test_expected_speedup_is_the_measurement_at_the_nearest_smaller_batch(monkeypatch):
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 1.1, 16: 1.4})
-    assert C.expected_speedup("cpu") == C.expected_speedup("cpu", 8) == 1.1
+def test_expected_speedup_is_the_measurement_or_the_lower_neighbour(monkeypatch):
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})
+    assert C.expected_speedup("cpu") == 1.8
+    assert C.expected_speedup("cpu", 8) == 1.4           # between two measurements: the lower
     assert C.expected_speedup("cpu", 16) == C.expected_speedup("cpu", 64) == 1.4
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {4: 1.2, 16: 1.4})
+    assert C.expected_speedup("cpu", 1) == 1.2           # below the smallest: the smallest
     assert C.expected_speedup("mps", 16) == 1.0          # unmeasured: no gain assumed
 
 
