@@ -4,7 +4,8 @@
 --   psql postgresql://postgres@127.0.0.1:5432/specbatch -f examples/results.sql
 
 -- 1. Per job: requests, completed, tokens, acceptance rate (token-weighted),
---    mean acceptance length (tokens per target forward) and tokens per second of generation.
+--    mean acceptance length (tokens per target forward) and tokens per second of one request's
+--    decoding (requests decode in batches, so the job's own rate is higher: `specbatch status JOB`).
 SELECT job_id,
        COUNT(*) AS requests,
        SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END) AS completed,
@@ -14,7 +15,7 @@ SELECT job_id,
        ROUND(CAST(SUM(accepted_tokens + verify_steps) * 1.0 / NULLIF(SUM(verify_steps), 0) AS NUMERIC), 2)
            AS mean_acceptance_length,
        ROUND(CAST(SUM(completion_tokens) / NULLIF(SUM(wall_seconds), 0) AS NUMERIC), 1)
-           AS tokens_per_second
+           AS request_tokens_per_second
 FROM specbatch_results
 GROUP BY job_id
 ORDER BY job_id;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import click
@@ -37,8 +38,8 @@ def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
     except OSError as e:
         raise click.ClickException(f"cannot create the database {shown}: {e}") from e
     if is_new:
-        click.echo(f"specbatch: created a new database at {path} "
-                   "(set SPECBATCH_DATABASE_URL to use another)", err=True)
+        hint = "" if os.environ.get("SPECBATCH_DATABASE_URL") else " (set SPECBATCH_DATABASE_URL to use another)"
+        click.echo(f"specbatch: created a new database at {path}{hint}", err=True)
     return factory
 
 
@@ -55,7 +56,9 @@ def warn(message: str) -> None:
 def compile_option(f: Any) -> Any:
     """--compile auto|on|off (default: SPECBATCH_COMPILE, itself auto). See docs/COMPILE.md."""
     return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default=None,
-                        help="Compiled forward: on, off, or auto (when the job repays compiling) "
+                        help="torch.compile the models before decoding: on (minutes the first time on a "
+                             "CPU; a stderr line says when it is ready), off, or auto (only when the job's "
+                             "saved decoding time exceeds the compile time; a worker compiles) "
                              "[default: SPECBATCH_COMPILE or auto].")(f)
 
 

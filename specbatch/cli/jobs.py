@@ -285,6 +285,8 @@ def export(job_id: str, fmt: str, output: Path | None, errors_path: Path | None,
                 n, n_err = exporter.write_openai(s, jid, out, errors_path, statuses=statuses, force=force)
             else:
                 n = exporter.export_job(s, jid, fmt, out, statuses, force=force)
+        except BrokenPipeError:
+            raise   # the reader went away (`| head`): the CLI's edge exits quietly
         except OSError as e:
             raise click.ClickException(f"cannot write {e.filename or out}: {e.strerror or e}") from e
     if to_stdout:

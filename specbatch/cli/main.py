@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
+import signal
 import sys
 
 import click
@@ -49,6 +51,12 @@ class LazyGroup(click.Group):
         except click.ClickException as e:
             e.message = mask(e.message)
             raise
+        except BrokenPipeError:
+            # the reader of stdout went away (`specbatch export JOB | head`): stop quietly, as a
+            # shell tool killed by SIGPIPE does; stdout goes to /dev/null so the interpreter's
+            # final flush does not raise again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(128 + signal.SIGPIPE)
 
 
 def _mask_chain(error: BaseException | None) -> None:

@@ -383,7 +383,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
-    database (SPECBATCH_DATABASE_URL); `specbatch export JOB` writes them to a file.
+    database (SPECBATCH_DATABASE_URL); `specbatch export JOB -o FILE` writes them to a file.
 
     Ctrl-C stops at the next decoding step, keeps every finished result and marks the job
     interrupted; `specbatch run --resume JOB` finishes it. A second Ctrl-C exits at once.
@@ -578,7 +578,7 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         table.add_row("batch sizes", batching_line(stats["batching"]))
     Console().print(table)
     click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
-               f"`specbatch export {summary.get('id')}` writes them to a file")
+               f"`specbatch export {summary.get('id')} -o FILE` writes them to a file")
 
 
 def _expected_tokens(settings: Settings, job_id: str, request_ids: list[int]) -> int:

@@ -7,6 +7,7 @@ Hugging Face id is given and the hub is reachable.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -15,6 +16,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,9 +293,10 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     else:
         source = Path(name)  # a hub id: transformers resolves it (from the local HF cache offline)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
-                                                     trust_remote_code=trust_remote_code)
+        with _no_progress_bars():   # the CLI shows its own "loading" line; a bar per model is noise
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
+                                                         trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
     model.eval()
@@ -306,6 +309,19 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
                        eos_token_ids=_eos_ids(model, tokenizer),
                        max_positions=_max_positions(model.config), load_seconds=seconds,
                        info={"source": str(source), "int8": int8, "dtype": dtype})
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -81,8 +81,9 @@ class ParsedFile:
             listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(self.noop_fields.items()))
             kept = "; metadata is kept and exported" if "metadata" in self.noop_fields else ""
             out.append(f"accepted with no effect on the generated text: {listed}{kept}")
-        if self.models and self.model_map is None:
-            listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(self.models.items()))
+        others = {k: n for k, n in self.models.items() if k != target}   # naming the target is no surprise
+        if others and self.model_map is None:
+            listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(others.items()))
             out.append(f"body.model is ignored without --model-map: {listed}; every request runs on {target}")
         return out
 

@@ -159,6 +159,22 @@ def test_usage_errors_exit_2(db_url, monkeypatch):
     assert result.exit_code == 2 and "is not a database URL" in result.stderr
 
 
+def test_export_to_a_reader_that_goes_away_stops_quietly(db_url):
+    """`specbatch export JOB | head`: no "cannot write <_io.TextIOWrapper ...>" error, no traceback."""
+    import subprocess
+    import sys
+
+    job_id, _ = make_job(db_url, results=600, failures=0, pending=0)   # > a 64 KiB pipe buffer
+    proc = subprocess.Popen([sys.executable, "-c", "from specbatch.cli.main import main; main()", "export", job_id],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.read(200)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err        # 128 + SIGPIPE, as a shell tool reports it
+    assert first.startswith(b'{"id": "batch_req_') and err == ""
+
+
 def test_export_formats_and_filters(db_url, tmp_path, monkeypatch):
     pd = pytest.importorskip("pandas")
     job_id, _ = make_job(db_url)

@@ -105,6 +105,10 @@ def test_view_joins_requests_and_results_in_plain_sql(db_url):
                                  f"worker, target, lossy, cached, error_type, error_param, drafts "
                                  f"FROM {RESULTS_VIEW} WHERE job_id = :j ORDER BY line_no"),
                             {"j": job_id}).all()
+    with db.get_engine(db_url).connect() as conn:   # a JSON column left empty reads as SQL NULL
+        empty = conn.execute(text(f"SELECT COUNT(*) FROM {RESULTS_VIEW} WHERE job_id = :j AND messages IS NULL "
+                                  "AND prompt_ids IS NULL AND metadata IS NULL"), {"j": job_id}).scalar()
+    assert empty == 2
     # the newer columns (migration 0007): who produced a result (recorded, else the job's pair)
     drafts = [json.loads(r[-1]) if isinstance(r[-1], str) else r[-1] for r in rows]
     assert drafts == [["d"], ["d"]]

@@ -33,7 +33,14 @@ NEW_REQUEST = ("model", "prompt_ids", "metadata", "error_type", "error_param")
 NEW_RESULT = ("draft_steps", "accepted_at_position", "batch_size_seconds", "lossy", "cached", "cached_from")
 
 
-def _column(table: str, spec: str) -> str:
+# nullable JSON columns: SQLAlchemy stores None as JSON null, which SQL sees as a value; the view
+# shows SQL NULL, so `WHERE messages IS NULL` means what it says
+JSON_NULLABLE = ("messages", "prompt_ids", "metadata", "accepted_at_position")
+
+
+def _column(table: str, spec: str, sql_nulls: bool = True) -> str:
+    if sql_nulls and spec in JSON_NULLABLE:
+        return f"NULLIF({table}.{spec}, 'null') AS {spec}"
     return f"{table}.{spec}" if " AS " in spec else f"{table}.{spec} AS {spec}"
 
 
@@ -56,4 +63,4 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.execute("DROP VIEW IF EXISTS specbatch_results")
-    op.execute(_view([_column("q", c) for c in REQUEST] + [_column("r", c) for c in RESULT], ""))
+    op.execute(_view([_column("q", c, False) for c in REQUEST] + [_column("r", c, False) for c in RESULT], ""))
