@@ -52,6 +52,13 @@ EXPECTED_SPEEDUP: dict[str, dict[int, float]] = {"cpu": {1: 1.80, 16: 1.41}, "cu
 FIRST_COMPILE_SECONDS_PER_GRAPH = 185.0
 CACHED_COMPILE_SECONDS_PER_GRAPH = 160.0
 
+# Resident memory compiling adds on CPU. A compiled model holds its weights again per graph
+# (frozen constants, packed for the C++ GEMM), beside the eager module prefill still uses, plus
+# the compiler's own state. Measured on the default target (400 MiB of weights, 1 thread):
+# +1430 MiB after one graph, +2455 MiB after three (docs/COMPILE.md, "Memory").
+MEMORY_PER_GRAPH = 1.25          # x the model's weight bytes
+MEMORY_FIXED = 900 * 2**20       # bytes, once per process
+
 _lock = threading.Lock()
 
 
@@ -362,6 +369,18 @@ def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str]) -> float | None
         return None
 
 
+def weight_bytes(model: Any) -> int:
+    """Bytes of the model's parameters and buffers, a tied tensor counted once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
+    return sum(storages.values())
+
+
+def compile_memory_estimate(models: list[tuple[Any, tuple[tuple[int, int, int], ...]]]) -> int:
+    """Bytes compiling ``models`` (each with the shapes it warms) adds on CPU."""
+    return MEMORY_FIXED + sum(int(weight_bytes(m.model) * MEMORY_PER_GRAPH * len(s)) for m, s in models)
+
+
 def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
     per = CACHED_COMPILE_SECONDS_PER_GRAPH if cached else FIRST_COMPILE_SECONDS_PER_GRAPH
     return n_graphs * per
@@ -456,6 +475,16 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     if mode == "auto" and speedup <= 1.0:
         return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager on "
                                         f"{torch.device(target.device).type} (docs/COMPILE.md)")
+    if torch.device(target.device).type == "cpu":   # measured there only (CUDA: not yet)
+        from specbatch.engine.memory import default_budget, format_bytes
+
+        need, budget = compile_memory_estimate(models), default_budget(target.device)
+        if need > budget:
+            why = (f"compiling needs about {format_bytes(need)} more memory (a copy of the weights per "
+                   f"graph), over the {format_bytes(budget)} budget of what is free")
+            if mode == "auto":
+                return CompilePlan(mode, False, f"auto: {why}")
+            logger.warning("%s; decoding may run short of memory", why)
     if mode == "auto" and expected_new_tokens is not None:
         cached = all(is_cached(m, cache_dir) for m, _ in models)
         estimate = sum(recorded_seconds(m, cache_dir) or compile_seconds_estimate(len(s), cached)

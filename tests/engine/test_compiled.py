@@ -67,6 +67,29 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
     assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
 
 
+def test_auto_does_not_compile_what_memory_cannot_hold(tiny_models, tmp_path, monkeypatch, caplog):
+    """A compiled model holds its weights again per graph: auto refuses when that exceeds the
+    memory budget; on compiles anyway, with a warning."""
+    import specbatch.engine.memory as memory
+
+    target = load_model(str(tiny_models / "llama"))
+    weights = C.weight_bytes(target.model)
+    listed = sum(t.numel() * t.element_size() for t in (*target.model.parameters(), *target.model.buffers()))
+    assert 0 < weights <= listed        # a tied head is counted once
+    need = C.compile_memory_estimate([(target, C.warm_shapes(8))])
+    assert need == C.MEMORY_FIXED + int(weights * C.MEMORY_PER_GRAPH * 4)
+    monkeypatch.setattr(memory, "default_budget", lambda device: need - 1)
+    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: C.CompileReport(model=lm.name, enabled=True))
+    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert not plan.enabled and "more memory" in plan.reason and target.compiled is None
+    with caplog.at_level("WARNING", logger=C.__name__):
+        plan = C.prepare(target, [], mode="on", batch_size=8, cache_dir=tmp_path)
+    assert plan.enabled and "more memory" in caplog.text
+    monkeypatch.setattr(memory, "default_budget", lambda device: need)
+    target.compiled = None
+    assert C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path).enabled
+
+
 def test_compile_mode_setting_and_validation():
     assert Settings.from_env({}).compile == "auto"
     assert Settings.from_env({"SPECBATCH_COMPILE": "off"}).compile == "off"
