@@ -78,8 +78,12 @@ def _workers(base: str, auth) -> dict | None:  # noqa: ANN001
 
 
 def _wait_running(cluster, job_id: str, n: int = 1) -> list[dict]:  # noqa: ANN001
-    return wait_for(lambda: [r for r in cluster.rows(job_id) if r["status"] == "running"] or None,
-                    90, "a request to be running", interval=0.1)
+    try:
+        return wait_for(lambda: [r for r in cluster.rows(job_id) if r["status"] == "running"] or None,
+                        90, "a request to be running", interval=0.1)
+    except AssertionError as e:   # say whether the job stalled or finished between two polls
+        rows = [(r["status"], r["results"], r["attempts"]) for r in cluster.rows(job_id)]
+        raise AssertionError(f"{e}; rows (status, results, attempts): {rows}") from e
 
 
 def test_sigkill_pool_child_then_whole_worker_then_second_worker(cluster) -> None:  # noqa: ANN001
@@ -92,7 +96,9 @@ def test_sigkill_pool_child_then_whole_worker_then_second_worker(cluster) -> Non
     attempts let every row finish; fewer would fail it, as the contract says."""
     cluster.env["SPECBATCH_MAX_ATTEMPTS"] = "3"
     w1 = cluster.worker("w1")
-    job_id, ids = cluster.submit(_rows(6, max_tokens=48))
+    # long enough that rows still decode after the first result is in (at 48 tokens the five
+    # left could all finish between two polls: seen once in CI, under load)
+    job_id, ids = cluster.submit(_rows(6, max_tokens=300))
     _wait_running(cluster, job_id)
     children = w1.pool_children()
     assert children, w1.output()[-2000:]
