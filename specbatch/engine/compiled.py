@@ -31,7 +31,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,23 +211,17 @@ class CompiledForward:
             if not str(e).startswith(_MISS):
                 raise
             self.misses += 1
-            reasons = [ln.strip("- ").strip() for ln in str(e).splitlines() if ln.strip().startswith("- ")]
-            if self.name not in _warned_miss:
-                _warned_miss.add(self.name)
-                logger.warning("%s: a decode step matched no warmed compiled graph and ran eagerly (%s); "
-                               "further misses are counted, not logged (specbatch_compiled_forward_misses)",
-                               self.name, "; ".join(reasons[:3]) or "no guard reason given")
+            _warn_once(f"miss {self.name}", _miss_message, self.name, e)
             return self.model(**inputs)
 
     def fail(self, error: BaseException) -> None:
         """Give up compiling this model: log one warning (per process), stay eager from now on."""
         self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}" \
             if str(error).strip() else type(error).__name__
-        _warn_once(f"compiling {self.name} failed, decoding eagerly instead ({self.failed})")
+        _warn_once("compile", "compiling {} failed, decoding eagerly instead ({})".format, self.name, self.failed)
 
 
 _warned: set[str] = set()
-_warned_miss: set[str] = set()
 _forwards: weakref.WeakSet[CompiledForward] = weakref.WeakSet()
 # how dynamo's fail_on_recompile stance words a miss (torch is pinned; a unit test holds this)
 _MISS = "Detected recompile when torch.compile stance is 'fail_on_recompile'"
@@ -243,10 +237,19 @@ def forward_counts() -> dict[str, tuple[int, int]]:
     return out
 
 
-def _warn_once(message: str) -> None:
-    if "compile" not in _warned:
-        _warned.add("compile")
-        logger.warning(message)
+def _warn_once(key: str, message: Callable[..., str], *args: Any) -> None:
+    """One warning per ``key`` and process (``message(*args)`` is built only then)."""
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message(*args))
+
+
+def _miss_message(name: str, error: BaseException) -> str:
+    # dynamo lists the guard failures as "- ..." lines of its fail_on_recompile error
+    reasons = [ln.strip().lstrip("- ") for ln in str(error).splitlines() if ln.strip().startswith("- ")]
+    return (f"{name}: a decode step matched no warmed compiled graph and ran eagerly "
+            f"({'; '.join(reasons[:3]) or 'no guard reason given'}); further misses are counted, "
+            "not logged (specbatch_compiled_forward_misses)")
 
 
 def causal_mask(rows: int, width: int, n_cached: int, dtype: torch.dtype,
@@ -386,6 +389,11 @@ def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
     return n_graphs * per
 
 
+def expected_compile_seconds(lm: Any, n_graphs: int, cache_dir: str | os.PathLike[str], cached: bool) -> float:
+    """This model's last recorded warm-up here, else the per-graph prior."""
+    return recorded_seconds(lm, cache_dir) or compile_seconds_estimate(n_graphs, cached)
+
+
 def expected_speedup(device: torch.device | str, rows: int = 1) -> float:
     """Eager / compiled decode time measured on this device type at ``rows``; between two measured
     batch sizes the lower of the two (a guess errs towards not compiling); 1.0 (no gain) where
@@ -487,8 +495,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             logger.warning("%s; decoding may run short of memory", why)
     if mode == "auto" and expected_new_tokens is not None:
         cached = all(is_cached(m, cache_dir) for m, _ in models)
-        estimate = sum(recorded_seconds(m, cache_dir) or compile_seconds_estimate(len(s), cached)
-                       for m, s in models)
+        estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached) for m, s in models)
         decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
         if not compile_pays(decode, estimate, cached, speedup):
             return CompilePlan(mode, False, f"auto: about {decode:.0f}s of eager decoding does not "
@@ -503,8 +510,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             continue
         # minutes on a small CPU: say so before the silence (a worker logs it; --compile off skips)
         logger.info("%s: compiling %d graphs before decoding, about %.0f s (%s)", lm.name, len(shapes),
-                    recorded_seconds(lm, cache_dir) or compile_seconds_estimate(len(shapes), is_cached(lm, cache_dir)),
-                    reason)
+                    expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir)), reason)
         report = warm_up(lm, shapes, cache_dir)
         plan.models.append(report)
         if report.error:  # the toolchain failed: nothing else will compile either
