@@ -467,6 +467,18 @@ def _bad_text(value: Any, where: str = "") -> Iterator[tuple[str | None, str]]:
                                   f"{e.start + 1}, which is not valid text")
 
 
+def _given_id(obj: dict[str, Any]) -> Any:
+    """The line's custom_id for the duplicate check: the string, None when the key is absent (the
+    line gets the line-N default), _MISSING when the value is itself invalid (reported on its own;
+    an id that is not valid cannot collide)."""
+    if "custom_id" not in obj:
+        return None
+    cid = obj["custom_id"]
+    if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID or any(_bad_text(cid)):
+        return _MISSING
+    return cid
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -487,6 +499,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             errors.append(InputError(message, path=name, line_no=line_no, field=field))
 
     parsed: list[tuple[int, dict[str, Any]]] = []
+    ids: list[tuple[int, Any]] = []     # (line_no, _given_id) of every JSON-object line, bad lines too
     n_requests = 0
     for line_no, content, size in _read_lines(fp, settings.max_line_bytes):
         if content is None:
@@ -517,6 +530,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         if not isinstance(obj, dict):
             err(line_no, None, f"must be a JSON object, got {json_type(obj)}")
             continue
+        # recorded before the line's own checks, so a duplicate is listed beside its other errors
+        ids.append((line_no, _given_id(obj)))
         bad_text = list(_bad_text(obj))
         for field, message in bad_text:
             err(line_no, field, message)
@@ -540,27 +555,26 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         err(None, None, f"{n_requests} requests; the limit is {settings.max_requests} per file "
                         "(SPECBATCH_MAX_REQUESTS): split the file")
 
-    # custom_ids: explicit ones first, then the line-N defaults, which must not collide
+    # custom_ids: explicit ones first, then the line-N defaults, which must not collide. Every
+    # line that decoded to an object takes part, valid or not, so each line's errors are complete.
     first_line: dict[str, int] = {}
-    for line_no, p in parsed:
-        cid = p["custom_id"]
-        if cid is None:
+    for line_no, cid in ids:
+        if not isinstance(cid, str):
             continue
         if cid in first_line:
             err(line_no, "custom_id", f"duplicate {json.dumps(cid)} (first on line {first_line[cid]})")
         else:
             first_line[cid] = line_no
-    requests: list[ParsedRequest] = []
-    for line_no, p in parsed:
-        if p["custom_id"] is None:
-            cid = f"line-{line_no}"
-            if cid in first_line and first_line[cid] != line_no:
-                err(line_no, "custom_id", f"missing, and the default {json.dumps(cid)} is taken by line "
-                                          f"{first_line[cid]}; give this line a custom_id")
-                continue
-            first_line[cid] = line_no
-            p["custom_id"] = cid
-        requests.append(ParsedRequest(line_no=line_no, **p))
+    for line_no, cid in ids:
+        if cid is None:
+            default = f"line-{line_no}"
+            if default in first_line:
+                err(line_no, "custom_id", f"missing, and the default {json.dumps(default)} is taken by line "
+                                          f"{first_line[default]}; give this line a custom_id")
+            else:
+                first_line[default] = line_no
+    requests = [ParsedRequest(line_no=line_no, **{**p, "custom_id": p["custom_id"] or f"line-{line_no}"})
+                for line_no, p in parsed]
 
     if total_errors:
         errors.sort(key=lambda e: (e.line_no or 0))

@@ -179,11 +179,47 @@ def test_every_error_of_every_line_is_listed_in_line_order(seeded_url, tmp_path)
     with pytest.raises(IntakeError) as e:
         submit(Settings(database_url=seeded_url), path)
     lines = str(e.value).splitlines()
-    assert lines[0] == "4 errors; nothing was written:"
+    assert lines[0] == "5 errors; nothing was written:"
     assert lines[1].startswith(f"{path}:2: invalid JSON")
     assert lines[2:] == [f"{path}:4: temperature: must be >= 0, got -1", f"{path}:4: top_p: must be in (0, 1], got 2",
+                         f'{path}:4: custom_id: duplicate "a" (first on line 1)',
                          f'{path}:5: custom_id: duplicate "a" (first on line 1)']
     assert snapshot(seeded_url) == before
+
+
+@pytest.mark.parametrize("line, other_error", [
+    (L(custom_id="a", prompt="y", top_k=-1), "top_k: must be >= 0, got -1"),
+    (L(custom_id="a"), '"prompt" or "messages" is required'),
+    (L(custom_id="a", prompt="y\u0000"), "prompt: contains a NUL character (\\u0000), which text cannot hold"),
+    (L(custom_id="a", method="POST", url="/v1/embeddings", body={"input": "x"}), "url: must be one of"),
+])
+def test_a_duplicate_custom_id_is_listed_beside_the_lines_other_errors(line, other_error, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="a", prompt="x") + line)
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, {}, Settings(database_url="sqlite://"))
+    lines = str(e.value).splitlines()[1:]
+    assert any(x.startswith(f"{path}:2: {other_error}") for x in lines), lines
+    assert f'{path}:2: custom_id: duplicate "a" (first on line 1)' in lines
+
+
+def test_a_taken_default_custom_id_is_listed_beside_the_lines_other_errors(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="line-2", prompt="x") + L(prompt="y", temperature=-1))
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, {}, Settings(database_url="sqlite://"))
+    assert str(e.value).splitlines()[1:] == [
+        f"{path}:2: temperature: must be >= 0, got -1",
+        f'{path}:2: custom_id: missing, and the default "line-2" is taken by line 1; give this line a custom_id']
+
+
+def test_an_invalid_custom_id_is_reported_once_not_as_a_duplicate(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="", prompt="x") + L(custom_id="", prompt="y"))
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, {}, Settings(database_url="sqlite://"))
+    assert str(e.value).splitlines()[1:] == [f"{path}:1: custom_id: must not be empty",
+                                             f"{path}:2: custom_id: must not be empty"]
 
 
 def test_error_list_is_capped_with_the_total(seeded_url, tmp_path):
