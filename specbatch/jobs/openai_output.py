@@ -68,7 +68,9 @@ def stats(job: Job, req: Request, res: Result) -> dict[str, Any]:
     out: dict[str, Any] = {"model": req.model, "metadata": req.meta, "target": target, "drafts": drafts,
                            "ngram": job.ngram, "lossy": bool(res.lossy)}
     out.update({c: getattr(res, c) for c in STATS_COLUMNS})
+    # cached_from: the generated results row a cache hit copies, as in the specbatch_results view
     out.update(worker=res.worker, latency_seconds=res.latency_seconds, cached=res.cached,
+               cached_from=res.cached_from,
                started_at=res.started_at.isoformat() if res.started_at else None,
                finished_at=res.finished_at.isoformat())
     return out

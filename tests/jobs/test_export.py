@@ -12,10 +12,11 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict
+from sqlalchemy import select, text
 
 from specbatch import db
 from specbatch.config import Settings
-from specbatch.db.models import STATS_COLUMNS
+from specbatch.db.models import RESULTS_VIEW, STATS_COLUMNS, Result
 from specbatch.errors import RequestError
 from specbatch.jobs import export, intake, store
 from specbatch.jobs.openai_output import export_openai
@@ -155,6 +156,21 @@ def test_success_lines(job):
     assert (sb["model"], sb["metadata"]) == ("gpt-4o-mini", {"batch": "a", "topic": "greeting"})
     t = Completion.model_validate(ids_line["response"]["body"])
     assert (t.object, t.model, t.choices[0].text, t.usage.completion_tokens) == ("text_completion", "tgt", "out", 2)
+
+
+def test_a_cache_hit_names_the_generated_row_it_copies(job):
+    """``cached`` / ``cached_from`` in the JSONL as in the specbatch_results view."""
+    url, job_id, ids = job
+    with db.session_factory(url).begin() as s:
+        generated = s.scalars(select(Result).where(Result.request_id == ids[1])).one()
+        store.claim_requests(s, ids[4:], "w2", 60, 3)
+        store.record_cached_result(s, ids[4], generated, "w2")
+        view = dict(s.execute(text(f"SELECT custom_id, cached_from FROM {RESULTS_VIEW}")).all())
+    sb = {x["custom_id"]: x["response"]["body"]["specbatch"] for x in _jsonl(url, job_id)
+          if x["response"] and x["response"]["status_code"] == 200}
+    assert (sb["never-ran"]["cached"], sb["never-ran"]["cached_from"]) == (True, generated.id)
+    assert (sb["ids-ok"]["cached"], sb["ids-ok"]["cached_from"]) == (False, None)
+    assert {k: v["cached_from"] for k, v in sb.items()} == {k: view[k] for k in sb}
 
 
 def test_failure_lines_are_400_for_the_request_and_500_for_the_worker(job):
