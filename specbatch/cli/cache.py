@@ -6,6 +6,7 @@ import click
 
 from specbatch.cli.common import echo_json, open_db
 from specbatch.config import get_settings
+from specbatch.plural import plural
 
 JSON_HELP = "Print machine-readable JSON on stdout."
 
@@ -41,8 +42,8 @@ def cache_stats(as_json: bool) -> None:
     if as_json:
         echo_json(data)
         return
-    click.echo(f"{data['entries']} entries, {data['hits']} hits served, "
-               f"{data['tokens_saved']} tokens not generated")
+    click.echo(f"{plural(data['entries'], 'entry', 'entries')}, {plural(data['hits'], 'hit')} served, "
+               f"{plural(data['tokens_saved'], 'token')} not generated")
     if not data["targets"]:
         return
     import sys
@@ -80,4 +81,4 @@ def cache_clear(target: str | None, as_json: bool) -> None:
     elif target is not None and n == 0:
         click.echo(f"no cache entries for target {target}")
     else:
-        click.echo(f"cleared {n} cache entries" + (f" of target {target}" if target else ""))
+        click.echo(f"cleared {plural(n, 'cache entry', 'cache entries')}" + (f" of target {target}" if target else ""))

@@ -6,6 +6,7 @@ import click
 
 from specbatch.cli.common import compile_option, echo_json, report_compile
 from specbatch.config import get_settings
+from specbatch.plural import plural
 
 
 @click.command()
@@ -59,7 +60,7 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
     s = out.stats
     click.echo(out.text)
     click.echo(
-        f"\n[{s.new_tokens} tokens, {s.tokens_per_second:.1f} tok/s, finish={out.finish_reason}, "
+        f"\n[{plural(s.new_tokens, 'token')}, {s.tokens_per_second:.1f} tok/s, finish={out.finish_reason}, "
         f"acceptance {s.acceptance_rate:.2f}, {s.mean_acceptance_length:.2f} tokens/step, "
         f"drafters {', '.join(engine.drafter_names) or 'none'}]", err=True)
 

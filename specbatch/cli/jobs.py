@@ -12,6 +12,7 @@ from specbatch.cli.common import echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
+from specbatch.plural import plural
 
 JSON_HELP = "Print machine-readable JSON on stdout."
 
@@ -115,7 +116,7 @@ def _status_view(d: dict[str, Any]) -> Any:
     info.add_row("models", _models(d))
     for route in d.get("models", []):       # body.model -> the pair it runs on
         if route["model"] is not None:
-            info.add_row("", f"{route['model']}: {_models(route)} ({route['requests']} requests)")
+            info.add_row("", f"{route['model']}: {_models(route)} ({plural(route['requests'], 'request')})")
     info.add_row("queue", d["queue"])
     if d["source"]:
         info.add_row("source", d["source"])
@@ -131,8 +132,8 @@ def _status_view(d: dict[str, Any]) -> Any:
                                                f"{_num(mal['request_mean'], '{:.2f}')} request mean")
         info.add_row("tokens generated", str(st["tokens_generated"]))
         if st.get("cache_hits"):
-            info.add_row("cache hits", f"{st['cache_hits']} results copied, "
-                                       f"{st['tokens_from_cache']} tokens not generated")
+            info.add_row("cache hits", f"{plural(st['cache_hits'], 'result')} copied, "
+                                       f"{plural(st['tokens_from_cache'], 'token')} not generated")
         info.add_row("throughput", f"{_num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
         info.add_row("latency", f"p50 {_num(lat['p50'], '{:.2f}')} s, p95 {_num(lat['p95'], '{:.2f}')} s")
@@ -291,7 +292,7 @@ def export(job_id: str, fmt: str, output: Path | None, errors_path: Path | None,
             raise click.ClickException(f"cannot write {e.filename or out}: {e.strerror or e}") from e
     if to_stdout:
         if errors_path is not None:
-            click.echo(f"wrote {n_err} error lines to {errors_path}", err=True)
+            click.echo(f"wrote {plural(n_err, 'error line')} to {errors_path}", err=True)
         return
     report: dict[str, Any] = {"id": jid, "format": fmt, "path": str(out), "rows": n}
     if errors_path is not None:
@@ -299,8 +300,8 @@ def export(job_id: str, fmt: str, output: Path | None, errors_path: Path | None,
     if as_json:
         echo_json(report)
     else:
-        more = f" and {n_err} error lines to {errors_path}" if errors_path is not None else ""
-        click.echo(f"wrote {n} rows to {out}{more}", err=True)
+        more = f" and {plural(n_err, 'error line')} to {errors_path}" if errors_path is not None else ""
+        click.echo(f"wrote {plural(n, 'row')} to {out}{more}", err=True)
 
 
 # ---------------------------------------------------------------- cancel / retry
@@ -334,11 +335,12 @@ def cancel(job_id: str, as_json: bool) -> None:
     if was.finished:
         click.echo(f"job {summary['id']} is already {was.value}; nothing to cancel")
     elif summary["status"] == JobStatus.cancelled.value:
-        click.echo(f"job {summary['id']} cancelled: {pending_before} pending requests dropped, "
-                   f"{c['completed']} results kept")
+        click.echo(f"job {summary['id']} cancelled: {plural(pending_before, 'pending request')} dropped, "
+                   f"{plural(c['completed'], 'result')} kept")
     else:
-        click.echo(f"job {summary['id']} is cancelling: {pending_before} pending requests dropped; "
-                   f"{c['running']} running requests finish first")
+        click.echo(f"job {summary['id']} is cancelling: {plural(pending_before, 'pending request')} dropped; "
+                   f"{plural(c['running'], 'running request')} {'finishes' if c['running'] == 1 else 'finish'} "
+                   "first")
 
 
 @click.command()
@@ -368,12 +370,13 @@ def retry(job_id: str, as_json: bool) -> None:
         try:
             report["tasks"] = sum(enqueue_routes(settings, jid, routes, queue, ngram).values())
         except BrokerUnavailable as e:
-            raise click.ClickException(f"the broker is unreachable ({e}): {len(ids)} failed requests of job "
-                                       f"{jid} were not queued; {later}") from e
+            raise click.ClickException(f"the broker is unreachable ({e}): {plural(len(ids), 'failed request')} "
+                                       f"of job {jid} {'was' if len(ids) == 1 else 'were'} not queued; "
+                                       f"{later}") from e
     if as_json:
         echo_json(report)
     elif ids:
-        click.echo(f"job {jid}: {len(ids)} failed requests queued again on {queue}")
+        click.echo(f"job {jid}: {plural(len(ids), 'failed request')} queued again on {queue}")
     else:
         click.echo(f"job {jid} has no failed requests; nothing to retry")
 

@@ -15,6 +15,7 @@ from specbatch.cli.common import compile_option, echo_json, open_db, report_comp
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
+from specbatch.plural import plural
 from specbatch.redact import mask
 
 if TYPE_CHECKING:
@@ -215,7 +216,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     queues = ", ".join(sent) or queue
     if not as_json:
-        click.echo(f"job {job_id}: {n} requests in {tasks} tasks on queue {queues}")
+        click.echo(f"job {job_id}: {plural(n, 'request')} in {plural(tasks, 'task')} on queue {queues}")
     for q in sent:
         _warn_no_consumer(settings, q)
     if wait:
@@ -276,11 +277,12 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
                    "leased": len(leased), "released": len(released),
                    "leased_until": until.isoformat() if until else None})
     else:
-        click.echo(f"job {job_id}: re-enqueued {n} requests in {tasks} tasks on queue {', '.join(sent) or queue}")
+        click.echo(f"job {job_id}: re-enqueued {plural(n, 'request')} in {plural(tasks, 'task')} on queue "
+                   f"{', '.join(sent) or queue}")
         if leased and until is not None:
             wait = max(0.0, (until - datetime.now(timezone.utc)).total_seconds())
             workers = sorted({w for _, w, _ in leased})
-            click.echo(f"{len(leased)} of them are still leased by {', '.join(workers)}: claimable from "
+            click.echo(f"{len(leased)} of them {'is' if len(leased) == 1 else 'are'} still leased by {', '.join(workers)}: claimable from "
                        f"{until:%H:%M:%S} UTC (in {wait:.0f}s) unless that worker finishes them first")
     for q in sent:
         _warn_no_consumer(settings, q)
@@ -479,7 +481,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         _print_summary(summary, settings)
     if not finished:
         left = summary["request_counts"].get("pending", 0)
-        click.echo(f"job {job_id} interrupted: {left} requests left; "
+        click.echo(f"job {job_id} interrupted: {plural(left, 'request')} left; "
                    f"`specbatch run --resume {job_id}` finishes it", err=True)
         sys.exit(EXIT_INTERRUPTED)
     if summary["status"] == "failed":

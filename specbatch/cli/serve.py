@@ -7,6 +7,7 @@ import ipaddress
 import click
 
 from specbatch.config import get_settings
+from specbatch.plural import plural
 
 
 def is_loopback(host: str) -> bool:
@@ -48,6 +49,6 @@ def serve(host: str, port: int, log_level: str) -> None:
                                "(comma-separated) or bind 127.0.0.1")
     open_db(settings)           # a bad database URL fails here, as one line
     app = create_app(settings)
-    click.echo(f"specbatch API on http://{host}:{port}/v1 ({len(keys)} key(s); "
+    click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
                f"{'no authentication' if not keys else 'bearer keys required'})", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")

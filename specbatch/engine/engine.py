@@ -22,6 +22,7 @@ from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
+from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class Engine:
             limit = m.max_positions
             if limit is not None and len(ids) + params.max_new_tokens > limit:
                 raise RequestError(
-                    f"prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                    f"prompt ({plural(len(ids), 'token')}) + max_new_tokens ({params.max_new_tokens}) exceeds "
                     f"the context of {m.name!r} ({limit} tokens); shorten the prompt or "
                     "lower max_new_tokens", field="max_new_tokens")
 

@@ -26,6 +26,7 @@ import torch
 from specbatch.config import get_settings
 from specbatch.engine.compiled import CompiledForward
 from specbatch.errors import DeviceError, ModelLoadError
+from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
 
@@ -352,5 +353,5 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         moved = sum(1 for k in tv.keys() & dv.keys() if tv[k] != dv[k])
         raise ModelLoadError(
             f"draft {draft.name!r} does not share the tokenizer of target {target.name!r} "
-            f"(vocabularies differ: {only_t} tokens only in the target, {only_d} only in the draft, "
+            f"(vocabularies differ: {plural(only_t, 'token')} only in the target, {only_d} only in the draft, "
             f"{moved} with different ids); pick a draft from the same model family")

@@ -30,6 +30,7 @@ from specbatch.config import Settings
 from specbatch.db.models import ApiBatch, Job, JobStatus, Result, utcnow
 from specbatch.errors import InputError, IntakeError, SpecBatchError
 from specbatch.jobs import export, files, intake, openai_output, store
+from specbatch.plural import plural
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
@@ -70,7 +71,7 @@ def intake_errors(e: IntakeError) -> list[dict[str, Any]]:
            for x in e.errors[:MAX_ERRORS]]
     if e.total > len(out):
         out.append({"code": "too_many_errors", "line": None, "param": None,
-                    "message": f"{e.total - len(out)} more errors not listed"})
+                    "message": f"{plural(e.total - len(out), 'more error')} not listed"})
     return out
 
 

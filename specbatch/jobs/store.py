@@ -28,6 +28,7 @@ from specbatch.db.models import Job, JobStatus, Request, RequestStatus, Result, 
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import JobNotFound, SpecBatchError
 from specbatch.jobs.intake import ParsedRequest, params_from_dict
+from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +253,7 @@ def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_se
             continue
         if r.attempts >= max_attempts:
             r.status, r.finished_at, r.lease_expires_at = RequestStatus.failed, now, None
-            r.error = f"attempted {r.attempts} times, the worker died each time"
+            r.error = f"attempted {plural(r.attempts, 'time')}, the worker died each time"
             r.error_type, r.error_param = SERVER_ERROR, None
             continue
         r.status, r.worker, r.started_at = RequestStatus.running, worker, None

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from specbatch import db
 from specbatch.cli.main import cli
 from specbatch.config import get_settings
-from specbatch.db.models import Job, Request, RequestStatus
+from specbatch.db.models import Job, Request, RequestStatus, Result
 from specbatch.errors import BrokerUnavailable
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedRequest
@@ -130,6 +130,41 @@ def test_status_table(db_url, no_worker_check):
         assert text in out, out
 
 
+def test_status_words_a_count_of_one_in_the_singular(db_url, no_worker_check):
+    """"(1 request)", "1 result copied", not "(1 requests)"; "(2 requests)" stays plural."""
+    from tests.jobs.test_store import output
+
+    reqs = [ParsedRequest(1, "a", "completion", "p", None, PARAMS, model="m-a"),
+            ParsedRequest(2, "b", "completion", "p", None, PARAMS, model="m-b"),
+            ParsedRequest(3, "c", "completion", "p", None, PARAMS, model="m-b")]
+    with db.session_factory(db_url).begin() as s:
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+                                  queue="sb.q1").id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids[:2], "w1", 60, 3)
+        store.record_result(s, ids[0], output(new_tokens=1), "w1")
+        generated = s.scalars(select(Result).where(Result.request_id == ids[0])).one()
+        store.record_cached_result(s, ids[1], generated, "w1")
+        store.refresh_job(s, job_id)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert "m-a: tgt <- d1 (1 request)" in out, out
+    assert "m-b: tgt <- d1 (2 requests)" in out, out
+    assert "1 result copied, 1 token not generated" in out, out
+
+
+def test_other_messages_word_a_count_of_one_in_the_singular(db_url, tmp_path, monkeypatch):
+    import specbatch.worker.enqueue as enqueue
+
+    monkeypatch.setattr(enqueue, "enqueue_requests", lambda settings, job_id, ids, queue: 1)
+    job_id, _ = make_job(db_url, results=1, failures=1, pending=0)
+    out = tmp_path / "one.csv"
+    result = run("export", job_id, "-f", "csv", "-o", str(out), "--status", "completed")
+    assert f"wrote 1 row to {out}" in result.stderr, result.output
+    assert run("retry", job_id).stdout.strip() == f"job {job_id}: 1 failed request queued again on sb.q1"
+
+
 def test_status_of_a_finished_job_does_not_probe_workers(db_url, monkeypatch):
     import specbatch.worker.monitor as monitor
 
@@ -207,7 +242,7 @@ def test_cancel(db_url):
     job_id, ids = make_job(db_url)
     result = run("cancel", job_id)
     assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == f"job {job_id} cancelled: 1 pending requests dropped, 2 results kept"
+    assert result.stdout.strip() == f"job {job_id} cancelled: 1 pending request dropped, 2 results kept"
     assert statuses(db_url, job_id) == ["completed", "completed", "failed", "cancelled"]
     again = run("cancel", job_id, "--json")
     assert json.loads(again.stdout)["status"] == "cancelled"

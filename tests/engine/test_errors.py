@@ -102,6 +102,12 @@ def test_short_prompt_with_too_many_new_tokens(engine):
     assert "600" in msg and "512" in msg
 
 
+def test_a_one_token_prompt_is_worded_in_the_singular(engine):
+    with pytest.raises(RequestError) as info:
+        engine.generate(input_ids=[5], params=GenerationParams(max_new_tokens=600))
+    assert _user_readable(info.value).startswith("max_new_tokens: prompt (1 token) + max_new_tokens (600)")
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_exactly_full_context_is_allowed(load, arch):
     """prompt + max_new_tokens == context is the largest valid request (gpt2's position table ends

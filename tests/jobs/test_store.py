@@ -135,6 +135,17 @@ def test_expired_lease_is_claimed_again_until_max_attempts(db_url):
         assert store.refresh_job(s, job_id).status == JobStatus.failed
 
 
+def test_one_attempt_is_worded_in_the_singular(db_url):
+    job_id, ids = make_job(db_url, 1)
+    f = db.session_factory(db_url)
+    with f.begin() as s:
+        store.claim_requests(s, ids, "w1", 0, 1)
+        store.start_requests(s, ids, "w1")          # ... and dies decoding; SPECBATCH_MAX_ATTEMPTS=1
+    with f.begin() as s:
+        assert store.claim_requests(s, ids, "w2", 60, 1) == []
+        assert s.get(Request, ids[0]).error == "attempted 1 time, the worker died each time"
+
+
 def test_finished_requests_are_never_claimed(db_url):
     job_id, ids = make_job(db_url, 2)
     f = db.session_factory(db_url)
