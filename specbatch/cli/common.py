@@ -13,10 +13,13 @@ from specbatch.config import Settings
 from specbatch.redact import mask
 
 
-def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
-    """The session factory for ``settings.database_url``; says on stderr when it creates a new SQLite
-    file. ``readonly``: for long reads that must not hold SQLite's write lock. A bad URL is a usage
-    error (exit 2); a database that cannot be opened, a one-line error (exit 1)."""
+def open_db(settings: Settings, readonly: bool = False, create: bool = False) -> sessionmaker:
+    """The session factory for ``settings.database_url``. ``readonly``: for long reads that must not
+    hold SQLite's write lock. ``create``: only for commands that store new jobs (submit, run, serve);
+    they may create a missing SQLite file and say so on stderr. Every other command reads or changes
+    jobs that must already exist, so a missing file is a one-line error (exit 1) naming where it
+    looked: creating an empty database there would hide a mistyped SPECBATCH_DATABASE_URL behind
+    "no jobs". A bad URL is a usage error (exit 2); a database that cannot be opened, exit 1."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
 
@@ -29,6 +32,11 @@ def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise click.UsageError(mask(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}")) from e
     is_new = path is not None and not path.exists()
+    from_env = bool(os.environ.get("SPECBATCH_DATABASE_URL"))
+    if is_new and not create:
+        where = "SPECBATCH_DATABASE_URL" if from_env else "the default; SPECBATCH_DATABASE_URL picks another"
+        raise click.ClickException(f"no database at {path} ({where}); nothing has been stored there yet: "
+                                   "`specbatch run FILE` or `specbatch submit FILE` creates it")
     try:
         factory = session_factory(url, readonly=readonly)
     except (ArgumentError, NoSuchModuleError) as e:
@@ -38,7 +46,7 @@ def open_db(settings: Settings, readonly: bool = False) -> sessionmaker:
     except OSError as e:
         raise click.ClickException(f"cannot create the database {shown}: {e}") from e
     if is_new:
-        hint = "" if os.environ.get("SPECBATCH_DATABASE_URL") else " (set SPECBATCH_DATABASE_URL to use another)"
+        hint = "" if from_env else " (set SPECBATCH_DATABASE_URL to use another)"
         click.echo(f"specbatch: created a new database at {path}{hint}", err=True)
     return factory
 

@@ -100,7 +100,7 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str], n
             warn(line)
     pair = Pair(target, drafts, ngram)
     assert pair.queue == queue, (pair.queue, queue)
-    with open_db(settings).begin() as s:
+    with open_db(settings, create=True).begin() as s:
         return store_job(s, parsed, pair=pair, defaults=defaults,
                          source="<stdin>" if file == "-" else str(Path(file).resolve()), metadata=metadata,
                          cache=cache)

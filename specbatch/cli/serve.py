@@ -47,7 +47,7 @@ def serve(host: str, port: int, log_level: str) -> None:
     if not keys and not is_loopback(host):
         raise click.UsageError(f"refusing to serve on {host} without keys: set SPECBATCH_API_KEYS "
                                "(comma-separated) or bind 127.0.0.1")
-    open_db(settings)           # a bad database URL fails here, as one line
+    open_db(settings, create=True)      # a bad database URL fails here, as one line
     app = create_app(settings)
     click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
                f"{'no authentication' if not keys else 'bearer keys required'})", err=True)

@@ -102,6 +102,7 @@ def test_bad_usage_exits_2(tmp_path: Path) -> None:
 
 
 def test_domain_error_is_one_line_exit_1_and_debug_shows_the_trace() -> None:
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0     # a database without that job
     result = CliRunner().invoke(cli, ["status", "nosuchjob"])
     assert result.exit_code == 1
     lines = [x for x in result.output.splitlines() if x.startswith("Error")]

@@ -84,14 +84,56 @@ def test_every_command_has_help_with_an_example(command):
     assert "Example:" in result.output and "specbatch" in result.output.split("Example:")[1]
 
 
-def test_first_use_creates_the_database_and_says_where(db_url, tmp_path):
-    first = run("jobs")
-    assert first.exit_code == 0
+NO_DATABASE = ("Error: no database at {path} ({where}); nothing has been stored there yet: "
+               "`specbatch run FILE` or `specbatch submit FILE` creates it")
+
+
+@pytest.mark.parametrize("command", [["jobs"], ["jobs", "--json"], ["status", "abcd"], ["status", "abcd", "--json"],
+                                     ["export", "abcd"], ["cancel", "abcd"], ["retry", "abcd"], ["resume", "abcd"],
+                                     ["run", "--resume", "abcd"], ["cache", "stats"], ["cache", "clear"]],
+                         ids=" ".join)
+def test_a_command_on_existing_jobs_does_not_create_the_database(command, db_url, tmp_path):
+    """Only submit / run FILE / serve / db upgrade create it: a read on a mistyped location must
+    say where it looked, not create an empty database there and report "no jobs"."""
+    result = run(*command)
+    assert result.exit_code == 1, result.output
+    path = tmp_path / "data" / "cli.db"
+    assert result.stderr.strip() == NO_DATABASE.format(path=path, where="SPECBATCH_DATABASE_URL")
+    assert result.stdout == ""
+    assert not (tmp_path / "data").exists()            # neither the file nor its directory
+
+
+def test_the_default_location_is_named_as_such(monkeypatch, tmp_path):
+    monkeypatch.delenv("SPECBATCH_DATABASE_URL")
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    get_settings.cache_clear()
+    result = run("jobs")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == NO_DATABASE.format(
+        path=tmp_path / "xdg" / "specbatch" / "specbatch.db", where="the default; SPECBATCH_DATABASE_URL picks another")
+    assert not (tmp_path / "xdg").exists()
+
+
+def test_submit_creates_the_database_and_says_where(db_url, tmp_path, monkeypatch):
+    import specbatch.worker.enqueue as enqueue
+
+    monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
+    monkeypatch.setattr(enqueue, "enqueue_requests", lambda settings, job_id, ids, queue: 1)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    first = run("submit", str(prompts), "--target", "tgt", "--json")
+    assert first.exit_code == 0, first.output
     assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in first.stderr
-    assert "no jobs yet" in first.stdout
-    second = run("jobs", "--json")
-    assert second.exit_code == 0 and "created" not in second.stderr
-    assert json.loads(second.stdout) == []
+    listed = run("jobs", "--json")
+    assert listed.exit_code == 0 and "created" not in listed.stderr
+    assert [d["id"] for d in json.loads(listed.stdout)] == [json.loads(first.stdout)["id"]]
+
+
+def test_an_empty_database_lists_no_jobs(db_url):
+    assert run("db", "upgrade").exit_code == 0
+    first = run("jobs")
+    assert first.exit_code == 0 and "no jobs yet" in first.stdout
+    assert json.loads(run("jobs", "--json").stdout) == []
 
 
 def test_jobs_lists_newest_first(db_url):
@@ -179,7 +221,7 @@ def test_status_of_a_finished_job_does_not_probe_workers(db_url, monkeypatch):
 
 
 def test_status_unknown_job_is_one_line_exit_1(db_url):
-    run("jobs")
+    run("db", "upgrade")
     result = run("status", "nope")
     assert result.exit_code == 1
     assert result.stderr.strip() == "Error: no job 'nope'; `specbatch jobs` lists the jobs"
