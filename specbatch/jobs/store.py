@@ -421,17 +421,20 @@ def _complete(s: Session, req: Request, values: dict[str, Any], now: datetime) -
 def record_cached_result(s: Session, request_id: int, source: Result, worker: str) -> bool:
     """Complete a request with a copy of the result ``source`` (a results-cache hit): the same text
     and tokens (and the models that produced them), marked ``cached``, referring to the generated
-    row, with zero generation statistics. Idempotent like record_result."""
+    row, with zero generation statistics; ``started_at`` = ``finished_at`` = when the copy is
+    written. Idempotent like record_result."""
     req = s.get(Request, request_id)
     if req is None:
         return False
     now = utcnow()
-    started = req.started_at if req.started_at is not None and req.started_at <= now else None
+    # a hit is served before any decoding, so the request never started: the copy starts and ends
+    # at the moment it is written (latency 0), leaving no NULL start in the exports and the view
+    started = req.started_at if req.started_at is not None and req.started_at <= now else now
     values = {
         "request_id": req.id, "job_id": req.job_id, "text": source.text, "token_ids": list(source.token_ids),
         "prompt_tokens": source.prompt_tokens, "completion_tokens": source.completion_tokens,
         "finish_reason": source.finish_reason, "worker": worker, "started_at": started, "finished_at": now,
-        "latency_seconds": (now - started).total_seconds() if started else 0.0,
+        "latency_seconds": (now - started).total_seconds(),
         "accepted_per_position": [], "pool_wins": {}, "target": source.target, "drafts": source.drafts,
         "lossy": source.lossy, "cache_key": source.cache_key, "cache_target": source.cache_target,
         "cached": True, "cached_from": source.cached_from if source.cached else source.id,  # the generated row

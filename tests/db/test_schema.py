@@ -190,3 +190,34 @@ def test_0005_adds_the_results_cache_to_existing_rows(db_url):
         store.record_result(s, ids[0], GenerationOutput("hi", [5], "stop", GenerationStats()), "w")
         res = s.scalars(select(Result)).one()
         assert (res.cached, res.cache_key, res.cached_from) == (False, None, None)
+
+
+def test_0008_gives_old_cache_hits_a_start(db_url):
+    """A hit stored with started_at NULL (before 0008) starts when it finished; generated rows keep theirs."""
+    from sqlalchemy import select
+
+    from specbatch.db.models import Result
+    from specbatch.engine.types import GenerationOutput, GenerationStats
+
+    factory = db.session_factory(db_url)
+    with factory.begin() as s:
+        job = store.create_job(s, target="t", drafts=[], ngram=False, params={}, requests=[_req(1), _req(2)],
+                               queue="q")
+        ids = store.resumable_request_ids(s, job.id)
+        store.claim_requests(s, ids, "w", 60, 3)
+        store.start_requests(s, ids[:1], "w")
+        store.record_result(s, ids[0], GenerationOutput("hi", [5], "stop", GenerationStats()), "w")
+        store.record_cached_result(s, ids[1], s.scalars(select(Result)).one(), "w")
+    db.forget_engines()
+    db.downgrade(db_url, "0007")
+    with db.get_engine(db_url).begin() as conn:      # as 0007's record_cached_result left a hit
+        conn.execute(text("UPDATE results SET started_at = NULL WHERE cached"))
+        generated_start = conn.execute(text("SELECT started_at FROM results WHERE NOT cached")).scalar_one()
+    db.upgrade(db_url)
+    assert db.current_revision(db_url) == head_revision()
+    with db.session_factory(db_url).begin() as s:
+        generated, hit = s.scalars(select(Result).order_by(Result.id)).all()
+        assert hit.cached and hit.started_at == hit.finished_at
+        assert not generated.cached and generated.started_at is not None
+    with db.get_engine(db_url).connect() as conn:
+        assert conn.execute(text("SELECT started_at FROM results WHERE NOT cached")).scalar_one() == generated_start

@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from specbatch import db
 from specbatch.config import Settings
-from specbatch.db.models import Request, RequestStatus, Result
+from specbatch.db.models import RESULTS_VIEW, Request, RequestStatus, Result
 from specbatch.engine import Engine
 from specbatch.engine.fingerprint import model_fingerprint
 from specbatch.engine.loading import load_model
@@ -114,6 +114,16 @@ def stats_of(url: str, job_id: str) -> dict:
         return job_stats(s, job_id)
 
 
+def assert_copied_at_one_moment(url: str, job_id: str, hits: list[Result]) -> None:
+    """A hit starts and ends when it is written (docs/FORMATS.md): no NULL start in the view."""
+    assert hits and all(h.started_at is not None and h.started_at == h.finished_at for h in hits)
+    assert all(h.latency_seconds == 0 for h in hits)
+    with db.session_factory(url, readonly=True).begin() as s:
+        holes = s.scalar(text(f"SELECT count(*) FROM {RESULTS_VIEW} WHERE job_id = :j AND status = 'completed' "
+                              "AND started_at IS NULL"), {"j": job_id})
+    assert holes == 0
+
+
 def lines(prompts: list[str] = PROMPTS, **params) -> list[dict]:
     return [{"custom_id": f"q{i}", "prompt": p, "max_tokens": 8, **params} for i, p in enumerate(prompts)]
 
@@ -138,6 +148,7 @@ def test_hit_across_drafts_and_batch_sizes_is_exact(db_url, tmp_path, engines):
         assert [h.cached_from for h in hits] == [g.id for g in generated]
         assert all(h.cached and h.verify_steps == 0 and h.drafted_tokens == 0 and h.wall_seconds == 0
                    for h in hits)
+        assert_copied_at_one_moment(db_url, job, hits)
         stats = stats_of(db_url, job)
         assert (stats["cache_hits"], stats["tokens_generated"]) == (4, 0)
         assert stats["tokens_from_cache"] == sum(len(g.token_ids) for g in generated)
@@ -184,6 +195,7 @@ def test_duplicates_within_one_file_are_generated_once(db_url, tmp_path, engines
     assert [r.cached for r in got] == [False, True, True, False, True, False]
     assert got[1].token_ids == got[2].token_ids == got[0].token_ids
     assert got[1].cached_from == got[2].cached_from == got[0].id and got[4].cached_from == got[3].id
+    assert_copied_at_one_moment(db_url, job, [r for r in got if r.cached])
     assert stats_of(db_url, job)["tokens_generated"] == sum(
         len(got[i].token_ids) for i in (0, 3, 5))
     with db.session_factory(db_url).begin() as s:
