@@ -61,10 +61,14 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
     if comp:
         lines += ["", f"Compiling ({'cached' if comp['this_start_cached'] else 'first start'}): "
                   f"{comp['seconds']:.0f} s this start; {comp['reason']}.", "",
-                  "| model | this start s | first start s | cached | graphs |", "|---|---:|---:|---|---|"]
+                  "| model | this start s | first start s | cached | graphs (first call; eager / compiled "
+                  "step at warm-up) |", "|---|---:|---:|---|---|"]
         for m in comp["models"]:
+            speedups = m.get("speedups") or {}
+            graphs = ", ".join(f"{k} {v:.0f}s" + (f" ({speedups[k]:.2f}x)" if k in speedups else "")
+                               for k, v in m["graphs"].items())
             lines.append(f"| {m['model']} | {m['seconds']:.0f} | {_f(m['first_start_seconds'], '.0f')} "
-                         f"| {m['cached']} | {', '.join(f'{k} {v:.0f}s' for k, v in m['graphs'].items())} |")
+                         f"| {m['cached']} | {graphs} |")
         calls = comp.get("forward_calls") or {}
         lines += [""] if calls else []
         for model, n in calls.items():

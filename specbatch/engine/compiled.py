@@ -59,6 +59,13 @@ CACHED_COMPILE_SECONDS_PER_GRAPH = 160.0
 MEMORY_PER_GRAPH = 1.25          # x the model's weight bytes
 MEMORY_FIXED = 900 * 2**20       # bytes, once per process
 
+# The table above is one machine's. The same code and torch measured 1.80x at one row on one
+# 2-core host and 1.17x on the next (docs/COMPILE.md, "Measured on each host"), so warm-up times
+# each graph against eager on the machine it runs on; in auto mode a shape class that gains less
+# than this stays eager, and later starts decide from that measurement instead of the table.
+MIN_SPEEDUP = 1.05
+MEASURE_ROUNDS = 3
+
 _lock = threading.Lock()
 
 
@@ -117,13 +124,17 @@ class CompileReport:
     enabled: bool = False
     seconds: float = 0.0                      # warm-up wall time, all graphs
     graphs: dict[str, float] = field(default_factory=dict)   # shape -> seconds of its first call
+    speedups: dict[str, float] = field(default_factory=dict)  # shape -> eager / compiled step time here
+    eager_shapes: list[str] = field(default_factory=list)     # shapes auto left eager (no gain here)
     cached: bool = False                      # a previous process had warmed the same graphs up
     first_start_seconds: float | None = None  # the first (uncached) start's warm-up, as recorded
     error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "enabled": self.enabled, "seconds": round(self.seconds, 2),
-                "graphs": {k: round(v, 2) for k, v in self.graphs.items()}, "cached": self.cached,
+                "graphs": {k: round(v, 2) for k, v in self.graphs.items()},
+                "speedups": {k: round(v, 3) for k, v in self.speedups.items()},
+                "eager_shapes": self.eager_shapes, "cached": self.cached,
                 "first_start_seconds": None if self.first_start_seconds is None
                 else round(self.first_start_seconds, 2), "error": self.error}
 
@@ -151,12 +162,16 @@ class CompiledForward:
         self.warmed = False
         self.calls = 0     # calls after warm-up
         self.misses = 0    # of those, how many missed every warmed graph and ran eagerly
+        # shape classes (several rows?, several tokens?) whose graph measured no faster than eager
+        # on this machine: auto sends them to the eager model (``prepare``)
+        self.eager_classes: set[tuple[bool, bool]] = set()
         _forwards.add(self)
 
     def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
         # an empty cache is a prefill (long, once per request, eager GEMMs are fine there) and
         # takes the cache's lazy-initialization path, which would be one more graph
-        return self.failed is None and n_cached >= 2 and input_ids.dim() == 2
+        return (self.failed is None and n_cached >= 2 and input_ids.dim() == 2
+                and shape_class(*input_ids.shape) not in self.eager_classes)
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, cache_kwarg: str, n_cached: int,
                  attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -279,6 +294,15 @@ def install(lm: Any) -> CompiledForward | None:
     return lm.compiled
 
 
+def shape_class(rows: int, tokens: int) -> tuple[bool, bool]:
+    """Which graph a call of ``rows`` x ``tokens`` runs (dynamo specializes sizes 1 apart)."""
+    return rows > 1, tokens > 1
+
+
+def shape_key(rows: int, tokens: int, keep: int) -> str:
+    return f"{rows}x{tokens}:{keep}"
+
+
 # (rows, tokens, kept logits): one of each graph (sizes 1 and more than 1 differ). Fewer kept
 # logits than tokens, so the graph does not assume they are equal (a verify after a catch-up
 # keeps fewer than it feeds).
@@ -320,9 +344,10 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
                 ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
                 t = time.perf_counter()
                 lm.forward(ids, cache, logits_to_keep=keep)
-                report.graphs[f"{rows}x{width}:{keep}"] = time.perf_counter() - t
+                report.graphs[shape_key(rows, width, keep)] = time.perf_counter() - t
                 if compiled.failed:
                     break
+                report.speedups[shape_key(rows, width, keep)] = measure_speedup(lm, cache, ids, keep)
     except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
         compiled.fail(e)
     report.seconds = time.perf_counter() - t0
@@ -332,6 +357,25 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
     if report.enabled:
         report.first_start_seconds = _write_marker(marker, report)
     return report
+
+
+def measure_speedup(lm: Any, cache: Any, ids: torch.Tensor, keep: int,
+                    rounds: int = MEASURE_ROUNDS) -> float:
+    """Eager / compiled time of one step of ``ids`` after ``cache``, best of ``rounds``, the two
+    alternating so both see the same load; the cache is left as it was."""
+    from specbatch.engine.loading import _cache_kwarg
+
+    width, kwarg = ids.shape[1], _cache_kwarg(lm.model)
+    steps = {"compiled": lambda: lm.forward(ids, cache, logits_to_keep=keep),
+             "eager": lambda: lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{kwarg: cache})}
+    best = dict.fromkeys(steps, float("inf"))
+    for _ in range(rounds):
+        for name, step in steps.items():
+            t = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - t)
+            cache.crop(-width)
+    return best["eager"] / best["compiled"]
 
 
 def _marker(cache_dir: str | os.PathLike[str], lm: Any) -> Path:
@@ -364,12 +408,33 @@ def is_cached(lm: Any, cache_dir: str | os.PathLike[str]) -> bool:
     return _marker(cache_dir, lm).exists()
 
 
+def _recorded(lm: Any, cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        data = json.loads(_marker(cache_dir, lm).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str]) -> float | None:
     """The last warm-up time of this model here (a cached start), when one was recorded."""
     try:
-        return float(json.loads(_marker(cache_dir, lm).read_text())["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return float(_recorded(lm, cache_dir)["seconds"])
+    except (KeyError, TypeError, ValueError):
         return None
+
+
+def recorded_speedup(lm: Any, cache_dir: str | os.PathLike[str], rows: int) -> float | None:
+    """What the last warm-up here measured for one-token steps of ``rows`` rows' class (plain
+    decoding, most of a job's steps), when it measured it."""
+    for key, value in (_recorded(lm, cache_dir).get("speedups") or {}).items():
+        try:
+            shape_rows, tokens = (int(x) for x in key.split(":")[0].split("x"))
+            if shape_class(shape_rows, tokens) == shape_class(rows, 1):
+                return float(value)
+        except (TypeError, ValueError):
+            continue
+    return None
 
 
 def weight_bytes(model: Any) -> int:
@@ -464,13 +529,30 @@ def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
     return best
 
 
+def _keep_what_pays(lm: Any, report: CompileReport) -> None:
+    """Send the shape classes whose graph measured no faster than eager here to the eager model."""
+    for key, speedup in report.speedups.items():
+        if speedup < MIN_SPEEDUP:
+            rows, tokens = (int(x) for x in key.split(":")[0].split("x"))
+            lm.compiled.eager_classes.add(shape_class(rows, tokens))
+            report.eager_shapes.append(key)
+    if report.speedups:
+        logger.info("%s: compiled step vs eager here: %s%s", lm.name,
+                    ", ".join(f"{k} {v:.2f}x" for k, v in report.speedups.items()),
+                    f"; {', '.join(report.eager_shapes)} stay eager (under {MIN_SPEEDUP}x)"
+                    if report.eager_shapes else "")
+
+
 def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None) -> CompilePlan:
     """Decide (auto / on / off), then install and warm the compiled forwards up before serving.
 
-    auto compiles only where the compiled forward measured faster than eager on this device
-    type (``expected_speedup``); then with ``expected_new_tokens`` None (a worker: it serves until
-    stopped) it compiles, and with a token count (``run``, ``generate``) only when ``compile_pays``.
+    auto compiles only where the compiled forward measured faster than eager: on this machine at
+    its last warm-up (``recorded_speedup``), else on this device type (``expected_speedup``); then
+    with ``expected_new_tokens`` None (a worker: it serves until stopped) it compiles, and with a
+    token count (``run``, ``generate``) only when ``compile_pays``. After warming up, auto leaves
+    eager the shape classes that measured no faster than eager (``_keep_what_pays``); on keeps
+    every graph, as told (the bench measures them all).
     """
     mode = resolve_mode(mode)
     if mode == "off":
@@ -479,10 +561,12 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     models = [(m, s) for m, s in models if compilable(m.model) is None]
     if not models:
         return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
-    speedup = expected_speedup(target.device, batch_size)
-    if mode == "auto" and speedup <= 1.0:
-        return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager on "
-                                        f"{torch.device(target.device).type} (docs/COMPILE.md)")
+    measured = recorded_speedup(target, cache_dir, batch_size)
+    speedup = measured if measured is not None else expected_speedup(target.device, batch_size)
+    if mode == "auto" and speedup < MIN_SPEEDUP:
+        where = (f"here ({speedup:.2f}x at the last warm-up; --compile on compiles anyway)" if measured is not None
+                 else f"on {torch.device(target.device).type} (docs/COMPILE.md)")
+        return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager {where}")
     if torch.device(target.device).type == "cpu":   # measured there only (CUDA: not yet)
         from specbatch.engine.memory import default_budget, format_bytes
 
@@ -513,6 +597,8 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
                     expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir)), reason)
         report = warm_up(lm, shapes, cache_dir)
         plan.models.append(report)
+        if mode == "auto":
+            _keep_what_pays(lm, report)
         if report.error:  # the toolchain failed: nothing else will compile either
             break
     failed = next((r.error for r in plan.models if r.error), None)

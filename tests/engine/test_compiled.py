@@ -201,6 +201,68 @@ def test_a_call_missing_every_warmed_graph_runs_eagerly_counted_and_warned(tiny_
     assert caches[2].get_seq_length() == caches[1].get_seq_length() == 6   # appended once
 
 
+def _eager_backend(monkeypatch):
+    """``torch.compile`` with dynamo's real guards but no inductor (seconds, not minutes)."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, dynamic=True, backend="eager"))
+
+
+def test_auto_keeps_eager_the_shapes_that_measured_no_faster_here(tiny_models, tmp_path, monkeypatch):
+    """Warm-up times each graph against eager on this machine; auto routes the shape classes that
+    gain nothing to the eager model, and a later start decides from that measurement."""
+    from transformers import DynamicCache
+
+    _eager_backend(monkeypatch)
+    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.0})
+    monkeypatch.setattr(C, "measure_speedup", lambda lm, cache, ids, keep: 0.9 if ids.shape[1] > 1 else 1.5)
+    target = load_model(str(tiny_models / "llama"))
+    plan = C.prepare(target, [], mode="auto", batch_size=3, cache_dir=tmp_path)
+    report = plan.models[0]
+    assert plan.enabled and report.speedups == {"1x1:1": 1.5, "1x4:2": 0.9, "3x1:1": 1.5, "3x4:2": 0.9}
+    assert report.eager_shapes == ["1x4:2", "3x4:2"]
+    assert target.compiled.eager_classes == {(False, True), (True, True)}
+    calls = target.compiled.calls
+    with torch.inference_mode():
+        cache = DynamicCache()
+        target.forward(torch.tensor([[5, 9, 13, 2]]), cache)         # prefill: eager
+        target.forward(torch.tensor([[7, 8]]), cache)                # a verify: eager here
+        assert target.compiled.calls == calls
+        target.forward(torch.tensor([[7]]), cache)                   # a plain step: compiled
+    assert target.compiled.calls == calls + 1 and target.compiled.misses == 0
+    assert C.recorded_speedup(target, tmp_path, 1) == C.recorded_speedup(target, tmp_path, 8) == 1.5
+
+    # on compiles every graph as told, whatever it measures
+    target.compiled = None
+    plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    assert plan.models[0].eager_shapes == [] and target.compiled.eager_classes == set()
+
+    # a later start: the measurement here, not the device table, decides
+    monkeypatch.setattr(C, "measure_speedup", lambda lm, cache, ids, keep: 1.01)
+    target.compiled = None
+    C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    assert C.recorded_speedup(target, tmp_path, 1) == 1.01
+    target.compiled = None
+    plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path)
+    assert not plan.enabled and "no faster than eager here (1.01x" in plan.reason and target.compiled is None
+
+
+def test_measure_speedup_times_both_and_leaves_the_cache_as_it_was(tiny_models, monkeypatch):
+    from transformers import DynamicCache
+
+    _eager_backend(monkeypatch)
+    lm = load_model(str(tiny_models / "llama"))
+    C.install(lm)
+    with torch.inference_mode():
+        cache = DynamicCache()
+        lm.forward(torch.tensor([[5, 9, 13, 2]]), cache)
+        before = [t.clone() for t in (cache.layers[0].keys, cache.layers[0].values)]
+        speedup = C.measure_speedup(lm, cache, torch.tensor([[7, 8, 9]]), keep=2)
+    assert 0 < speedup < float("inf")
+    assert cache.get_seq_length() == 4
+    for old, new in zip(before, (cache.layers[0].keys, cache.layers[0].values)):
+        torch.testing.assert_close(new, old)
+
+
 # ------------------------------------------------------------------------------------------------
 # slow: through compiled models
 
