@@ -292,6 +292,8 @@ def test_compiled_forward_is_used_and_close_to_eager(compiled_pair):
     target, _, plan = compiled_pair
     assert target.compiled is not None and target.compiled.failed is None
     assert all(r.graphs for r in plan.models) and plan.seconds > 0
+    # every graph was timed against eager as it was warmed (what auto decides by on this machine)
+    assert all(set(r.speedups) == set(r.graphs) and min(r.speedups.values()) > 0 for r in plan.models)
     ids = target.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     with torch.inference_mode():
         caches = [DynamicCache(), DynamicCache()]
@@ -391,3 +393,14 @@ def test_no_cxx_compiler_falls_back_to_eager_with_one_warning(tiny_models, tmp_p
     ours = [line for line in proc.stderr.splitlines() if "decoding eagerly instead" in line]
     assert len(ours) == 1, proc.stderr[-3000:]
     assert "WARNING" in ours[0]
+
+
+def test_the_cli_says_what_compiling_bought_on_this_machine(capsys):
+    from specbatch.cli.common import report_compile
+
+    report = C.CompileReport(model="m", enabled=True, seconds=12.0, speedups={"1x1:1": 1.3, "1x4:2": 0.9},
+                             eager_shapes=["1x4:2"])
+    report_compile(C.CompilePlan("auto", True, "auto: a long-lived worker", [report]))
+    err = capsys.readouterr().err
+    assert "compiled forward ready in 12s (first start; auto: a long-lived worker)" in err
+    assert "m: a compiled step vs eager here: 1x1:1 1.30x, 1x4:2 0.90x; 1x4:2 stay eager" in err
