@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from specbatch.cli.common import compile_option, echo_json, open_db, report_compile, warn
+from specbatch.cli.common import compile_notice, compile_option, echo_json, open_db, report_compile, warn
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
@@ -496,7 +496,7 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
-    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
+    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"), compile_notice():
         try:
             engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
                                  dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,

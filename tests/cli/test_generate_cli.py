@@ -232,3 +232,37 @@ def test_generate_plans_its_compile_for_one_row(tiny_models, monkeypatch):
     generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "4", "--compile", "on")
     assert planned == [1]
     assert warm_shapes(1) != warm_shapes(8)  # the plan decides which graphs warm
+
+
+def test_compile_notice_says_so_before_compiling_and_keeps_warnings(capsys):
+    """The engine's INFO line before minutes of compiling reaches the CLI user (the CLI logs at
+    WARNING); its other INFO lines stay hidden, warnings still pass."""
+    import logging
+
+    from specbatch.cli.common import compile_notice
+
+    log = logging.getLogger("specbatch.engine.compiled")
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    keep = Keep()
+    log.addHandler(keep)
+    level = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with compile_notice():
+            log.info("%s: compiling %d graphs before decoding, about %.0f s (%s)", "m", 2, 180.0,
+                     "compile on")
+            log.info("%s: not compiled: %s", "m-int8", "int8")
+            log.warning("compiling %s failed, decoding eagerly instead (%s)", "m", "no cc")
+        log.info("%s: compiling %d graphs before decoding, about %.0f s (%s)", "m", 2, 1.0, "after")
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    err = capsys.readouterr().err
+    assert "specbatch: m: compiling 2 graphs before decoding, about 180 s (compile on)" in err
+    assert "not compiled" not in err and "after" not in err
+    assert seen == ["compiling m failed, decoding eagerly instead (no cc)"]
