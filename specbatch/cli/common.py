@@ -38,6 +38,10 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     from_env = bool(os.environ.get("SPECBATCH_DATABASE_URL"))
     if is_new and not create:
         where = "SPECBATCH_DATABASE_URL" if from_env else "the default; SPECBATCH_DATABASE_URL picks another"
+        if not path.is_absolute():   # sqlite:///tmp/x.db is tmp/x.db here, a common slip
+            where += (f": sqlite:///{path} is relative to the current directory; an absolute path takes "
+                      f"four slashes, sqlite:////{path}")
+            path = path.absolute()
         raise click.ClickException(f"no database at {path} ({where}); nothing has been stored there yet: "
                                    "`specbatch run FILE` or `specbatch submit FILE` creates it")
     try:

@@ -114,6 +114,20 @@ def test_the_default_location_is_named_as_such(monkeypatch, tmp_path):
     assert not (tmp_path / "xdg").exists()
 
 
+def test_a_relative_sqlite_path_says_so_and_how_to_write_an_absolute_one(monkeypatch, tmp_path):
+    """sqlite:///tmp/x.db (three slashes) is tmp/x.db in the current directory: say where that is."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", "sqlite:///data/cli.db")
+    get_settings.cache_clear()
+    result = run("jobs")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == NO_DATABASE.format(
+        path=tmp_path / "data" / "cli.db",
+        where="SPECBATCH_DATABASE_URL: sqlite:///data/cli.db is relative to the current directory; an absolute "
+              "path takes four slashes, sqlite:////data/cli.db")
+    assert not (tmp_path / "data").exists()
+
+
 def test_submit_creates_the_database_and_says_where(db_url, tmp_path, monkeypatch):
     import specbatch.worker.enqueue as enqueue
 
