@@ -27,7 +27,8 @@ def model_options(f: Any) -> Any:
     f = click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter.")(f)
     f = click.option("--draft", "drafts", multiple=True, metavar="MODEL",
                      help="Draft model (repeat for a draft pool).")(f)
-    f = click.option("--target", metavar="MODEL", help="Target model: known name, directory or .gguf.")(f)
+    f = click.option("--target", metavar="MODEL",
+                     help="Target model: known name, directory, .gguf file or HF id.")(f)
     return f
 
 
