@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import click
@@ -77,36 +74,10 @@ def compile_option(f: Any) -> Any:
                              "[default: SPECBATCH_COMPILE or auto].")(f)
 
 
-class _CompileNotice(logging.Filter):
-    """Lets warnings through; turns the engine's INFO line 'MODEL: compiling N graphs before decoding,
-    about S s' into a 'specbatch: ...' stderr line and drops the engine's other INFO lines (the
-    per-graph ratios are report_compile's)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            return True
-        msg = str(record.msg)
-        if record.levelno == logging.INFO and "compiling" in msg and "before decoding" in msg:
-            click.echo(f"specbatch: {mask(record.getMessage())}", err=True)
-        return False
-
-
-@contextmanager
-def compile_notice() -> Iterator[None]:
-    """Around ``Engine.load``: say before compiling starts that it does, and about how long (minutes
-    on a small CPU, otherwise a silent wait). With ``--debug`` the log shows it already."""
-    log = logging.getLogger("specbatch.engine.compiled")
-    if log.getEffectiveLevel() <= logging.INFO:
-        yield
-        return
-    notice, level = _CompileNotice(), log.level
-    log.addFilter(notice)
-    log.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-        log.removeFilter(notice)
+def compile_notice(message: str) -> None:
+    """``Engine.load(notify=...)`` for the CLI: before minutes of compiling, say so (the CLI logs
+    at WARNING, so the engine's own INFO line would not show)."""
+    click.echo(f"specbatch: {mask(message)}", err=True)
 
 
 def report_compile(plan: Any) -> None:

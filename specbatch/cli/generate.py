@@ -47,11 +47,11 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop=tuple(stop), gamma=gamma,
                               adaptive=not fixed_gamma).validate()
-    with compile_notice():
-        engine = Engine.load(target or settings.default_target, list(drafts), ngram=ngram,
-                             device=device or settings.device, dtype=dtype or settings.dtype,
-                             cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
-                             batch_size=1, expected_new_tokens=max_new_tokens)  # one prompt: one row
+    engine = Engine.load(target or settings.default_target, list(drafts), ngram=ngram,
+                         device=device or settings.device, dtype=dtype or settings.dtype,
+                         cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
+                         batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row
+                         notify=compile_notice)
     report_compile(engine.compile_plan)
     msgs = [{"role": "user", "content": m} for m in messages] if messages else None
     out = engine.generate(prompt=prompt, messages=msgs, params=params)

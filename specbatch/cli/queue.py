@@ -497,12 +497,12 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
-    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"), compile_notice():
+    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
         try:
             engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
                                  dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
                                  batch_size=batch, compile=compile_mode, max_memory=max_memory,
-                                 expected_new_tokens=expected_new_tokens)
+                                 expected_new_tokens=expected_new_tokens, notify=compile_notice)
         except SpecBatchError:
             raise
         except Exception as e:   # a loader bug must still be one line, and leave no job behind

@@ -545,7 +545,8 @@ def _keep_what_pays(lm: Any, report: CompileReport) -> None:
 
 
 def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
-            cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None) -> CompilePlan:
+            cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None,
+            notify: Callable[[str], None] | None = None) -> CompilePlan:
     """Decide (auto / on / off), then install and warm the compiled forwards up before serving.
 
     auto compiles only where the compiled forward measured faster than eager: on this machine at
@@ -553,7 +554,8 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     with ``expected_new_tokens`` None (a worker: it serves until stopped) it compiles, and with a
     token count (``run``, ``generate``) only when ``compile_pays``. After warming up, auto leaves
     eager the shape classes that measured no faster than eager (``_keep_what_pays``); on keeps
-    every graph, as told (the bench measures them all).
+    every graph, as told (the bench measures them all). ``notify`` hears, before each model
+    compiles, that it does and about how long (minutes on a small CPU: a CLI says so).
     """
     mode = resolve_mode(mode)
     if mode == "off":
@@ -594,8 +596,11 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         if install(lm) is None:
             continue
         # minutes on a small CPU: say so before the silence (a worker logs it; --compile off skips)
-        logger.info("%s: compiling %d graphs before decoding, about %.0f s (%s)", lm.name, len(shapes),
-                    expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir)), reason)
+        notice = (f"{lm.name}: compiling {len(shapes)} graphs before decoding, about "
+                  f"{expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir)):.0f} s ({reason})")
+        logger.info(notice)
+        if notify is not None:
+            notify(notice)
         report = warm_up(lm, shapes, cache_dir)
         plan.models.append(report)
         if mode == "auto":

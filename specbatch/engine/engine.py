@@ -62,9 +62,11 @@ class Engine:
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
              max_memory: int | None = None, compile: str = "off",
-             expected_new_tokens: int | None = None) -> Engine:
+             expected_new_tokens: int | None = None,
+             notify: Callable[[str], None] | None = None) -> Engine:
         """Load the models; ``compile`` (auto / on / off) compiles them before returning
-        (``expected_new_tokens``: the job's size, for auto; None means a long-lived worker).
+        (``expected_new_tokens``: the job's size, for auto; None means a long-lived worker;
+        ``notify``: told before each model compiles, see ``compiled.prepare``).
         With batch_size "auto" the compile decision plans for ``planned_batch_size()`` rows."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
@@ -73,7 +75,8 @@ class Engine:
                      batch_size=batch_size, max_memory=max_memory)
         engine.compile_plan = prepare_compiled(
             t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
-            cache_dir=cache_dir or get_settings().cache_dir, expected_new_tokens=expected_new_tokens)
+            cache_dir=cache_dir or get_settings().cache_dir, expected_new_tokens=expected_new_tokens,
+            notify=notify)
         return engine
 
     @property
