@@ -96,7 +96,8 @@ def get_job(s: Session, job_id: str) -> Job:
             return matches[0]
         if len(matches) > 1:
             raise JobNotFound(f"job id {job_id!r} is ambiguous; give more characters")
-    raise JobNotFound(f"no job {job_id!r}; `specbatch jobs` lists the jobs")
+    short = " (a prefix needs at least 4 characters)" if len(job_id) < 4 else ""
+    raise JobNotFound(f"no job {job_id!r}{short}; `specbatch jobs` lists the jobs")
 
 
 def list_jobs(s: Session, limit: int = 50) -> list[Job]:

@@ -55,8 +55,10 @@ def test_create_job_and_get_it_back(db_url):
             JobStatus.queued, 3, 3, "tgt", ["d1"], True, "q")
         assert job.meta == {"who": "test"} and job.source == "p.jsonl"
         assert store.get_job(s, job_id[:6]).id == job_id                  # unique prefix
-        with pytest.raises(JobNotFound, match="no job 'zzzz'"):
+        with pytest.raises(JobNotFound, match="no job 'zzzz'; "):
             store.get_job(s, "zzzz")
+        with pytest.raises(JobNotFound, match=r"a prefix needs at least 4 characters"):
+            store.get_job(s, job_id[:3])                                   # too short to match
         reqs = s.scalars(select(Request).where(Request.job_id == job_id).order_by(Request.id)).all()
         assert [r.custom_id for r in reqs] == ["c0", "c1", "c2"] and [r.id for r in reqs] == ids
         assert reqs[0].params == PARAMS and reqs[0].attempts == 0
