@@ -32,6 +32,16 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def _covered_seconds(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -79,7 +89,9 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
         w_tokens = sum(r.completion_tokens for r in rs if not r.cached)
         w_starts = [r.started_at for r in rs if r.started_at is not None]
         w_span = (max(r.finished_at for r in rs) - min(w_starts)).total_seconds() if w_starts else 0.0
-        busy = sum(r.wall_seconds for r in rs)
+        # rows decoded together overlap: busy is the time covered by at least one decode
+        busy = _covered_seconds([(r.finished_at.timestamp() - r.wall_seconds, r.finished_at.timestamp())
+                                 for r in rs if not r.cached])
         workers.append({
             "worker": name, "requests": len(rs), "tokens_generated": w_tokens,
             "busy_seconds": busy, "wall_clock_seconds": w_span,

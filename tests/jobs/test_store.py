@@ -353,6 +353,26 @@ def test_summary_counts_and_statistics(db_url):
     assert workers["w2"]["busy_tokens_per_second"] == pytest.approx(2 / 0.5)
 
 
+def test_a_workers_busy_time_counts_rows_decoded_together_once(db_url):
+    """Two rows of one batch, each 1 s from admission to completion and finished together, kept
+    the worker busy for about 1 s, not 2: busy tokens/s is the rate while generating."""
+    from specbatch.jobs.stats import _covered_seconds
+
+    assert _covered_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0), (3.2, 3.5)]) == pytest.approx(3.0)
+    assert _covered_seconds([]) == 0.0
+    job_id, ids = make_job(db_url, 2)
+    f = db.session_factory(db_url)
+    with f.begin() as s:
+        store.claim_requests(s, ids, "w", 60, 3)
+        store.start_requests(s, ids, "w")
+        for i in ids:
+            store.record_result(s, i, output(new_tokens=10, wall=1.0), "w")
+    with f.begin() as s:
+        (worker,) = store.job_summary(s, job_id)["stats"]["workers"]
+    assert 1.0 <= worker["busy_seconds"] < 1.5
+    assert worker["busy_tokens_per_second"] == pytest.approx(20 / worker["busy_seconds"])
+
+
 def test_summary_of_a_job_without_results(db_url):
     job_id, _ = make_job(db_url, 2)
     with db.session_factory(db_url).begin() as s:
