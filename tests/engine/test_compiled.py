@@ -403,4 +403,4 @@ def test_the_cli_says_what_compiling_bought_on_this_machine(capsys):
     report_compile(C.CompilePlan("auto", True, "auto: a long-lived worker", [report]))
     err = capsys.readouterr().err
     assert "compiled forward ready in 12s (first start; auto: a long-lived worker)" in err
-    assert "m: a compiled step vs eager here: 1x1:1 1.30x, 1x4:2 0.90x; 1x4:2 stay eager" in err
+    assert "m: eager / compiled step time here (rows x tokens): 1x1 1.30x, 1x4 0.90x; 1x4 stay eager" in err
