@@ -78,6 +78,7 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, url: str) -> str:
+        url = normalize_database_url(url)
         check_database_url(url)
         return url
 
@@ -139,6 +140,13 @@ class _MappingEnvSource(EnvSettingsSource):
 
     def _load_env_vars(self) -> Mapping[str, str | None]:
         return {k.lower(): v for k, v in self._mapping.items() if v != ""}
+
+
+def normalize_database_url(url: str) -> str:
+    """``postgres://`` and ``postgresql://`` (no driver named, as psql and most hosts write them)
+    mean psycopg 3, the driver ``specbatch[postgres]`` installs; SQLAlchemy would pick psycopg2."""
+    scheme, sep, rest = url.partition("://")
+    return f"postgresql+psycopg://{rest}" if sep and scheme in ("postgres", "postgresql") else url
 
 
 def check_database_url(url: str) -> None:

@@ -41,7 +41,7 @@ COVERAGE: dict[str, str] = {
     "python -m pytest": THIS + "test_ci_installs_and_tests_as_the_readme_says",
     # quick start
     "specbatch models": THIS + "test_quick_start",
-    'specbatch generate --prompt "Write a haiku about queues" --max-new-tokens 32': THIS + "test_quick_start",
+    'specbatch generate --message "Write a haiku about queues" --max-new-tokens 32': THIS + "test_quick_start",
     "specbatch run examples/prompts.jsonl --max-new-tokens 64": THIS + "test_quick_start",
     "specbatch jobs": THIS + "test_quick_start",
     "specbatch status JOB": THIS + "test_quick_start",
@@ -283,7 +283,7 @@ def test_quick_start(isolated: Path, tiny_models: Path) -> None:
     tmp = isolated
     pair = f"--target {tiny_models / 'llama'} --draft {tiny_models / 'llama-partial'}"
     subst = Subst([
-        ("specbatch generate --prompt", "specbatch generate " + pair + " --prompt"),
+        ("specbatch generate --message", "specbatch generate " + pair + " --message"),
         ("specbatch run examples/prompts.jsonl", f"specbatch run {example_subset(tmp, SMALL)} {pair}"),
         ("~/.local/share/specbatch/specbatch.db", str(tmp / "specbatch.db")),
         ("examples/results.sql", str(REPO / "examples/results.sql")),

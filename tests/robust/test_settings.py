@@ -77,3 +77,14 @@ def test_batch_size_must_be_positive(tmp_path: Path, command: str, size: str) ->
     assert exc is None, repr(exc)
     assert code == 2 and "--batch-size" in output and "Traceback" not in output
     assert not (tmp_path / "db.sqlite").exists()   # nothing written
+
+
+@pytest.mark.parametrize("scheme", ["postgres", "postgresql"])
+def test_a_postgres_url_without_a_driver_means_psycopg_3(scheme: str, pg_database: str) -> None:
+    """What psql and most hosts print works as is: SQLAlchemy alone would pick psycopg2, which the
+    postgres extra does not install, and say the driver is missing."""
+    given = pg_database.replace("postgresql+psycopg://", f"{scheme}://")
+    assert given != pg_database
+    assert Settings.from_env({"SPECBATCH_DATABASE_URL": given}).database_url == pg_database
+    code, output, exc = _invoke(["jobs", "--json"], {"SPECBATCH_DATABASE_URL": given})
+    assert exc is None and code == 0 and "driver" not in output, output
