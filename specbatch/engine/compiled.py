@@ -304,6 +304,12 @@ def shape_key(rows: int, tokens: int, keep: int) -> str:
     return f"{rows}x{tokens}:{keep}"
 
 
+def key_class(key: str) -> tuple[bool, bool]:
+    """The shape class of a ``shape_key`` ("16x4:2"); ValueError for anything else."""
+    rows, tokens = (int(x) for x in key.split(":")[0].split("x"))
+    return shape_class(rows, tokens)
+
+
 # (rows, tokens, kept logits): one of each graph (sizes 1 and more than 1 differ). Fewer kept
 # logits than tokens, so the graph does not assume they are equal (a verify after a catch-up
 # keeps fewer than it feeds).
@@ -430,10 +436,9 @@ def recorded_speedup(lm: Any, cache_dir: str | os.PathLike[str], rows: int) -> f
     decoding, most of a job's steps), when it measured it."""
     for key, value in (_recorded(lm, cache_dir).get("speedups") or {}).items():
         try:
-            shape_rows, tokens = (int(x) for x in key.split(":")[0].split("x"))
-            if shape_class(shape_rows, tokens) == shape_class(rows, 1):
+            if key_class(key) == shape_class(rows, 1):
                 return float(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):   # a record written by other code: not a measurement
             continue
     return None
 
@@ -534,8 +539,7 @@ def _keep_what_pays(lm: Any, report: CompileReport) -> None:
     """Send the shape classes whose graph measured no faster than eager here to the eager model."""
     for key, speedup in report.speedups.items():
         if speedup < MIN_SPEEDUP:
-            rows, tokens = (int(x) for x in key.split(":")[0].split("x"))
-            lm.compiled.eager_classes.add(shape_class(rows, tokens))
+            lm.compiled.eager_classes.add(key_class(key))
             report.eager_shapes.append(key)
     if report.speedups:
         logger.info("%s: compiled step vs eager here: %s%s", lm.name,
