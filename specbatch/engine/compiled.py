@@ -18,8 +18,10 @@ signature (explicit 4-D additive mask, position ids, kept-logit indices), so a c
 tree verify and a batched step share graphs. A forward over an empty cache (prefill) stays eager.
 
 Artefacts live under ``<cache_dir>/inductor``, shared across processes (frozen graphs bypass the
-FX graph cache, so what a later start reuses is kernels and autotuning); ``warm_up`` compiles the graphs a decode will need and records how long it took, so
-later starts know whether they hit the cache and how long compiling takes here.
+FX graph cache, so what a later start reuses is kernels and autotuning); ``warm_up`` compiles the
+graphs a decode will need, times each against eager on this machine, and records both, so later
+starts know whether they hit the cache, how long compiling takes and what it buys here. Where the
+frozen graphs' weight copies do not fit the memory budget, CPU compiles them ``NOT_FROZEN``.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ CACHED_COMPILE_SECONDS_PER_GRAPH = 160.0
 # +1430 MiB after one graph, +2455 MiB after three (docs/COMPILE.md, "Memory").
 MEMORY_PER_GRAPH = 1.25          # x the model's weight bytes
 MEMORY_FIXED = 900 * 2**20       # bytes, once per process
+# Where the frozen graphs do not fit, CPU compiles without freezing: the MKL linears read the
+# eager weights (no copies: 1243 MiB resident for the default target's 2 graphs, against about
+# 1900 frozen), the FX graph cache works, compiling is faster; it loses inductor's C++ GEMM, which
+# on one host made a verify nearly free and on another measured no faster (docs/COMPILE.md)
+NOT_FROZEN = {"freezing": False, "max_autotune": False}
 
 # The table above is two machines'. The same code and torch measured 1.80x at one row on one
 # 2-core host and 1.25x on the next (docs/COMPILE.md, "Measured on each host"), so warm-up times
@@ -125,6 +132,7 @@ class CompileReport:
     enabled: bool = False
     seconds: float = 0.0                      # warm-up wall time, all graphs
     graphs: dict[str, float] = field(default_factory=dict)   # shape -> seconds of its first call
+    frozen: bool | None = None                # weights frozen into the graphs (see NOT_FROZEN)
     speedups: dict[str, float] = field(default_factory=dict)  # shape -> eager / compiled step time here
     eager_shapes: list[str] = field(default_factory=list)     # shapes auto left eager (no gain here)
     cached: bool = False                      # a previous process had warmed the same graphs up
@@ -134,7 +142,7 @@ class CompileReport:
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "enabled": self.enabled, "seconds": round(self.seconds, 2),
                 "graphs": {k: round(v, 2) for k, v in self.graphs.items()},
-                "speedups": {k: round(v, 3) for k, v in self.speedups.items()},
+                "frozen": self.frozen, "speedups": {k: round(v, 3) for k, v in self.speedups.items()},
                 "eager_shapes": self.eager_shapes, "cached": self.cached,
                 "first_start_seconds": None if self.first_start_seconds is None
                 else round(self.first_start_seconds, 2), "error": self.error}
@@ -143,10 +151,11 @@ class CompileReport:
 class CompiledForward:
     """A model's forward through ``torch.compile``; eager for prefill and after a failure."""
 
-    def __init__(self, model: Any, name: str, device: torch.device) -> None:
+    def __init__(self, model: Any, name: str, device: torch.device, frozen: bool = True) -> None:
         self.model = model
         self.name = name
         self.device = device
+        self.frozen = frozen or device.type != "cpu"
         self.failed: str | None = None
         # CUDA: CUDA graphs remove the per-kernel launch cost that dominates small batches. With
         # the cache length symbolic, a graph would be re-recorded at every new length, so inductor
@@ -157,7 +166,9 @@ class CompiledForward:
             import torch._inductor.config as ic
 
             ic.triton.cudagraph_skip_dynamic_graphs = True
-        self._fn = torch.compile(model, dynamic=True, mode=mode)
+        # options patch inductor's config for this compile only (configure_inductor set the rest)
+        self._fn = (torch.compile(model, dynamic=True, mode=mode) if self.frozen
+                    else torch.compile(model, dynamic=True, options=dict(NOT_FROZEN)))
         # after warm_up, a call that fails every warmed graph's guards runs eagerly instead of
         # compiling for minutes; it is counted and warned about, never silent (docs/COMPILE.md)
         self.warmed = False
@@ -285,13 +296,13 @@ def compilable(model: Any) -> str | None:
     return None
 
 
-def install(lm: Any) -> CompiledForward | None:
+def install(lm: Any, frozen: bool = True) -> CompiledForward | None:
     """Route ``lm.forward`` through a compiled forward (compiled lazily, see ``warm_up``)."""
     why = compilable(lm.model)
     if why is not None:
         logger.info("%s: not compiled: %s", lm.name, why)
         return None
-    lm.compiled = CompiledForward(lm.model, lm.name, lm.device)
+    lm.compiled = CompiledForward(lm.model, lm.name, lm.device, frozen=frozen)
     return lm.compiled
 
 
@@ -339,6 +350,7 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
         report.error = compilable(lm.model) or "not installed"
         return report
     compiled.warmed = False   # compile what misses (a second warm-up may add shapes)
+    report.frozen = compiled.frozen
     marker = _marker(cache_dir, lm)
     report.cached = marker.exists()
     t0 = time.perf_counter()
@@ -450,8 +462,11 @@ def weight_bytes(model: Any) -> int:
     return sum(storages.values())
 
 
-def compile_memory_estimate(models: list[tuple[Any, tuple[tuple[int, int, int], ...]]]) -> int:
+def compile_memory_estimate(models: list[tuple[Any, tuple[tuple[int, int, int], ...]]],
+                            frozen: bool = True) -> int:
     """Bytes compiling ``models`` (each with the shapes it warms) adds on CPU."""
+    if not frozen:
+        return MEMORY_FIXED
     return MEMORY_FIXED + sum(int(weight_bytes(m.model) * MEMORY_PER_GRAPH * len(s)) for m, s in models)
 
 
@@ -574,13 +589,19 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         where = (f"here ({speedup:.2f}x at the last warm-up; --compile on compiles anyway)" if measured is not None
                  else f"on {torch.device(target.device).type} (docs/COMPILE.md)")
         return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager {where}")
+    frozen, not_frozen = True, ""
     if torch.device(target.device).type == "cpu":   # measured there only (CUDA: not yet)
         from specbatch.engine.memory import default_budget, format_bytes
 
         need, budget = compile_memory_estimate(models), default_budget(target.device)
+        if need > budget:   # the frozen graphs' weight copies do not fit: compile without them
+            frozen = False
+            not_frozen = (f"; not frozen: frozen graphs would need about {format_bytes(need)} more memory "
+                          f"(a copy of the weights per graph), over the {format_bytes(budget)} budget")
+            need = compile_memory_estimate(models, frozen=False)
         if need > budget:
-            why = (f"compiling needs about {format_bytes(need)} more memory (a copy of the weights per "
-                   f"graph), over the {format_bytes(budget)} budget of what is free")
+            why = (f"compiling needs about {format_bytes(need)} more memory, over the "
+                   f"{format_bytes(budget)} budget of what is free")
             if mode == "auto":
                 return CompilePlan(mode, False, f"auto: {why}")
             logger.warning("%s; decoding may run short of memory", why)
@@ -595,9 +616,10 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     else:
         reason = "compile on" if mode == "on" else "auto: a long-lived worker"
     configure_inductor(cache_dir, target.device)
+    reason += not_frozen
     plan = CompilePlan(mode, True, reason)
     for lm, shapes in models:
-        if install(lm) is None:
+        if install(lm, frozen=frozen) is None:
             continue
         # minutes on a small CPU: say so before the silence (a worker logs it; --compile off skips)
         notice = (f"{lm.name}: compiling {len(shapes)} graphs before decoding, about "

@@ -67,9 +67,10 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
     assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
 
 
-def test_auto_does_not_compile_what_memory_cannot_hold(tiny_models, tmp_path, monkeypatch, caplog):
-    """A compiled model holds its weights again per graph: auto refuses when that exceeds the
-    memory budget; on compiles anyway, with a warning."""
+def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models, tmp_path, monkeypatch,
+                                                                       caplog):
+    """A frozen graph holds its own copy of the weights: past the memory budget the graphs are
+    compiled without freezing (no copies); past it even so, auto declines and on warns."""
     import specbatch.engine.memory as memory
 
     target = load_model(str(tiny_models / "llama"))
@@ -78,16 +79,26 @@ def test_auto_does_not_compile_what_memory_cannot_hold(tiny_models, tmp_path, mo
     assert 0 < weights <= listed        # a tied head is counted once
     need = C.compile_memory_estimate([(target, C.warm_shapes(8))])
     assert need == C.MEMORY_FIXED + int(weights * C.MEMORY_PER_GRAPH * 4)
-    monkeypatch.setattr(memory, "default_budget", lambda device: need - 1)
+    assert C.compile_memory_estimate([(target, C.warm_shapes(8))], frozen=False) == C.MEMORY_FIXED
     monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: C.CompileReport(model=lm.name, enabled=True))
+
+    monkeypatch.setattr(memory, "default_budget", lambda device: need)
+    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert plan.enabled and "not frozen" not in plan.reason and target.compiled.frozen
+
+    monkeypatch.setattr(memory, "default_budget", lambda device: need - 1)
+    target.compiled = None
+    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert plan.enabled and "not frozen: frozen graphs would need" in plan.reason
+    assert target.compiled is not None and not target.compiled.frozen
+
+    monkeypatch.setattr(memory, "default_budget", lambda device: C.MEMORY_FIXED - 1)
+    target.compiled = None
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
     assert not plan.enabled and "more memory" in plan.reason and target.compiled is None
     with caplog.at_level("WARNING", logger=C.__name__):
         plan = C.prepare(target, [], mode="on", batch_size=8, cache_dir=tmp_path)
-    assert plan.enabled and "more memory" in caplog.text
-    monkeypatch.setattr(memory, "default_budget", lambda device: need)
-    target.compiled = None
-    assert C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path).enabled
+    assert plan.enabled and "more memory" in caplog.text and not target.compiled.frozen
 
 
 def test_compile_mode_setting_and_validation():
