@@ -31,7 +31,8 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--prompts", default="all", show_default=True,
               help="A JSONL file, 'all', or a comma list of bundled sets: code, chat, grounded.")
 @click.option("--num-prompts", type=int, default=None, help="Prompts to use, round-robin across categories [12; quick 3].")
-@click.option("--max-new-tokens", type=int, default=None, help="New tokens per prompt [128; quick 48].")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None,
+              help="New tokens per prompt [128; quick 48].")
 @click.option("--repeats", type=int, default=None, help="Interleaved repeats of every configuration [2].")
 @click.option("--gamma-grid", default=None, help="Fixed draft lengths to measure [1,2,3,4,6,8; quick 2,4,6].")
 @click.option("--hf-settings", default=None,

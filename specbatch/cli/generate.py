@@ -16,7 +16,7 @@ from specbatch.plural import plural
 @click.option("--prompt", help="Prompt text, tokenized as is.")
 @click.option("--message", "messages", multiple=True, metavar="TEXT",
               help="A user message (chat template applied); repeat for several turns.")
-@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
 @click.option("--gamma", type=int, default=None, help="Initial draft length (default 4).")
 @click.option("--fixed-gamma", is_flag=True, help="Keep gamma fixed (no adaptation, no switch-off).")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")

@@ -43,7 +43,7 @@ def sampling_options(f: Any) -> Any:
         ("--temperature", float, "Default temperature (0: greedy)."),
     ):
         f = click.option(name, type=kind, default=None, help=help_)(f)
-    f = click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", type=int, default=None,
+    f = click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", type=click.IntRange(min=1), default=None,
                      help="Default max new tokens per request (alias --max-tokens).")(f)
     return f
 

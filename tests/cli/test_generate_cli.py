@@ -134,7 +134,7 @@ BAD = {
     "top-p 0": (["--prompt", "hi", "--top-p", "0"], ["top_p"]),
     "top-p > 1": (["--prompt", "hi", "--top-p", "1.5"], ["top_p"]),
     "temperature < 0": (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
-    "max-new-tokens 0": (["--prompt", "hi", "--max-new-tokens", "0"], ["max_new_tokens"]),
+    "max-new-tokens 0": (["--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens", "x>=1"]),
     "gamma too large": (["--prompt", "hi", "--gamma", "100"], ["gamma"]),
     "beyond context": (["--prompt", "hi", "--max-new-tokens", "600"], ["512", "context"]),
     "unknown device": (["--prompt", "hi", "--device", "tpu"], ["tpu"]),
@@ -256,3 +256,18 @@ def test_the_cli_says_before_compiling_that_it_compiles_and_about_how_long(tiny_
     err = capsys.readouterr().err
     assert f"specbatch: {target.name}: compiling 2 graphs before decoding, about " in err
     assert "s (compile on)" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "run", "submit", "bench"])
+def test_a_token_limit_under_one_is_a_usage_error(command, tmp_path):
+    """Exit 2, like every other bad option value (README, "Exit status"), before anything loads."""
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    args = {"generate": ["--prompt", "hi"], "run": [str(prompts)], "submit": [str(prompts)], "bench": []}
+    r = CliRunner().invoke(cli, [command, *args[command], "--max-new-tokens", "0"])
+    assert r.exit_code == 2, r.output
+    assert "'--max-new-tokens'" in r.output and "0 is not in the range x>=1" in r.output
