@@ -93,6 +93,10 @@ class WorkerMetrics:
         # gauges: the value the latest process set wins (a replaced pool child's stale files lose)
         self.batch_size = Gauge("specbatch_batch_size", "Requests the decoder runs together.", LABELS,
                                 multiprocess_mode="mostrecent", registry=reg)
+        self.compiled_speedup = Gauge("specbatch_compiled_speedup",
+                                      "Eager / compiled step time of each warmed graph, measured at "
+                                      "warm-up on this machine.", (*LABELS, "model", "shape"),
+                                      multiprocess_mode="mostrecent", registry=reg)
         self.speculation = Gauge("specbatch_speculation_enabled",
                                  "1 while decoding speculatively, 0 while decoding plainly.", LABELS,
                                  multiprocess_mode="mostrecent", registry=reg)
@@ -124,6 +128,15 @@ class WorkerMetrics:
             if misses > seen_misses:
                 self.compiled_misses.labels(**self.labels, model=model).inc(misses - seen_misses)
             self._compiled_seen[model] = (max(calls, seen_calls), max(misses, seen_misses))
+
+    def observe_compile_plan(self, plan: Any) -> None:
+        """``plan``: the engine's ``CompilePlan`` (None or disabled: nothing to show)."""
+        if plan is None or not plan.enabled:
+            return
+        for report in plan.models:
+            for shape, speedup in report.speedups.items():
+                self.compiled_speedup.labels(**self.labels, model=report.model,
+                                             shape=shape.split(":")[0]).set(speedup)
 
     def observe_failed(self) -> None:
         self.requests.labels(**self.labels, outcome="failed").inc()

@@ -40,6 +40,11 @@ class Observer:
         except Exception as e:  # telemetry never fails a request whose result is stored
             logger.warning("recording telemetry for request %s failed: %s", event.request_id, e)
 
+    def set_compile_plan(self, plan: Any) -> None:
+        """What compiling measured at warm-up (``Engine.compile_plan``): a gauge per graph."""
+        if self.metrics is not None:
+            self.metrics.observe_compile_plan(plan)
+
     def set_decoding(self, *, batch_size: int | None = None, speculation: bool | None = None) -> None:
         if self.metrics is not None:
             self.metrics.set_decoding(batch_size=batch_size, speculation=speculation)

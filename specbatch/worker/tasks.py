@@ -124,7 +124,7 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
         logger.error("cannot load models: %s", e)
         _write_ready(ready, f"error\n{e}")
         return
-    get_observer(conf)
+    get_observer(conf).set_compile_plan(get_engine(conf).compile_plan)
     _write_ready(ready, "ok\n")
 
 

@@ -71,6 +71,22 @@ def test_compiled_forward_counts_are_added_as_they_grow() -> None:
     assert value("specbatch_compiled_forward_misses_total", "d1") is None   # never missed
 
 
+def test_what_compiling_measured_is_a_gauge_per_graph() -> None:
+    from specbatch.engine.compiled import CompilePlan, CompileReport
+
+    m = WorkerMetrics(LABELS)
+    m.observe_compile_plan(None)
+    m.observe_compile_plan(CompilePlan("off", False, "compile off"))
+    assert m.registry.get_sample_value("specbatch_compiled_speedup", {**LABELS, "model": "t", "shape": "1x1"}) is None
+    report = CompileReport(model="t", enabled=True, speedups={"1x1:1": 1.31, "16x4:2": 0.98})
+    m.observe_compile_plan(CompilePlan("auto", True, "auto: a long-lived worker", [report]))
+
+    def value(shape: str) -> float | None:
+        return m.registry.get_sample_value("specbatch_compiled_speedup", {**LABELS, "model": "t", "shape": shape})
+
+    assert value("1x1") == pytest.approx(1.31) and value("16x4") == pytest.approx(0.98)
+
+
 @pytest.mark.parametrize("env, expected", [
     ({}, ()),
     ({"OTEL_SERVICE_NAME": "x"}, ()),
