@@ -351,7 +351,7 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
         return report
     compiled.warmed = False   # compile what misses (a second warm-up may add shapes)
     report.frozen = compiled.frozen
-    marker = _marker(cache_dir, lm)
+    marker = _marker(cache_dir, lm, compiled.frozen)
     report.cached = marker.exists()
     t0 = time.perf_counter()
     try:
@@ -397,11 +397,13 @@ def measure_speedup(lm: Any, cache: Any, ids: torch.Tensor, keep: int,
     return best["eager"] / best["compiled"]
 
 
-def _marker(cache_dir: str | os.PathLike[str], lm: Any) -> Path:
+def _marker(cache_dir: str | os.PathLike[str], lm: Any, frozen: bool = True) -> Path:
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{lm.name}-{lm.info.get('source', '')}")
-    # graphs compiled with other inductor options are not these
+    # graphs compiled with other inductor options are not these (nor are their times and ratios)
     tag = "-".join(f"{v}" for k, v in sorted(inductor_options(lm.device).items()) if k != "freezing")
     tag = "".join(c if c.isalnum() else "_" for c in tag) or "default"
+    if not frozen and torch.device(lm.device).type == "cpu":
+        tag = "not_frozen"
     return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}-{tag}.json"
 
 
@@ -422,31 +424,31 @@ def _write_marker(marker: Path, report: CompileReport) -> float:
     return first
 
 
-def is_cached(lm: Any, cache_dir: str | os.PathLike[str]) -> bool:
+def is_cached(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = True) -> bool:
     """Whether a previous process warmed this model's compiled graphs up under ``cache_dir``."""
-    return _marker(cache_dir, lm).exists()
+    return _marker(cache_dir, lm, frozen).exists()
 
 
-def _recorded(lm: Any, cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
+def _recorded(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = True) -> dict[str, Any]:
     try:
-        data = json.loads(_marker(cache_dir, lm).read_text())
+        data = json.loads(_marker(cache_dir, lm, frozen).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str]) -> float | None:
+def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = True) -> float | None:
     """The last warm-up time of this model here (a cached start), when one was recorded."""
     try:
-        return float(_recorded(lm, cache_dir)["seconds"])
+        return float(_recorded(lm, cache_dir, frozen)["seconds"])
     except (KeyError, TypeError, ValueError):
         return None
 
 
-def recorded_speedup(lm: Any, cache_dir: str | os.PathLike[str], rows: int) -> float | None:
+def recorded_speedup(lm: Any, cache_dir: str | os.PathLike[str], rows: int, frozen: bool = True) -> float | None:
     """What the last warm-up here measured for one-token steps of ``rows`` rows' class (plain
     decoding, most of a job's steps), when it measured it."""
-    for key, value in (_recorded(lm, cache_dir).get("speedups") or {}).items():
+    for key, value in (_recorded(lm, cache_dir, frozen).get("speedups") or {}).items():
         try:
             if key_class(key) == shape_class(rows, 1):
                 return float(value)
@@ -475,9 +477,10 @@ def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
     return n_graphs * per
 
 
-def expected_compile_seconds(lm: Any, n_graphs: int, cache_dir: str | os.PathLike[str], cached: bool) -> float:
+def expected_compile_seconds(lm: Any, n_graphs: int, cache_dir: str | os.PathLike[str], cached: bool,
+                             frozen: bool = True) -> float:
     """This model's last recorded warm-up here, else the per-graph prior."""
-    return recorded_seconds(lm, cache_dir) or compile_seconds_estimate(n_graphs, cached)
+    return recorded_seconds(lm, cache_dir, frozen) or compile_seconds_estimate(n_graphs, cached)
 
 
 def expected_speedup(device: torch.device | str, rows: int = 1) -> float:
@@ -583,12 +586,6 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     models = [(m, s) for m, s in models if compilable(m.model) is None]
     if not models:
         return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
-    measured = recorded_speedup(target, cache_dir, batch_size)
-    speedup = measured if measured is not None else expected_speedup(target.device, batch_size)
-    if mode == "auto" and speedup < MIN_SPEEDUP:
-        where = (f"here ({speedup:.2f}x at the last warm-up; --compile on compiles anyway)" if measured is not None
-                 else f"on {torch.device(target.device).type} (docs/COMPILE.md)")
-        return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager {where}")
     frozen, not_frozen = True, ""
     if torch.device(target.device).type == "cpu":   # measured there only (CUDA: not yet)
         from specbatch.engine.memory import default_budget, format_bytes
@@ -605,9 +602,15 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             if mode == "auto":
                 return CompilePlan(mode, False, f"auto: {why}")
             logger.warning("%s; decoding may run short of memory", why)
+    measured = recorded_speedup(target, cache_dir, batch_size, frozen)
+    speedup = measured if measured is not None else expected_speedup(target.device, batch_size)
+    if mode == "auto" and speedup < MIN_SPEEDUP:
+        where = (f"here ({speedup:.2f}x at the last warm-up; --compile on compiles anyway)" if measured is not None
+                 else f"on {torch.device(target.device).type} (docs/COMPILE.md)")
+        return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager {where}")
     if mode == "auto" and expected_new_tokens is not None:
-        cached = all(is_cached(m, cache_dir) for m, _ in models)
-        estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached) for m, s in models)
+        cached = all(is_cached(m, cache_dir, frozen) for m, _ in models)
+        estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached, frozen) for m, s in models)
         decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
         if not compile_pays(decode, estimate, cached, speedup):
             return CompilePlan(mode, False, f"auto: about {decode:.0f}s of eager decoding does not "
@@ -623,7 +626,8 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             continue
         # minutes on a small CPU: say so before the silence (a worker logs it; --compile off skips)
         notice = (f"{lm.name}: compiling {len(shapes)} graphs before decoding, about "
-                  f"{expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir)):.0f} s ({reason})")
+                  f"{expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir, frozen), frozen):.0f}"
+                  f" s ({reason})")
         logger.info(notice)
         if notify is not None:
             notify(notice)

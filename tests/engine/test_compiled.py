@@ -118,6 +118,9 @@ def test_cpu_gets_cpp_gemm_and_a_warm_up_under_other_options_is_not_cached(tmp_p
     lm = SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cpu"))
     C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=3.0))
     assert C.is_cached(lm, tmp_path)
+    # graphs compiled not frozen are other graphs: their record (times, ratios) is their own
+    assert not C.is_cached(lm, tmp_path, frozen=False) and C.recorded_seconds(lm, tmp_path) == 3.0
+    assert C.recorded_seconds(lm, tmp_path, frozen=False) is None
     assert not C.is_cached(SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cuda")),
                            tmp_path)
 
