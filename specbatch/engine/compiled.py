@@ -559,11 +559,6 @@ def _keep_what_pays(lm: Any, report: CompileReport) -> None:
         if speedup < MIN_SPEEDUP:
             lm.compiled.eager_classes.add(key_class(key))
             report.eager_shapes.append(key)
-    if report.speedups:
-        logger.info("%s: compiled step vs eager here: %s%s", lm.name,
-                    ", ".join(f"{k} {v:.2f}x" for k, v in report.speedups.items()),
-                    f"; {', '.join(report.eager_shapes)} stay eager (under {MIN_SPEEDUP}x)"
-                    if report.eager_shapes else "")
 
 
 def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
@@ -635,6 +630,11 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         plan.models.append(report)
         if mode == "auto":
             _keep_what_pays(lm, report)
+        if report.speedups:   # what compiling buys here, in every worker's log
+            logger.info("%s: eager / compiled step time here: %s%s", lm.name,
+                        ", ".join(f"{k} {v:.2f}x" for k, v in report.speedups.items()),
+                        f"; {', '.join(report.eager_shapes)} stay eager (under {MIN_SPEEDUP}x)"
+                        if report.eager_shapes else "")
         if report.error:  # the toolchain failed: nothing else will compile either
             break
     failed = next((r.error for r in plan.models if r.error), None)
