@@ -82,6 +82,8 @@ def compile_notice(message: str) -> None:
 
 def report_compile(plan: Any) -> None:
     """One stderr line on what compiling cost (a failure was already logged once as a warning)."""
+    from specbatch.engine.compiled import rows_x_tokens
+
     if plan is None or not plan.enabled:
         return
     cached = all(m.cached for m in plan.models)
@@ -89,11 +91,7 @@ def report_compile(plan: Any) -> None:
                f"({'cached' if cached else 'first start'}; {plan.reason})", err=True)
     for m in plan.models:   # what it buys on this machine: warm-up timed each graph against eager
         if m.speedups:
-            kept = f"; {', '.join(map(_rows_x_tokens, m.eager_shapes))} stay eager" if m.eager_shapes else ""
+            kept = f"; {', '.join(map(rows_x_tokens, m.eager_shapes))} stay eager" if m.eager_shapes else ""
             click.echo(f"specbatch: {m.model}: eager / compiled step time here (rows x tokens): "
-                       + ", ".join(f"{_rows_x_tokens(k)} {v:.2f}x" for k, v in m.speedups.items()) + kept,
+                       + ", ".join(f"{rows_x_tokens(k)} {v:.2f}x" for k, v in m.speedups.items()) + kept,
                        err=True)
-
-
-def _rows_x_tokens(shape_key: str) -> str:
-    return shape_key.split(":")[0]   # "16x4:2" -> "16x4": the kept-logit count is internal

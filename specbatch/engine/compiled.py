@@ -315,6 +315,11 @@ def shape_key(rows: int, tokens: int, keep: int) -> str:
     return f"{rows}x{tokens}:{keep}"
 
 
+def rows_x_tokens(key: str) -> str:
+    """A ``shape_key`` as users read it: "16x4:2" -> "16x4" (the kept-logit count is internal)."""
+    return key.split(":")[0]
+
+
 def key_class(key: str) -> tuple[bool, bool]:
     """The shape class of a ``shape_key`` ("16x4:2"); ValueError for anything else."""
     rows, tokens = (int(x) for x in key.split(":")[0].split("x"))

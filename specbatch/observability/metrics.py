@@ -131,12 +131,14 @@ class WorkerMetrics:
 
     def observe_compile_plan(self, plan: Any) -> None:
         """``plan``: the engine's ``CompilePlan`` (None or disabled: nothing to show)."""
+        from specbatch.engine.compiled import rows_x_tokens
+
         if plan is None or not plan.enabled:
             return
         for report in plan.models:
             for shape, speedup in report.speedups.items():
                 self.compiled_speedup.labels(**self.labels, model=report.model,
-                                             shape=shape.split(":")[0]).set(speedup)
+                                             shape=rows_x_tokens(shape)).set(speedup)
 
     def observe_failed(self) -> None:
         self.requests.labels(**self.labels, outcome="failed").inc()
