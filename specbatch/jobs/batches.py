@@ -210,7 +210,8 @@ def batch_object(batch: ApiBatch, job: Job | None, counts: dict[str, int] | None
         "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
         "status": status, "output_file_id": batch.output_file_id, "error_file_id": batch.error_file_id,
         "created_at": _ts(batch.created_at),
-        "in_progress_at": _ts(job.created_at) if job is not None else None,
+        # the job is stored just before its batch row: never report it in progress before it exists
+        "in_progress_at": max(_ts(job.created_at) or 0, _ts(batch.created_at) or 0) if job is not None else None,
         "expires_at": _ts(batch.expires_at),
         "finalizing_at": _ts(finalizing_at),
         "completed_at": _ts(batch.finalized_at) if status == "completed" else None,

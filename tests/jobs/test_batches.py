@@ -149,3 +149,14 @@ def test_listing_after_an_unknown_id_is_an_input_error(db_url: str) -> None:
     with db.session_factory(db_url).begin() as s, pytest.raises(InputError) as e:
         batches.list_batches(s, limit=10, after="batch_nope")
     assert e.value.field == "after"
+
+
+def test_a_batch_is_never_in_progress_before_it_was_created(db_url: str, tmp_path: Path) -> None:
+    """The job row is stored just before the batch row; when a second boundary falls between the
+    two, in_progress_at must still not precede created_at (the API test once caught 1 s)."""
+    _, batch_id, _ = _setup(db_url, tmp_path)
+    with db.session_factory(db_url).begin() as s:
+        batch = batches.get_batch(s, batch_id)
+        s.execute(update(Job).where(Job.id == batch.job_id).values(created_at=batch.created_at - timedelta(seconds=1)))
+    got = _object(db_url, batch_id)
+    assert got["status"] == "in_progress" and got["in_progress_at"] == got["created_at"]
