@@ -372,11 +372,8 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         problems.append((None, "\"prompt\" or \"messages\" is required"))
 
     custom_id = obj.get("custom_id")
-    if "custom_id" in obj and (not isinstance(custom_id, str) or not custom_id):
-        problems.append(("custom_id", f"must be a non-empty string, got {json_type(custom_id)}"
-                         if not isinstance(custom_id, str) else "must not be empty"))
-    elif isinstance(custom_id, str) and len(custom_id) > MAX_CUSTOM_ID:
-        problems.append(("custom_id", f"is {len(custom_id)} characters; the limit is {MAX_CUSTOM_ID}"))
+    if "custom_id" in obj and (why := _custom_id_problem(custom_id)):
+        problems.append(("custom_id", why))
 
     prompt = messages = prompt_ids = None
     if has_prompt:
@@ -474,9 +471,20 @@ def _given_id(obj: dict[str, Any]) -> Any:
     if "custom_id" not in obj:
         return None
     cid = obj["custom_id"]
-    if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID or any(_bad_text(cid)):
+    if _custom_id_problem(cid) or any(_bad_text(cid)):
         return _MISSING
     return cid
+
+
+def _custom_id_problem(cid: Any) -> str | None:
+    """Why a given custom_id is not valid, or None."""
+    if not isinstance(cid, str):
+        return f"must be a non-empty string, got {json_type(cid)}"
+    if not cid:
+        return "must not be empty"
+    if len(cid) > MAX_CUSTOM_ID:
+        return f"is {len(cid)} characters; the limit is {MAX_CUSTOM_ID}"
+    return None
 
 
 def _reject_constant(name: str) -> Any:
