@@ -217,9 +217,10 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
     tmp = target.with_name(f"{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32)
+        with _no_progress_bars():   # the conversion keeps its own bar (once per machine, can be long)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                         dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one readable error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
