@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -63,6 +64,33 @@ def echo_json(data: Any) -> None:
 def warn(message: str) -> None:
     """A warning for people, on stderr (never mixed into --json output); credentials masked."""
     click.secho(f"warning: {mask(message)}", err=True, fg="yellow")
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (click lets nan through every bound)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{rv} is not a finite number.", param, ctx)
+        return rv
+
+
+# The generation options' types: exactly what GenerationParams.validate accepts (engine/types.py),
+# so a bad value on the command line is a usage error (exit 2) naming the option, before any
+# model loads. The engine keeps its own check for library callers and per-line file values.
+TEMPERATURE = FiniteFloatRange(min=0)                        # 0: greedy
+TOP_P = FiniteFloatRange(min=0, max=1, min_open=True)        # (0, 1]
+TOP_K = click.IntRange(min=0)                                # 0: no top-k
+SEED = click.IntRange(min=0, max=2**63, max_open=True)       # [0, 2**63)
+GAMMA = click.IntRange(min=0, max=64)
+
+
+def nonempty_stops(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """--stop callback: an empty stop string is refused, as GenerationParams.validate does."""
+    if any(s == "" for s in value):
+        raise click.BadParameter("stop strings must not be empty", ctx=ctx, param=param)
+    return value
 
 
 def compile_option(f: Any) -> Any:

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import click
 
-from specbatch.cli.common import compile_notice, compile_option, echo_json, report_compile
+from specbatch.cli.common import (
+    GAMMA,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    compile_notice,
+    compile_option,
+    echo_json,
+    nonempty_stops,
+    report_compile,
+)
 from specbatch.config import get_settings
 from specbatch.plural import plural
 
@@ -17,13 +28,14 @@ from specbatch.plural import plural
 @click.option("--message", "messages", multiple=True, metavar="TEXT",
               help="A user message (chat template applied); repeat for several turns.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--gamma", type=int, default=None, help="Initial draft length (default 4).")
+@click.option("--gamma", type=GAMMA, default=None, help="Initial draft length (default 4).")
 @click.option("--fixed-gamma", is_flag=True, help="Keep gamma fixed (no adaptation, no switch-off).")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable); the text ends before it.")
+@click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
+@click.option("--top-k", type=TOP_K, default=0, show_default=True)
+@click.option("--seed", type=SEED, default=None)
+@click.option("--stop", multiple=True, callback=nonempty_stops,
+              help="Stop string (repeatable); the text ends before it.")
 @click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default from settings).")
 @click.option("--dtype", default=None, help="float32, bfloat16 or float16.")
 @compile_option

@@ -11,7 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from specbatch.cli.common import compile_notice, compile_option, echo_json, open_db, report_compile, warn
+from specbatch.cli.common import (
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    compile_notice,
+    compile_option,
+    echo_json,
+    nonempty_stops,
+    open_db,
+    report_compile,
+    warn,
+)
 from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
@@ -34,13 +46,13 @@ def model_options(f: Any) -> Any:
 
 def sampling_options(f: Any) -> Any:
     """Job-wide defaults for lines that do not set them (same names as `specbatch generate`)."""
-    f = click.option("--stop", multiple=True, metavar="TEXT",
+    f = click.option("--stop", multiple=True, metavar="TEXT", callback=nonempty_stops,
                      help="Default stop string (repeatable); the text ends before it.")(f)
     for name, kind, help_ in (
-        ("--seed", int, "Default seed."),
-        ("--top-k", int, "Default top-k (0: off)."),
-        ("--top-p", float, "Default top-p."),
-        ("--temperature", float, "Default temperature (0: greedy)."),
+        ("--seed", SEED, "Default seed."),
+        ("--top-k", TOP_K, "Default top-k (0: off)."),
+        ("--top-p", TOP_P, "Default top-p."),
+        ("--temperature", TEMPERATURE, "Default temperature (0: greedy)."),
     ):
         f = click.option(name, type=kind, default=None, help=help_)(f)
     f = click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", type=click.IntRange(min=1), default=None,

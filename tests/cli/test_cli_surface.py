@@ -126,7 +126,7 @@ def test_bad_job_default_is_a_readable_error(tmp_path: Path) -> None:
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"prompt": "x"}\n')
     result = CliRunner().invoke(cli, ["run", str(ok), "--target", "unused", "--top-p", "3"])
-    assert result.exit_code == 1 and "--top-p" in result.output, result.output
+    assert result.exit_code == 2 and "'--top-p'" in result.output, result.output   # a usage error
 
 
 # ---------------------------------------------------------------- job defaults reach the job

@@ -131,11 +131,11 @@ def test_generate_human_output(tiny_models):
 BAD = {
     "empty prompt": (["--prompt", ""], ["prompt", "empty"]),
     "whitespace prompt": (["--prompt", "   "], ["prompt", "empty"]),
-    "top-p 0": (["--prompt", "hi", "--top-p", "0"], ["top_p"]),
-    "top-p > 1": (["--prompt", "hi", "--top-p", "1.5"], ["top_p"]),
-    "temperature < 0": (["--prompt", "hi", "--temperature", "-1"], ["temperature"]),
+    "top-p 0": (["--prompt", "hi", "--top-p", "0"], ["--top-p", "0<x<=1"]),
+    "top-p > 1": (["--prompt", "hi", "--top-p", "1.5"], ["--top-p", "0<x<=1"]),
+    "temperature < 0": (["--prompt", "hi", "--temperature", "-1"], ["--temperature", "x>=0"]),
     "max-new-tokens 0": (["--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens", "x>=1"]),
-    "gamma too large": (["--prompt", "hi", "--gamma", "100"], ["gamma"]),
+    "gamma too large": (["--prompt", "hi", "--gamma", "100"], ["--gamma", "0<=x<=64"]),
     "beyond context": (["--prompt", "hi", "--max-new-tokens", "600"], ["512", "context"]),
     "unknown device": (["--prompt", "hi", "--device", "tpu"], ["tpu"]),
     "unknown dtype": (["--prompt", "hi", "--dtype", "float64"], ["float64"]),
@@ -187,7 +187,7 @@ def test_draft_with_another_tokenizer(tiny_models, tmp_path):
 
 def test_debug_flag_shows_the_exception(tiny_models):
     r = CliRunner().invoke(cli, ["--debug", "generate", "--target", str(tiny_models / "llama"),
-                                 "--prompt", "hi", "--top-p", "0"], obj={})
+                                 "--prompt", ""], obj={})
     assert r.exit_code != 0
     from specbatch.errors import RequestError
 
@@ -271,3 +271,51 @@ def test_a_token_limit_under_one_is_a_usage_error(command, tmp_path):
     r = CliRunner().invoke(cli, [command, *args[command], "--max-new-tokens", "0"])
     assert r.exit_code == 2, r.output
     assert "'--max-new-tokens'" in r.output and "0 is not in the range x>=1" in r.output
+
+
+# (option, value, what Click's message says): each is outside what GenerationParams.validate accepts
+BAD_GENERATION_VALUES = [
+    ("--temperature", "-1", "-1.0 is not in the range x>=0"),
+    ("--temperature", "inf", "inf is not a finite number"),
+    ("--top-p", "0", "0.0 is not in the range 0<x<=1"),
+    ("--top-p", "1.01", "1.01 is not in the range 0<x<=1"),
+    ("--top-p", "nan", "nan is not a finite number"),
+    ("--top-k", "-1", "-1 is not in the range x>=0"),
+    ("--seed", "-1", "-1 is not in the range 0<=x<9223372036854775808"),
+    ("--seed", str(2**63), "9223372036854775808 is not in the range 0<=x<9223372036854775808"),
+    ("--stop", "", "stop strings must not be empty"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "value", "message"), [
+    *((c, *bad) for c in ("generate", "run", "submit") for bad in BAD_GENERATION_VALUES),
+    ("generate", "--gamma", "65", "65 is not in the range 0<=x<=64"),
+    ("generate", "--gamma", "-1", "-1 is not in the range 0<=x<=64"),
+])
+def test_a_generation_value_the_engine_refuses_is_a_usage_error(command, option, value, message, tmp_path,
+                                                                monkeypatch):
+    """Exit 2 with Click's message naming the option, before any model loads (as --max-new-tokens);
+    the engine's own check stays for library callers and per-line file values."""
+    from specbatch.engine import Engine
+
+    def no_load(*a, **k):
+        raise AssertionError("a model loaded for a bad option value")
+
+    monkeypatch.setattr(Engine, "load", no_load)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    args = {"generate": ["--prompt", "hi"], "run": [str(prompts)], "submit": [str(prompts)]}
+    r = run(command, *args[command], option, value)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}': {message}" in r.stderr, r.stderr
+
+
+def test_generation_values_at_their_bounds_are_accepted(tiny_models):
+    """The closed ends (temperature 0, top-p 1, top-k 0, seed 0 and 2**63 - 1, gamma 0 and 64) and a
+    top-p just above its open end decode."""
+    for extra in (["--temperature", "0", "--top-p", "1", "--top-k", "0", "--seed", "0", "--gamma", "0"],
+                  ["--temperature", "0.5", "--top-p", "1e-9", "--seed", str(2**63 - 1), "--gamma", "64",
+                   "--stop", "x"]):
+        out = generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "3", *extra)
+        assert 1 <= len(out["token_ids"]) <= 3, extra
+

@@ -81,3 +81,16 @@ def test_submit_with_broker_down_writes_nothing(tmp_path: Path, tiny_models: Pat
 def test_worker_help_lists_batch_size() -> None:
     result = CliRunner().invoke(cli, ["worker", "--help"])
     assert result.exit_code == 0 and "--batch-size" in result.output
+
+
+def test_run_accepts_generation_values_at_their_bounds(tmp_path: Path, tiny_models: Path) -> None:
+    """The closed ends of each range are job defaults like any other (bad ones: test_generate_cli)."""
+    bounds = ["--temperature", "0", "--top-p", "1", "--top-k", "0", "--seed", str(2**63 - 1)]
+    result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path, n=1, max_tokens=2)), "--target",
+                                      str(tiny_models / "llama"), "--json", *bounds])
+    assert result.exit_code == 0, result.output
+    submitted = CliRunner().invoke(cli, ["submit", str(_prompts(tmp_path, n=1)), "--target",
+                                         str(tiny_models / "llama"), "--temperature", "0.5", "--top-p",
+                                         "1e-9", "--seed", "0"])
+    assert submitted.exit_code == 1 and "cannot reach the broker" in submitted.output, submitted.output
+
