@@ -282,8 +282,10 @@ def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str,
     return runners, engines
 
 
-def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str, Any]:
-    """Run everything; returns the JSON-able result (``configs``, ``costs``, ``throughput``, ...)."""
+def run_bench(opts: BenchOptions, progress: Progress | None = None,
+              notify: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run everything; returns the JSON-able result (``configs``, ``costs``, ``throughput``, ...).
+    ``notify`` hears, once, why ``compile="auto"`` decodes eagerly (a CLI prints it)."""
     from specbatch.engine import Engine
 
     say = progress or (lambda what, done, total: None)
@@ -299,6 +301,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None) -> dict[str,
         hit = all(is_cached(m, cache_dir) for m in [target, *drafts.values()] if m.compiled is None
                   and not m.info.get("int8"))
         opts = dataclasses.replace(opts, compile="on" if hit else "off")
+        if not hit and notify is not None:
+            notify("decoding eagerly: the compile cache does not hold these models' graphs "
+                   "(--compile on compiles anyway)")
     if opts.compile == "on":
         from specbatch.config import get_settings
         from specbatch.engine.compiled import prepare

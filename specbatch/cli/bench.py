@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import shlex
 import sys
 from pathlib import Path
 
 import click
 
-from specbatch.cli.common import echo_json, warn
+from specbatch.cli.common import compile_notice, echo_json, warn
 from specbatch.config import get_settings
 
 
@@ -113,7 +114,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
         given["hf_settings"] = names
     opts = BenchOptions.quick_defaults(**given) if quick else BenchOptions(**given)
 
-    result = _run_with_progress(run_bench, opts, quiet=as_json)
+    result = _run_with_progress(functools.partial(run_bench, notify=compile_notice), opts, quiet=as_json)
     command = "specbatch " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "specbatch" else None
     result["command"] = command
     files = write_all(result, Path(out_dir), command)

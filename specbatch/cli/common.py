@@ -98,7 +98,8 @@ def compile_option(f: Any) -> Any:
     return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default=None,
                         help="torch.compile the models before decoding: on (minutes the first time on a "
                              "CPU; a stderr line says when it is ready), off, or auto (only when the job's "
-                             "saved decoding time exceeds the compile time; a worker compiles) "
+                             "saved decoding time exceeds the compile time, else a stderr line says why; "
+                             "a worker compiles) "
                              "[default: SPECBATCH_COMPILE or auto].")(f)
 
 
@@ -109,10 +110,15 @@ def compile_notice(message: str) -> None:
 
 
 def report_compile(plan: Any) -> None:
-    """One stderr line on what compiling cost (a failure was already logged once as a warning)."""
+    """One stderr line on what compiling cost, or where auto chose eager, why (a failure to
+    compile was already logged once as a warning; off says nothing)."""
     from specbatch.engine.compiled import rows_x_tokens
 
-    if plan is None or not plan.enabled:
+    if plan is None:
+        return
+    if not plan.enabled:
+        if plan.mode == "auto" and not any(m.error for m in plan.models):
+            click.echo(f"specbatch: decoding eagerly: {eager_reason(plan.reason)}", err=True)
         return
     cached = all(m.cached for m in plan.models)
     click.echo(f"specbatch: compiled forward ready in {plan.seconds:.0f}s "
@@ -123,3 +129,16 @@ def report_compile(plan: Any) -> None:
             click.echo(f"specbatch: {m.model}: eager / compiled step time here (rows x tokens): "
                        + ", ".join(f"{rows_x_tokens(k)} {v:.2f}x" for k, v in m.speedups.items()) + kept,
                        err=True)
+
+
+def eager_reason(reason: str) -> str:
+    """``CompilePlan.reason`` of an auto plan that stays eager, for people: where auto declined
+    ("auto: ..."), that --compile on overrides it, said once."""
+    if not reason.startswith("auto: "):
+        return reason          # e.g. no model can be compiled: on would not compile either
+    reason = reason.removeprefix("auto: ")
+    if "--compile on" in reason:
+        return reason
+    if reason.endswith(")"):   # "... (docs/COMPILE.md)" -> "... (docs/COMPILE.md; --compile on ...)"
+        return reason[:-1] + "; --compile on compiles anyway)"
+    return reason + " (--compile on compiles anyway)"

@@ -66,7 +66,12 @@ def build_engine(spec: dict[str, Any]) -> Engine:
 
 def get_engine(conf: Any) -> Engine:
     if "engine" not in _ENGINE:
-        _ENGINE["engine"] = build_engine(engine_spec(conf))
+        engine = _ENGINE["engine"] = build_engine(engine_spec(conf))
+        plan = engine.compile_plan
+        # auto chose eager: say why, as compiling says that it compiles (a failure already warned)
+        if (plan is not None and plan.mode == "auto" and not plan.enabled
+                and not any(m.error for m in plan.models)):
+            logger.info("%s: decoding eagerly: %s", engine.target_name, plan.reason)
     return _ENGINE["engine"]
 
 

@@ -85,6 +85,20 @@ def test_bench_json_schema_identity_and_files(tiny_models: Path, prompt_file: Pa
     assert (out / "speedup_vs_gamma.png").read_bytes()[:4] == b"\x89PNG"
     md = (out / "report.md").read_text()
     assert "| config | tok/s | speedup vs target |" in md and "ours[llama-partial,gamma=2]" in md
+    assert "eagerly" not in res.stderr      # --compile off (the bench's default) says nothing
+
+
+def test_bench_compile_auto_says_once_that_it_decodes_eagerly(tiny_models: Path, prompt_file: Path,
+                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The bench's auto compiles only what the compile cache holds; an empty cache: one stderr line."""
+    monkeypatch.setenv("SPECBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    args = _args(tiny_models, prompt_file, tmp_path / "out", "--json", "--no-ngram", "--gamma-grid", "2",
+                 "--num-prompts", "1", "--compile", "auto")
+    res = CliRunner().invoke(cli, args, obj={})
+    assert res.exit_code == 0, res.output
+    assert res.stderr.count("specbatch: decoding eagerly: the compile cache does not hold these models' "
+                            "graphs (--compile on compiles anyway)") == 1, res.stderr
+    assert json.loads(res.stdout)["compile"] is None
 
 
 def test_bench_reports_a_mismatch_as_failure(tiny_models: Path, prompt_file: Path, tmp_path: Path,

@@ -319,3 +319,45 @@ def test_generation_values_at_their_bounds_are_accepted(tiny_models):
         out = generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "3", *extra)
         assert 1 <= len(out["token_ids"]) <= 3, extra
 
+
+def test_compile_auto_says_once_why_it_decodes_eagerly(tiny_models):
+    """auto declines to compile for 4 tokens; the CLI says so in one stderr line, off says nothing."""
+    args = ["generate", "--target", str(tiny_models / "llama"), "--prompt", PROMPT, "--max-new-tokens", "4"]
+    auto = run(*args, "--compile", "auto")
+    assert auto.exit_code == 0, auto.output
+    lines = [ln for ln in auto.stderr.splitlines() if "decoding eagerly" in ln]
+    assert len(lines) == 1, auto.stderr
+    assert lines[0].startswith("specbatch: decoding eagerly: about ")
+    assert lines[0].endswith("s of compiling (--compile on compiles anyway)"), lines[0]
+    off = run(*args, "--compile", "off")
+    assert off.exit_code == 0, off.output
+    assert "eagerly" not in off.stderr and "compil" not in off.stderr, off.stderr
+
+
+@pytest.mark.parametrize(("reason", "said"), [
+    ("auto: about 1s of eager decoding does not repay ~370s of compiling",
+     "about 1s of eager decoding does not repay ~370s of compiling (--compile on compiles anyway)"),
+    ("auto: the compiled forward measured no faster than eager here (0.93x at the last warm-up; "
+     "--compile on compiles anyway)",
+     "the compiled forward measured no faster than eager here (0.93x at the last warm-up; "
+     "--compile on compiles anyway)"),
+    ("auto: the compiled forward measured no faster than eager on mps (docs/COMPILE.md)",
+     "the compiled forward measured no faster than eager on mps (docs/COMPILE.md; --compile on compiles "
+     "anyway)"),
+    ("no model can be compiled (int8 layers)", "no model can be compiled (int8 layers)"),
+])
+def test_the_eager_line_reads_well_for_every_reason(reason, said):
+    from specbatch.cli.common import eager_reason
+
+    assert eager_reason(reason) == said
+
+
+def test_a_compile_failure_is_not_said_twice(capsys):
+    """A failure to compile was already a warning: no eager line on top of it."""
+    from specbatch.cli.common import report_compile
+    from specbatch.engine.compiled import CompilePlan, CompileReport
+
+    report_compile(CompilePlan("auto", False, "compiling failed, eager instead: no C++ compiler",
+                               [CompileReport(model="m", enabled=False, error="no C++ compiler")]))
+    report_compile(CompilePlan("off", False, "compile off"))
+    assert capsys.readouterr().err == ""

@@ -94,3 +94,19 @@ def test_run_accepts_generation_values_at_their_bounds(tmp_path: Path, tiny_mode
                                          "1e-9", "--seed", "0"])
     assert submitted.exit_code == 1 and "cannot reach the broker" in submitted.output, submitted.output
 
+
+def test_run_compile_auto_says_once_why_it_decodes_eagerly(tmp_path: Path, tiny_models: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 4-token job does not repay compiling: auto decodes eagerly and says so in one stderr line
+    (nothing in --json's stdout); --compile off says nothing."""
+    monkeypatch.setenv("SPECBATCH_CACHE_DIR", str(tmp_path / "cache"))   # no recorded warm-up
+    args = ["run", str(_prompts(tmp_path, n=1, max_tokens=2)), "--target", str(tiny_models / "llama"),
+            "--draft", str(tiny_models / "llama-partial"), "--json"]
+    auto = CliRunner().invoke(cli, [*args, "--compile", "auto"])
+    assert auto.exit_code == 0, auto.output
+    assert auto.stderr.count("specbatch: decoding eagerly: about ") == 1, auto.stderr
+    assert auto.stderr.count("(--compile on compiles anyway)") == 1, auto.stderr
+    assert "eagerly" not in auto.stdout
+    off = CliRunner().invoke(cli, [*args, "--compile", "off"])
+    assert off.exit_code == 0, off.output
+    assert "eagerly" not in off.output

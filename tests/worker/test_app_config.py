@@ -1,8 +1,14 @@
-"""The queue's promises as configuration, and queue naming (no services needed)."""
+"""The queue's promises as configuration, queue naming, what a worker logs as it loads (no services needed)."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
+import pytest
+
 from specbatch.config import Settings
+from specbatch.engine.compiled import CompilePlan, CompileReport
 from specbatch.worker.app import celery_config
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.queues import queue_name
@@ -29,3 +35,22 @@ def test_queue_name_is_derived_from_the_pair(tmp_path) -> None:  # noqa: ANN001
 
 def test_chunks() -> None:
     assert list(chunks([1, 2, 3, 4, 5], 2)) == [[1, 2], [3, 4], [5]]
+
+
+@pytest.mark.parametrize(("plan", "logged"), [
+    (CompilePlan("auto", False, "auto: compiling needs about 2.0 GiB more memory"),
+     ["t: decoding eagerly: auto: compiling needs about 2.0 GiB more memory"]),
+    (CompilePlan("off", False, "compile off"), []),
+    (CompilePlan("auto", True, "auto: a long-lived worker"), []),
+    (CompilePlan("auto", False, "compiling failed, eager instead: boom",     # warned already
+                 [CompileReport(model="t", error="boom")]), []),
+])
+def test_a_worker_logs_why_auto_decodes_eagerly(plan, logged, monkeypatch, caplog) -> None:  # noqa: ANN001
+    from specbatch.worker import tasks
+
+    monkeypatch.setattr(tasks, "_ENGINE", {})
+    monkeypatch.setattr(tasks, "build_engine", lambda spec: SimpleNamespace(compile_plan=plan, target_name="t"))
+    with caplog.at_level(logging.INFO, logger="specbatch.worker.tasks"):
+        tasks.get_engine({"specbatch_engine": {"target": "t"}})
+        tasks.get_engine({"specbatch_engine": {"target": "t"}})    # loaded once: said once
+    assert [r.getMessage() for r in caplog.records if "eager" in r.getMessage()] == logged
