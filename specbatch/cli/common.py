@@ -109,15 +109,16 @@ def compile_notice(message: str) -> None:
     click.echo(f"specbatch: {mask(message)}", err=True)
 
 
-def report_compile(plan: Any) -> None:
+def report_compile(plan: Any, say_eager: bool = True) -> None:
     """One stderr line on what compiling cost, or where auto chose eager, why (a failure to
-    compile was already logged once as a warning; off says nothing)."""
+    compile was already logged once as a warning; off says nothing). ``say_eager`` False: a
+    one-off command on the default mode, where auto declining is the usual case, not news."""
     from specbatch.engine.compiled import rows_x_tokens
 
     if plan is None:
         return
     if not plan.enabled:
-        if plan.mode == "auto" and not any(m.error for m in plan.models):
+        if say_eager and plan.mode == "auto" and not any(m.error for m in plan.models):
             click.echo(f"specbatch: decoding eagerly: {eager_reason(plan.reason)}", err=True)
         return
     cached = all(m.cached for m in plan.models)

@@ -513,6 +513,10 @@ def compile_pays(expected_decode_seconds: float, compile_seconds_estimate: float
     return saved > compile_seconds_estimate or (cached and saved >= compile_seconds_estimate)
 
 
+def _secs(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 10 else f"{seconds:.0f} s"
+
+
 def resolve_mode(mode: str) -> str:
     mode = mode.strip().lower()
     if mode not in COMPILE_MODES:
@@ -613,9 +617,9 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached, frozen) for m, s in models)
         decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
         if not compile_pays(decode, estimate, cached, speedup):
-            return CompilePlan(mode, False, f"auto: about {decode:.0f}s of eager decoding does not "
-                                            f"repay ~{estimate:.0f}s of compiling")
-        reason = f"auto: about {decode:.0f}s of eager decoding repays ~{estimate:.0f}s of compiling"
+            return CompilePlan(mode, False, f"auto: about {_secs(decode)} of eager decoding would not "
+                                            f"repay about {_secs(estimate)} of compiling")
+        reason = f"auto: about {_secs(decode)} of eager decoding repays about {_secs(estimate)} of compiling"
     else:
         reason = "compile on" if mode == "on" else "auto: a long-lived worker"
     configure_inductor(cache_dir, target.device)

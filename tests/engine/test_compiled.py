@@ -62,7 +62,7 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
     monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: warmed.append(shapes) or
                         C.CompileReport(model=lm.name, enabled=True, seconds=1.0))
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
-    assert not plan.enabled and "does not repay" in plan.reason and not warmed
+    assert not plan.enabled and "would not repay" in plan.reason and not warmed
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
     assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
 
@@ -148,7 +148,7 @@ def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path, monkeypat
     # where it measured faster, a short job in auto mode still does not repay a first compile
     monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.5})
     plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
-    assert not plan.enabled and "does not repay" in plan.reason and target.compiled is None
+    assert not plan.enabled and "would not repay" in plan.reason and target.compiled is None
     from specbatch.engine.loading import _quantize_int8
 
     int8 = load_model(str(tiny_models / "llama"))
