@@ -69,6 +69,11 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
                                for k, v in m["graphs"].items())
             lines.append(f"| {m['model']} | {m['seconds']:.0f} | {_f(m['first_start_seconds'], '.0f')} "
                          f"| {m['cached']} | {graphs} |")
+        for m in comp["models"]:   # a first start here compared frozen and not frozen graphs
+            if m.get("frozen_gain"):
+                lines += ["", f"- {m['model']}: not-frozen / frozen step time "
+                          + ", ".join(f"{k} {v:.2f}x" for k, v in m["frozen_gain"].items())
+                          + f"; kept {'frozen' if m.get('frozen') else 'not frozen'} (docs/COMPILE.md)."]
         calls = comp.get("forward_calls") or {}
         lines += [""] if calls else []
         for model, n in calls.items():

@@ -113,7 +113,7 @@ def report_compile(plan: Any, say_eager: bool = True) -> None:
     """One stderr line on what compiling cost, or where auto chose eager, why (a failure to
     compile was already logged once as a warning; off says nothing). ``say_eager`` False: a
     one-off command on the default mode, where auto declining is the usual case, not news."""
-    from specbatch.engine.compiled import rows_x_tokens
+    from specbatch.engine.compiled import frozen_summary, rows_x_tokens
 
     if plan is None:
         return
@@ -128,8 +128,8 @@ def report_compile(plan: Any, say_eager: bool = True) -> None:
         if m.speedups:
             kept = f"; {', '.join(map(rows_x_tokens, m.eager_shapes))} stay eager" if m.eager_shapes else ""
             click.echo(f"specbatch: {m.model}: eager / compiled step time here (rows x tokens): "
-                       + ", ".join(f"{rows_x_tokens(k)} {v:.2f}x" for k, v in m.speedups.items()) + kept,
-                       err=True)
+                       + ", ".join(f"{rows_x_tokens(k)} {v:.2f}x" for k, v in m.speedups.items()) + kept
+                       + frozen_summary(m), err=True)
 
 
 def eager_reason(reason: str) -> str:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -73,6 +74,14 @@ NOT_FROZEN = {"freezing": False, "max_autotune": False}
 # than this stays eager, and later starts decide from that measurement instead of the table.
 MIN_SPEEDUP = 1.05
 MEASURE_ROUNDS = 3
+# Frozen or not, measured per host (docs/COMPILE.md, "Frozen or not"): freezing made a verify
+# nearly free on one host and bought 0-4% on the next, while it costs a weight copy per graph and
+# minutes of compiling at every start (its graphs bypass the FX graph cache). So the first start
+# where both fit compiles both and keeps freezing only where it is at least this much faster;
+# later starts compile only the one kept. Seconds per not-frozen graph, first and cached (default
+# target, host B: 71 s for 2 graphs, 47 s the next start from the FX graph cache).
+FROZEN_MARGIN = 1.03
+NOT_FROZEN_SECONDS_PER_GRAPH = {False: 36.0, True: 24.0}
 
 _lock = threading.Lock()
 
@@ -135,6 +144,7 @@ class CompileReport:
     frozen: bool | None = None                # weights frozen into the graphs (see NOT_FROZEN)
     speedups: dict[str, float] = field(default_factory=dict)  # shape -> eager / compiled step time here
     eager_shapes: list[str] = field(default_factory=list)     # shapes auto left eager (no gain here)
+    frozen_gain: dict[str, float] = field(default_factory=dict)  # shape -> not-frozen / frozen step time
     cached: bool = False                      # a previous process had warmed the same graphs up
     first_start_seconds: float | None = None  # the first (uncached) start's warm-up, as recorded
     error: str | None = None
@@ -144,6 +154,7 @@ class CompileReport:
                 "graphs": {k: round(v, 2) for k, v in self.graphs.items()},
                 "frozen": self.frozen, "speedups": {k: round(v, 3) for k, v in self.speedups.items()},
                 "eager_shapes": self.eager_shapes, "cached": self.cached,
+                "frozen_gain": {k: round(v, 3) for k, v in self.frozen_gain.items()},
                 "first_start_seconds": None if self.first_start_seconds is None
                 else round(self.first_start_seconds, 2), "error": self.error}
 
@@ -177,6 +188,9 @@ class CompiledForward:
         # shape classes (several rows?, several tokens?) whose graph measured no faster than eager
         # on this machine: auto sends them to the eager model (``prepare``)
         self.eager_classes: set[tuple[bool, bool]] = set()
+        # the other variant (frozen or not) where a first start compared the two: its graphs stay
+        # on the model's code object anyway (``compare_not_frozen``), so it stays servable
+        self.alternative: CompiledForward | None = None
         _forwards.add(self)
 
     def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
@@ -389,9 +403,17 @@ def measure_speedup(lm: Any, cache: Any, ids: torch.Tensor, keep: int,
     alternating so both see the same load; the cache is left as it was."""
     from specbatch.engine.loading import _cache_kwarg
 
-    width, kwarg = ids.shape[1], _cache_kwarg(lm.model)
-    steps = {"compiled": lambda: lm.forward(ids, cache, logits_to_keep=keep),
-             "eager": lambda: lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{kwarg: cache})}
+    kwarg = _cache_kwarg(lm.model)
+    best = time_steps({"compiled": lambda: lm.forward(ids, cache, logits_to_keep=keep),
+                       "eager": lambda: lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep,
+                                                 **{kwarg: cache})},
+                      cache, ids.shape[1], rounds)
+    return best["eager"] / best["compiled"]
+
+
+def time_steps(steps: dict[str, Callable[[], Any]], cache: Any, width: int, rounds: int) -> dict[str, float]:
+    """Best time of each step (each appends ``width`` tokens to ``cache``, cropped back after),
+    over ``rounds``, the steps alternating so all see the same load."""
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):
         for name, step in steps.items():
@@ -399,7 +421,62 @@ def measure_speedup(lm: Any, cache: Any, ids: torch.Tensor, keep: int,
             step()
             best[name] = min(best[name], time.perf_counter() - t)
             cache.crop(-width)
-    return best["eager"] / best["compiled"]
+    return best
+
+
+def compare_not_frozen(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str],
+                       frozen: CompileReport, rounds: int = 2 * MEASURE_ROUNDS) -> CompileReport:
+    """The first start where frozen graphs fit: compile the same graphs not frozen too, time the
+    two on the same steps (alternating), serve the faster, and record which in the frozen
+    warm-up's record, so later starts compile only that one (``recorded_frozen``).
+
+    Call right after ``warm_up`` of the frozen graphs (``frozen``). Returns the report of the
+    graphs served, with ``frozen_gain`` (not-frozen / frozen step time per shape) and the time
+    of both warm-ups. The graphs not served stay in memory until the process ends (dynamo keeps
+    them on the model's code object); later starts do not compile them."""
+    from transformers import DynamicCache
+
+    shapes = tuple(shapes)
+    kept_graphs: CompiledForward = lm.compiled
+    lm.compiled = CompiledForward(lm.model, lm.name, lm.device, frozen=False)
+    other = warm_up(lm, shapes, cache_dir)
+    if not other.enabled:           # keep what works; nothing is recorded, the next start tries again
+        lm.compiled = kept_graphs
+        return frozen
+    forwards = {True: kept_graphs, False: lm.compiled}
+
+    def through(f: CompiledForward, ids: torch.Tensor, cache: Any, keep: int) -> Callable[[], Any]:
+        def step() -> Any:
+            lm.compiled = f
+            return lm.forward(ids, cache, logits_to_keep=keep)
+        return step
+
+    with torch.inference_mode():
+        for rows, width, keep in shapes:
+            cache = DynamicCache()
+            lm.forward(torch.zeros(rows, 4, dtype=torch.long, device=lm.device), cache, logits_to_keep=1)
+            ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
+            best = time_steps({f"{v}": through(f, ids, cache, keep) for v, f in forwards.items()},
+                              cache, width, rounds)
+            frozen.frozen_gain[shape_key(rows, width, keep)] = best["False"] / best["True"]
+    keep_frozen = keeps_frozen(frozen.frozen_gain)
+    _write_marker(_marker(cache_dir, lm, True), frozen)      # the decision later starts read
+    lm.compiled = forwards[keep_frozen]
+    lm.compiled.alternative = forwards[not keep_frozen]
+    served = frozen if keep_frozen else other
+    served.frozen_gain = frozen.frozen_gain
+    served.seconds = frozen.seconds + other.seconds
+    served.cached = frozen.cached and other.cached
+    return served
+
+
+def keeps_frozen(gain: dict[str, float]) -> bool:
+    """Whether the frozen graphs are worth their memory and compile time: their step time beats
+    the not-frozen one's by ``FROZEN_MARGIN`` (geometric mean over the shapes measured)."""
+    values = [g for g in gain.values() if g > 0]
+    if not values:
+        return True
+    return math.exp(sum(math.log(g) for g in values) / len(values)) >= FROZEN_MARGIN
 
 
 def _marker(cache_dir: str | os.PathLike[str], lm: Any, frozen: bool = True) -> Path:
@@ -450,6 +527,18 @@ def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = 
         return None
 
 
+def recorded_frozen(lm: Any, cache_dir: str | os.PathLike[str]) -> bool | None:
+    """Whether the first start here kept the frozen graphs (``compare_not_frozen``); None when
+    no start here compared them."""
+    gain = _recorded(lm, cache_dir, True).get("frozen_gain")
+    if not isinstance(gain, dict) or not gain:
+        return None
+    try:
+        return keeps_frozen({str(k): float(v) for k, v in gain.items()})
+    except (TypeError, ValueError):     # a record written by other code: not a measurement
+        return None
+
+
 def recorded_speedup(lm: Any, cache_dir: str | os.PathLike[str], rows: int, frozen: bool = True) -> float | None:
     """What the last warm-up here measured for one-token steps of ``rows`` rows' class (plain
     decoding, most of a job's steps), when it measured it."""
@@ -477,15 +566,21 @@ def compile_memory_estimate(models: list[tuple[Any, tuple[tuple[int, int, int], 
     return MEMORY_FIXED + sum(int(weight_bytes(m.model) * MEMORY_PER_GRAPH * len(s)) for m, s in models)
 
 
-def compile_seconds_estimate(n_graphs: int, cached: bool) -> float:
+def compile_seconds_estimate(n_graphs: int, cached: bool, frozen: bool = True) -> float:
+    if not frozen:
+        return n_graphs * NOT_FROZEN_SECONDS_PER_GRAPH[cached]
     per = CACHED_COMPILE_SECONDS_PER_GRAPH if cached else FIRST_COMPILE_SECONDS_PER_GRAPH
     return n_graphs * per
 
 
 def expected_compile_seconds(lm: Any, n_graphs: int, cache_dir: str | os.PathLike[str], cached: bool,
-                             frozen: bool = True) -> float:
-    """This model's last recorded warm-up here, else the per-graph prior."""
-    return recorded_seconds(lm, cache_dir, frozen) or compile_seconds_estimate(n_graphs, cached)
+                             frozen: bool | None = True) -> float:
+    """This model's last recorded warm-up here, else the per-graph prior; ``frozen`` None: both
+    variants (a first start that compares them, ``compare_not_frozen``)."""
+    if frozen is None:
+        return sum(expected_compile_seconds(lm, n_graphs, cache_dir, is_cached(lm, cache_dir, v), v)
+                   for v in (True, False))
+    return recorded_seconds(lm, cache_dir, frozen) or compile_seconds_estimate(n_graphs, cached, frozen)
 
 
 def expected_speedup(device: torch.device | str, rows: int = 1) -> float:
@@ -562,6 +657,27 @@ def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
     return best
 
 
+def _variant(lm: Any, cache_dir: str | os.PathLike[str], frozen_fits: bool) -> bool | None:
+    """Frozen (True), not (False), or None: compare both at this start (CPU, where both fit and
+    no start here has compared them yet)."""
+    if not frozen_fits or torch.device(lm.device).type != "cpu":
+        return frozen_fits
+    return recorded_frozen(lm, cache_dir)
+
+
+def _cached(lm: Any, cache_dir: str | os.PathLike[str], variant: bool | None) -> bool:
+    return all(is_cached(lm, cache_dir, v) for v in ((True, False) if variant is None else (variant,)))
+
+
+def frozen_summary(report: CompileReport) -> str:
+    """After a comparison (``compare_not_frozen``): '; freezing gains 1x1 1.01x, 1x4 1.03x here:
+    kept not frozen' (not-frozen / frozen step time per shape); else empty."""
+    if not report.frozen_gain:
+        return ""
+    gains = ", ".join(f"{rows_x_tokens(k)} {v:.2f}x" for k, v in report.frozen_gain.items())
+    return f"; freezing gains {gains} here: kept {'frozen' if report.frozen else 'not frozen'}"
+
+
 def _keep_what_pays(lm: Any, report: CompileReport) -> None:
     """Send the shape classes whose graph measured no faster than eager here to the eager model."""
     for key, speedup in report.speedups.items():
@@ -606,15 +722,20 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             if mode == "auto":
                 return CompilePlan(mode, False, f"auto: {why}")
             logger.warning("%s; decoding may run short of memory", why)
-    measured = recorded_speedup(target, cache_dir, batch_size, frozen)
+    # per model: True frozen, False not, None: this first start compiles both and keeps the faster
+    variants = {id(m): _variant(m, cache_dir, frozen) for m, _ in models}
+    if variants[id(target)] is False and frozen:
+        not_frozen = (f"; not frozen: frozen graphs measured less than {FROZEN_MARGIN:.2f}x faster here "
+                      "at the first start, so they are not worth their memory and compile time")
+    measured = recorded_speedup(target, cache_dir, batch_size, variants[id(target)] is not False)
     speedup = measured if measured is not None else expected_speedup(target.device, batch_size)
     if mode == "auto" and speedup < MIN_SPEEDUP:
         where = (f"here ({speedup:.2f}x at the last warm-up; --compile on compiles anyway)" if measured is not None
                  else f"on {torch.device(target.device).type} (docs/COMPILE.md)")
         return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager {where}")
     if mode == "auto" and expected_new_tokens is not None:
-        cached = all(is_cached(m, cache_dir, frozen) for m, _ in models)
-        estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached, frozen) for m, s in models)
+        cached = all(_cached(m, cache_dir, variants[id(m)]) for m, _ in models)
+        estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached, variants[id(m)]) for m, s in models)
         decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
         if not compile_pays(decode, estimate, cached, speedup):
             return CompilePlan(mode, False, f"auto: about {_secs(decode)} of eager decoding would not "
@@ -626,24 +747,27 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     reason += not_frozen
     plan = CompilePlan(mode, True, reason)
     for lm, shapes in models:
-        if install(lm, frozen=frozen) is None:
+        variant = variants[id(lm)]
+        if install(lm, frozen=variant is not False) is None:
             continue
         # minutes on a small CPU: say so before the silence (a worker logs it; --compile off skips)
-        notice = (f"{lm.name}: compiling {len(shapes)} graphs before decoding, about "
-                  f"{expected_compile_seconds(lm, len(shapes), cache_dir, is_cached(lm, cache_dir, frozen), frozen):.0f}"
-                  f" s ({reason})")
+        both = ", frozen and not frozen to keep the faster here" if variant is None else ""
+        seconds = expected_compile_seconds(lm, len(shapes), cache_dir, _cached(lm, cache_dir, variant), variant)
+        notice = f"{lm.name}: compiling {len(shapes)} graphs before decoding{both}, about {seconds:.0f} s ({reason})"
         logger.info(notice)
         if notify is not None:
             notify(notice)
         report = warm_up(lm, shapes, cache_dir)
+        if variant is None and report.enabled:
+            report = compare_not_frozen(lm, shapes, cache_dir, report)
         plan.models.append(report)
         if mode == "auto":
             _keep_what_pays(lm, report)
         if report.speedups:   # what compiling buys here, in every worker's log
-            logger.info("%s: eager / compiled step time here: %s%s", lm.name,
+            logger.info("%s: eager / compiled step time here: %s%s%s", lm.name,
                         ", ".join(f"{k} {v:.2f}x" for k, v in report.speedups.items()),
                         f"; {', '.join(report.eager_shapes)} stay eager (under {MIN_SPEEDUP}x)"
-                        if report.eager_shapes else "")
+                        if report.eager_shapes else "", frozen_summary(report))
         if report.error:  # the toolchain failed: nothing else will compile either
             break
     failed = next((r.error for r in plan.models if r.error), None)

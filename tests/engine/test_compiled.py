@@ -61,6 +61,7 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
     warmed = []
     monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: warmed.append(shapes) or
                         C.CompileReport(model=lm.name, enabled=True, seconds=1.0))
+    _no_comparison(monkeypatch)
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
     assert not plan.enabled and "would not repay" in plan.reason and not warmed
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
@@ -81,6 +82,7 @@ def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models
     assert need == C.MEMORY_FIXED + int(weights * C.MEMORY_PER_GRAPH * 4)
     assert C.compile_memory_estimate([(target, C.warm_shapes(8))], frozen=False) == C.MEMORY_FIXED
     monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: C.CompileReport(model=lm.name, enabled=True))
+    _no_comparison(monkeypatch)
 
     monkeypatch.setattr(memory, "default_budget", lambda device: need)
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
@@ -221,12 +223,67 @@ def _eager_backend(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, dynamic=True, backend="eager"))
 
 
+def _no_comparison(monkeypatch):
+    """Frozen graphs only, as before a first start compared them (tests of other decisions)."""
+    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report: report)
+
+
+def test_frozen_is_kept_only_where_it_measured_worth_it(tmp_path):
+    from types import SimpleNamespace
+
+    assert C.keeps_frozen({"1x1:1": 1.10, "1x4:2": 1.20})
+    assert not C.keeps_frozen({"1x1:1": 1.01, "1x4:2": 1.02})           # within the margin: not worth it
+    assert not C.keeps_frozen({"1x1:1": 0.95, "1x4:2": 1.10})           # geometric mean 1.022
+    assert C.keeps_frozen({})                                           # nothing measured: as before
+    lm = SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cpu"))
+    assert C.recorded_frozen(lm, tmp_path) is None
+    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=3.0))
+    assert C.recorded_frozen(lm, tmp_path) is None                      # warmed, never compared
+    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True,
+                                                             frozen_gain={"1x1:1": 1.01}))
+    assert C.recorded_frozen(lm, tmp_path) is False
+    C._marker(tmp_path, lm).write_text('{"frozen_gain": {"1x1:1": "fast"}}')
+    assert C.recorded_frozen(lm, tmp_path) is None                      # not a measurement
+
+
+def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_one_kept(
+        tiny_models, tmp_path, monkeypatch):
+    """Real dynamo graphs of both variants (eager backend: seconds); the timing decides, whichever
+    way it goes on this machine, and the decision is recorded for later starts."""
+    _eager_backend(monkeypatch)
+    target = load_model(str(tiny_models / "llama"))
+    plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    report = plan.models[0]
+    assert plan.enabled and set(report.frozen_gain) == set(report.graphs) == {"1x1:1", "1x4:2"}
+    kept = C.keeps_frozen(report.frozen_gain)
+    assert target.compiled.frozen is kept is report.frozen is C.recorded_frozen(target, tmp_path)
+    assert C.is_cached(target, tmp_path, True) and C.is_cached(target, tmp_path, False)
+    # the other variant's graphs were warmed as well: serving either misses nothing
+    both = [target.compiled, target.compiled.alternative]
+    assert sorted(f.frozen for f in both) == [False, True] and all(f.warmed for f in both)
+    with torch.inference_mode():
+        outs = []
+        for f in both:
+            target.compiled = f
+            outs.append(_greedy(Engine(target), PROMPTS[0], n=8))
+    assert outs[0] == outs[1] and all(f.misses == 0 and f.calls > 0 for f in both)
+
+    # a later start compiles only the variant kept, and says why where that is not frozen
+    compared = []
+    monkeypatch.setattr(C, "compare_not_frozen", lambda *a: compared.append(a) or a[-1])
+    target.compiled = None
+    plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    assert not compared and target.compiled.frozen is kept
+    assert ("not frozen: frozen graphs measured less than" in plan.reason) is not kept
+
+
 def test_auto_keeps_eager_the_shapes_that_measured_no_faster_here(tiny_models, tmp_path, monkeypatch):
     """Warm-up times each graph against eager on this machine; auto routes the shape classes that
     gain nothing to the eager model, and a later start decides from that measurement."""
     from transformers import DynamicCache
 
     _eager_backend(monkeypatch)
+    _no_comparison(monkeypatch)
     monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.0})
     monkeypatch.setattr(C, "measure_speedup", lambda lm, cache, ids, keep: 0.9 if ids.shape[1] > 1 else 1.5)
     target = load_model(str(tiny_models / "llama"))
@@ -308,6 +365,11 @@ def test_compiled_forward_is_used_and_close_to_eager(compiled_pair):
     assert all(r.graphs for r in plan.models) and plan.seconds > 0
     # every graph was timed against eager as it was warmed (what auto decides by on this machine)
     assert all(set(r.speedups) == set(r.graphs) and min(r.speedups.values()) > 0 for r in plan.models)
+    # a first start compiled them frozen and not, timed the two, and serves the one kept
+    report = plan.models[0]
+    assert set(report.frozen_gain) == set(report.graphs)
+    assert target.compiled.frozen is report.frozen is C.keeps_frozen(report.frozen_gain)
+    assert target.compiled.alternative.frozen is not target.compiled.frozen
     ids = target.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     with torch.inference_mode():
         caches = [DynamicCache(), DynamicCache()]
@@ -331,9 +393,15 @@ def test_compiled_forward_is_used_and_close_to_eager(compiled_pair):
 def test_greedy_through_compiled_target_is_lossless_for_every_setup(compiled_pair, tiny_models):
     """Every drafter setup and batch size gives exactly the compiled target's own greedy output."""
     target, draft, _ = compiled_pair
-    calls, misses = target.compiled.calls, target.compiled.misses
-    _lossless_for_every_setup(target, draft)
-    assert target.compiled.calls > calls and target.compiled.misses == misses  # every step compiled
+    served = target.compiled
+    try:
+        for graphs in (served, served.alternative):    # frozen and not frozen, whichever was kept
+            target.compiled = graphs
+            calls, misses = graphs.calls, graphs.misses
+            _lossless_for_every_setup(target, draft)
+            assert graphs.calls > calls and graphs.misses == misses, graphs.frozen  # every step compiled
+    finally:
+        target.compiled = served
 
 
 def _lossless_for_every_setup(target, draft):
