@@ -28,7 +28,13 @@ import torch
 from specbatch.bench import bound as bnd
 from specbatch.bench.costs import CostSampler, CostTable
 from specbatch.bench.prompts import BenchPrompt, load_prompts, select
-from specbatch.bench.runners import HF_ASSISTED_SETTINGS, EngineRunner, HFRunner, RunOutput
+from specbatch.bench.runners import (
+    HF_ASSISTED_SETTINGS,
+    HF_COMPILED_SETTINGS,
+    EngineRunner,
+    HFRunner,
+    RunOutput,
+)
 from specbatch.engine.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -271,7 +277,8 @@ def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str,
             runners[cfg.name] = EngineRunner(engines[cfg.name], gamma=0, adaptive=False)
         elif cfg.kind == "hf-assisted":
             runners[cfg.name] = HFRunner(target, drafts[cfg.drafters[0]],
-                                         HF_ASSISTED_SETTINGS[cfg.hf_setting or "default"])
+                                         HF_ASSISTED_SETTINGS[cfg.hf_setting or "default"],
+                                         compiled=cfg.hf_setting in HF_COMPILED_SETTINGS)
         elif cfg.kind == "hf-prompt-lookup":
             runners[cfg.name] = HFRunner(target, prompt_lookup_num_tokens=opts.prompt_lookup_num_tokens)
         else:
@@ -323,7 +330,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
     # warm-up: one short untimed run per configuration (first-call allocations, lazy imports)
     for i, cfg in enumerate(configs):
         say(f"warm-up {cfg.name}", i, len(configs))
-        runners[cfg.name](ids[0], min(8, n))
+        runner = runners[cfg.name]
+        for x in ids if getattr(runner, "compiles", False) else ids[:1]:
+            runner(x, n if getattr(runner, "compiles", False) else min(8, n))
 
     # step costs are sampled between rounds, so they see the same load as the runs
     k_max = max([g + 1 for g in opts.gamma_grid] + [5])

@@ -7,6 +7,7 @@ the first EOS, so outputs compare token for token.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,11 @@ HF_ASSISTED_SETTINGS: dict[str, dict[str, Any]] = {
     "heuristic5": {"num_assistant_tokens": 5, "num_assistant_tokens_schedule": "heuristic",
                    "assistant_confidence_threshold": 0.4},
 }
+# HF's own compiled path with assisted generation (transformers 5: a static cache, and the target's
+# forward through torch.compile, which on CPU it does only when told to compile on every device):
+# the assistant settings of the one named
+HF_COMPILED_SETTINGS: dict[str, str] = {"compiled5": "const5"}
+HF_ASSISTED_SETTINGS |= {name: HF_ASSISTED_SETTINGS[like] for name, like in HF_COMPILED_SETTINGS.items()}
 
 
 @dataclass
@@ -61,15 +67,28 @@ def _greedy_config(lm: LoadedModel, max_new_tokens: int, **extra: Any) -> Any:
                             pad_token_id=pad if pad is not None else eos[0], **extra)
 
 
+def _inductor_defaults(compiles: bool) -> Any:
+    """Inductor as HF users get it while HF compiles: ``configure_inductor`` set freezing and
+    max-autotune process-wide for our compiled forward, which would not be HF's own path."""
+    if not compiles:
+        return contextlib.nullcontext()
+    import torch._inductor.config as ic
+
+    return ic.patch(freezing=False, max_autotune=False)
+
+
 class HFRunner:
     """``model.generate`` greedy: the target alone, or with an assistant / prompt lookup."""
 
     def __init__(self, target: LoadedModel, assistant: LoadedModel | None = None,
                  assistant_settings: dict[str, Any] | None = None,
-                 prompt_lookup_num_tokens: int | None = None) -> None:
+                 prompt_lookup_num_tokens: int | None = None, compiled: bool = False) -> None:
         self.target, self.assistant = target, assistant
         self.assistant_settings = dict(assistant_settings or {})
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
+        # HF compiles per cache size (a static cache is sized per prompt) and per draft length:
+        # warm it on every prompt, not one (``compiles``)
+        self.compiles = compiled
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> RunOutput:
         lm = self.target
@@ -77,6 +96,12 @@ class HFRunner:
         kwargs: dict[str, Any] = {}
         if self.prompt_lookup_num_tokens:
             extra["prompt_lookup_num_tokens"] = self.prompt_lookup_num_tokens
+        if self.compiles:
+            from transformers import CompileConfig
+
+            compile_config = CompileConfig()
+            compile_config._compile_all_devices = True   # CPU included (HF's own switch for it)
+            extra |= {"cache_implementation": "static", "compile_config": compile_config}
         if self.assistant is not None:
             # HF reads (and with "heuristic" writes back) these on the assistant's own config:
             # reset them before every call so one configuration never leaks into the next.
@@ -86,7 +111,7 @@ class HFRunner:
             kwargs["assistant_model"] = self.assistant.model
         config = _greedy_config(lm, max_new_tokens, **extra)
         inp = torch.tensor([ids], dtype=torch.long, device=lm.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), _inductor_defaults(self.compiles):
             _sync(lm.device)
             t0 = time.perf_counter()
             out = lm.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp),

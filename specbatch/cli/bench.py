@@ -37,7 +37,9 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--repeats", type=int, default=None, help="Interleaved repeats of every configuration [2].")
 @click.option("--gamma-grid", default=None, help="Fixed draft lengths to measure [1,2,3,4,6,8; quick 2,4,6].")
 @click.option("--hf-settings", default=None,
-              help="HF assisted settings to run: default,const3,const5,heuristic5 [all; quick default,const5].")
+              help="HF assisted settings to run: default,const3,const5,heuristic5, and compiled5 (const5 through "
+                   "HF's static cache + torch.compile; minutes of compiling) [default,const3,const5,heuristic5; "
+                   "quick default,const5].")
 @click.option("--batch-sizes", default=None, help="Throughput mode: batch sizes, e.g. 1,4,8,16.")
 @click.option("--throughput-prompts", type=int, default=32, show_default=True, help="Prompts in throughput mode.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,

@@ -72,10 +72,13 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
         return
     s = out.stats
     click.echo(out.text)
+    # "acceptance 0.00" would read as every draft rejected where nothing was drafted (the gamma
+    # controller found drafting does not pay here, or the n-gram drafter found no match)
+    accepted = (f"acceptance {s.acceptance_rate:.2f}, {s.mean_acceptance_length:.2f} tokens/step"
+                if s.drafted_tokens else "nothing drafted")
     click.echo(
         f"\n[{plural(s.new_tokens, 'token')}, {s.tokens_per_second:.1f} tok/s, finish={out.finish_reason}, "
-        f"acceptance {s.acceptance_rate:.2f}, {s.mean_acceptance_length:.2f} tokens/step, "
-        f"drafters {', '.join(engine.drafter_names) or 'none'}]", err=True)
+        f"{accepted}, drafters {', '.join(engine.drafter_names) or 'none'}]", err=True)
 
 
 @click.command()

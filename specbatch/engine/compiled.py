@@ -519,12 +519,19 @@ def _recorded(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = True) -
     return data if isinstance(data, dict) else {}
 
 
-def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = True) -> float | None:
-    """The last warm-up time of this model here (a cached start), when one was recorded."""
+def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = True,
+                     n_graphs: int | None = None) -> float | None:
+    """The last warm-up time of this model here (a cached start), when one was recorded; with
+    ``n_graphs``, scaled to that many graphs (a bench warmed 4, a single-row start needs 2)."""
+    record = _recorded(lm, cache_dir, frozen)
     try:
-        return float(_recorded(lm, cache_dir, frozen)["seconds"])
+        seconds = float(record["seconds"])
     except (KeyError, TypeError, ValueError):
         return None
+    warmed = record.get("graphs")
+    if n_graphs is not None and isinstance(warmed, dict) and warmed:
+        seconds *= n_graphs / len(warmed)
+    return seconds
 
 
 def recorded_frozen(lm: Any, cache_dir: str | os.PathLike[str]) -> bool | None:
@@ -580,7 +587,7 @@ def expected_compile_seconds(lm: Any, n_graphs: int, cache_dir: str | os.PathLik
     if frozen is None:
         return sum(expected_compile_seconds(lm, n_graphs, cache_dir, is_cached(lm, cache_dir, v), v)
                    for v in (True, False))
-    return recorded_seconds(lm, cache_dir, frozen) or compile_seconds_estimate(n_graphs, cached, frozen)
+    return recorded_seconds(lm, cache_dir, frozen, n_graphs) or compile_seconds_estimate(n_graphs, cached, frozen)
 
 
 def expected_speedup(device: torch.device | str, rows: int = 1) -> float:

@@ -160,3 +160,22 @@ def test_random_weights_keep_shapes_and_add_a_self_draft(tiny_models: Path):
     for (n1, p1), (n2, p2) in zip(orig.model.named_parameters(), target.model.named_parameters(), strict=True):
         assert n1 == n2 and p1.shape == p2.shape
     assert not torch.equal(orig.model.lm_head.weight, target.model.lm_head.weight)
+
+
+@pytest.mark.slow
+def test_hf_compiled_assisted_baseline_runs_through_hfs_own_compiled_path(tiny_models: Path, prompt_file: Path,
+                                                                         tmp_path: Path):
+    """compiled5: HF's static cache + torch.compile (inductor's defaults) beside HF eager; both
+    must give the target's own output, and HF's compiled call must actually have compiled."""
+    import torch
+
+    frames_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    res = CliRunner().invoke(cli, [*_args(tiny_models, prompt_file, tmp_path / "out", "--json"),
+                                   "--hf-settings", "const5,compiled5", "--num-prompts", "1"], obj={})
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    compiled = next(c for c in data["configs"] if c["name"] == "hf-assisted[llama-partial,compiled5]")
+    eager = next(c for c in data["configs"] if c["name"] == "hf-assisted[llama-partial,const5]")
+    assert compiled["identical"] is True and eager["identical"] is True, (compiled["mismatches"], compiled["errors"])
+    assert compiled["tokens_per_second"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > frames_before

@@ -368,3 +368,14 @@ def test_a_compile_failure_is_not_said_twice(capsys):
                                [CompileReport(model="m", enabled=False, error="no C++ compiler")]))
     report_compile(CompilePlan("off", False, "compile off"))
     assert capsys.readouterr().err == ""
+
+
+def test_the_summary_line_says_nothing_was_drafted_instead_of_acceptance_zero(tiny_models):
+    args = ["generate", "--target", str(tiny_models / "llama"), "--draft", str(tiny_models / "llama-partial"),
+            "--prompt", PROMPT, "--max-new-tokens", "6"]
+    plain = run(*args, "--gamma", "0")
+    assert plain.exit_code == 0, plain.output
+    assert "nothing drafted, drafters " in plain.stderr and "acceptance" not in plain.stderr
+    drafted = run(*args, "--gamma", "2")
+    assert drafted.exit_code == 0, drafted.output
+    assert "acceptance " in drafted.stderr and "tokens/step" in drafted.stderr

@@ -123,6 +123,11 @@ def test_cpu_gets_cpp_gemm_and_a_warm_up_under_other_options_is_not_cached(tmp_p
     # graphs compiled not frozen are other graphs: their record (times, ratios) is their own
     assert not C.is_cached(lm, tmp_path, frozen=False) and C.recorded_seconds(lm, tmp_path) == 3.0
     assert C.recorded_seconds(lm, tmp_path, frozen=False) is None
+    # a start that warms fewer graphs than the one recorded takes proportionally less
+    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=8.0,
+                                                             graphs={"1x1:1": 1.0, "1x4:2": 1.0,
+                                                                     "4x1:1": 1.0, "4x4:2": 1.0}))
+    assert C.expected_compile_seconds(lm, 2, tmp_path, cached=True) == 4.0
     assert not C.is_cached(SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cuda")),
                            tmp_path)
 
