@@ -100,7 +100,7 @@ class HFRunner:
             from transformers import CompileConfig
 
             compile_config = CompileConfig()
-            compile_config._compile_all_devices = True   # CPU included (HF's own switch for it)
+            compile_config._compile_all_devices = True  # type: ignore[assignment]  # HF: CPU too
             extra |= {"cache_implementation": "static", "compile_config": compile_config}
         if self.assistant is not None:
             # HF reads (and with "heuristic" writes back) these on the assistant's own config:
