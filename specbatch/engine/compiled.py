@@ -490,16 +490,20 @@ def _marker(cache_dir: str | os.PathLike[str], lm: Any, frozen: bool = True) -> 
 
 
 def _write_marker(marker: Path, report: CompileReport) -> float:
-    """Record this warm-up; returns the first start's seconds (kept: what a cold machine pays)."""
+    """Record this warm-up; returns the first start's seconds. Kept from the record before: that
+    first start's time (what a cold machine pays) and the frozen / not-frozen comparison (what
+    every later start follows, ``recorded_frozen``), which only a first start measures."""
     marker.parent.mkdir(parents=True, exist_ok=True)
     tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
     data = report.to_dict()
     first = report.seconds
-    if marker.exists():
-        try:
-            first = float(json.loads(marker.read_text()).get("first_start_seconds") or first)
-        except (OSError, ValueError):
-            pass
+    try:
+        before = json.loads(marker.read_text()) if marker.exists() else {}
+        first = float(before.get("first_start_seconds") or first)
+        if not data["frozen_gain"] and isinstance(before.get("frozen_gain"), dict):
+            data["frozen_gain"] = before["frozen_gain"]
+    except (OSError, ValueError, AttributeError):
+        pass
     data["first_start_seconds"] = first
     tmp.write_text(json.dumps(data))
     os.replace(tmp, marker)

@@ -247,6 +247,9 @@ def test_frozen_is_kept_only_where_it_measured_worth_it(tmp_path):
     C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True,
                                                              frozen_gain={"1x1:1": 1.01}))
     assert C.recorded_frozen(lm, tmp_path) is False
+    # a later start (which compiles only the variant kept, no comparison) keeps the decision
+    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=2.0))
+    assert C.recorded_frozen(lm, tmp_path) is False and C.recorded_seconds(lm, tmp_path) == 2.0
     C._marker(tmp_path, lm).write_text('{"frozen_gain": {"1x1:1": "fast"}}')
     assert C.recorded_frozen(lm, tmp_path) is None                      # not a measurement
 
@@ -279,6 +282,7 @@ def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_on
     target.compiled = None
     plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     assert not compared and target.compiled.frozen is kept
+    assert C.recorded_frozen(target, tmp_path) is kept          # and its record keeps the decision
     assert ("not frozen: frozen graphs measured less than" in plan.reason) is not kept
 
 
