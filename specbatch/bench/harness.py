@@ -305,8 +305,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
         from specbatch.engine.compiled import is_cached
 
         cache_dir = opts.cache_dir or get_settings().cache_dir
-        hit = all(is_cached(m, cache_dir) for m in [target, *drafts.values()] if m.compiled is None
-                  and not m.info.get("int8"))
+        # either variant: frozen, or not frozen (where frozen did not fit, or measured no faster)
+        hit = all(is_cached(m, cache_dir) or is_cached(m, cache_dir, frozen=False)
+                  for m in [target, *drafts.values()] if m.compiled is None and not m.info.get("int8"))
         opts = dataclasses.replace(opts, compile="on" if hit else "off")
         if not hit and notify is not None:
             notify("decoding eagerly: the compile cache does not hold these models' graphs "
@@ -327,7 +328,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
     runners, _ = _build_runners(configs, target, drafts, opts)
     n = opts.max_new_tokens
 
-    # warm-up: one short untimed run per configuration (first-call allocations, lazy imports)
+    # warm-up: one short untimed run per configuration (first-call allocations, lazy imports);
+    # HF's compiled path compiles per prompt's cache size: every prompt, in full
     for i, cfg in enumerate(configs):
         say(f"warm-up {cfg.name}", i, len(configs))
         runner = runners[cfg.name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +71,12 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
             lines.append(f"| {m['model']} | {m['seconds']:.0f} | {_f(m['first_start_seconds'], '.0f')} "
                          f"| {m['cached']} | {graphs} |")
         for m in comp["models"]:   # a first start here compared frozen and not frozen graphs
-            if m.get("frozen_gain"):
+            gain = m.get("frozen_gain") or {}
+            if gain and any(math.isinf(v) for v in gain.values()):
+                lines += ["", f"- {m['model']}: the not-frozen graphs failed to compile; kept frozen."]
+            elif gain:
                 lines += ["", f"- {m['model']}: not-frozen / frozen step time "
-                          + ", ".join(f"{k} {v:.2f}x" for k, v in m["frozen_gain"].items())
+                          + ", ".join(f"{k} {v:.2f}x" for k, v in gain.items())
                           + f"; kept {'frozen' if m.get('frozen') else 'not frozen'} (docs/COMPILE.md)."]
         calls = comp.get("forward_calls") or {}
         lines += [""] if calls else []

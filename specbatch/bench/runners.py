@@ -74,7 +74,8 @@ def _inductor_defaults(compiles: bool) -> Any:
         return contextlib.nullcontext()
     import torch._inductor.config as ic
 
-    return ic.patch(freezing=False, max_autotune=False)
+    # a CUDA CompiledForward also turns CUDA graphs off for dynamic graphs, which HF's reduce-overhead uses
+    return ic.patch({"freezing": False, "max_autotune": False, "triton.cudagraph_skip_dynamic_graphs": False})
 
 
 class HFRunner:
@@ -86,8 +87,8 @@ class HFRunner:
         self.target, self.assistant = target, assistant
         self.assistant_settings = dict(assistant_settings or {})
         self.prompt_lookup_num_tokens = prompt_lookup_num_tokens
-        # HF compiles per cache size (a static cache is sized per prompt) and per draft length:
-        # warm it on every prompt, not one (``compiles``)
+        # HF recompiles while its static cache's size (the longest prompt + new tokens so far) grows
+        # and per draft length: warm it on every prompt, in full, not one (``compiles``)
         self.compiles = compiled
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> RunOutput:

@@ -98,7 +98,8 @@ def compile_option(f: Any) -> Any:
     return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default=None,
                         help="torch.compile the models before decoding: on (minutes the first time on a "
                              "CPU; a stderr line says when it is ready), off, or auto (only when the job's "
-                             "saved decoding time exceeds the compile time, else a stderr line says why; "
+                             "saved decoding time exceeds the compile time, else a stderr line says why, except on a "
+                             "generate that did not ask; "
                              "a worker compiles) "
                              "[default: SPECBATCH_COMPILE or auto].")(f)
 

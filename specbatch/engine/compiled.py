@@ -20,8 +20,10 @@ tree verify and a batched step share graphs. A forward over an empty cache (pref
 Artefacts live under ``<cache_dir>/inductor``, shared across processes (frozen graphs bypass the
 FX graph cache, so what a later start reuses is kernels and autotuning); ``warm_up`` compiles the
 graphs a decode will need, times each against eager on this machine, and records both, so later
-starts know whether they hit the cache, how long compiling takes and what it buys here. Where the
-frozen graphs' weight copies do not fit the memory budget, CPU compiles them ``NOT_FROZEN``.
+starts know whether they hit the cache, how long compiling takes and what it buys here. On CPU
+the first start compares frozen with ``NOT_FROZEN`` graphs and keeps freezing only where it pays
+(``compare_not_frozen``); where the frozen graphs' weight copies do not fit the memory budget,
+CPU compiles them ``NOT_FROZEN`` without comparing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import math
 import os
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -191,6 +194,7 @@ class CompiledForward:
         # the other variant (frozen or not) where a first start compared the two: its graphs stay
         # on the model's code object anyway (``compare_not_frozen``), so it stays servable
         self.alternative: CompiledForward | None = None
+        self.trial = False   # compiled only to be compared (``compare_not_frozen``)
         _forwards.add(self)
 
     def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
@@ -256,9 +260,13 @@ class CompiledForward:
             return self.model(**inputs)
 
     def fail(self, error: BaseException) -> None:
-        """Give up compiling this model: log one warning (per process), stay eager from now on."""
+        """Give up compiling this model: log one warning (per process), stay eager from now on.
+        A trial (``compare_not_frozen``'s not-frozen graphs) only logs: the frozen ones serve."""
         self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}" \
             if str(error).strip() else type(error).__name__
+        if self.trial:
+            logger.info("%s: the not-frozen graphs failed to compile (%s); frozen ones serve", self.name, self.failed)
+            return
         _warn_once("compile", "compiling {} failed, decoding eagerly instead ({})".format, self.name, self.failed)
 
 
@@ -426,24 +434,52 @@ def time_steps(steps: dict[str, Callable[[], Any]], cache: Any, width: int, roun
 
 def compare_not_frozen(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str],
                        frozen: CompileReport, rounds: int = 2 * MEASURE_ROUNDS) -> CompileReport:
-    """The first start where frozen graphs fit: compile the same graphs not frozen too, time the
-    two on the same steps (alternating), serve the faster, and record which in the frozen
-    warm-up's record, so later starts compile only that one (``recorded_frozen``).
+    """A start where frozen graphs fit and no start here compared these shapes: compile the same
+    graphs not frozen too, time the two on the same steps (alternating), keep freezing only
+    where it measured ``FROZEN_MARGIN`` faster (``keeps_frozen``), and record the comparison in
+    the frozen warm-up's record, so later starts compile only the variant kept
+    (``recorded_frozen``).
 
     Call right after ``warm_up`` of the frozen graphs (``frozen``). Returns the report of the
     graphs served, with ``frozen_gain`` (not-frozen / frozen step time per shape) and the time
     of both warm-ups. The graphs not served stay in memory until the process ends (dynamo keeps
-    them on the model's code object); later starts do not compile them."""
-    from transformers import DynamicCache
-
+    them on the model's code object). Where the not-frozen graphs fail to compile, frozen serves
+    and that is recorded (a gain of infinity), so later starts do not try again."""
     shapes = tuple(shapes)
     kept_graphs: CompiledForward = lm.compiled
-    lm.compiled = CompiledForward(lm.model, lm.name, lm.device, frozen=False)
+    trial = CompiledForward(lm.model, lm.name, lm.device, frozen=False)
+    trial.trial = True
+    lm.compiled = trial
     other = warm_up(lm, shapes, cache_dir)
-    if not other.enabled:           # keep what works; nothing is recorded, the next start tries again
+    forwards = {True: kept_graphs, False: trial}
+    gain = _time_frozen_against_not(lm, shapes, forwards, rounds) if other.enabled else None
+    for f in forwards.values():   # the comparison's calls are not decoding (nor its misses: none)
+        f.calls = f.misses = 0
+    if gain is None:              # no measurement: frozen serves; only a failed compile is recorded
         lm.compiled = kept_graphs
+        if not other.enabled:
+            frozen.frozen_gain = {shape_key(*shape): math.inf for shape in shapes}
+            _write_marker(_marker(cache_dir, lm, True), frozen)
         return frozen
-    forwards = {True: kept_graphs, False: lm.compiled}
+    frozen.frozen_gain = gain
+    keep_frozen = keeps_frozen(gain)
+    _write_marker(_marker(cache_dir, lm, True), frozen)      # the decision later starts read
+    lm.compiled = forwards[keep_frozen]
+    lm.compiled.alternative = forwards[not keep_frozen]
+    served = frozen if keep_frozen else other
+    served.frozen_gain = gain
+    # this start paid both: its report (and the bench's first-start column) says so
+    served.first_start_seconds = (frozen.first_start_seconds or frozen.seconds) + other.seconds
+    served.seconds = frozen.seconds + other.seconds
+    served.cached = frozen.cached and other.cached
+    return served
+
+
+def _time_frozen_against_not(lm: Any, shapes: tuple[tuple[int, int, int], ...],
+                             forwards: dict[bool, CompiledForward], rounds: int) -> dict[str, float] | None:
+    """Not-frozen / frozen step time per shape, or None where a step did not run through the
+    graphs it was to time (a failure or a miss would time eager code; nothing is decided then)."""
+    from transformers import DynamicCache
 
     def through(f: CompiledForward, ids: torch.Tensor, cache: Any, keep: int) -> Callable[[], Any]:
         def step() -> Any:
@@ -451,23 +487,22 @@ def compare_not_frozen(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_di
             return lm.forward(ids, cache, logits_to_keep=keep)
         return step
 
-    with torch.inference_mode():
-        for rows, width, keep in shapes:
-            cache = DynamicCache()
-            lm.forward(torch.zeros(rows, 4, dtype=torch.long, device=lm.device), cache, logits_to_keep=1)
-            ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
-            best = time_steps({f"{v}": through(f, ids, cache, keep) for v, f in forwards.items()},
-                              cache, width, rounds)
-            frozen.frozen_gain[shape_key(rows, width, keep)] = best["False"] / best["True"]
-    keep_frozen = keeps_frozen(frozen.frozen_gain)
-    _write_marker(_marker(cache_dir, lm, True), frozen)      # the decision later starts read
-    lm.compiled = forwards[keep_frozen]
-    lm.compiled.alternative = forwards[not keep_frozen]
-    served = frozen if keep_frozen else other
-    served.frozen_gain = frozen.frozen_gain
-    served.seconds = frozen.seconds + other.seconds
-    served.cached = frozen.cached and other.cached
-    return served
+    gain: dict[str, float] = {}
+    try:
+        with torch.inference_mode():
+            for rows, width, keep in shapes:
+                cache = DynamicCache()
+                lm.forward(torch.zeros(rows, 4, dtype=torch.long, device=lm.device), cache, logits_to_keep=1)
+                ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
+                best = time_steps({f"{v}": through(f, ids, cache, keep) for v, f in forwards.items()},
+                                  cache, width, rounds)
+                gain[shape_key(rows, width, keep)] = best["False"] / best["True"]
+    except Exception as e:  # noqa: BLE001 - a failed comparison must not fail the start
+        logger.info("%s: comparing frozen and not-frozen graphs failed (%s)", lm.name, e)
+        return None
+    if any(f.failed or f.misses for f in forwards.values()):
+        return None
+    return gain
 
 
 def keeps_frozen(gain: dict[str, float]) -> bool:
@@ -494,15 +529,19 @@ def _write_marker(marker: Path, report: CompileReport) -> float:
     first start's time (what a cold machine pays) and the frozen / not-frozen comparison (what
     every later start follows, ``recorded_frozen``), which only a first start measures."""
     marker.parent.mkdir(parents=True, exist_ok=True)
-    tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+    tmp = marker.with_name(f"{marker.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     data = report.to_dict()
     first = report.seconds
     try:
         before = json.loads(marker.read_text()) if marker.exists() else {}
+    except (OSError, ValueError):
+        before = {}
+    before = before if isinstance(before, dict) else {}
+    if not data["frozen_gain"] and isinstance(before.get("frozen_gain"), dict):
+        data["frozen_gain"] = before["frozen_gain"]
+    try:
         first = float(before.get("first_start_seconds") or first)
-        if not data["frozen_gain"] and isinstance(before.get("frozen_gain"), dict):
-            data["frozen_gain"] = before["frozen_gain"]
-    except (OSError, ValueError, AttributeError):
+    except (TypeError, ValueError):
         pass
     data["first_start_seconds"] = first
     tmp.write_text(json.dumps(data))
@@ -538,14 +577,19 @@ def recorded_seconds(lm: Any, cache_dir: str | os.PathLike[str], frozen: bool = 
     return seconds
 
 
-def recorded_frozen(lm: Any, cache_dir: str | os.PathLike[str]) -> bool | None:
-    """Whether the first start here kept the frozen graphs (``compare_not_frozen``); None when
-    no start here compared them."""
+def recorded_frozen(lm: Any, cache_dir: str | os.PathLike[str],
+                    shapes: Iterable[tuple[int, int, int]] = ()) -> bool | None:
+    """Whether the start here that compared them kept the frozen graphs (``compare_not_frozen``);
+    None when no start here compared them, or compared none of some shape class in ``shapes``
+    (a batch-1 start's comparison does not decide for batched graphs)."""
     gain = _recorded(lm, cache_dir, True).get("frozen_gain")
     if not isinstance(gain, dict) or not gain:
         return None
     try:
-        return keeps_frozen({str(k): float(v) for k, v in gain.items()})
+        gain = {str(k): float(v) for k, v in gain.items()}
+        if not {shape_class(r, w) for r, w, _ in shapes} <= {key_class(k) for k in gain}:
+            return None
+        return keeps_frozen(gain)
     except (TypeError, ValueError):     # a record written by other code: not a measurement
         return None
 
@@ -668,12 +712,13 @@ def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
     return best
 
 
-def _variant(lm: Any, cache_dir: str | os.PathLike[str], frozen_fits: bool) -> bool | None:
+def _variant(lm: Any, cache_dir: str | os.PathLike[str], frozen_fits: bool,
+             shapes: tuple[tuple[int, int, int], ...]) -> bool | None:
     """Frozen (True), not (False), or None: compare both at this start (CPU, where both fit and
-    no start here has compared them yet)."""
+    no start here has compared these shape classes yet)."""
     if not frozen_fits or torch.device(lm.device).type != "cpu":
         return frozen_fits
-    return recorded_frozen(lm, cache_dir)
+    return recorded_frozen(lm, cache_dir, shapes)
 
 
 def _cached(lm: Any, cache_dir: str | os.PathLike[str], variant: bool | None) -> bool:
@@ -685,6 +730,8 @@ def frozen_summary(report: CompileReport) -> str:
     kept not frozen' (not-frozen / frozen step time per shape); else empty."""
     if not report.frozen_gain:
         return ""
+    if any(math.isinf(v) for v in report.frozen_gain.values()):
+        return "; the not-frozen graphs failed to compile here: kept frozen"
     gains = ", ".join(f"{rows_x_tokens(k)} {v:.2f}x" for k, v in report.frozen_gain.items())
     return f"; freezing gains {gains} here: kept {'frozen' if report.frozen else 'not frozen'}"
 
@@ -734,7 +781,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
                 return CompilePlan(mode, False, f"auto: {why}")
             logger.warning("%s; decoding may run short of memory", why)
     # per model: True frozen, False not, None: this first start compiles both and keeps the faster
-    variants = {id(m): _variant(m, cache_dir, frozen) for m, _ in models}
+    variants = {id(m): _variant(m, cache_dir, frozen, s) for m, s in models}
     if variants[id(target)] is False and frozen:
         not_frozen = (f"; not frozen: frozen graphs measured less than {FROZEN_MARGIN:.2f}x faster here "
                       "at the first start, so they are not worth their memory and compile time")
@@ -762,7 +809,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         if install(lm, frozen=variant is not False) is None:
             continue
         # minutes on a small CPU: say so before the silence (a worker logs it; --compile off skips)
-        both = ", frozen and not frozen to keep the faster here" if variant is None else ""
+        both = ", frozen and not frozen to compare them here" if variant is None else ""
         seconds = expected_compile_seconds(lm, len(shapes), cache_dir, _cached(lm, cache_dir, variant), variant)
         notice = f"{lm.name}: compiling {len(shapes)} graphs before decoding{both}, about {seconds:.0f} s ({reason})"
         logger.info(notice)

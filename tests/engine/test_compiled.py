@@ -245,30 +245,37 @@ def test_frozen_is_kept_only_where_it_measured_worth_it(tmp_path):
     C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=3.0))
     assert C.recorded_frozen(lm, tmp_path) is None                      # warmed, never compared
     C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True,
-                                                             frozen_gain={"1x1:1": 1.01}))
+                                                             frozen_gain={"1x1:1": 1.01, "1x4:2": 1.0}))
     assert C.recorded_frozen(lm, tmp_path) is False
     # a later start (which compiles only the variant kept, no comparison) keeps the decision
     C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=2.0))
     assert C.recorded_frozen(lm, tmp_path) is False and C.recorded_seconds(lm, tmp_path) == 2.0
+    # a batch-1 comparison does not decide for batched graphs
+    assert C.recorded_frozen(lm, tmp_path, C.warm_shapes(1)) is False
+    assert C.recorded_frozen(lm, tmp_path, C.warm_shapes(16)) is None
     C._marker(tmp_path, lm).write_text('{"frozen_gain": {"1x1:1": "fast"}}')
     assert C.recorded_frozen(lm, tmp_path) is None                      # not a measurement
 
 
+@pytest.mark.parametrize("kept", [True, False])
 def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_one_kept(
-        tiny_models, tmp_path, monkeypatch):
-    """Real dynamo graphs of both variants (eager backend: seconds); the timing decides, whichever
-    way it goes on this machine, and the decision is recorded for later starts."""
+        kept, tiny_models, tmp_path, monkeypatch):
+    """Real dynamo graphs of both variants (eager backend: seconds, so both time alike and the
+    decision is forced each way); the decision is recorded for later starts."""
     _eager_backend(monkeypatch)
+    monkeypatch.setattr(C, "keeps_frozen", lambda gain: kept)
     target = load_model(str(tiny_models / "llama"))
     plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     report = plan.models[0]
     assert plan.enabled and set(report.frozen_gain) == set(report.graphs) == {"1x1:1", "1x4:2"}
-    kept = C.keeps_frozen(report.frozen_gain)
+    assert min(report.frozen_gain.values()) > 0
     assert target.compiled.frozen is kept is report.frozen is C.recorded_frozen(target, tmp_path)
     assert C.is_cached(target, tmp_path, True) and C.is_cached(target, tmp_path, False)
+    assert report.first_start_seconds >= report.seconds > 0        # this start paid both compiles
     # the other variant's graphs were warmed as well: serving either misses nothing
     both = [target.compiled, target.compiled.alternative]
     assert sorted(f.frozen for f in both) == [False, True] and all(f.warmed for f in both)
+    assert all(f.calls == 0 for f in both)        # the comparison's steps are not counted as decoding
     with torch.inference_mode():
         outs = []
         for f in both:
@@ -284,6 +291,33 @@ def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_on
     assert not compared and target.compiled.frozen is kept
     assert C.recorded_frozen(target, tmp_path) is kept          # and its record keeps the decision
     assert ("not frozen: frozen graphs measured less than" in plan.reason) is not kept
+    # a batched start needs graphs the batch-1 comparison did not measure: it compares them
+    target.compiled = None
+    C.prepare(target, [], mode="on", batch_size=3, cache_dir=tmp_path)
+    assert len(compared) == 1
+
+
+def test_a_not_frozen_compile_that_fails_leaves_frozen_serving_without_a_warning(
+        tiny_models, tmp_path, monkeypatch, caplog):
+    real = torch.compile
+
+    def compile_(model, **kw):
+        if "options" not in kw:          # the frozen variant (inductor's global options)
+            return real(model, dynamic=True, backend="eager")
+
+        def broken(**inputs):
+            raise RuntimeError("the not-frozen compile broke")
+        return broken
+    monkeypatch.setattr(torch, "compile", compile_)
+    target = load_model(str(tiny_models / "llama"))
+    with caplog.at_level("INFO", logger=C.__name__):
+        plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    assert plan.enabled and target.compiled.frozen and target.compiled.failed is None
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "not-frozen graphs failed to compile" in caplog.text
+    assert C.recorded_frozen(target, tmp_path) is True          # recorded: later starts do not retry
+    assert "failed to compile here: kept frozen" in C.frozen_summary(plan.models[0])
+    assert _greedy(Engine(target), PROMPTS[0], n=4) and target.compiled.misses == 0
 
 
 def test_auto_keeps_eager_the_shapes_that_measured_no_faster_here(tiny_models, tmp_path, monkeypatch):
