@@ -780,7 +780,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             if mode == "auto":
                 return CompilePlan(mode, False, f"auto: {why}")
             logger.warning("%s; decoding may run short of memory", why)
-    # per model: True frozen, False not, None: this first start compiles both and keeps the faster
+    # per model: True frozen, False not, None: this start compiles both and keeps what pays here
     variants = {id(m): _variant(m, cache_dir, frozen, s) for m, s in models}
     if variants[id(target)] is False and frozen:
         not_frozen = (f"; not frozen: frozen graphs measured less than {FROZEN_MARGIN:.2f}x faster here "
