@@ -255,7 +255,7 @@ def test_the_cli_says_before_compiling_that_it_compiles_and_about_how_long(tiny_
     C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path, notify=notify)
     assert order == ["notice", "warm"]
     err = capsys.readouterr().err
-    # a first start here compiles them frozen and not, and keeps the faster (docs/COMPILE.md)
+    # a first start here compiles them frozen and not, and keeps freezing only where it pays (docs/COMPILE.md)
     assert (f"specbatch: {target.name}: compiling 2 graphs before decoding, frozen and not frozen to compare "
             "them here, about ") in err
     assert "s (compile on)" in err
