@@ -27,12 +27,13 @@ from specbatch.plural import plural
 @click.option("--prompt", help="Prompt text, tokenized as is.")
 @click.option("--message", "messages", multiple=True, metavar="TEXT",
               help="A user message (chat template applied); repeat for several turns.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--max-new-tokens", "--max-tokens", "max_new_tokens", type=click.IntRange(min=1), default=128,
+              show_default=True, help="Tokens to generate at most (--max-tokens: OpenAI's name).")
 @click.option("--gamma", type=GAMMA, default=None, help="Initial draft length (default 4).")
 @click.option("--fixed-gamma", is_flag=True, help="Keep gamma fixed (no adaptation, no switch-off).")
 @click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 is greedy.")
-@click.option("--top-p", type=TOP_P, default=1.0, show_default=True)
-@click.option("--top-k", type=TOP_K, default=0, show_default=True)
+@click.option("--top-p", type=TOP_P, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--top-k", type=TOP_K, default=0, show_default=True, help="Sample among the k likeliest; 0 is off.")
 @click.option("--seed", type=SEED, default=None)
 @click.option("--stop", multiple=True, callback=nonempty_stops,
               help="Stop string (repeatable); the text ends before it.")

@@ -402,7 +402,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 
     Ctrl-C stops at the next decoding step, keeps every finished result and marks the job
     interrupted; `specbatch run --resume JOB` finishes it. A second Ctrl-C exits at once.
-    Exit status: 0 all completed, 1 the job failed, 3 some requests failed, 130 interrupted.
+    Exit status: 0 all completed, 1 the job failed or an error, 2 usage or settings error,
+    3 some requests failed, 130 interrupted.
 
     \b
     Example:

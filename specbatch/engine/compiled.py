@@ -692,8 +692,10 @@ class CompilePlan:
                 "seconds": round(self.seconds, 2), "models": [r.to_dict() for r in self.models]}
 
 
-def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
-    """One eager decode step of ``lm`` after a short prefix (what auto mode weighs compiling by)."""
+def eager_step_seconds(lm: Any, prefix: int = 32, rows: int = 1) -> float:
+    """One eager decode step of ``rows`` rows of ``lm`` after a short prefix (what auto mode weighs
+    compiling by: a step of 8 rows costs more than one of 1, so tokens / rows x the 1-row step
+    underestimated a batched job's decoding several times over)."""
     from transformers import DynamicCache
 
     from specbatch.engine.loading import _cache_kwarg
@@ -701,9 +703,9 @@ def eager_step_seconds(lm: Any, prefix: int = 32) -> float:
     cache = DynamicCache()
     kw = {_cache_kwarg(lm.model): cache}
     with torch.inference_mode():
-        lm.model(input_ids=torch.zeros(1, prefix, dtype=torch.long, device=lm.device), use_cache=True,
+        lm.model(input_ids=torch.zeros(rows, prefix, dtype=torch.long, device=lm.device), use_cache=True,
                  logits_to_keep=1, **kw)
-        one = torch.zeros(1, 1, dtype=torch.long, device=lm.device)
+        one = torch.zeros(rows, 1, dtype=torch.long, device=lm.device)
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
@@ -794,7 +796,8 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     if mode == "auto" and expected_new_tokens is not None:
         cached = all(_cached(m, cache_dir, variants[id(m)]) for m, _ in models)
         estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached, variants[id(m)]) for m, s in models)
-        decode = expected_new_tokens * eager_step_seconds(target) / max(1, batch_size)
+        rows = max(1, batch_size)
+        decode = expected_new_tokens / rows * eager_step_seconds(target, rows=rows)
         if not compile_pays(decode, estimate, cached, speedup):
             return CompilePlan(mode, False, f"auto: about {_secs(decode)} of eager decoding would not "
                                             f"repay about {_secs(estimate)} of compiling")

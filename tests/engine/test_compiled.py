@@ -68,6 +68,17 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
     assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
 
 
+def test_auto_weighs_a_batched_job_by_a_step_at_its_rows(tiny_models, tmp_path, monkeypatch):
+    """tokens / rows x the eager step at those rows (a step of 8 rows costs more than one of 1)."""
+    target = load_model(str(tiny_models / "llama"))
+    real = C.eager_step_seconds
+    assert real(target, rows=3) > 0               # the real measurement runs at several rows
+    asked = []
+    monkeypatch.setattr(C, "eager_step_seconds", lambda lm, rows=1: asked.append(rows) or 0.5)
+    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=160)
+    assert asked == [8] and "about 10 s of eager decoding would not repay" in plan.reason, plan.reason
+
+
 def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models, tmp_path, monkeypatch,
                                                                        caplog):
     """A frozen graph holds its own copy of the weights: past the memory budget the graphs are
