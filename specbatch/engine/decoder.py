@@ -214,6 +214,7 @@ class Decoder:
         if not self.drafters:
             return [0] * len(self.rows)
         cap = self.policy.gamma_cap(len(self.rows))
+        plain = self.policy.plain(len(self.rows))
         costs = self.policy.costs(len(self.rows))
         ks = []
         for r in self.rows:
@@ -221,6 +222,8 @@ class Decoder:
             k = r.ctl.next_gamma()
             if cap is not None and r.ctl.adaptive:
                 k = min(k, cap)
+            elif plain and r.params.adaptive:   # gamma fixed by a seed: the job's plain decision holds
+                k = 0
             ks.append(max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)))
         return ks
 
