@@ -333,8 +333,9 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
     for i, cfg in enumerate(configs):
         say(f"warm-up {cfg.name}", i, len(configs))
         runner = runners[cfg.name]
-        for x in ids if getattr(runner, "compiles", False) else ids[:1]:
-            runner(x, n if getattr(runner, "compiles", False) else min(8, n))
+        compiles = getattr(runner, "compiles", False)
+        for x in ids if compiles else ids[:1]:
+            runner(x, n if compiles else min(8, n))
 
     # step costs are sampled between rounds, so they see the same load as the runs
     k_max = max([g + 1 for g in opts.gamma_grid] + [5])

@@ -494,9 +494,10 @@ def _time_frozen_against_not(lm: Any, shapes: tuple[tuple[int, int, int], ...],
                 cache = DynamicCache()
                 lm.forward(torch.zeros(rows, 4, dtype=torch.long, device=lm.device), cache, logits_to_keep=1)
                 ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
-                best = time_steps({f"{v}": through(f, ids, cache, keep) for v, f in forwards.items()},
+                best = time_steps({"frozen": through(forwards[True], ids, cache, keep),
+                                   "not frozen": through(forwards[False], ids, cache, keep)},
                                   cache, width, rounds)
-                gain[shape_key(rows, width, keep)] = best["False"] / best["True"]
+                gain[shape_key(rows, width, keep)] = best["not frozen"] / best["frozen"]
     except Exception as e:  # noqa: BLE001 - a failed comparison must not fail the start
         logger.info("%s: comparing frozen and not-frozen graphs failed (%s)", lm.name, e)
         return None
