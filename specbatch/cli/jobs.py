@@ -114,8 +114,8 @@ def _status_view(d: dict[str, Any]) -> Any:
     info.add_column()
     info.add_row("status", d["status"])
     info.add_row("models", _models(d))
-    for route in d.get("models", []):       # body.model -> the pair it runs on
-        if route["model"] is not None:
+    for route in d.get("models", []):       # body.model -> the pair it runs on (unless it says no more)
+        if route["model"] is not None and (route["model"], _models(route)) != (d["target"], _models(d)):
             info.add_row("", f"{route['model']}: {_models(route)} ({plural(route['requests'], 'request')})")
     info.add_row("queue", d["queue"])
     if d["source"]:

@@ -442,6 +442,9 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
             job_id, target_, drafts_, ngram = job.id, job.target, list(job.drafts or []), job.ngram
             routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id)
                                           + [rid for rid, _, _ in store.leased_requests(s, job_id)])
+            if not routes:
+                click.echo(f"job {job_id}: nothing left to run ({job.status.value}); its summary follows",
+                           err=True)
     else:
         if file is None:
             raise click.UsageError("missing FILE (or --resume JOB)")

@@ -40,6 +40,12 @@ class CostModel:
     def observe_verify(self, n_tokens: int, seconds: float) -> None:
         self.verify[n_tokens] = self._ema(self.verify.get(n_tokens), seconds)
 
+    @property
+    def measured(self) -> bool:
+        """Enough to choose a draft length from: the draft's step and verifies of two sizes (one
+        size alone extrapolates flat, which would favour the longest draft)."""
+        return self.draft_step is not None and len(self.verify) >= 2
+
     def verify_cost(self, n: int) -> float | None:
         """Measured, else interpolated from the nearest measured sizes (flat beyond them)."""
         if n in self.verify:
@@ -97,6 +103,11 @@ class GammaController:
         return a / (a + self.rejected + (1 - self.prior) * self.prior_weight)
 
     def next_gamma(self) -> int:
+        if self.adaptive and self.steps < self.warmup_steps and self.costs.measured:
+            # a request joining an engine that has measured its step costs starts at the draft
+            # length those costs favour (its acceptance is still the prior's), not at the default:
+            # the default's warm-up steps cost the Qwen pair about 1.8x a step at its best length
+            self._choose(may_switch_off=False)
         if self.off:
             self.plain_steps += 1
             if self.plain_steps % self.probe_every:
@@ -113,7 +124,9 @@ class GammaController:
         if self.adaptive and self.steps >= self.warmup_steps:
             self._choose()
 
-    def _choose(self) -> None:
+    def _choose(self, may_switch_off: bool = True) -> None:
+        """Pick the draft length with the best expected rate; switching off needs observations of
+        this request's own acceptance (``may_switch_off``), not the prior's."""
         c, plain = self.costs.draft_step, self.costs.verify_cost(1)
         if c is None:
             return
@@ -126,6 +139,8 @@ class GammaController:
             return
         best = max(rates, key=rates.__getitem__)
         self.gamma = best
+        if not may_switch_off:
+            return
         # plain decoding is measured once speculation has been off; before that take the cost of the
         # smallest measured verify as its cost (pessimistic for plain: switching off needs clear loss)
         plain_cost = plain if plain is not None else self.costs.verify_cost(min(self.costs.verify))

@@ -28,6 +28,7 @@ from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields
 from specbatch.jobs.openai_fields import json_type
+from specbatch.plural import plural
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
@@ -421,6 +422,8 @@ def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, i
         line_no += 1
         if line_no == 1 and raw.startswith(BOM):
             raw = raw[len(BOM):]
+            if not raw:
+                return         # a BOM alone: an empty file, not a blank line
         content = raw.rstrip(b"\n").rstrip(b"\r")
         size = len(content)
         if size > limit:
@@ -508,7 +511,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
 
     parsed: list[tuple[int, dict[str, Any]]] = []
     ids: list[tuple[int, Any]] = []     # (line_no, _given_id) of every JSON-object line, bad lines too
-    n_requests = 0
+    n_requests = blank_lines = 0
     for line_no, content, size in _read_lines(fp, settings.max_line_bytes):
         if content is None:
             n_requests += 1
@@ -523,6 +526,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
                                "save the file as UTF-8")
             continue
         if not text.strip():
+            blank_lines += 1
             continue
         n_requests += 1
         if n_requests > settings.max_requests:
@@ -558,7 +562,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         parsed.append((line_no, fields_))
 
     if n_requests == 0:
-        err(None, None, "no requests (the file is empty); one JSON object per line is expected")
+        what = f"{plural(blank_lines, 'line')}, all blank" if blank_lines else "the file is empty"
+        err(None, None, f"no requests ({what}); one JSON object per line is expected")
     if n_requests > settings.max_requests:
         err(None, None, f"{n_requests} requests; the limit is {settings.max_requests} per file "
                         "(SPECBATCH_MAX_REQUESTS): split the file")

@@ -210,6 +210,17 @@ def test_status_words_a_count_of_one_in_the_singular(db_url, no_worker_check):
     assert "1 result copied, 1 token not generated" in out, out
 
 
+def test_status_names_the_pair_once_where_body_model_names_the_target(db_url, no_worker_check):
+    reqs = [ParsedRequest(1, "a", "completion", "p", None, PARAMS, model="tgt"),
+            ParsedRequest(2, "b", "completion", "p", None, PARAMS, model="alias")]
+    with db.session_factory(db_url).begin() as s:
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+                                  queue="sb.q1").id
+    out = " ".join(run("status", job_id).stdout.split())
+    assert out.count("tgt <- d1") == 2, out            # the job's pair, and the alias routed to it
+    assert "alias: tgt <- d1 (1 request)" in out and "tgt: tgt" not in out, out
+
+
 def test_other_messages_word_a_count_of_one_in_the_singular(db_url, tmp_path, monkeypatch):
     import specbatch.worker.enqueue as enqueue
 

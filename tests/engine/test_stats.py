@@ -303,11 +303,33 @@ def test_warmup_and_fixed_gamma():
     ctl = GammaController(costs(0.001, flat(0.05)), gamma=4, warmup_steps=3)
     ctl.observe(4, 4)
     ctl.observe(4, 4)
-    assert ctl.gamma == 4                              # not yet trusted
+    assert ctl.gamma == 4                              # its own acceptance is not yet trusted
     fixed = GammaController(costs(0.02, flat(0.05)), gamma=4, adaptive=False)
     for _ in range(50):
         fixed.observe(fixed.next_gamma(), 0)
     assert fixed.gamma == 4 and not fixed.off and not fixed.ever_off
+
+
+# the Qwen 1.5B target's shape on hosts B/C: verifying 3 tokens costs about 1, the 4th a whole step
+STEP_AT_FOUR = {n: 1.0 + 0.02 * min(n, 3) + 0.85 * max(0, n - 3) for n in range(1, 14)}
+
+
+def test_a_request_on_measured_costs_starts_at_their_best_length():
+    ctl = GammaController(costs(0.11, STEP_AT_FOUR), gamma=4)
+    assert ctl.next_gamma() == 2                        # not 4 for the warm-up steps
+    # one size measured extrapolates flat (the longest draft would look free): keep the default
+    one = GammaController(costs(0.11, {5: 2.0}), gamma=4)
+    assert one.next_gamma() == 4
+
+
+def test_the_prior_alone_never_switches_a_request_off():
+    """Costs on which speculation loses at the prior's acceptance: the request still drafts until
+    its own acceptance says so (a good pair must not start plain on a pessimistic prior)."""
+    ctl = GammaController(costs(0.5, flat(0.05)), gamma=4)
+    assert ctl.next_gamma() > 0 and not ctl.off
+    while ctl.steps < ctl.warmup_steps:
+        ctl.observe(ctl.next_gamma(), 0)
+    assert ctl.off and ctl.next_gamma() == 0           # its own rejections do
 
 
 def test_no_cost_measurements_keep_gamma():
@@ -346,6 +368,17 @@ def test_loop_grows_gamma_with_an_exact_draft(load):
     assert s.final_gamma > 4 and not s.speculation_disabled
     assert s.accepted_tokens == s.drafted_tokens
     assert s.mean_acceptance_length > 5
+
+
+def test_loop_starts_a_request_at_the_length_the_engines_costs_favour(load):
+    """An exact draft on a target whose 4th verified token costs a whole step: no step drafts
+    more than 2, the warm-up steps included (they drafted the default 4 before)."""
+    engine = Engine(load("llama"), [load("llama-same")])
+    engine.costs[1] = FrozenCosts(draft_step=0.11, verify=dict(STEP_AT_FOUR))
+    out = engine.generate(prompt="Once upon a time", params=GenerationParams(max_new_tokens=40))
+    s = out.stats
+    assert s.drafted_tokens > 0 and s.accepted_tokens == s.drafted_tokens
+    assert len(s.accepted_at_position) == 2
 
 
 def test_loop_switches_off_with_an_unrelated_draft(load):

@@ -137,7 +137,7 @@ BAD_CASES = {
     "too_many_requests": (GOOD + L(prompt="b") + b"\n" + L(prompt="c") + L(prompt="d"),
                           [": 4 requests; the limit is 3 per file (SPECBATCH_MAX_REQUESTS): split the file"]),
     "empty_file": (b"", [": no requests (the file is empty); one JSON object per line is expected"]),
-    "blank_lines_only": (b"\n   \r\n\n", [": no requests (the file is empty)"]),
+    "blank_lines_only": (b"\n   \r\n\n", [": no requests (3 lines, all blank)"]),
     "bom_only": (BOM, [": no requests (the file is empty)"]),
 }
 

@@ -95,6 +95,10 @@ def test_ctrl_c_stops_keeps_results_releases_claims_and_resume_finishes(tmp_path
     assert json.loads(resumed.stdout)["status"] == "completed"
     results, by = _counts(url)
     assert results == N and by == {"completed": N}
+    again = subprocess.run([EXE, "run", "--resume", job["id"]], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert f"job {job['id']}: nothing left to run (completed)" in again.stderr
 
 
 def test_second_ctrl_c_exits_at_once_and_resume_without_broker_finishes(tmp_path: Path,
