@@ -30,6 +30,17 @@ def _models(d: dict[str, Any]) -> str:
     return d["target"] + (f" <- {', '.join(drafts)}" if drafts else "")
 
 
+def failure_lines(d: dict[str, Any]) -> list[str]:
+    """The summary's first failed requests, one line each, and how to see them all."""
+    shown = d.get("failures") or []
+    lines = [f"line {f['line_no']} ({f['custom_id']}): {f['error']}" for f in shown]
+    more = d["request_counts"].get("failed", 0) - len(shown)
+    if shown:
+        lines.append((f"and {more} more; " if more > 0 else "")
+                     + f"`specbatch export {d['id']} --status failed` lists every failure")
+    return lines
+
+
 def _counts_line(c: dict[str, int]) -> str:
     return "  ".join(f"{k} {c[k]}" for k in ("total", "pending", "running", "completed", "failed",
                                              "cancelled"))
@@ -124,6 +135,8 @@ def _status_view(d: dict[str, Any]) -> Any:
         if d[key]:
             info.add_row(key.removesuffix("_at").replace("_", " "), _when(d[key]))
     info.add_row("requests", _counts_line(d["request_counts"]))
+    for i, line in enumerate(failure_lines(d)):
+        info.add_row("failures" if i == 0 else "", line)
     if st["results"]:
         ar, mal, lat = st["acceptance_rate"], st["mean_acceptance_length"], st["latency_seconds"]
         info.add_row("acceptance rate", f"{_num(ar['token_weighted'])} token-weighted, "

@@ -596,6 +596,10 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
 
         table.add_row("batch sizes", batching_line(stats["batching"]))
     Console().print(table)
+    from specbatch.cli.jobs import failure_lines
+
+    for line in failure_lines(summary):
+        click.echo(f"failed: {line}", err=True)
     click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')} -o FILE` writes them to a file")
 

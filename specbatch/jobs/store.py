@@ -488,7 +488,20 @@ def job_summary(s: Session, job_id: str) -> dict[str, Any]:
     out = job_dict(job, request_counts(s, [job.id])[job.id])
     out["models"] = model_routes(s, job)
     out["stats"] = job_stats(s, job.id)
+    out["failures"] = failures(s, job.id)
     return out
+
+
+SHOWN_FAILURES = 5
+
+
+def failures(s: Session, job_id: str, limit: int = SHOWN_FAILURES) -> list[dict[str, Any]]:
+    """The job's first failed requests by line, {line_no, custom_id, error}: why a job exited 3 must
+    show where the user looks (the run summary, status), not only in an export."""
+    q = (select(Request.line_no, Request.custom_id, Request.error)
+         .where(Request.job_id == job_id, Request.status == RequestStatus.failed)
+         .order_by(Request.line_no).limit(limit))
+    return [{"line_no": n, "custom_id": c, "error": e} for n, c, e in s.execute(q)]
 
 
 def expected_new_tokens(s: Session, job_id: str, request_ids: Sequence[int] | None = None) -> int:

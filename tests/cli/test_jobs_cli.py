@@ -182,8 +182,9 @@ def test_status_table(db_url, no_worker_check):
     assert result.exit_code == 0, result.output
     out = result.stdout
     for text in (f"job {job_id}", "running", "tgt <- d1", "completed 2", "failed 1", "acceptance rate",
-                 "token-weighted", "request mean", "tokens generated", "p50", "p95", "w1"):
-        assert text in out, out
+                 "token-weighted", "request mean", "tokens generated", "p50", "p95", "w1", "line 3 (c2): boom",
+                 f"`specbatch export {job_id} --status failed` lists every failure"):
+        assert text in " ".join(out.split()), out
 
 
 def test_status_words_a_count_of_one_in_the_singular(db_url, no_worker_check):
@@ -372,3 +373,13 @@ def test_submit_of_a_bad_file_writes_nothing(db_url, tmp_path, monkeypatch):
     with db.session_factory(db_url).begin() as s:
         after = (s.scalar(select(func.count()).select_from(Job)), s.scalar(select(func.count()).select_from(Request)))
     assert after == before
+
+
+def test_failure_lines_show_the_first_failures_and_count_the_rest():
+    from specbatch.cli.jobs import failure_lines
+
+    d = {"id": "j1", "request_counts": {"failed": 7},
+         "failures": [{"line_no": 2, "custom_id": "a", "error": "prompt too long"}]}
+    assert failure_lines(d) == ["line 2 (a): prompt too long",
+                                "and 6 more; `specbatch export j1 --status failed` lists every failure"]
+    assert failure_lines({"id": "j1", "request_counts": {"failed": 0}, "failures": []}) == []

@@ -64,6 +64,8 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
     summary = json.loads(result.stdout)
     assert summary["status"] == "completed_with_errors" and summary["source"] == "<stdin>"
     jid = summary["id"]
+    (failure,) = summary["failures"]                 # why it exited 3, where the user looks
+    assert (failure["line_no"], failure["custom_id"]) == (4, "too-long") and "max_new_tokens" in failure["error"]
     assert [(r["model"], r["target"], r["requests"]) for r in summary["models"]] == [
         ("model-a", llama, 2), ("model-b", gpt2, 2)]
     shown = invoke("status", jid).stdout
