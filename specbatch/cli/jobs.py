@@ -243,11 +243,27 @@ def _statuses(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ..
     return out
 
 
+# -o's extension names the format, so `-o out.csv` never writes JSONL under a .csv name
+FORMAT_BY_SUFFIX = {".jsonl": "jsonl", ".json-lines": "jsonl", ".csv": "csv", ".parquet": "parquet",
+                    ".pq": "parquet"}
+
+
+def _export_format(fmt: str | None, output: Path | None) -> str:
+    """The format to write: -f if given (it must agree with a known extension of -o), else the one
+    -o's extension names, else jsonl."""
+    suffix = output.suffix.lower() if output is not None and str(output) != "-" else ""
+    implied = FORMAT_BY_SUFFIX.get(suffix)
+    if fmt is not None and implied is not None and fmt != implied:
+        raise click.UsageError(f"-f {fmt} but {output} ends in {suffix}: drop -f or change the name")
+    return fmt or implied or "jsonl"
+
+
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default="jsonl",
-              show_default=True, help="jsonl: OpenAI batch output lines; csv: one flat row per request; "
-                                      "parquet: typed columns for datasets / DuckDB / pandas.")
+@click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default=None,
+              help="jsonl: OpenAI batch output lines; csv: one flat row per request; "
+                   "parquet: typed columns for datasets / DuckDB / pandas. Default: the one -o's "
+                   "extension names (.jsonl, .csv, .parquet or .pq), else jsonl.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
               help="File to write ('-': stdout). Default: stdout for jsonl/csv, JOB.parquet for parquet.")
 @click.option("--errors", "errors_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -259,31 +275,33 @@ def _statuses(_ctx: click.Context, _param: click.Parameter, value: tuple[str, ..
 @click.option("--force", is_flag=True, help="Overwrite existing files.")
 @click.option("--json", "as_json", is_flag=True,
               help="Print {id, format, path, rows[, errors_path, error_rows]} as JSON (file output).")
-def export(job_id: str, fmt: str, output: Path | None, errors_path: Path | None, statuses: list[str],
+def export(job_id: str, fmt: str | None, output: Path | None, errors_path: Path | None, statuses: list[str],
            force: bool, as_json: bool) -> None:
     """Export a job's requests and results as JSONL, CSV or Parquet, in input order.
 
     JSONL lines have OpenAI's batch output shape; pending and running requests are left out
     unless --status asks for them. Parquet loads with pandas.read_parquet, DuckDB and
-    datasets.load_dataset("parquet", data_files=...). Files are written atomically and never
+    datasets.load_dataset("parquet", data_files=...). Without -f the format is the one -o's
+    extension names (.jsonl, .csv, .parquet), else jsonl. Files are written atomically and never
     overwritten without --force.
 
     \b
     Example:
       specbatch export 3f9a2c -o output.jsonl --errors errors.jsonl
-      specbatch export 3f9a2c -f parquet -o answers.parquet --status completed
+      specbatch export 3f9a2c -o answers.parquet --status completed
       specbatch export 3f9a2c > answers.jsonl
     """
     from specbatch.jobs import export as exporter
     from specbatch.jobs import store
 
+    fmt = _export_format(fmt, output)
     to_stdout = (output is None and fmt != "parquet") or str(output) == "-"
     if to_stdout and fmt == "parquet":
         raise click.UsageError("parquet is binary: give a file with -o PATH")
     if to_stdout and as_json:
         raise click.UsageError("--json reports on a written file: give one with -o PATH")
     if errors_path is not None and fmt != "jsonl":
-        raise click.UsageError("--errors splits OpenAI batch lines: use it with -f jsonl")
+        raise click.UsageError(f"--errors splits OpenAI batch lines: use it with jsonl output, not {fmt}")
     if errors_path is not None and output is not None and errors_path.resolve() == output.resolve():
         raise click.UsageError("--errors must name another file than -o")
     n_err = 0

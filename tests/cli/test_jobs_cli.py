@@ -306,6 +306,40 @@ def test_export_formats_and_filters(db_url, tmp_path, monkeypatch):
     assert run("export", job_id, "-f", "parquet", "-o", "-").exit_code == 2
 
 
+def test_export_format_follows_the_output_extension(db_url, tmp_path):
+    pd = pytest.importorskip("pandas")
+    job_id, _ = make_job(db_url)
+    csv_out = tmp_path / "out.csv"
+    result = run("export", job_id, "-o", str(csv_out), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["format"] == "csv"
+    assert csv_out.read_text().startswith("job_id,request_id,custom_id,")
+
+    # --force over a real parquet file keeps it parquet (it used to become JSONL)
+    pq_out = tmp_path / "answers.parquet"
+    assert run("export", job_id, "-o", str(pq_out)).exit_code == 0
+    result = run("export", job_id, "-o", str(pq_out), "--force", "--status", "completed")
+    assert result.exit_code == 0, result.output
+    assert list(pd.read_parquet(pq_out)["custom_id"]) == ["c0", "c1"]
+    assert run("export", job_id, "-o", str(tmp_path / "a.PQ"), "--json").stdout.count('"parquet"') == 1
+
+    other = tmp_path / "out.txt"        # an extension that names no format: jsonl, as before
+    assert run("export", job_id, "-o", str(other)).exit_code == 0
+    assert json.loads(other.read_text().splitlines()[0])["custom_id"] == "c0"
+    assert run("export", job_id, "-f", "csv", "-o", str(tmp_path / "same.csv")).exit_code == 0
+
+
+def test_export_format_that_contradicts_the_extension_is_a_usage_error(db_url, tmp_path):
+    job_id, _ = make_job(db_url)
+    out = tmp_path / "out.csv"
+    result = run("export", job_id, "-f", "jsonl", "-o", str(out))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: -f jsonl but {out} ends in .csv: drop -f or change the name")
+    assert not out.exists()
+    assert run("export", job_id, "--format", "csv", "-o", str(tmp_path / "x.parquet")).exit_code == 2
+
+
 def test_cancel(db_url):
     job_id, ids = make_job(db_url)
     result = run("cancel", job_id)
