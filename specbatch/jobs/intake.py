@@ -494,6 +494,19 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _not_jsonl(first: str) -> str | None:
+    """Why a file whose first non-blank line is ``first`` is plain JSON rather than JSON Lines, or
+    None. Such a file fails on nearly every line, so this one hint stands for all those errors."""
+    first = first.strip()
+    if first.startswith("["):
+        return ("this looks like a JSON array; the file must be JSON Lines: one JSON object per line "
+                "(`jq -c '.[]'` converts an array)")
+    if first == "{":
+        return ("this looks like pretty-printed JSON; the file must be JSON Lines: one JSON object per "
+                "line (`jq -c .` converts it)")
+    return None
+
+
 def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settings: Settings,
                 model_map: dict[str, Route] | None = None) -> ParsedFile:
     """Like read_file, reading an open binary stream; ``name`` is used in messages."""
@@ -512,6 +525,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
     parsed: list[tuple[int, dict[str, Any]]] = []
     ids: list[tuple[int, Any]] = []     # (line_no, _given_id) of every JSON-object line, bad lines too
     n_requests = blank_lines = 0
+    not_jsonl: InputError | None = None
     for line_no, content, size in _read_lines(fp, settings.max_line_bytes):
         if content is None:
             n_requests += 1
@@ -529,6 +543,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             blank_lines += 1
             continue
         n_requests += 1
+        if n_requests == 1 and (hint := _not_jsonl(text)):
+            not_jsonl = InputError(hint, path=name, line_no=line_no)
         if n_requests > settings.max_requests:
             continue      # counted, not parsed: the file is rejected as a whole below
         try:
@@ -589,6 +605,10 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
     requests = [ParsedRequest(line_no=line_no, **{**p, "custom_id": p["custom_id"] or f"line-{line_no}"})
                 for line_no, p in parsed]
 
+    if not_jsonl is not None:
+        # such a first line is never valid JSONL, so the file fails anyway; the per-line errors of
+        # a JSON array or pretty-printed object would only bury the one thing to fix
+        raise IntakeError([not_jsonl])
     if total_errors:
         errors.sort(key=lambda e: (e.line_no or 0))
         raise IntakeError(errors, total=total_errors)

@@ -51,7 +51,7 @@ GOOD = L(custom_id="ok", prompt="fine")
 BAD_CASES = {
     "invalid_json": (GOOD + b'{"prompt": "b",}\n',
                      ["2: invalid JSON: Expecting property name enclosed in double quotes (column 16)"]),
-    "not_an_object_array": (b'["a", "b"]\n', ["1: must be a JSON object, got an array"]),
+    "not_an_object_array": (GOOD + b'["a", "b"]\n', ["2: must be a JSON object, got an array"]),
     "not_an_object_string": (GOOD + b'"hello"\n', ["2: must be a JSON object, got a string"]),
     "not_an_object_null": (b"null\n", ["1: must be a JSON object, got null"]),
     "neither_prompt_nor_messages": (L(custom_id="x", max_tokens=5), ['1: "prompt" or "messages" is required']),
@@ -156,6 +156,36 @@ def test_bad_input_is_reported_and_nothing_is_written(case, seeded_url, tmp_path
     for want in expected:       # "N: ..." for a line, ": ..." for the whole file
         assert f"{path}{':' if want[0].isdigit() else ''}{want}" in message, message
     assert snapshot(seeded_url) == before
+
+
+ARRAY_HINT = ("this looks like a JSON array; the file must be JSON Lines: one JSON object per line "
+              "(`jq -c '.[]'` converts an array)")
+PRETTY_HINT = ("this looks like pretty-printed JSON; the file must be JSON Lines: one JSON object per line "
+               "(`jq -c .` converts it)")
+PROMPTS = [{"custom_id": f"q{i}", "messages": [{"role": "user", "content": f"hi {i}"}]} for i in range(30)]
+
+
+@pytest.mark.parametrize("content, line_no, hint", [
+    (json.dumps(PROMPTS, indent=2), 1, ARRAY_HINT),                  # a JSON array, pretty-printed
+    ("\n  \n" + json.dumps(PROMPTS), 3, ARRAY_HINT),                 # on one line, after blank lines
+    (json.dumps(PROMPTS[0], indent=2) + "\n" + json.dumps(PROMPTS[1], indent=2), 1, PRETTY_HINT),
+], ids=["array", "one-line-array", "pretty-printed-objects"])
+def test_plain_json_gets_one_hint_instead_of_an_error_per_line(content, line_no, hint, seeded_url, tmp_path):
+    path = tmp_path / "array.json"
+    path.write_text(content)
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    assert str(e.value).splitlines() == ["1 error; nothing was written:", f"{path}:{line_no}: {hint}"]
+    assert snapshot(seeded_url) == before
+
+
+def test_an_object_opening_a_line_of_its_own_later_in_the_file_gets_no_hint(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(GOOD + b"{\n")
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, {}, Settings(database_url="sqlite://"))
+    assert str(e.value).splitlines()[1].startswith(f"{path}:2: invalid JSON")
 
 
 @pytest.mark.parametrize("kind", ["missing", "directory"])
