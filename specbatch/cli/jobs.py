@@ -376,9 +376,14 @@ def cancel(job_id: str, as_json: bool) -> None:
 
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def retry(job_id: str, as_json: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help=JSON_HELP + " For a job made by `specbatch run`: its summary, as `run --json`.")
+@click.pass_context
+def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """Re-run a job's failed requests (only those; finished results are never redone).
+
+    A job made by `specbatch run` is re-run in this process, as `specbatch resume` does (no broker
+    or worker needed); the exit status is then run's (3: some requests failed again).
 
     \b
     Example:
@@ -391,7 +396,18 @@ def retry(job_id: str, as_json: bool) -> None:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
         jid, queue, ngram = job.id, job.queue, job.ngram
+        embedded = bool((job.meta or {}).get("embedded"))
         routes = store.request_routes(s, jid, ids)
+    if ids and embedded:
+        # no worker consumes a `run` job's queue: the rows are pending again, and resume's
+        # in-process path (run --resume) finishes them here
+        from specbatch.cli.queue import resume
+
+        if not as_json:
+            click.echo(f"job {jid}: {plural(len(ids), 'failed request')} pending again; running "
+                       f"{'it' if len(ids) == 1 else 'them'} here (a job made by `specbatch run`)", err=True)
+        ctx.invoke(resume, job_id=jid, in_process=True, as_json=as_json)
+        return
     report: dict[str, Any] = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
     if ids:
         # the rows are committed as pending first: whatever happens to the broker, `resume` finishes them

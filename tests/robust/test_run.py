@@ -169,3 +169,28 @@ def test_exit_status_follows_the_job(tmp_path: Path, tiny_models: Path, monkeypa
         get_settings.cache_clear()
         result = CliRunner().invoke(cli, ["run", str(path), *target, "--json"])
         assert result.exit_code == code, (name, result.output)
+
+
+def test_retry_of_a_run_job_reruns_the_failures_here_without_a_broker(tmp_path: Path, tiny_models: Path) -> None:
+    """The exit-status table sends `run` users to `specbatch retry JOB`: it must work with no broker."""
+    env, url = _env(tmp_path)          # the broker URL points at a closed port
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"custom_id": "ok", "prompt": "a b", "max_tokens": 3}) + "\n"
+                    + json.dumps({"custom_id": "too-long", "prompt": "x", "max_tokens": 100_000}) + "\n")
+    made = subprocess.run([EXE, "run", str(path), "--target", str(tiny_models / "llama"), "--json"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 3, made.stderr
+    job_id = json.loads(made.stdout)["id"]
+
+    # nothing was fixed, so the request fails again, for the same reason, and the job is partial again
+    retried = subprocess.run([EXE, "retry", job_id], env=env, capture_output=True, text=True, timeout=300)
+    assert retried.returncode == 3, retried.stderr
+    assert f"job {job_id}: 1 failed request pending again; running it here" in retried.stderr
+    assert "broker" not in retried.stderr and "Traceback" not in retried.stderr
+    get_settings.cache_clear()
+    summary = json.loads(CliRunner().invoke(cli, ["status", job_id, "--json"],
+                                            env={"SPECBATCH_DATABASE_URL": url}).output)
+    assert summary["status"] == "completed_with_errors"
+    (failure,) = summary["failures"]
+    assert failure["custom_id"] == "too-long" and "max_new_tokens" in failure["error"], failure
+    assert _counts(url) == (1, {"completed": 1, "failed": 1})    # the completed one was not redone
