@@ -310,8 +310,8 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
                   for m in [target, *drafts.values()] if m.compiled is None and not m.info.get("int8"))
         opts = dataclasses.replace(opts, compile="on" if hit else "off")
         if not hit and notify is not None:
-            notify("decoding eagerly: the compile cache does not hold these models' graphs "
-                   "(--compile on compiles anyway)")
+            notify("decoding eagerly: the compile cache does not hold these models' "
+                   "graphs; --compile on compiles anyway")
     if opts.compile == "on":
         from specbatch.config import get_settings
         from specbatch.engine.compiled import prepare

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from specbatch.cli.common import compile_notice, echo_json, warn
+from specbatch.cli.throughput import device_options
 from specbatch.config import get_settings
 
 
@@ -45,8 +46,7 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="bench-results", show_default=True,
               help="Directory for report.md, result.json and the PNG plots.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the Markdown table.")
-@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: configured).")
-@click.option("--dtype", default=None, help="float32, bfloat16 or float16 (default: configured).")
+@device_options
 @click.option("--random-weights", is_flag=True,
               help="Random-weight models of the same shapes (speed only); adds a self-draft for acceptance.")
 @click.option("--threads", type=int, default=None,

@@ -135,12 +135,8 @@ def report_compile(plan: Any, say_eager: bool = True) -> None:
 
 def eager_reason(reason: str) -> str:
     """``CompilePlan.reason`` of an auto plan that stays eager, for people: where auto declined
-    ("auto: ..."), that --compile on overrides it, said once."""
+    ("auto: ..."), that --compile on overrides it (the plan's reason is a record; the override
+    is the CLI's to name)."""
     if not reason.startswith("auto: "):
         return reason          # e.g. no model can be compiled: on would not compile either
-    reason = reason.removeprefix("auto: ")
-    if "--compile on" in reason:
-        return reason
-    if reason.endswith(")"):   # "... (docs/COMPILE.md)" -> "... (docs/COMPILE.md; --compile on ...)"
-        return reason[:-1] + "; --compile on compiles anyway)"
-    return reason + " (--compile on compiles anyway)"
+    return reason.removeprefix("auto: ") + "; --compile on compiles anyway"

@@ -16,13 +16,15 @@ from specbatch.cli.common import (
     nonempty_stops,
     report_compile,
 )
+from specbatch.cli.throughput import device_options, no_draft, threads_option
 from specbatch.config import get_settings
 from specbatch.plural import plural
 
 
 @click.command()
 @click.option("--target", metavar="MODEL", help="Target model: known name, directory, .gguf file or HF id.")
-@click.option("--draft", "drafts", multiple=True, metavar="MODEL", help="Draft model (repeat for a pool).")
+@click.option("--draft", "drafts", multiple=True, metavar="MODEL",
+              help="Draft model (repeat for a pool); 'none': the target alone.")
 @click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool.")
 @click.option("--prompt", help="Prompt text, tokenized as is.")
 @click.option("--message", "messages", multiple=True, metavar="TEXT",
@@ -37,12 +39,12 @@ from specbatch.plural import plural
 @click.option("--seed", type=SEED, default=None)
 @click.option("--stop", multiple=True, callback=nonempty_stops,
               help="Stop string (repeatable); the text ends before it.")
-@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default from settings).")
-@click.option("--dtype", default=None, help="float32, bfloat16 or float16.")
+@device_options
 @compile_option
+@threads_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fixed_gamma, temperature,
-             top_p, top_k, seed, stop, device, dtype, compile_, as_json) -> None:
+             top_p, top_k, seed, stop, device, dtype, compile_, threads, as_json) -> None:
     """Generate for one prompt with speculative decoding.
 
     \b
@@ -50,17 +52,20 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
       specbatch generate --prompt "Write a haiku about queues" --max-new-tokens 32 --json
       specbatch generate --target DIR --draft DIR2 --ngram --message "Hi" --temperature 0.7 --seed 1
     """
+    from specbatch.cli.queue import resolve_pair
     from specbatch.engine import Engine, GenerationParams
+    from specbatch.engine.threads import configure_threads
 
     settings = get_settings()
     if (prompt is None) == (not messages):
         raise click.UsageError("give exactly one of --prompt or --message")
-    if target is None and not drafts:
-        target, drafts = settings.default_target, (settings.default_draft,)
+    no_draft(drafts, False)      # 'none' with other drafts: a usage error
+    target, drafts = resolve_pair(settings, target, drafts)
+    configure_threads(threads or settings.threads or None, settings.local_workers)
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop=tuple(stop), gamma=gamma,
                               adaptive=not fixed_gamma).validate()
-    engine = Engine.load(target or settings.default_target, list(drafts), ngram=ngram,
+    engine = Engine.load(target, drafts, ngram=ngram,
                          device=device or settings.device, dtype=dtype or settings.dtype,
                          cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
                          batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row

@@ -24,7 +24,7 @@ from specbatch.cli.common import (
     report_compile,
     warn,
 )
-from specbatch.cli.throughput import no_draft, resolve_throughput, throughput_options
+from specbatch.cli.throughput import device_options, no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
 from specbatch.plural import plural
@@ -303,8 +303,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 
 @click.command()
 @model_options
-@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
-@click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
+@device_options
 @throughput_options
 @compile_option
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
@@ -382,8 +381,7 @@ EXIT_INTERRUPTED = 130
 @model_options
 @model_map_option
 @sampling_options
-@click.option("--device", default=None, help="cpu, cuda, cuda:N or mps (default: settings).")
-@click.option("--dtype", default=None, help="float32, float16 or bfloat16 (default: settings).")
+@device_options
 @throughput_options
 @compile_option
 @click.option("--resume", "resume_job", metavar="JOB", default=None,
@@ -560,8 +558,9 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
             else:
                 agg["failed"] += 1
             elapsed = max(time.monotonic() - start, 1e-9)
-            acc = agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0
-            speed = f"{agg['tokens'] / elapsed:.1f} tok/s  acceptance {acc:.0%}"
+            # "acceptance 0%" where nothing was drafted read as drafts all rejected
+            acc = f"acceptance {agg['accepted'] / agg['drafted']:.0%}" if agg["drafted"] else "nothing drafted"
+            speed = f"{agg['tokens'] / elapsed:.1f} tok/s  {acc}"
             if agg["cached"]:
                 speed += f"  cached {agg['cached']}"
             if agg["failed"]:

@@ -39,12 +39,54 @@ class BytesType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class DeviceType(click.ParamType):
+    """A device as written (cpu, cuda, cuda:N, mps): a typo is a usage error; a device this
+    machine lacks is found when the models load (exit 1)."""
+
+    name = "DEVICE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from specbatch.engine.loading import parse_device
+
+        try:
+            parse_device(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+class DtypeType(click.ParamType):
+    name = "DTYPE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from specbatch.engine.loading import resolve_dtype
+        from specbatch.errors import DeviceError
+
+        try:
+            resolve_dtype(value)
+        except DeviceError as e:
+            self.fail(str(e), param, ctx)
+        return value
+
+
+def device_options(f: Any) -> Any:
+    """--device and --dtype, for every command that loads models."""
+    f = click.option("--dtype", type=DtypeType(), default=None,
+                     help="float32, bfloat16 or float16 (default: SPECBATCH_DTYPE, float32).")(f)
+    return click.option("--device", type=DeviceType(), default=None,
+                        help="cpu, cuda, cuda:N or mps (default: SPECBATCH_DEVICE, cpu).")(f)
+
+
+def threads_option(f: Any) -> Any:
+    return click.option("--threads", type=click.IntRange(min=1), default=None,
+                        help="torch CPU threads for this process [SPECBATCH_THREADS; default: usable cores "
+                             "/ SPECBATCH_LOCAL_WORKERS].")(f)
+
+
 def throughput_options(f: Any) -> Any:
     f = click.option("--no-speculation", is_flag=True,
                      help="Plain decoding with the target alone (same as --draft none).")(f)
-    f = click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="torch CPU threads for this process [SPECBATCH_THREADS; default: usable cores "
-                          "/ SPECBATCH_LOCAL_WORKERS].")(f)
+    f = threads_option(f)
     f = click.option("--max-memory", type=BytesType(), default=None,
                      help="Memory budget for KV caches and activations, e.g. 8GiB or 512MB "
                           "[SPECBATCH_MAX_MEMORY; default: half the free RAM, 80% of free GPU memory].")(f)

@@ -791,7 +791,7 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     measured = recorded_speedup(target, cache_dir, batch_size, variants[id(target)] is not False)
     speedup = measured if measured is not None else expected_speedup(target.device, batch_size)
     if mode == "auto" and speedup < MIN_SPEEDUP:
-        where = (f"here ({speedup:.2f}x at the last warm-up; --compile on compiles anyway)" if measured is not None
+        where = (f"here ({speedup:.2f}x at the last warm-up)" if measured is not None
                  else f"on {torch.device(target.device).type} (docs/COMPILE.md)")
         return CompilePlan(mode, False, f"auto: the compiled forward measured no faster than eager {where}")
     if mode == "auto" and expected_new_tokens is not None:
@@ -799,10 +799,13 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         estimate = sum(expected_compile_seconds(m, len(s), cache_dir, cached, variants[id(m)]) for m, s in models)
         rows = max(1, batch_size)
         decode = expected_new_tokens / rows * eager_step_seconds(target, rows=rows)
+        # the saving, not the decode time, is what compiling is weighed against: "1341 s of
+        # decoding would not repay 884 s of compiling" read backwards to a user
+        worth = (f"about {_secs(estimate)} and save about {_secs(decode * (1 - 1 / speedup))} of the job's "
+                 f"about {_secs(decode)} of eager decoding (at {speedup:.2f}x)")
         if not compile_pays(decode, estimate, cached, speedup):
-            return CompilePlan(mode, False, f"auto: about {_secs(decode)} of eager decoding would not "
-                                            f"repay about {_secs(estimate)} of compiling")
-        reason = f"auto: about {_secs(decode)} of eager decoding repays about {_secs(estimate)} of compiling"
+            return CompilePlan(mode, False, f"auto: compiling would take {worth}")
+        reason = f"auto: compiling takes {worth}"
     else:
         reason = "compile on" if mode == "on" else "auto: a long-lived worker"
     configure_inductor(cache_dir, target.device)

@@ -135,12 +135,24 @@ def known_model_status() -> list[dict[str, Any]]:
     return rows
 
 
+def parse_device(device: str) -> torch.device:
+    """``cpu``, ``cuda``, ``cuda:N`` or ``mps`` as written; ValueError for anything else (whether
+    the device is there is ``resolve_device``'s question)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps")
+    return dev
+
+
 def resolve_device(device: str) -> torch.device:
     """``cpu``, ``cuda``, ``cuda:N`` or ``mps``; raises DeviceError when unknown or absent."""
     try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise DeviceError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps") from e
+        dev = parse_device(device)
+    except ValueError as e:
+        raise DeviceError(str(e)) from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise DeviceError(f"device {device!r}: CUDA is not available on this machine")
@@ -149,8 +161,6 @@ def resolve_device(device: str) -> torch.device:
     elif dev.type == "mps":
         if not torch.backends.mps.is_available():
             raise DeviceError(f"device {device!r}: MPS is not available on this machine")
-    elif dev.type != "cpu":
-        raise DeviceError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps")
     return dev
 
 

@@ -97,7 +97,7 @@ def test_bench_compile_auto_says_once_that_it_decodes_eagerly(tiny_models: Path,
     res = CliRunner().invoke(cli, args, obj={})
     assert res.exit_code == 0, res.output
     assert res.stderr.count("specbatch: decoding eagerly: the compile cache does not hold these models' "
-                            "graphs (--compile on compiles anyway)") == 1, res.stderr
+                            "graphs; --compile on compiles anyway") == 1, res.stderr
     assert json.loads(res.stdout)["compile"] is None
 
 

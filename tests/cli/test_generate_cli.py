@@ -91,6 +91,19 @@ def test_generate_ngram_only(tiny_models):
     assert out["stats"]["draft_forwards"] == 0
 
 
+def test_generate_draft_none_is_the_target_alone_and_takes_threads(tiny_models):
+    """As on run: --draft none decodes with the target alone; --threads is accepted as on run."""
+    r = run("generate", "--target", str(tiny_models / "llama"), "--draft", "none", "--prompt", PROMPT,
+            "--max-new-tokens", "12", "--threads", "1", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["token_ids"] == target_greedy(tiny_models / "llama", PROMPT, 12)
+    assert out["stats"]["drafted_tokens"] == 0 and out["stats"]["draft_forwards"] == 0
+    mixed = run("generate", "--target", str(tiny_models / "llama"), "--draft", "none", "--draft",
+                str(tiny_models / "llama-partial"), "--prompt", PROMPT)
+    assert mixed.exit_code == 2 and "'none' cannot be combined with other drafts" in mixed.stderr
+
+
 def test_generate_fixed_gamma(tiny_models):
     out = generate_json(tiny_models, "--prompt", PROMPT, "--max-new-tokens", "20", "--gamma", "3",
                         "--fixed-gamma", drafts=("llama-same",))
@@ -143,6 +156,16 @@ BAD = {
     "prompt and message": (["--prompt", "hi", "--message", "hi"], ["--prompt", "--message"]),
     "max-new-tokens not a number": (["--prompt", "hi", "--max-new-tokens", "many"], ["max-new-tokens"]),
 }
+
+
+@pytest.mark.parametrize(("command", "option", "value"), [
+    (c, o, v) for c in ("generate", "run", "worker", "bench") for o, v in (("--device", "cpux"),
+                                                                                   ("--dtype", "float23"))])
+def test_a_device_or_dtype_typo_is_a_usage_error_before_anything_loads(command, option, value, tmp_path):
+    r = run(command, *([str(tmp_path / "none.jsonl")] if command in ("run", "submit") else []),
+            option, value)
+    assert r.exit_code == 2, r.output
+    assert f"Invalid value for '{option}'" in r.stderr and value in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -330,8 +353,8 @@ def test_compile_auto_says_once_why_it_decodes_eagerly(tiny_models, monkeypatch)
     assert auto.exit_code == 0, auto.output
     lines = [ln for ln in auto.stderr.splitlines() if "decoding eagerly" in ln]
     assert len(lines) == 1, auto.stderr
-    assert lines[0].startswith("specbatch: decoding eagerly: about ")
-    assert lines[0].endswith("s of compiling (--compile on compiles anyway)"), lines[0]
+    assert lines[0].startswith("specbatch: decoding eagerly: compiling would take about ")
+    assert lines[0].endswith("of eager decoding (at 1.25x); --compile on compiles anyway"), lines[0]
     off = run(*args, "--compile", "off")
     assert off.exit_code == 0, off.output
     assert "eagerly" not in off.stderr and "compil" not in off.stderr, off.stderr
@@ -346,15 +369,13 @@ def test_compile_auto_says_once_why_it_decodes_eagerly(tiny_models, monkeypatch)
 
 
 @pytest.mark.parametrize(("reason", "said"), [
-    ("auto: about 1.2 s of eager decoding would not repay about 370 s of compiling",
-     "about 1.2 s of eager decoding would not repay about 370 s of compiling (--compile on compiles anyway)"),
-    ("auto: the compiled forward measured no faster than eager here (0.93x at the last warm-up; "
-     "--compile on compiles anyway)",
-     "the compiled forward measured no faster than eager here (0.93x at the last warm-up; "
-     "--compile on compiles anyway)"),
-    ("auto: the compiled forward measured no faster than eager on mps (docs/COMPILE.md)",
-     "the compiled forward measured no faster than eager on mps (docs/COMPILE.md; --compile on compiles "
-     "anyway)"),
+    ("auto: compiling would take about 370 s and save about 0.2 s of the job's about 1.2 s of eager "
+     "decoding (at 1.25x)",
+     "compiling would take about 370 s and save about 0.2 s of the job's about 1.2 s of eager decoding "
+     "(at 1.25x); --compile on compiles anyway"),
+    ("auto: the compiled forward measured no faster than eager here (0.93x at the last warm-up)",
+     "the compiled forward measured no faster than eager here (0.93x at the last warm-up); "
+     "--compile on compiles anyway"),
     ("no model can be compiled (int8 layers)", "no model can be compiled (int8 layers)"),
 ])
 def test_the_eager_line_reads_well_for_every_reason(reason, said):

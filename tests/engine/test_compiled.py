@@ -63,7 +63,7 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
                         C.CompileReport(model=lm.name, enabled=True, seconds=1.0))
     _no_comparison(monkeypatch)
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
-    assert not plan.enabled and "would not repay" in plan.reason and not warmed
+    assert not plan.enabled and "compiling would take" in plan.reason and not warmed
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
     assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
 
@@ -76,7 +76,10 @@ def test_auto_weighs_a_batched_job_by_a_step_at_its_rows(tiny_models, tmp_path, 
     asked = []
     monkeypatch.setattr(C, "eager_step_seconds", lambda lm, rows=1: asked.append(rows) or 0.5)
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=160)
-    assert asked == [8] and "about 10 s of eager decoding would not repay" in plan.reason, plan.reason
+    assert asked == [8] and "of the job's about 10 s of eager decoding" in plan.reason, plan.reason
+    speedup = C.expected_speedup(target.device, 8)      # what compiling saves, not what decoding costs
+    assert plan.reason.startswith("auto: compiling would take about ")
+    assert f"save about {10 * (1 - 1 / speedup):.1f} s of" in plan.reason and f"(at {speedup:.2f}x)" in plan.reason
 
 
 def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models, tmp_path, monkeypatch,
@@ -166,7 +169,7 @@ def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path, monkeypat
     # where it measured faster, a short job in auto mode still does not repay a first compile
     monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.5})
     plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
-    assert not plan.enabled and "would not repay" in plan.reason and target.compiled is None
+    assert not plan.enabled and "compiling would take" in plan.reason and target.compiled is None
     from specbatch.engine.loading import _quantize_int8
 
     int8 = load_model(str(tiny_models / "llama"))
