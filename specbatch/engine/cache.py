@@ -142,6 +142,8 @@ class BatchCache:
         idx = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
         if cache_length(self.cache):
             self.cache.batch_select_indices(idx)
+        else:   # no columns: nothing to keep, and a cropped cache would keep its old row count
+            self.cache = DynamicCache()
         self.valid, self.n_valid = self.valid[idx], self.n_valid[idx]
         self._invalidate([])
 
@@ -165,6 +167,8 @@ class BatchCache:
                 theirs.keys = torch.cat([_zero_rows(theirs.keys, self.n_rows), theirs.keys])
                 theirs.values = torch.cat([_zero_rows(theirs.values, self.n_rows), theirs.values])
             self.cache = other.cache
+        else:   # no columns either side: a cache cropped to none still holds its old rows
+            self.cache = DynamicCache()
         self.valid = torch.cat([_left_pad_mask(self.valid, width), _left_pad_mask(other.valid, width)])
         self.n_valid = torch.cat([self.n_valid, other.n_valid])
 

@@ -183,3 +183,50 @@ def test_rows_that_join_while_decoding_plainly_cost_the_draft_nothing_until_it_d
     assert sum(o.stats.drafted_tokens for o in got.values()) > 0
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert got[i].token_ids == target_greedy(target, p, n), i
+
+
+class Erratic(MeasuredPolicy):
+    """Row limits, caps and plain decisions drawn at random every call, on costs that do not move
+    (so a seed replays the same run): the autopilot's choices in any order, timing aside."""
+
+    def __init__(self, seed: int) -> None:
+        import random
+
+        from specbatch.engine.gamma import CostModel
+
+        super().__init__(limit=16)
+        self.rng = random.Random(seed)
+        self.frozen = CostModel(draft_step=0.002, verify={n: 0.01 + 0.001 * n for n in range(1, 14)})
+
+    def max_rows(self, waiting: int = 0) -> int:
+        return self.rng.choice([1, 2, 3, 5, 8, 13, 16])
+
+    def gamma_cap(self, n_rows: int) -> int | None:
+        return self.rng.choice([None, None, 0, 1, 2, 5])
+
+    def plain(self, n_rows: int) -> bool:
+        return self.rng.random() < 0.3
+
+    def costs(self, n_rows: int):
+        return self.frozen
+
+    def observe(self, report: StepReport) -> None:
+        pass
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_erratic_batching_and_speculation_decisions_never_change_the_text(load, seed):
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")], ngram=rng.random() < 0.5)
+    n = rng.randint(8, 24)
+    cases = [(f"word {i} and", rng.randint(1, 40), rng.choice([None, 2, 8])) for i in range(n)]
+    reqs = [(i, engine.encode(p), GenerationParams(max_new_tokens=m, gamma=g)) for i, (p, m, g) in enumerate(cases)]
+    with torch.inference_mode():
+        got = dict(Decoder(target, engine.new_drafters(), Erratic(seed)).run(reqs, lambda started: None))
+    for i, (p, m, _) in enumerate(cases):
+        assert got[i].token_ids == target_greedy(target, p, m), i

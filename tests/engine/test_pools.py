@@ -100,3 +100,24 @@ def test_seeded_sample_alone_equals_in_a_batch(load, pool):
     got = dict(engine.generate_many(reqs, batch_size=8))
     assert {s: got[i].token_ids for i, s in enumerate(seeds)} == alone
     assert len({tuple(t) for t in alone.values()}) > 1, "different seeds should differ"
+
+
+@pytest.mark.parametrize("then", ["select", "extend"])
+def test_a_cache_cropped_to_no_columns_keeps_no_stale_rows(load, then):
+    """A draft cache whose every column became a hole is cropped to none; rows leaving or joining
+    after that must not meet the cropped cache's old row count (a drafter crashed with "Sizes of
+    tensors must match" when the autopilot paused rows at the wrong moment)."""
+    target = load("llama")
+    with torch.inference_mode():
+        cache = BatchCache(target, 3)
+        cache.forward([[5, 6, 7], [8, 9, 10], [11, 12, 13]], logits_to_keep=1)
+        cache.drop_tail([3, 3, 3])                     # every row's tokens rejected: no columns left
+        assert cache.valid.shape[1] == 0
+        if then == "select":
+            cache.select([0, 2])
+        else:
+            cache.extend(BatchCache(target, 1))        # a row joining without a prefill
+        n = cache.n_rows
+        logits = cache.forward([[5, 6]] * n, logits_to_keep=1)
+        fresh = BatchCache(target, 1).forward([[5, 6]], logits_to_keep=1)
+        assert logits.shape[0] == n and torch.allclose(logits[0], fresh[0], atol=1e-5)
