@@ -57,6 +57,14 @@ class LazyGroup(click.Group):
             # final flush does not raise again
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             sys.exit(128 + signal.SIGPIPE)
+        except (click.exceptions.Exit, click.exceptions.Abort):
+            raise                # (RuntimeErrors to Python, control flow to click)
+        except Exception as e:   # a bug: one line for the user, the stack trace with --debug
+            if ctx.obj and ctx.obj.get("debug"):
+                _mask_chain(e)
+                raise
+            raise click.ClickException(mask(f"unexpected error ({type(e).__name__}: {e}); --debug shows "
+                                            "the stack trace; please report it")) from e
 
 
 def _mask_chain(error: BaseException | None) -> None:

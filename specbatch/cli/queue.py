@@ -488,6 +488,15 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
             click.echo(f"job {job_id}: stopped at once; finished results are saved. "
                        f"`specbatch run --resume {job_id}` finishes it.", err=True)
             sys.exit(EXIT_INTERRUPTED)
+        except (SpecBatchError, click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:   # not a request's fault (those fail alone): the engine itself
+            if (click.get_current_context().obj or {}).get("debug"):
+                raise
+            raise click.ClickException(
+                f"job {job_id} stopped: decoding failed ({type(e).__name__}: {e}); finished results are "
+                f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
+                "trace)") from e
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
     if as_json:

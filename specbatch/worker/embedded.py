@@ -67,6 +67,13 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
     finished = True
     stop = stop or StopRequest()
+    def wrap_up() -> None:
+        with sf.begin() as s:
+            if not finished:
+                store.release_held_by(s, job_id, worker)
+                store.set_interrupted(s, job_id, True)
+            store.refresh_job(s, job_id)
+
     ids = with_db_retry(resumable)
     try:
         with interruptible(engine, stop), \
@@ -80,13 +87,10 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
                     break
     except Interrupted:
         finished = False
-
-    def wrap_up() -> None:
-        with sf.begin() as s:
-            if not finished:
-                store.release_held_by(s, job_id, worker)
-                store.set_interrupted(s, job_id, True)
-            store.refresh_job(s, job_id)
+    except Exception:
+        finished = False    # the engine failed: hand back what it held, as an interruption does
+        with_db_retry(wrap_up)
+        raise
     with_db_retry(wrap_up)
     return finished
 

@@ -194,3 +194,54 @@ def test_retry_of_a_run_job_reruns_the_failures_here_without_a_broker(tmp_path: 
     (failure,) = summary["failures"]
     assert failure["custom_id"] == "too-long" and "max_new_tokens" in failure["error"], failure
     assert _counts(url) == (1, {"completed": 1, "failed": 1})    # the completed one was not redone
+
+
+def test_an_engine_failure_mid_job_is_one_line_keeps_results_and_resume_finishes(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a request's fault (a bug, a device error): no traceback, the claims are handed back,
+    the job is interrupted and `run --resume` finishes it."""
+    from specbatch.engine.decoder import Decoder
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    real, steps = Decoder._step, [0]
+
+    def failing(self):   # noqa: ANN001, ANN202
+        steps[0] += 1
+        if steps[0] == 30:
+            raise RuntimeError("device lost")
+        return real(self)
+
+    monkeypatch.setattr(Decoder, "_step", failing)
+    args = ["run", str(_prompts(tmp_path / "p.jsonl", 12, 16)), "--target", str(tiny_models / "llama"),
+            "--draft", str(tiny_models / "llama-partial"), "--batch-size", "2"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("Error: ")]
+    assert "stopped: decoding failed (RuntimeError: device lost)" in line and "run --resume" in line, line
+    results, by = _counts(url)
+    assert 0 < results < 12 and by.get("running", 0) == 0 and by["completed"] == results
+    get_settings.cache_clear()
+    job = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).output)[0]
+    assert job["status"] == "interrupted", job
+    monkeypatch.setattr(Decoder, "_step", real)
+    resumed = CliRunner().invoke(cli, ["run", "--resume", job["id"], "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    assert _counts(url) == (12, {"completed": 12})
+
+
+def test_an_unexpected_error_in_any_command_is_one_line_unless_debug(monkeypatch: pytest.MonkeyPatch) -> None:
+    import specbatch.engine.loading as loading
+
+    def broken(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(loading, "known_model_status", broken)
+    plain = CliRunner().invoke(cli, ["models"])
+    assert plain.exit_code == 1 and plain.stderr.strip() == (
+        "Error: unexpected error (ValueError: a bug); --debug shows the stack trace; please report it")
+    debug = CliRunner().invoke(cli, ["--debug", "models"])
+    assert isinstance(debug.exception, ValueError)
