@@ -97,6 +97,11 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))
         return _object(sb, batch_id)
+    mismatched = batches.endpoint_mismatches(parsed.requests, body.endpoint)
+    if mismatched:
+        with sb.factory.begin() as s:
+            batches.create_batch(s, **fields, errors=mismatched)
+        return _object(sb, batch_id)
     try:
         submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
                    source=f"{body.input_file_id} ({filename})", metadata={**metadata, "batch_id": batch_id},

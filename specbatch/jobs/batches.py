@@ -32,7 +32,8 @@ from specbatch.errors import InputError, IntakeError, SpecBatchError
 from specbatch.jobs import export, files, intake, openai_output, store
 from specbatch.plural import plural
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}   # the lines each runs
+ENDPOINTS = tuple(ENDPOINT_KINDS)
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_ERRORS = intake.KEPT_ERRORS
 
@@ -72,6 +73,22 @@ def intake_errors(e: IntakeError) -> list[dict[str, Any]]:
     if e.total > len(out):
         out.append({"code": "too_many_errors", "line": None, "param": None,
                     "message": f"{plural(e.total - len(out), 'more error')} not listed"})
+    return out
+
+
+def endpoint_mismatches(requests: Sequence[intake.ParsedRequest], endpoint: str) -> list[dict[str, Any]]:
+    """OpenAI's ``url_mismatch`` errors: a batch runs one endpoint, so every line must be of its kind
+    (a completions line in a chat batch would come back in the other endpoint's output shape, and a
+    client reading the output as ChatCompletion objects would fail on it)."""
+    kind = ENDPOINT_KINDS[endpoint]
+    other = {v: k for k, v in ENDPOINT_KINDS.items()}
+    bad = [r for r in requests if r.kind != kind]
+    out = [{"code": "url_mismatch", "line": r.line_no, "param": "url",
+            "message": f"a {other[r.kind]} request in a batch whose endpoint is {endpoint}: "
+                       "a batch runs one endpoint; split the file"} for r in bad[:MAX_ERRORS]]
+    if len(bad) > len(out):
+        out.append({"code": "too_many_errors", "line": None, "param": None,
+                    "message": f"{plural(len(bad) - len(out), 'more error')} not listed"})
     return out
 
 

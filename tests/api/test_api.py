@@ -165,6 +165,24 @@ def test_invalid_file_gives_a_failed_batch_with_line_errors(api: Api) -> None:
     assert c.batches.cancel(b.id).status == "failed"
 
 
+def test_lines_of_another_endpoint_fail_the_batch_as_url_mismatch(api: Api) -> None:
+    """OpenAI runs one endpoint per batch: a completions line (OpenAI's or a native prompt line) in a
+    chat batch would come back as a text_completion that ChatCompletion cannot read."""
+    c = api.client()
+    completion = {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny", "prompt": "Once", "max_tokens": 4}}
+    f = api.upload([chat_line(0), completion, {"custom_id": "n", "prompt": "Once"}, chat_line(3)])
+    before = _jobs(api)
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.status == "failed" and b.request_counts.total == 0
+    assert [(e.code, e.line, e.param) for e in b.errors.data] == [("url_mismatch", 2, "url"), ("url_mismatch", 3, "url")]
+    assert "/v1/completions request in a batch whose endpoint is /v1/chat/completions" in b.errors.data[0].message
+    assert _jobs(api) == before
+    ok = c.batches.create(input_file_id=api.upload([completion]).id, endpoint="/v1/completions",
+                          completion_window="24h")
+    assert ok.status != "failed", ok.errors
+
+
 def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
     c = api.client()
     f = api.upload([chat_line(0)])

@@ -349,6 +349,18 @@ def test_the_example_openai_batch_file():
     assert len(got.warnings("t")) == 2
 
 
+def test_the_example_chat_batch_file_runs_on_one_endpoint():
+    """The README's HTTP API example uploads it with endpoint /v1/chat/completions."""
+    from pathlib import Path
+
+    from specbatch.jobs.batches import endpoint_mismatches
+
+    got = intake.read_file(Path(__file__).resolve().parents[2] / "examples" / "openai_chat_batch.jsonl", {}, SETTINGS)
+    assert len(got.requests) == 4 and {r.kind for r in got.requests} == {"chat"}
+    assert endpoint_mismatches(got.requests, "/v1/chat/completions") == []
+    assert [e["line"] for e in endpoint_mismatches(got.requests, "/v1/completions")] == [1, 2, 3, 4]
+
+
 def test_top_p_zero_is_greedy():
     """OpenAI accepts top_p 0 (only the most likely token remains): greedy, whatever the temperature."""
     (r,) = read(line({"model": "m", "messages": MSGS, "top_p": 0, "temperature": 0.8, "seed": 3})).requests
