@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import Settings
-from specbatch.errors import InputError, IntakeError
+from specbatch.engine.known_models import misspelt
+from specbatch.errors import InputError, IntakeError, ModelLoadError
 from specbatch.jobs import intake
 from specbatch.worker.submission import Pair
 
@@ -91,7 +92,11 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
                              field=f"metadata.{key}")
     target = metadata.get("specbatch_target", "").strip() or None
     drafts = [d.strip() for d in metadata.get("specbatch_draft", "").split(",") if d.strip()]
-    pair = Pair.resolve(settings, target, drafts, _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram"))
+    try:
+        pair = Pair.resolve(settings, target, drafts, _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram"))
+    except ModelLoadError as e:    # a misspelt known name: the batch would wait for a worker forever
+        key = "specbatch_target" if target is not None and misspelt(target) else "specbatch_draft"
+        raise InputError(str(e), field=f"metadata.{key}") from e
     defaults = {name: _value(key, metadata[key], kind) for key, (name, kind) in DEFAULT_KEYS.items()
                 if key in metadata}
     try:

