@@ -79,6 +79,9 @@ def cache_clear(target: str | None, as_json: bool) -> None:
     if as_json:
         echo_json({"cleared": n, "target": target})
     elif target is not None and n == 0:
-        click.echo(f"no cache entries for target {target}")
+        from specbatch.engine.known_models import misspelt
+
+        meant = misspelt(target)
+        click.echo(f"no cache entries for target {target}" + (f" (did you mean {meant}?)" if meant else ""))
     else:
         click.echo(f"cleared {plural(n, 'cache entry', 'cache entries')}" + (f" of target {target}" if target else ""))

@@ -37,7 +37,7 @@ def json_type(v: Any) -> str:
     if isinstance(v, bool):
         return "a boolean"
     if isinstance(v, (int, float)):
-        return "a number"
+        return f"the number {v!r}"    # "an integer ..., got a number" hid that 16.0 is not one
     if isinstance(v, str):
         return "a string"
     return "an array" if isinstance(v, list) else "an object"

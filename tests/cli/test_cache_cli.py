@@ -60,7 +60,9 @@ def test_cache_commands(tmp_path: Path, tiny_models: Path) -> None:
     jsonl = [json.loads(x) for x in sb("export", first["id"]).splitlines()]
     assert [x["response"]["body"]["specbatch"]["cached"] for x in jsonl] == [False, False, True, False]
 
-    assert "no cache entries for target smollm2-135m" in sb("cache", "clear", "--target", "smollm2-135m")
+    assert sb("cache", "clear", "--target", "smollm2-135m").strip() == "no cache entries for target smollm2-135m"
+    assert sb("cache", "clear", "--target", "smolm2-135m").strip() == (
+        "no cache entries for target smolm2-135m (did you mean smollm2-135m?)")
     assert sb("cache", "clear", "--target", str(target), "--json")["cleared"] == 2
     assert sb("cache", "stats", "--json")["entries"] == 0
     third = sb("run", str(prompts), *pair, "--json")

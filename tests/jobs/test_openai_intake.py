@@ -218,7 +218,7 @@ REFUSED = [
     (CHAT, "web_search_options", {}, "must be null: specbatch does not search the web"),
     (CHAT, "moderation", {"model": "omni-moderation-latest"}, "must be null: specbatch does not run moderation"),
     (CHAT, "store", "yes", "must be a boolean, got a string"),
-    (CHAT, "user", 5, "must be a string, got a number"),
+    (CHAT, "user", 5, "must be a string, got the number 5"),
     (CHAT, "n", "2", "must be 1, got a string"),
     (CHAT, "prompt", "Hi", "a field of /v1/completions requests, not of /v1/chat/completions"),
     (COMPLETIONS, "max_completion_tokens_x", 1, "unknown field; not part of the OpenAI request body"),
@@ -234,7 +234,7 @@ def test_refused_field_names_file_line_field_and_why(url, field, value, why):
     bad = {**body, field: value}
     errors = refused(line(body, url, cid="ok"), line(bad, url, cid="bad"))
     if why is None:                # a nested field
-        assert errors == [f"batch.jsonl:2: body.{field}.n: must be a string, got a number"]
+        assert errors == [f"batch.jsonl:2: body.{field}.n: must be a string, got the number 1"]
     else:
         assert errors == [f"batch.jsonl:2: body.{field}: {why}"]
 
@@ -289,7 +289,7 @@ def test_bad_completion_prompts(prompt, why):
      'messages[0].role: must be one of system, developer, user, assistant, tool (got "function")'),
     ({"role": "user", "content": "x", "tool_call_id": "c"},
      "messages[0].tool_call_id: unknown key for a user message; known keys: role, content, name"),
-    ({"role": "user", "content": "x", "name": 3}, "messages[0].name: must be a string, got a number"),
+    ({"role": "user", "content": "x", "name": 3}, "messages[0].name: must be a string, got the number 3"),
 ])
 def test_refused_messages(message, error):
     assert refused(line({"model": "m", "messages": [message]})) == [f"batch.jsonl:1: body.{error}"]
