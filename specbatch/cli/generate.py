@@ -59,7 +59,8 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
     settings = get_settings()
     if (prompt is None) == (not messages):
         raise click.UsageError("give exactly one of --prompt or --message")
-    no_draft(drafts, False)      # 'none' with other drafts: a usage error
+    if no_draft(drafts, False):   # the target alone, as on run ('none' with other drafts: usage error)
+        ngram = False
     target, drafts = resolve_pair(settings, target, drafts)
     configure_threads(threads or settings.threads or None, settings.local_workers)
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

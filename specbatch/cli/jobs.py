@@ -117,6 +117,7 @@ def _check_workers(settings: Settings, queue: str) -> None:
 def _status_view(d: dict[str, Any]) -> Any:
     """The job's status as one rich renderable (tables)."""
     from rich.console import Group
+    from rich.markup import escape
     from rich.table import Table
 
     st = d["stats"]
@@ -127,16 +128,16 @@ def _status_view(d: dict[str, Any]) -> Any:
     info.add_row("models", _models(d))
     for route in d.get("models", []):       # body.model -> the pair it runs on (unless it says no more)
         if route["model"] is not None and (route["model"], _models(route)) != (d["target"], _models(d)):
-            info.add_row("", f"{route['model']}: {_models(route)} ({plural(route['requests'], 'request')})")
+            info.add_row("", escape(f"{route['model']}: {_models(route)} ({plural(route['requests'], 'request')})"))
     info.add_row("queue", d["queue"])
     if d["source"]:
-        info.add_row("source", d["source"])
+        info.add_row("source", escape(d["source"]))
     for key in ("created_at", "started_at", "finished_at", "cancel_requested_at", "cancelled_at"):
         if d[key]:
             info.add_row(key.removesuffix("_at").replace("_", " "), _when(d[key]))
     info.add_row("requests", _counts_line(d["request_counts"]))
-    for i, line in enumerate(failure_lines(d)):
-        info.add_row("failures" if i == 0 else "", line)
+    for i, line in enumerate(failure_lines(d)):     # custom ids and errors are the user's text, not markup
+        info.add_row("failures" if i == 0 else "", escape(line))
     if st["results"]:
         ar, mal, lat = st["acceptance_rate"], st["mean_acceptance_length"], st["latency_seconds"]
         info.add_row("acceptance rate", f"{_num(ar['token_weighted'])} token-weighted, "

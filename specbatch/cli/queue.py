@@ -488,7 +488,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
             click.echo(f"job {job_id}: stopped at once; finished results are saved. "
                        f"`specbatch run --resume {job_id}` finishes it.", err=True)
             sys.exit(EXIT_INTERRUPTED)
-        except (SpecBatchError, click.ClickException, click.exceptions.Exit, click.Abort):
+        except (SpecBatchError, click.ClickException, click.exceptions.Exit, click.Abort, BrokenPipeError):
             raise
         except Exception as e:   # not a request's fault (those fail alone): the engine itself
             if (click.get_current_context().obj or {}).get("debug"):

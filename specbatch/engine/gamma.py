@@ -103,10 +103,11 @@ class GammaController:
         return a / (a + self.rejected + (1 - self.prior) * self.prior_weight)
 
     def next_gamma(self) -> int:
-        if self.adaptive and self.steps < self.warmup_steps and self.costs.measured:
+        if self.adaptive and 0 < self.gamma and self.steps < self.warmup_steps and self.costs.measured:
             # a request joining an engine that has measured its step costs starts at the draft
             # length those costs favour (its acceptance is still the prior's), not at the default:
             # the default's warm-up steps cost the Qwen pair about 1.8x a step at its best length
+            # (a request that asked for gamma 0 never drafts: it has no steps to warm up with)
             self._choose(may_switch_off=False)
         if self.off:
             self.plain_steps += 1

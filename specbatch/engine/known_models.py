@@ -60,7 +60,10 @@ def misspelt(name: str) -> str | None:
     directory where the workers run, or a placeholder in a test."""
     if name in KNOWN_MODELS or "/" in name or name.startswith(("~", ".")) or name.endswith(".gguf"):
         return None
-    if Path(os.path.expanduser(name)).exists():
-        return None
+    try:
+        if Path(os.path.expanduser(name)).exists():
+            return None
+    except OSError:          # e.g. a name longer than a file name may be: no path, then
+        pass
     close = difflib.get_close_matches(name, KNOWN_MODELS, n=1, cutoff=0.8)
     return close[0] if close else None

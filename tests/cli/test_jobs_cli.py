@@ -409,6 +409,22 @@ def test_submit_of_a_bad_file_writes_nothing(db_url, tmp_path, monkeypatch):
     assert after == before
 
 
+def test_status_shows_the_users_text_as_text_not_markup(db_url, no_worker_check):
+    reqs = [ParsedRequest(1, "[/q1]", "completion", "p", None, PARAMS, model="[bold]m")]
+    with db.session_factory(db_url).begin() as s:
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+                                  queue="sb.q1", source="data[train].jsonl").id
+        (rid,) = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, [rid], "w1", 60, 3)
+        store.record_failure(s, rid, "bad [red]value[/red]", "w1")
+        store.refresh_job(s, job_id)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    for text in ("line 1 ([/q1]): bad [red]value[/red]", "[bold]m: tgt <- d1", "data[train].jsonl"):
+        assert text in out, out
+
+
 def test_failure_lines_show_the_first_failures_and_count_the_rest():
     from specbatch.cli.jobs import failure_lines
 

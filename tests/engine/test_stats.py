@@ -322,6 +322,11 @@ def test_a_request_on_measured_costs_starts_at_their_best_length():
     assert one.next_gamma() == 4
 
 
+def test_a_request_that_asked_for_gamma_0_never_drafts_on_measured_costs_either():
+    ctl = GammaController(costs(0.11, STEP_AT_FOUR), gamma=0)
+    assert [ctl.next_gamma() for _ in range(5)] == [0] * 5
+
+
 def test_the_prior_alone_never_switches_a_request_off():
     """Costs on which speculation loses at the prior's acceptance: the request still drafts until
     its own acceptance says so (a good pair must not start plain on a pessimistic prior)."""

@@ -373,6 +373,7 @@ def test_a_near_miss_of_a_known_model_name_is_refused_with_the_name_it_meant(tmp
     from specbatch.engine.known_models import misspelt
 
     assert misspelt("smolm2-135m") == "smollm2-135m" and misspelt("qwen2.5-coder-1.5") == "qwen2.5-coder-1.5b"
+    assert misspelt("s" * 300) is None            # longer than a file name may be: no OSError
     for fine in ("smollm2-135m", "big", "org/smolm2-135m", "./smolm2-135m", "smolm2-135m.gguf"):
         assert misspelt(fine) is None, fine
     (tmp_path / "smolm2-135m").mkdir()          # a directory of that name here is a model directory
