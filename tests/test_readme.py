@@ -46,7 +46,7 @@ COVERAGE: dict[str, str] = {
     "specbatch jobs": THIS + "test_quick_start",
     "specbatch status JOB": THIS + "test_quick_start",
     "specbatch export JOB -f jsonl -o answers.jsonl": THIS + "test_quick_start",
-    "specbatch export JOB -f parquet -o answers.parquet": THIS + "test_quick_start",
+    "specbatch export JOB -o answers.parquet": THIS + "test_quick_start",
     "specbatch export JOB -o output.jsonl --errors errors.jsonl": THIS + "test_quick_start",
     'eval "$(_SPECBATCH_COMPLETE=bash_source specbatch)"': "tests/cli/test_openai_cli.py::test_shell_completion",
     "sqlite3 ~/.local/share/specbatch/specbatch.db < examples/results.sql": THIS + "test_quick_start",
