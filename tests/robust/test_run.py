@@ -20,9 +20,10 @@ N = 40   # prompts: enough that Ctrl-C lands mid-job, few enough to resume quick
 EXE = str(Path(sys.executable).parent / "specbatch")
 
 
-def _prompts(path: Path, n: int, max_tokens: int) -> Path:
-    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"word {i} and", "max_tokens": max_tokens})
-                            + "\n" for i in range(n)))
+def _prompts(path: Path, n: int, max_tokens: int, stagger: int = 0) -> Path:
+    """n prompts; ``stagger``: line i asks for max_tokens + stagger * i tokens."""
+    path.write_text("".join(json.dumps({"custom_id": f"q{i}", "prompt": f"word {i} and",
+                                        "max_tokens": max_tokens + stagger * i}) + "\n" for i in range(n)))
     return path
 
 
@@ -44,7 +45,9 @@ def _counts(url: str) -> tuple[int, dict[str, int]]:
 
 
 def _start_run(tmp_path: Path, env: dict[str, str], models: Path, *extra: str) -> subprocess.Popen:
-    prompts = _prompts(tmp_path / "p.jsonl", N, 48)
+    # staggered lengths: rows finish one by one, so Ctrl-C after the first results lands mid-job
+    # even where the whole batch decodes in a second (with one length, they all finished together)
+    prompts = _prompts(tmp_path / "p.jsonl", N, 8, stagger=4)
     return subprocess.Popen([EXE, "run", str(prompts), "--target", str(models / "llama"),
                              "--draft", str(models / "llama-partial"), *extra],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
