@@ -454,7 +454,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         # route that cannot load later fails its own requests, with the reason)
         engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
                               compile_ or settings.compile, tp.max_memory,
-                              sum(int(r.params.get("max_new_tokens") or 0) for r in parsed.requests))
+                              [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
         job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
                                      queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
                                      metadata={"embedded": True}, cache=not no_cache)
@@ -472,7 +472,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                     try:
                         engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
                                               device, dtype, batch, compile_ or settings.compile, tp.max_memory,
-                                              _expected_tokens(settings, job_id, ids))
+                                              _token_budgets(settings, job_id, ids))
                     except SpecBatchError as e:
                         if resume_job is not None and len(routes) == 1:
                             raise
@@ -516,7 +516,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 
 def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
                  device: str | None, dtype: str | None, batch: int | str, compile_mode: str = "off",
-                 max_memory: int | None = None, expected_new_tokens: int | None = None) -> Any:
+                 max_memory: int | None = None, expected_new_tokens: list[int] | None = None) -> Any:
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
@@ -612,9 +612,9 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
                f"`specbatch export {summary.get('id')} -o FILE` writes them to a file")
 
 
-def _expected_tokens(settings: Settings, job_id: str, request_ids: list[int]) -> int:
-    """These requests' token budget (sum of max_new_tokens): what auto compile weighs compiling by."""
+def _token_budgets(settings: Settings, job_id: str, request_ids: list[int]) -> list[int]:
+    """These requests' max_new_tokens: what auto compile weighs compiling by."""
     from specbatch.jobs import store
 
     with open_db(settings, readonly=True).begin() as s:
-        return store.expected_new_tokens(s, job_id, request_ids)
+        return store.token_budgets(s, job_id, request_ids)

@@ -37,6 +37,13 @@ class EngineRequest:
     input_ids: list[int] | None = None
 
 
+def decodable_tokens(budgets: Sequence[int], context: int | None) -> int:
+    """What a job's requests can decode: a budget at or past the target's context fails at once
+    (prompt + max_new_tokens exceeds it) and decodes nothing, so it must not make auto compile
+    for a job that will not decode (one 100,000-token line counted as minutes of decoding)."""
+    return sum(n for n in budgets if context is None or n < context)
+
+
 class Engine:
     """Holds the loaded target and draft models and the step costs measured with them."""
 
@@ -62,17 +69,20 @@ class Engine:
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
              max_memory: int | None = None, compile: str = "off",
-             expected_new_tokens: int | None = None,
+             expected_new_tokens: int | Sequence[int] | None = None,
              notify: Callable[[str], None] | None = None) -> Engine:
         """Load the models; ``compile`` (auto / on / off) compiles them before returning
-        (``expected_new_tokens``: the job's size, for auto; None means a long-lived worker;
-        ``notify``: told before each model compiles, see ``compiled.prepare``).
-        With batch_size "auto" the compile decision plans for ``planned_batch_size()`` rows."""
+        (``expected_new_tokens``: the job's size, for auto, as a total or one budget per request;
+        None means a long-lived worker; ``notify``: told before each model compiles, see
+        ``compiled.prepare``). With batch_size "auto" the compile decision plans for
+        ``planned_batch_size()`` rows."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
         engine = cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
                      batch_size=batch_size, max_memory=max_memory)
+        if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
+            expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
         engine.compile_plan = prepare_compiled(
             t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
             cache_dir=cache_dir or get_settings().cache_dir, expected_new_tokens=expected_new_tokens,

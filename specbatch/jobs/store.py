@@ -504,13 +504,13 @@ def failures(s: Session, job_id: str, limit: int = SHOWN_FAILURES) -> list[dict[
     return [{"line_no": n, "custom_id": c, "error": e} for n, c, e in s.execute(q)]
 
 
-def expected_new_tokens(s: Session, job_id: str, request_ids: Sequence[int] | None = None) -> int:
-    """The token budget of a job's requests (all, or these): the sum of their ``max_new_tokens``
-    (what auto compile weighs compiling by)."""
+def token_budgets(s: Session, job_id: str, request_ids: Sequence[int] | None = None) -> list[int]:
+    """The ``max_new_tokens`` of a job's requests (all, or these): what auto compile weighs
+    compiling by (``Engine.load``)."""
     q = select(Request.params).where(Request.job_id == job_id)
     if request_ids is not None:
         q = q.where(Request.id.in_(list(request_ids)))
-    return sum(int((p or {}).get("max_new_tokens") or 0) for p in s.execute(q).scalars())
+    return [int((p or {}).get("max_new_tokens") or 0) for p in s.execute(q).scalars()]
 
 
 def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:

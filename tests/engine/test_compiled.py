@@ -543,3 +543,19 @@ def test_the_cli_says_what_compiling_bought_on_this_machine(capsys):
     err = capsys.readouterr().err
     assert "compiled forward ready in 12s (first start; auto: a long-lived worker)" in err
     assert "m: eager / compiled step time here (rows x tokens): 1x1 1.30x, 1x4 0.90x; 1x4 stay eager" in err
+
+
+def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch):
+    """A budget at or past the target's context fails at once and decodes nothing: it must not
+    count as minutes of decoding that compiling would repay."""
+    import specbatch.engine.engine as E
+
+    seen = []
+    monkeypatch.setattr(E, "prepare_compiled", lambda *a, expected_new_tokens=None, **k:
+                        seen.append(expected_new_tokens) or C.CompilePlan("auto", False, "test"))
+    target = str(tiny_models / "llama")
+    context = E.Engine.load(target).target.max_positions
+    assert context == 512
+    E.Engine.load(target, compile="auto", expected_new_tokens=[100_000, 5, context, 7])
+    E.Engine.load(target, compile="auto", expected_new_tokens=100_000)     # a total: as given
+    assert seen[-2:] == [12, 100_000]
