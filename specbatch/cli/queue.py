@@ -491,9 +491,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         except (SpecBatchError, click.ClickException, click.exceptions.Exit, click.Abort, BrokenPipeError):
             raise
         except Exception as e:   # not a request's fault (those fail alone): the engine itself
-            if (click.get_current_context().obj or {}).get("debug"):
-                raise
-            raise click.ClickException(
+            # a SpecBatchError: the CLI's edge prints it as one line, or the stack trace with --debug
+            raise SpecBatchError(
                 f"job {job_id} stopped: decoding failed ({type(e).__name__}: {e}); finished results are "
                 f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
                 "trace)") from e

@@ -39,41 +39,30 @@ class BytesType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-class DeviceType(click.ParamType):
-    """A device as written (cpu, cuda, cuda:N, mps): a typo is a usage error; a device this
-    machine lacks is found when the models load (exit 1)."""
+class EngineChecked(click.ParamType):
+    """A value the engine's own check accepts (``check`` names a function of
+    specbatch.engine.loading, imported only when the option is given: it needs torch). A typo is a
+    usage error; a device this machine lacks is found when the models load (exit 1)."""
 
-    name = "DEVICE"
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from specbatch.engine.loading import parse_device
-
-        try:
-            parse_device(value)
-        except ValueError as e:
-            self.fail(str(e), param, ctx)
-        return value
-
-
-class DtypeType(click.ParamType):
-    name = "DTYPE"
+    def __init__(self, name: str, check: str) -> None:
+        self.name, self.check = name, check
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        from specbatch.engine.loading import resolve_dtype
-        from specbatch.errors import DeviceError
+        from specbatch.engine import loading
+        from specbatch.errors import SpecBatchError
 
         try:
-            resolve_dtype(value)
-        except DeviceError as e:
+            getattr(loading, self.check)(value)
+        except (ValueError, SpecBatchError) as e:
             self.fail(str(e), param, ctx)
         return value
 
 
 def device_options(f: Any) -> Any:
     """--device and --dtype, for every command that loads models."""
-    f = click.option("--dtype", type=DtypeType(), default=None,
+    f = click.option("--dtype", type=EngineChecked("DTYPE", "resolve_dtype"), default=None,
                      help="float32, bfloat16 or float16 (default: SPECBATCH_DTYPE, float32).")(f)
-    return click.option("--device", type=DeviceType(), default=None,
+    return click.option("--device", type=EngineChecked("DEVICE", "parse_device"), default=None,
                         help="cpu, cuda, cuda:N or mps (default: SPECBATCH_DEVICE, cpu).")(f)
 
 

@@ -67,6 +67,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     size = settings.chunk_size if batch == 1 else max(settings.chunk_size, 4 * batch)
     finished = True
     stop = stop or StopRequest()
+
     def wrap_up() -> None:
         with sf.begin() as s:
             if not finished:
@@ -89,9 +90,9 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
         finished = False
     except Exception:
         finished = False    # the engine failed: hand back what it held, as an interruption does
-        with_db_retry(wrap_up)
         raise
-    with_db_retry(wrap_up)
+    finally:
+        with_db_retry(wrap_up)
     return finished
 
 
