@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specbatch.engine.backend import TargetBackend
 from specbatch.engine.loading import LoadedModel
 
 
@@ -43,14 +44,17 @@ class BatchCache:
         self.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=model.device)
         self.n_valid = torch.zeros(n_rows, dtype=torch.long, device=model.device)
         self._block: tuple[int, list[int]] = (0, [])  # last forward: first column, pad per row
+        self.last_hidden: torch.Tensor | None = None   # (B, keep, H) when the last forward asked
 
     @property
     def n_rows(self) -> int:
         return int(self.valid.shape[0])
 
     def forward(self, feeds: Sequence[Sequence[int]], logits_to_keep: int,
-                parents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                parents: Sequence[Sequence[int]] | None = None, *, hidden: bool = False) -> torch.Tensor:
         """Append each row's tokens (left-padded to a common width); returns logits (B, keep, V).
+        The target backend's surface (engine/backend.py); ``hidden``: keep the final layer's
+        states of the same positions in ``last_hidden``.
 
         ``parents[b][i]``: the feed index of token i's parent in row b's feed, -1 for a token that
         follows the cache directly. None: every feed is a chain (parent of i is i - 1). A token
@@ -69,8 +73,10 @@ class BatchCache:
             mask = torch.ones(len(feeds), n_cols + width, dtype=torch.long, device=dev)
         else:
             new_valid, pos, mask = self._block_mask(pads, parents, width)
+        extra = {"output_hidden_states": True} if hidden else {}
         out = self.model.forward(inp, self.cache, attention_mask=mask, position_ids=pos,
-                                 logits_to_keep=logits_to_keep)
+                                 logits_to_keep=logits_to_keep, **extra)
+        self.last_hidden = out.hidden_states[-1][:, -logits_to_keep:] if hidden else None
         self.valid = torch.cat([self.valid, new_valid], dim=1)
         self.n_valid = self.n_valid + new_valid.sum(dim=1)
         self._block = (n_cols, pads)
@@ -147,8 +153,9 @@ class BatchCache:
         self.valid, self.n_valid = self.valid[idx], self.n_valid[idx]
         self._invalidate([])
 
-    def extend(self, other: BatchCache) -> None:
+    def extend(self, other: TargetBackend) -> None:
         """Append other's rows (new requests joining), left-padding the shorter cache."""
+        assert isinstance(other, BatchCache), "rows join from a backend of the same kind"
         if self.n_rows == 0:
             self.cache, self.valid, self.n_valid = other.cache, other.valid, other.n_valid
             return

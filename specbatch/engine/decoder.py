@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbatch.engine.backend import BackendFactory, TargetBackend
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.drafters import Drafter, Proposal
 from specbatch.engine.gamma import GammaController
@@ -56,12 +57,18 @@ class Decoder:
     """Decodes requests with a target and a draft pool, as many at a time as the policy allows."""
 
     def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
-                 default_gamma: int = 4, memory: MemoryBudget | None = None) -> None:
+                 default_gamma: int = 4, memory: MemoryBudget | None = None,
+                 backend: BackendFactory | None = None) -> None:
+        """``target`` gives the tokenizer, stop ids and device; ``backend`` runs it (default: the
+        transformers model itself over a ``BatchCache``; see engine/backend.py)."""
         self.target, self.drafters, self.policy = target, list(drafters), policy
         self.default_gamma = default_gamma
         self.memory = memory
         self.rows: list[Row] = []
-        self.cache = BatchCache(target)
+        self.backend: BackendFactory = backend or (lambda n: BatchCache(target, n))
+        self.cache: TargetBackend = self.backend(0)
+        # drafters that read the target's hidden states (EAGLE-style) get them on the accepted path
+        self.hidden = any(d.needs_target_hidden for d in self.drafters)
         # the draft models' caches lag the rows: rows joined, or steps ran, without drafting
         # (their first proposal then feeds the backlog: a catch-up, not a measured step)
         self.drafts_behind = False
@@ -131,7 +138,7 @@ class Decoder:
         t0 = time.perf_counter()
         new = [self._new_row(i, ids, p, t0) for i, ids, p in joining] + list(resuming)
         prefill = bool(self.rows)
-        cache = BatchCache(self.target, len(new))
+        cache = self.backend(len(new))
         feeds = [r.ids[:-1] for r in new]
         prefilled = prefill and any(feeds)        # (one-token prompts have nothing to cache yet)
         if prefilled:
@@ -184,14 +191,16 @@ class Decoder:
         chains = all(t.is_chain for t in trees)   # (then BatchCache may use the causal mask)
         logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
                                     parents=None if chains else
-                                    [t.feed_parents(len(p)) for p, t in zip(pending, trees)])
+                                    [t.feed_parents(len(p)) for p, t in zip(pending, trees)],
+                                    hidden=self.hidden)
         verdicts = self._verify(trees, logits)
         t2 = time.perf_counter()
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
                            for p, t, v in zip(pending, trees, verdicts)])
+        hidden = self._accepted_hidden(trees, verdicts, keep) if self.hidden else None
         for d in self.drafters if proposals else ():   # (a plain step: nothing to judge them on)
-            d.observe(rows, [v.tokens for v in verdicts])
+            d.observe(rows, [v.tokens for v in verdicts], hidden)
         # 4. statistics, as data; the measured step steers gamma
         self.policy.observe(StepReport(n, max(t.depth for t in trees), sum(t.depth for t in trees),
                                        sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, with_prompts))
@@ -246,6 +255,18 @@ class Decoder:
                 out.append(verify_greedy(t, argmax[b][start:]))
             else:
                 out.append(verify_sampling(t, r.warp.probs(logits[b, start:]), r.generator))
+        return out
+
+    def _accepted_hidden(self, trees: list[TokenTree], verdicts: list[Verdict], keep: int
+                         ) -> list[torch.Tensor]:
+        """Per row (len(tokens), H): the target's final hidden state at the root and at each
+        accepted node, the positions whose logits chose the row's emitted tokens."""
+        states = self.cache.last_hidden
+        assert states is not None, "the backend keeps hidden states when asked"
+        out = []
+        for b, (t, v) in enumerate(zip(trees, verdicts)):
+            start = keep - 1 - t.n_nodes
+            out.append(states[b, [start] + [start + j for j in v.path]])
         return out
 
     def _accept(self, r: Row, v: Verdict) -> None:

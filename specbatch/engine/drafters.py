@@ -79,6 +79,9 @@ class Drafter:
     """
 
     keeps_cache = False     # a KV cache that lags the rows while they decode without drafting
+    # reads the target's final hidden states (EAGLE, Medusa, MTP heads; HF's requires_model_outputs):
+    # the decoder then asks the backend for them and passes them to ``observe``
+    needs_target_hidden = False
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -102,8 +105,11 @@ class Drafter:
         """Up to k[b] candidate tokens following rows[b].ids (no proposal where k[b] == 0)."""
         raise NotImplementedError
 
-    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[list[int]]) -> None:
-        """accepted[b]: the tokens row b emitted this step (accepted drafts + one target token)."""
+    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[list[int]],
+                hidden: Sequence[torch.Tensor] | None = None) -> None:
+        """accepted[b]: the tokens row b emitted this step (accepted drafts + one target token).
+        hidden[b] (only for ``needs_target_hidden``): (len(accepted[b]), H), the target's final
+        hidden state at each position whose logits chose accepted[b][i]."""
         for score, prop, acc in zip(self.scores, self.last, accepted):
             if prop is not None:
                 score.update(min(common_prefix(prop.tokens, acc), len(acc) - 1), len(prop.tokens))
@@ -171,7 +177,8 @@ class ModelDrafter(Drafter):
         assert len(self.last) == n
         return list(self.last)
 
-    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[list[int]]) -> None:
+    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[list[int]],
+                hidden: Sequence[torch.Tensor] | None = None) -> None:
         super().observe(rows, accepted)
         # keep the own tokens that were accepted, but never the last emitted token: the next
         # proposal starts by feeding it

@@ -1,0 +1,63 @@
+"""What the decode loop needs of a target model: the target-backend protocol.
+
+The decoder never touches a KV cache or a model directly; it asks a *backend* to score ragged
+feeds of tokens for a batch of rows and to forget what verification rejected. ``BatchCache``
+(engine/cache.py: transformers models over a ``DynamicCache`` with 4-D masks) is the backend every
+model runs on today; a second one (llama.cpp on CPUs, vLLM's paged attention on GPUs, a static
+compiled cache) implements the same surface and reaches the decoder through ``Decoder(backend=...)``.
+tests/engine/test_backend.py drives the decoder through a toy backend that shares no code with
+``BatchCache``: that is the proof the seam is whole.
+
+A backend holds one batch of rows. Row b's *valid* tokens are the accepted sequence cached so
+far; the decoder feeds each row what it lacks plus its draft tree, then rejects the tree nodes off
+the accepted path. Rows leave (``select``) and join (``extend``) between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+
+
+class TargetBackend(Protocol):
+    """One target model's state for a batch of rows (call under ``torch.inference_mode()``)."""
+
+    n_valid: torch.Tensor       # (B,) long: valid (accepted and cached) tokens per row
+    last_hidden: torch.Tensor | None   # (B, keep, H): set by a forward with hidden=True, else None
+
+    @property
+    def n_rows(self) -> int: ...
+
+    def forward(self, feeds: Sequence[Sequence[int]], logits_to_keep: int,
+                parents: Sequence[Sequence[int]] | None = None, *, hidden: bool = False) -> torch.Tensor:
+        """Append feeds[b] to row b and score it: logits (B, logits_to_keep, V), the last
+        ``logits_to_keep`` fed positions of each row, right-aligned (shorter feeds are left-padded).
+
+        ``parents[b][i]``: index in feeds[b] of token i's parent, -1 for a token that follows the
+        row's valid tokens; None: every feed is a chain. A token sees its row's valid tokens and
+        its ancestors only. With ``hidden`` set, ``last_hidden`` holds the final layer's states
+        of the same positions, (B, logits_to_keep, H), for drafters that read them.
+        """
+        ...
+
+    def reject(self, rejected: Sequence[Sequence[int]]) -> None:
+        """Feed indices rejected[b] of the last forward were not accepted: forget them."""
+        ...
+
+    def drop_tail(self, n_drop: Sequence[int]) -> None:
+        """Forget row b's last n_drop[b] valid tokens."""
+        ...
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+        ...
+
+    def extend(self, other: TargetBackend) -> None:
+        """Append ``other``'s rows (a backend of the same kind, built by the same factory)."""
+        ...
+
+
+BackendFactory = Callable[[int], TargetBackend]
+"""n_rows -> an empty backend for that many rows (nothing cached yet)."""
