@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 # the template's fixed text at most TEMPLATE_TOKENS (a line over the bound is tokenized exactly).
 SPECIAL_TOKENS = 16
 TOKENS_PER_MESSAGE = 32
-TEMPLATE_TOKENS = 512
+TEMPLATE_TOKENS = 256
 
 _NOT_HERE = object()
 
