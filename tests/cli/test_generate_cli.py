@@ -227,16 +227,22 @@ def test_models_json():
         assert isinstance(row["installed"], bool)
 
 
-def test_models_table():
+@pytest.mark.parametrize("columns", ["80", "40", "200"])
+def test_models_table(columns, monkeypatch):
+    """Install commands print whole on one line each, whatever the terminal's width (a table
+    cell folded them mid-word at 80 columns), with no markup eaten."""
+    monkeypatch.setenv("COLUMNS", columns)
     r = run("models")
     assert r.exit_code == 0, r.output
     for name in KNOWN:
         assert name in r.stdout
     from specbatch.engine.loading import known_model_status
 
-    for row in known_model_status():     # install commands print whole (no markup eaten)
+    lines = r.stdout.splitlines()
+    for row in known_model_status():
         if not row["installed"]:
-            assert row["install"] in " ".join(r.stdout.replace("│", " ").split()), row
+            (line,) = [x for x in lines if x.endswith(": " + row["install"])]
+            assert row["name"] in line.split(": ")[0].split(", "), line
 
 
 def test_generate_plans_its_compile_for_one_row(tiny_models, monkeypatch):
