@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from specbatch.config import Settings
 from specbatch.engine.known_models import name_problem
-from specbatch.engine.types import GenerationParams
+from specbatch.engine.types import MAX_TEMPERATURE, GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields
 from specbatch.jobs.context import ContextCheck
@@ -154,6 +154,8 @@ def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
     if name == "temperature":
         if not _is_number(v):
             return v, f"must be a number >= 0, got {json_type(v)}"
+        if math.isfinite(v) and v > MAX_TEMPERATURE:
+            return float(v), f"must be <= {MAX_TEMPERATURE:g} (OpenAI's range is 0 to 2), got {v}"
         return float(v), None if math.isfinite(v) and v >= 0 else f"must be >= 0, got {v}"
     if name == "top_p":
         if not _is_number(v):
