@@ -16,7 +16,13 @@ from typing import Any
 
 from specbatch.config import Settings
 from specbatch.engine.chat import encode
-from specbatch.engine.model_files import context_length, context_problem, load_tokenizer, local_files
+from specbatch.engine.model_files import (
+    ModelFiles,
+    context_length,
+    context_problem,
+    load_tokenizer,
+    local_files,
+)
 from specbatch.errors import RequestError
 
 logger = logging.getLogger(__name__)
@@ -43,16 +49,23 @@ class ContextCheck:
         self.cache_dir = settings.cache_dir
         self.target, self.drafts = target, list(drafts)
         self._contexts: dict[str, int | None] = {}
+        self._by_files: dict[ModelFiles, int | None] = {}
         self._tokenizers: dict[str, Any] = {}
 
     def _context(self, name: str) -> int | None:
         if name not in self._contexts:
             files = local_files(name, self.cache_dir)
-            try:
-                self._contexts[name] = context_length(files) if files is not None else None
-            except Exception as e:  # noqa: BLE001 - an unreadable config: the worker's check remains
-                logger.info("cannot read the context length of %s (%s); not checked at intake", name, e)
+            if files is None:
                 self._contexts[name] = None
+            elif files in self._by_files:       # e.g. the default pair: one GGUF file, read once
+                self._contexts[name] = self._by_files[files]
+            else:
+                try:
+                    self._contexts[name] = context_length(files)
+                except Exception as e:  # noqa: BLE001 - an unreadable config: the worker's check remains
+                    logger.info("cannot read the context length of %s (%s); not checked at intake", name, e)
+                    self._contexts[name] = None
+                self._by_files[files] = self._contexts[name]
         return self._contexts[name]
 
     def _tokenizer(self, name: str) -> Any:
