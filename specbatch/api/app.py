@@ -88,10 +88,13 @@ def create_app(settings: Settings) -> FastAPI:
         sb.finalizer.close()
         sb.checks.shutdown(wait=False, cancel_futures=True)
 
+    # FastAPI's own /docs and /redoc load their scripts from a CDN (a blank page offline): /docs is
+    # Swagger UI from the swagger-ui-bundle package instead, and ReDoc is off
     app = FastAPI(title="specbatch", summary="OpenAI-compatible Batch API over specbatch's job queue",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.sb = sb
     errors.install(app)
+    _local_docs(app)
 
     @app.middleware("http")
     async def bounded_bodies(request: Request, call_next: Any) -> Response:
@@ -107,3 +110,24 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(metrics.router, dependencies=keyed)
     app.include_router(health.router)
     return app
+
+
+DOCS_ASSETS = "/docs-assets"
+
+
+def _local_docs(app: FastAPI) -> None:
+    """``/docs``: Swagger UI served from the ``swagger-ui-bundle`` package's files (the ``api``
+    extra), so it works with no internet access. (FastAPI, "Self-hosting JavaScript and CSS for docs".)"""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.responses import HTMLResponse
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title="specbatch API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")

@@ -20,6 +20,7 @@ from specbatch.api.metadata import check_metadata, job_options
 from specbatch.db.models import ApiBatch
 from specbatch.errors import BrokerUnavailable, IntakeError
 from specbatch.jobs import batches, files, intake
+from specbatch.jobs.context import ContextCheck
 from specbatch.worker.enqueue import check_broker
 from specbatch.worker.submission import submit_job
 
@@ -92,7 +93,8 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
     path = files.file_path(sb.settings, body.input_file_id)
     try:
         with path.open("rb") as fp:
-            parsed = intake.read_stream(fp, filename, defaults, sb.settings, options.model_map)
+            parsed = intake.read_stream(fp, filename, defaults, sb.settings, options.model_map,
+                                        ContextCheck(sb.settings, pair.target, pair.drafts))
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import Settings
-from specbatch.engine.known_models import misspelt
+from specbatch.engine.known_models import name_problem
 from specbatch.errors import InputError, IntakeError, ModelLoadError
 from specbatch.jobs import intake
 from specbatch.worker.submission import Pair
@@ -94,8 +94,8 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
     drafts = [d.strip() for d in metadata.get("specbatch_draft", "").split(",") if d.strip()]
     try:
         pair = Pair.resolve(settings, target, drafts, _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram"))
-    except ModelLoadError as e:    # a misspelt known name: the batch would wait for a worker forever
-        key = "specbatch_target" if target is not None and misspelt(target) else "specbatch_draft"
+    except ModelLoadError as e:    # no model by that name: the batch would wait for a worker forever
+        key = "specbatch_target" if target is not None and name_problem(target) else "specbatch_draft"
         raise InputError(str(e), field=f"metadata.{key}") from e
     defaults = {name: _value(key, metadata[key], kind) for key, (name, kind) in DEFAULT_KEYS.items()
                 if key in metadata}
@@ -108,7 +108,7 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
         raise InputError(first.reason, field=f"metadata.{key}" if key else "metadata") from e
     specs = [x.strip() for x in metadata.get("specbatch_model_map", "").split(";") if x.strip()]
     try:
-        model_map = intake.parse_model_map(specs)
+        model_map = intake.parse_model_map(specs, allow_remote=settings.allow_remote_models)
     except IntakeError as e:
         raise InputError(e.errors[0].reason, field="metadata.specbatch_model_map") from e
     return JobOptions(pair, defaults, model_map)

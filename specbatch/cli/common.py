@@ -79,7 +79,7 @@ class FiniteFloatRange(click.FloatRange):
 # The generation options' types: exactly what GenerationParams.validate accepts (engine/types.py),
 # so a bad value on the command line is a usage error (exit 2) naming the option, before any
 # model loads. The engine keeps its own check for library callers and per-line file values.
-TEMPERATURE = FiniteFloatRange(min=0)                        # 0: greedy
+TEMPERATURE = FiniteFloatRange(min=0, max=2)                 # [0, 2] as OpenAI; 0: greedy
 TOP_P = FiniteFloatRange(min=0, max=1, min_open=True)        # (0, 1]
 TOP_K = click.IntRange(min=0)                                # 0: no top-k
 SEED = click.IntRange(min=0, max=2**63, max_open=True)       # [0, 2**63)

@@ -106,14 +106,18 @@ def models(as_json: bool) -> None:
     if as_json:
         echo_json(rows)
         return
-    from rich.markup import escape
     from rich.table import Column
+    from rich.text import Text
 
-    # names and install commands are meant to be copied: never wrap or cut them (nor read
-    # "specbatch[bench-models]" as a markup tag)
-    table = Table(Column("name", no_wrap=True), "installed", "description",
-                  Column("install", overflow="fold"))
-    for r in rows:
-        table.add_row(r["name"], "yes" if r["installed"] else "no", r["description"],
-                      "" if r["installed"] else escape(r["install"]))
+    table = Table(Column("name", no_wrap=True), "installed", "description")
+    for r in rows:      # Text: a "[...]" in a description is no markup tag
+        table.add_row(Text(r["name"]), "yes" if r["installed"] else "no", Text(r["description"]))
     Console().print(table)
+    # install commands are meant to be copied: plain lines after the table, never wrapped inside
+    # a cell (a table column narrower than the command folds it mid-word)
+    missing: dict[str, list[str]] = {}
+    for r in rows:
+        if not r["installed"]:
+            missing.setdefault(r["install"], []).append(r["name"])
+    for command, names in missing.items():
+        click.echo(f"{', '.join(names)}: {command}")

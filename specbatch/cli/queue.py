@@ -61,9 +61,11 @@ def sampling_options(f: Any) -> Any:
 
 
 def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
+    from specbatch.worker.submission import Pair, check_names
+
     if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
+        check_names([target or settings.default_target], settings)
         return target or settings.default_target, []
-    from specbatch.worker.submission import Pair
 
     pair = Pair.resolve(settings, target, drafts)
     return pair.target, pair.drafts
@@ -83,14 +85,19 @@ def model_map_option(f: Any) -> Any:
              "Lines without body.model use --target/--draft.")(f)
 
 
-def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...]) -> Any:
-    """The validated file ('-': standard input) with its warnings (intake.ParsedFile)."""
+def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...],
+               pair: tuple[str, list[str]] | None = None) -> Any:
+    """The validated file ('-': standard input) with its warnings (intake.ParsedFile); with the
+    job's ``pair`` (target, drafts), a prompt too long for its pair's context is refused too."""
     from specbatch.jobs import intake
+    from specbatch.jobs.context import ContextCheck
 
-    routes = intake.parse_model_map(model_map)
+    routes = intake.parse_model_map(model_map, allow_remote=settings.allow_remote_models)
+    limits = ContextCheck(settings, *pair) if pair is not None else None
     if file == "-":
-        return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes)
-    return intake.read_file(file, defaults, settings, routes)
+        return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes,
+                                  limits)
+    return intake.read_file(file, defaults, settings, routes, limits)
 
 
 def cache_option(f: Any) -> Any:
@@ -108,7 +115,7 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str], n
     from specbatch.worker.submission import Pair, store_job
 
     if parsed is None:
-        parsed = _read_file(settings, file, defaults, model_map)
+        parsed = _read_file(settings, file, defaults, model_map, (target, drafts))
         for line in parsed.warnings(target):
             warn(line)
     pair = Pair(target, drafts, ngram)
@@ -185,12 +192,16 @@ def exit_by_outcome(summary: dict[str, Any]) -> None:
               help="LOSSY: where the target keeps failing, generate with the draft alone; such "
                    "results are flagged lossy in the database and every export. Off by default.")
 @cache_option
+@click.option("--allow-remote-models", is_flag=True,
+              help="Take model names this machine cannot check: paths that only the workers hold "
+                   "(default: a name must be known, a model path here, or a Hugging Face org/name id; "
+                   "SPECBATCH_ALLOW_REMOTE_MODELS=1 does the same).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the new job as JSON (id, status, request_counts, queue, tasks, ...).")
 def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
            max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
            seed: int | None, stop: tuple[str, ...], wait: bool, fallback_draft: bool, no_cache: bool,
-           as_json: bool) -> None:
+           allow_remote_models: bool, as_json: bool) -> None:
     """Validate a JSONL prompt file ('-': standard input), store it as a job and queue it for the workers.
 
     Needs the broker (SPECBATCH_BROKER_URL) and a `specbatch worker` started with the same
@@ -208,12 +219,14 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
+    if allow_remote_models:
+        settings = settings.model_copy(update={"allow_remote_models": True})
     target_, drafts_ = resolve_pair(settings, target, drafts)
     queue = queue_name(target_, drafts_, ngram)
     if fallback_draft and not drafts_:
         raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
-    parsed = _read_file(settings, file, defaults, model_map)   # the file first: local and cheap
+    parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))   # the file first: local
     check_broker(settings)  # broker down: fail before anything is written
     for line in parsed.warnings(target_):
         warn(line)
@@ -447,7 +460,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         if file is None:
             raise click.UsageError("missing FILE (or --resume JOB)")
         target_, drafts_ = resolve_pair(settings, target, drafts)
-        parsed = _read_file(settings, file, defaults, model_map)   # a bad file: nothing loaded or written
+        # a bad file: nothing loaded or written
+        parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
         for line in parsed.warnings(target_):
             warn(line)
         # the models before the job: a pair that cannot load leaves no job behind (a --model-map

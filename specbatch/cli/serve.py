@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 
 import click
 
@@ -25,7 +26,10 @@ def is_loopback(host: str) -> bool:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve(host: str, port: int, log_level: str) -> None:
+@click.option("--allow-remote-models", is_flag=True,
+              help="Take specbatch_target/specbatch_draft names this machine cannot check (paths only "
+                   "the workers hold); same as SPECBATCH_ALLOW_REMOTE_MODELS=1.")
+def serve(host: str, port: int, log_level: str, allow_remote_models: bool) -> None:
     """Serve OpenAI's Files and Batches API (plus /healthz and /metrics) over the job queue.
 
     Clients use the official `openai` package with base_url="http://HOST:PORT/v1" and one of the
@@ -37,18 +41,45 @@ def serve(host: str, port: int, log_level: str) -> None:
       specbatch serve                                   # 127.0.0.1:8000, no key needed
       SPECBATCH_API_KEYS=k1,k2 specbatch serve --host 0.0.0.0 --port 8000
     """
-    import uvicorn
+    try:
+        import uvicorn
 
-    from specbatch.api.app import create_app
+        from specbatch.api.app import create_app
+    except ImportError as e:      # installed without the extra: say which one
+        raise click.ClickException(f"the HTTP API needs the api extra ({e}): "
+                                   "pip install 'specbatch[api]'") from e
     from specbatch.cli.common import open_db
 
     settings = get_settings()
+    if allow_remote_models:
+        settings = settings.model_copy(update={"allow_remote_models": True})
     keys = settings.api_key_list
     if not keys and not is_loopback(host):
         raise click.UsageError(f"refusing to serve on {host} without keys: set SPECBATCH_API_KEYS "
                                "(comma-separated) or bind 127.0.0.1")
+    sock = bind(host, port)         # a busy port fails here, as one line, before anything is opened
     open_db(settings, create=True)      # a bad database URL fails here, as one line
     app = create_app(settings)
     click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
                f"{'no authentication' if not keys else 'bearer keys required'})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (as uvicorn binds one), or a one-line ClickException:
+    uvicorn itself logs the OSError and exits 3."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}") from e
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise click.ClickException(f"cannot serve on {host}:{port}: {e.strerror or e}; pick another "
+                                   "--port or stop what listens there") from e
+    sock.set_inheritable(True)
+    return sock

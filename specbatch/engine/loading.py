@@ -25,7 +25,8 @@ import torch
 
 from specbatch.config import get_settings
 from specbatch.engine.compiled import CompiledForward
-from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, not_found
+from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
+from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
 from specbatch.errors import DeviceError, ModelLoadError
 from specbatch.plural import plural
 
@@ -172,18 +173,12 @@ def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     return out
 
 
-def _gguf_cache_key(path: Path) -> str:
-    st = path.stat()
-    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
-    return f"{path.stem}-{h[:12]}"
-
-
 def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
     """Dequantize a GGUF file once into a safetensors directory; returns that directory."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir / "dequantized" / _gguf_cache_key(gguf)
+    target = cache_dir / "dequantized" / gguf_cache_key(gguf)
     if (target / "model.safetensors").exists():
         return target
     logger.info("dequantizing %s into %s (once)", gguf, target)
@@ -254,16 +249,14 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     known = KNOWN_MODELS.get(name)
     int8 = bool(known and known.int8)
     path = Path(os.path.expanduser(name))
+    if problem := name_problem(name):     # the same answer submit and the HTTP API give
+        raise ModelLoadError(problem)
     if known is not None:
         source = _dequantize_to_cache(_known_gguf(known, cache), cache)
-    elif path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"model file {name!r} does not exist")
+    elif path.suffix == ".gguf" and path.is_file():
         source = _dequantize_to_cache(path, cache)
     elif path.is_dir():
         source = path
-    elif path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise ModelLoadError(not_found(name))
     else:
         source = Path(name)  # a hub id: transformers resolves it (from the local HF cache offline)
     try:
@@ -310,7 +303,7 @@ def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
 
 def _max_positions(config: Any) -> int | None:
     text = config.get_text_config()
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+    for attr in POSITION_KEYS:
         value = getattr(text, attr, None)
         if isinstance(value, int) and value > 0:
             return value

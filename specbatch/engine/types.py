@@ -8,6 +8,8 @@ from typing import Any
 
 from specbatch.errors import RequestError
 
+MAX_TEMPERATURE = 2.0       # OpenAI's range is [0, 2]; above it sampling is close to uniform noise
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -38,8 +40,8 @@ class GenerationParams:
 
         if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise RequestError("must be an integer >= 1", field="max_new_tokens")
-        if not is_num(self.temperature) or self.temperature < 0:
-            raise RequestError("must be a number >= 0", field="temperature")
+        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise RequestError(f"must be a number in [0, {MAX_TEMPERATURE:g}]", field="temperature")
         if not is_num(self.top_p) or not (0 < self.top_p <= 1):
             raise RequestError("must be a number in (0, 1]", field="top_p")
         if not is_int(self.top_k) or self.top_k < 0:

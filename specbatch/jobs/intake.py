@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from specbatch.config import Settings
-from specbatch.engine.known_models import misspelt, not_found
-from specbatch.engine.types import GenerationParams
+from specbatch.engine.known_models import name_problem
+from specbatch.engine.types import MAX_TEMPERATURE, GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields
+from specbatch.jobs.context import ContextCheck
 from specbatch.jobs.openai_fields import json_type
 from specbatch.plural import plural
 
@@ -90,9 +91,11 @@ class ParsedFile:
         return out
 
 
-def parse_model_map(specs: list[str] | tuple[str, ...]) -> dict[str, Route] | None:
+def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = False
+                    ) -> dict[str, Route] | None:
     """``NAME=TARGET[,DRAFT...]`` options into {NAME: (TARGET, [DRAFT, ...])}; None for no option.
-    A NAME without drafts uses none (plain decoding, plus the job's --ngram)."""
+    A NAME without drafts uses none (plain decoding, plus the job's --ngram). A model that is no
+    model on this machine (``known_models.name_problem``) is refused unless ``allow_remote``."""
     if not specs:
         return None
     out: dict[str, Route] = {}
@@ -105,8 +108,8 @@ def parse_model_map(specs: list[str] | tuple[str, ...]) -> dict[str, Route] | No
                                      field="--model-map"))
         elif name.strip() in out:
             errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
-        elif bad := [m for m in models if misspelt(m)]:
-            errors.append(InputError(f"{spec!r}: {not_found(bad[0])}", field="--model-map"))
+        elif not allow_remote and (bad := [p for p in map(name_problem, models) if p]):
+            errors.append(InputError(f"{spec!r}: {bad[0]}", field="--model-map"))
         else:
             out[name.strip()] = (models[0], models[1:])
     if errors:
@@ -151,6 +154,8 @@ def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
     if name == "temperature":
         if not _is_number(v):
             return v, f"must be a number >= 0, got {json_type(v)}"
+        if math.isfinite(v) and v > MAX_TEMPERATURE:
+            return float(v), f"must be <= {MAX_TEMPERATURE:g} (OpenAI's range is 0 to 2), got {v}"
         return float(v), None if math.isfinite(v) and v >= 0 else f"must be >= 0, got {v}"
     if name == "top_p":
         if not _is_number(v):
@@ -511,7 +516,7 @@ def _not_jsonl(first: str) -> str | None:
 
 
 def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settings: Settings,
-                model_map: dict[str, Route] | None = None) -> ParsedFile:
+                model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None) -> ParsedFile:
     """Like read_file, reading an open binary stream; ``name`` is used in messages."""
     base = job_params(defaults)
     noop_fields: dict[str, int] = {}
@@ -574,6 +579,10 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             for field, message in bad.problems:
                 err(line_no, field, message)
             continue
+        if limits is not None and (why := limits.problem(fields_)):
+            prefix = "body." if "body" in obj else ""
+            err(line_no, prefix + ("prompt" if fields_["kind"] == "completion" else "messages"), why)
+            continue
         for k in fields_.pop("noop"):
             noop_fields[k] = noop_fields.get(k, 0) + 1
         if fields_["model"] is not None:
@@ -630,9 +639,10 @@ def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Sett
 
 
 def read_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings,
-              model_map: dict[str, Route] | None = None) -> ParsedFile:
+              model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None) -> ParsedFile:
     """Every request of a JSONL prompt file with the job's warnings, or IntakeError listing every
-    problem found. ``model_map`` (from parse_model_map) routes OpenAI lines by body.model."""
+    problem found. ``model_map`` (from parse_model_map) routes OpenAI lines by body.model;
+    ``limits`` refuses a line whose prompt and max_new_tokens exceed its pair's context."""
     name = str(path)
     p = Path(path)
     if not p.exists():
@@ -641,6 +651,6 @@ def read_file(path: str | Path, defaults: dict[str, Any] | None, settings: Setti
         raise IntakeError([InputError("is a directory, not a JSONL file", path=name)])
     try:
         with p.open("rb") as fp:
-            return read_stream(fp, name, defaults, settings, model_map)
+            return read_stream(fp, name, defaults, settings, model_map, limits)
     except PermissionError as e:
         raise IntakeError([InputError(f"cannot read: {e.strerror}", path=name)]) from e

@@ -22,6 +22,9 @@ FLAT_COLUMNS = (
     "finish_reason", "prompt_tokens", "completion_tokens", "token_ids", *STATS_COLUMNS, "worker",
     "started_at", "finished_at", "latency_seconds", "lossy", "cached",
 )
+# Parquet's stats struct: every statistics field stored with a result (the CSV's columns, plus the
+# ones the SQL view adds: null draft_steps / accepted_at_position on rows written before 0004)
+PARQUET_STATS = (*STATS_COLUMNS, "draft_steps", "accepted_at_position", "batch_size_seconds")
 _JSON_TEXT = ("drafts", "prompt_ids", "messages", "params", "metadata", "token_ids", "accepted_per_position",
               "pool_wins")
 
@@ -90,8 +93,9 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
                conversation=conversation(req, res), stats=None, worker=None, started_at=None,
                finished_at=None, latency_seconds=None)
     if res is not None:
-        stats = {c: getattr(res, c) for c in STATS_COLUMNS}
+        stats = {c: getattr(res, c) for c in PARQUET_STATS}
         stats["pool_wins"] = _entries(res.pool_wins or {})
+        stats["batch_size_seconds"] = _entries(res.batch_size_seconds or {})
         row.update(text=res.text, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
                    completion_tokens=res.completion_tokens, token_ids=list(res.token_ids), stats=stats,
                    worker=res.worker, started_at=res.started_at, finished_at=res.finished_at,
@@ -114,7 +118,8 @@ def parquet_schema() -> Any:
         ("verify_steps", i64), ("drafted_tokens", i64), ("accepted_tokens", i64), ("acceptance_rate", f64), ("mean_acceptance_length", f64), ("accepted_per_position", pa.list_(f64)),
         ("target_forwards", i64), ("draft_forwards", i64), ("draft_seconds", f64), ("verify_seconds", f64),
         ("wall_seconds", f64), ("tokens_per_second", f64), ("pool_wins", entries(i64)), ("final_gamma", i64),
-        ("speculation_disabled", pa.bool_())])
+        ("speculation_disabled", pa.bool_()), ("draft_steps", i64), ("accepted_at_position", pa.list_(i64)),
+        ("batch_size_seconds", entries(f64))])
     params = pa.struct([("max_new_tokens", i64), ("temperature", f64), ("top_p", f64), ("top_k", i64),
                         ("seed", i64), ("stop", pa.list_(s))])
     return pa.schema([

@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
-from specbatch.engine.known_models import misspelt, not_found
+from specbatch.engine.known_models import name_problem
 from specbatch.errors import ModelLoadError
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedFile
@@ -44,14 +44,23 @@ class Pair:
     def resolve(cls, settings: Settings, target: str | None, drafts: list[str] | tuple[str, ...],
                 ngram: bool = False) -> Pair:
         """No model given: the default pair from settings. A target alone runs without a draft.
-        A near miss of a known name (smolm2-135m) is refused here, before a job waits for a worker
-        that never comes (ModelLoadError, with the name it likely meant)."""
+        A name that is no model here (neither known, nor a model path on this machine, nor a
+        Hugging Face id) is refused, before a job waits for a worker that never comes
+        (ModelLoadError, the message ``run`` gives), unless ``settings.allow_remote_models``."""
         pair = (cls(settings.default_target, [settings.default_draft], ngram) if target is None and not drafts
                 else cls(target or settings.default_target, list(drafts), ngram))
-        for name in (pair.target, *pair.drafts):
-            if misspelt(name):
-                raise ModelLoadError(not_found(name))
+        check_names([pair.target, *pair.drafts], settings)
         return pair
+
+
+def check_names(names: list[str], settings: Settings) -> None:
+    """ModelLoadError for the first name that is no model on this machine (``name_problem``);
+    nothing with SPECBATCH_ALLOW_REMOTE_MODELS / ``--allow-remote-models``."""
+    if settings.allow_remote_models:
+        return
+    for name in names:
+        if problem := name_problem(name):
+            raise ModelLoadError(problem)
 
 
 Routes = dict[Any, list[int]]     # store.request_routes: None (the job's pair) or a routed pair -> ids

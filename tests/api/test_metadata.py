@@ -8,23 +8,47 @@ from specbatch.api.metadata import check_metadata, job_options
 from specbatch.config import Settings
 from specbatch.errors import InputError
 
-SETTINGS = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "tgt", "SPECBATCH_DEFAULT_DRAFT": "drf"})
+# model names in Hugging Face id form (org/name): names no check here can refuse
+SETTINGS = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "org/tgt", "SPECBATCH_DEFAULT_DRAFT": "org/drf"})
 
 
 def test_no_model_key_is_the_default_pair_and_no_defaults() -> None:
     o = job_options({"team": "x"}, SETTINGS)
-    assert (o.pair.target, o.pair.drafts, o.pair.ngram, o.defaults, o.model_map) == ("tgt", ["drf"], False, {}, None)
+    assert (o.pair.target, o.pair.drafts, o.pair.ngram, o.defaults, o.model_map) == ("org/tgt", ["org/drf"], False, {}, None)
 
 
 def test_pair_keys() -> None:
-    pair = job_options({"specbatch_target": "big"}, SETTINGS).pair
-    assert (pair.target, pair.drafts) == ("big", [])             # a target alone runs without a draft
-    pair = job_options({"specbatch_target": "big", "specbatch_draft": "a, b", "specbatch_ngram": "true"},
+    pair = job_options({"specbatch_target": "org/big"}, SETTINGS).pair
+    assert (pair.target, pair.drafts) == ("org/big", [])             # a target alone runs without a draft
+    pair = job_options({"specbatch_target": "org/big", "specbatch_draft": "org/a, org/b", "specbatch_ngram": "true"},
                        SETTINGS).pair
-    assert (pair.target, pair.drafts, pair.ngram) == ("big", ["a", "b"], True)
-    assert pair.queue != job_options({"specbatch_target": "big"}, SETTINGS).pair.queue
-    o = job_options({"specbatch_model_map": "gpt-4o=big,small; mini=tiny"}, SETTINGS)
-    assert o.model_map == {"gpt-4o": ("big", ["small"]), "mini": ("tiny", [])}
+    assert (pair.target, pair.drafts, pair.ngram) == ("org/big", ["org/a", "org/b"], True)
+    assert pair.queue != job_options({"specbatch_target": "org/big"}, SETTINGS).pair.queue
+    o = job_options({"specbatch_model_map": "gpt-4o=org/big,org/small; mini=org/tiny"}, SETTINGS)
+    assert o.model_map == {"gpt-4o": ("org/big", ["org/small"]), "mini": ("org/tiny", [])}
+
+
+@pytest.mark.parametrize("meta, field", [
+    ({"specbatch_target": "gpt-9"}, "metadata.specbatch_target"),
+    ({"specbatch_target": "/etc/passwd"}, "metadata.specbatch_target"),        # a file, not a model
+    ({"specbatch_target": "org/big", "specbatch_draft": "/etc"}, "metadata.specbatch_draft"),   # no config.json
+    ({"specbatch_model_map": "gpt-4o=gpt-9"}, "metadata.specbatch_model_map"),
+])
+def test_a_name_that_is_no_model_here_is_refused_unless_remote_models_are_allowed(meta: dict[str, str],
+                                                                                   field: str) -> None:
+    """The message `run` gives (load_model's); SPECBATCH_ALLOW_REMOTE_MODELS takes any name, for
+    workers that hold paths this machine does not."""
+    from specbatch.engine.known_models import name_problem
+
+    with pytest.raises(InputError) as e:
+        job_options(meta, SETTINGS)
+    assert e.value.field == field
+    name = next(v for k, v in meta.items() if k in ("specbatch_target", "specbatch_draft")
+                and name_problem(v)) if "specbatch_model_map" not in meta else "gpt-9"
+    assert e.value.reason.endswith(str(name_problem(name))), e.value.reason
+    remote = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "org/tgt", "SPECBATCH_DEFAULT_DRAFT": "org/drf",
+                                "SPECBATCH_ALLOW_REMOTE_MODELS": "1"})
+    assert job_options(meta, remote).pair
 
 
 def test_default_keys_are_typed() -> None:
@@ -47,7 +71,7 @@ def test_default_keys_are_typed() -> None:
     ({"specbatch_model_map": "gpt-4o"}, "metadata.specbatch_model_map"),
     ({"specbatch_model_map": "a=x;a=y"}, "metadata.specbatch_model_map"),
     ({"specbatch_target": "smolm2-135m"}, "metadata.specbatch_target"),       # a near miss: no worker loads it
-    ({"specbatch_target": "big", "specbatch_draft": "smollm2-135m-int9"}, "metadata.specbatch_draft"),
+    ({"specbatch_target": "org/big", "specbatch_draft": "smollm2-135m-int9"}, "metadata.specbatch_draft"),
     ({"specbatch_model_map": "gpt-4o=qwen2.5-coder-1.5"}, "metadata.specbatch_model_map"),
 ])
 def test_bad_values_name_their_key(meta: dict[str, str], field: str) -> None:

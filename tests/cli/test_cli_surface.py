@@ -116,7 +116,7 @@ def test_domain_error_is_one_line_exit_1_and_debug_shows_the_trace() -> None:
 def test_invalid_prompt_file_exits_1_listing_every_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"custom_id": "a", "prompt": "x", "temperature": -1}\nnot json\n')
-    result = CliRunner().invoke(cli, ["run", str(bad), "--target", "unused"])
+    result = CliRunner().invoke(cli, ["run", str(bad), "--target", "org/unused"])
     assert result.exit_code == 1
     assert "bad.jsonl:1" in result.output and "bad.jsonl:2" in result.output
     assert "Traceback" not in result.output
@@ -125,7 +125,7 @@ def test_invalid_prompt_file_exits_1_listing_every_error(tmp_path: Path) -> None
 def test_bad_job_default_is_a_readable_error(tmp_path: Path) -> None:
     ok = tmp_path / "ok.jsonl"
     ok.write_text('{"prompt": "x"}\n')
-    result = CliRunner().invoke(cli, ["run", str(ok), "--target", "unused", "--top-p", "3"])
+    result = CliRunner().invoke(cli, ["run", str(ok), "--target", "org/unused", "--top-p", "3"])
     assert result.exit_code == 2 and "'--top-p'" in result.output, result.output   # a usage error
 
 

@@ -146,7 +146,8 @@ BAD = {
     "whitespace prompt": (["--prompt", "   "], ["prompt", "empty"]),
     "top-p 0": (["--prompt", "hi", "--top-p", "0"], ["--top-p", "0<x<=1"]),
     "top-p > 1": (["--prompt", "hi", "--top-p", "1.5"], ["--top-p", "0<x<=1"]),
-    "temperature < 0": (["--prompt", "hi", "--temperature", "-1"], ["--temperature", "x>=0"]),
+    "temperature < 0": (["--prompt", "hi", "--temperature", "-1"], ["--temperature", "0<=x<=2"]),
+    "temperature > 2": (["--prompt", "hi", "--temperature", "5"], ["--temperature", "0<=x<=2"]),
     "max-new-tokens 0": (["--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens", "x>=1"]),
     "gamma too large": (["--prompt", "hi", "--gamma", "100"], ["--gamma", "0<=x<=64"]),
     "beyond context": (["--prompt", "hi", "--max-new-tokens", "600"], ["512", "context"]),
@@ -227,16 +228,22 @@ def test_models_json():
         assert isinstance(row["installed"], bool)
 
 
-def test_models_table():
+@pytest.mark.parametrize("columns", ["80", "40", "200"])
+def test_models_table(columns, monkeypatch):
+    """Install commands print whole on one line each, whatever the terminal's width (a table
+    cell folded them mid-word at 80 columns), with no markup eaten."""
+    monkeypatch.setenv("COLUMNS", columns)
     r = run("models")
     assert r.exit_code == 0, r.output
     for name in KNOWN:
         assert name in r.stdout
     from specbatch.engine.loading import known_model_status
 
-    for row in known_model_status():     # install commands print whole (no markup eaten)
+    lines = r.stdout.splitlines()
+    for row in known_model_status():
         if not row["installed"]:
-            assert row["install"] in " ".join(r.stdout.replace("│", " ").split()), row
+            (line,) = [x for x in lines if x.endswith(": " + row["install"])]
+            assert row["name"] in line.split(": ")[0].split(", "), line
 
 
 def test_generate_plans_its_compile_for_one_row(tiny_models, monkeypatch):
@@ -301,8 +308,9 @@ def test_a_token_limit_under_one_is_a_usage_error(command, tmp_path):
 
 # (option, value, what Click's message says): each is outside what GenerationParams.validate accepts
 BAD_GENERATION_VALUES = [
-    ("--temperature", "-1", "-1.0 is not in the range x>=0"),
-    ("--temperature", "inf", "inf is not a finite number"),
+    ("--temperature", "-1", "-1.0 is not in the range 0<=x<=2"),
+    ("--temperature", "inf", "inf is not in the range 0<=x<=2"),
+    ("--temperature", "2.5", "2.5 is not in the range 0<=x<=2"),      # OpenAI's range
     ("--top-p", "0", "0.0 is not in the range 0<x<=1"),
     ("--top-p", "1.01", "1.01 is not in the range 0<x<=1"),
     ("--top-p", "nan", "nan is not a finite number"),

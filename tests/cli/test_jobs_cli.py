@@ -135,7 +135,7 @@ def test_submit_creates_the_database_and_says_where(db_url, tmp_path, monkeypatc
     monkeypatch.setattr(enqueue, "enqueue_requests", lambda settings, job_id, ids, queue: 1)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "x"}\n')
-    first = run("submit", str(prompts), "--target", "tgt", "--json")
+    first = run("submit", str(prompts), "--target", "org/tgt", "--json")
     assert first.exit_code == 0, first.output
     assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in first.stderr
     listed = run("jobs", "--json")

@@ -53,7 +53,9 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
         _line("ids-b", "/v1/completions", {"model": "model-b", "prompt": [10, 11, 12, 13], "max_tokens": 6,
                                            "echo": False}),
         _line("text-b", "/v1/completions", {"model": "model-b", "prompt": "Once upon a time", "max_tokens": 6}),
-        _line("too-long", "/v1/completions", {"model": "model-a", "prompt": "x", "max_tokens": 600}),
+        # a token id past the vocabulary: valid JSON that only the engine refuses (a prompt too long
+        # for the context is refused at intake, before any job exists)
+        _line("bad-ids", "/v1/completions", {"model": "model-a", "prompt": [10**6], "max_tokens": 6}),
     ]) + "\n"
     result = invoke("run", "-", "--model-map", f"model-a={llama},{tiny_models / 'llama-partial'}",
                     "--model-map", f"model-b={gpt2},{tiny_models / 'gpt2-partial'}", "--target", llama,
@@ -65,7 +67,7 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
     assert summary["status"] == "completed_with_errors" and summary["source"] == "<stdin>"
     jid = summary["id"]
     (failure,) = summary["failures"]                 # why it exited 3, where the user looks
-    assert (failure["line_no"], failure["custom_id"]) == (4, "too-long") and "max_new_tokens" in failure["error"]
+    assert (failure["line_no"], failure["custom_id"]) == (4, "bad-ids") and "token ids must be in" in failure["error"]
     assert [(r["model"], r["target"], r["requests"]) for r in summary["models"]] == [
         ("model-a", llama, 2), ("model-b", gpt2, 2)]
     shown = invoke("status", jid).stdout
@@ -94,9 +96,9 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
         assert body["usage"]["completion_tokens"] == len(ref.token_ids)
         assert body["model"] == (llama if cid == "chat-a" else gpt2)
     assert want["ids-b"].text != alone_a.generate(input_ids=[10, 11, 12, 13], params=params).text
-    (too_long,) = map(json.loads, err.read_text().splitlines())
-    assert check_line(too_long).response.status_code == 400
-    assert too_long["response"]["body"]["error"]["param"] == "max_new_tokens"
+    (bad_ids,) = map(json.loads, err.read_text().splitlines())
+    assert check_line(bad_ids).response.status_code == 400
+    assert bad_ids["response"]["body"]["error"]["param"] == "input_ids"
 
     again = invoke("export", jid, "-o", str(out))
     assert again.exit_code == 1 and again.stderr.strip() == f"Error: {out} exists; give --force to overwrite it"

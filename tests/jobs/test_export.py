@@ -104,13 +104,16 @@ def job(db_url, tmp_path) -> tuple[str, str, list[int]]:
     path = tmp_path / "batch.jsonl"
     path.write_text("\n".join(FILE) + "\n")
     parsed = intake.read_file(path, {}, Settings(database_url=db_url),
-                              intake.parse_model_map(["gpt-4o-mini=tgt-chat,d-chat", "babbage-002=tgt"]))
+                              intake.parse_model_map(["gpt-4o-mini=tgt-chat,d-chat", "babbage-002=tgt"], allow_remote=True))
     with db.session_factory(db_url).begin() as s:
         job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={},
                                   requests=parsed.requests, queue="q").id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids[:4], "w1", 60, 3)
-        store.record_result(s, ids[0], output(new_tokens=3, wins={"d-chat": 2}), "w1")
+        first = output(new_tokens=3, wins={"d-chat": 2})
+        first.stats.draft_steps, first.stats.accepted_at_position = 2, [2, 1]
+        first.stats.batch_size_seconds = {"1": 0.5}
+        store.record_result(s, ids[0], first, "w1")
         store.record_result(s, ids[1], output(new_tokens=2), "w1")
         err = RequestError("prompt (9 tokens) + max_new_tokens exceeds the context", field="max_new_tokens")
         store.record_failure(s, ids[2], str(err), "w1", param=err.field)
@@ -279,7 +282,10 @@ def test_parquet_types(job, tmp_path):
         "seed": pa.int64(), "stop": pa.list_(pa.string())}
     stats = schema.field("stats").type
     types = {stats.field(i).name: stats.field(i).type for i in range(stats.num_fields)}
-    assert list(types) == list(STATS_COLUMNS)                    # every statistics field, typed
+    # every statistics field, typed: the CSV's columns and the three the SQL view adds
+    assert list(types) == [*STATS_COLUMNS, "draft_steps", "accepted_at_position", "batch_size_seconds"]
+    assert types["batch_size_seconds"] == pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))
+    assert types["draft_steps"] == pa.int64() and types["accepted_at_position"] == pa.list_(pa.int64())
     assert types["pool_wins"] == pa.list_(pa.struct([("key", pa.string()), ("value", pa.int64())]))
     assert types["accepted_per_position"] == pa.list_(pa.float64())
     assert types["speculation_disabled"] == pa.bool_() and types["final_gamma"] == pa.int64()
@@ -294,6 +300,8 @@ def test_parquet_types(job, tmp_path):
         {"role": "assistant", "content": "out", "name": None}]
     assert t[0]["metadata"] == [{"key": "batch", "value": "a"}, {"key": "topic", "value": "greeting"}]
     assert t[0]["stats"]["pool_wins"] == [{"key": "d-chat", "value": 2}]
+    assert t[0]["stats"]["batch_size_seconds"] == [{"key": "1", "value": 0.5}]
+    assert t[0]["stats"]["draft_steps"] == 2 and t[0]["stats"]["accepted_at_position"] == [2, 1]
     assert t[1]["prompt_ids"] == [5, 6, 7] and t[1]["conversation"] is None     # a completion: prompt + text
     assert t[4]["stats"] is None and t[4]["text"] is None
 

@@ -89,6 +89,8 @@ BAD_CASES = {
     "custom_id_too_long": (L(custom_id="x" * 513, prompt="a"),
                            ["1: custom_id: is 513 characters; the limit is 512"]),
     "temperature_negative": (L(prompt="a", temperature=-1), ["1: temperature: must be >= 0, got -1"]),
+    "temperature_over_two": (L(prompt="a", temperature=5.0),
+                             ["1: temperature: must be <= 2 (OpenAI's range is 0 to 2), got 5.0"]),
     "top_p_zero": (L(prompt="a", top_p=0), ["1: top_p: must be in (0, 1], got 0"]),
     "top_p_above_one": (L(prompt="a", top_p=1.5), ["1: top_p: must be in (0, 1], got 1.5"]),
     "top_k_negative": (L(prompt="a", top_k=-1), ["1: top_k: must be >= 0, got -1"]),
@@ -344,3 +346,27 @@ def test_valid_file_lands_in_the_store(db_url, tmp_path):
                                             ("line-2", 2, "chat", None, [{"role": "user", "content": "hi"}])]
     assert rows[0].params["seed"] == 3 and rows[1].params["max_new_tokens"] == 8
     assert {r.status.value for r in rows} == {"pending"}
+
+
+def test_temperature_is_openais_range_everywhere_params_are_checked() -> None:
+    """[0, 2]: a line, a job default (CLI option, API metadata), and the engine's own check."""
+    from click.testing import CliRunner
+
+    from specbatch.api.metadata import job_options
+    from specbatch.cli.main import cli
+    from specbatch.engine.types import GenerationParams
+    from specbatch.errors import InputError, RequestError
+
+    assert intake.job_params({"temperature": 2})["temperature"] == 2.0
+    with pytest.raises(IntakeError, match="temperature.*got 2.5"):
+        intake.job_params({"temperature": 2.5})
+    GenerationParams(temperature=2.0).validate()
+    with pytest.raises(RequestError, match=r"must be a number in \[0, 2\]"):
+        GenerationParams(temperature=5.0).validate()
+    settings = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "org/t", "SPECBATCH_DEFAULT_DRAFT": "org/d"})
+    with pytest.raises(InputError) as e:
+        job_options({"specbatch_temperature": "5"}, settings)
+    assert e.value.field == "metadata.specbatch_temperature" and "<= 2" in e.value.reason
+    for command in (["generate", "--prompt", "x"], ["run", "nothing.jsonl"]):
+        result = CliRunner().invoke(cli, [*command, "--temperature", "5"])
+        assert result.exit_code == 2 and "--temperature" in result.output, result.output

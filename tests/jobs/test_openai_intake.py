@@ -25,7 +25,7 @@ def line(body: dict, url: str = CHAT, cid: str = "r1") -> str:
 def read(*lines: str, model_map: list[str] | None = None) -> intake.ParsedFile:
     data = ("\n".join(lines) + "\n").encode()
     return intake.read_stream(io.BytesIO(data), "batch.jsonl", {}, SETTINGS,
-                              intake.parse_model_map(model_map or []))
+                              intake.parse_model_map(model_map or [], allow_remote=True))
 
 
 def refused(*lines: str, **kw) -> list[str]:
@@ -331,7 +331,7 @@ def test_bad_model_map(spec, why):
         intake.parse_model_map([spec])
     assert str(e.value.errors[0]) == f"--model-map: {why}"
     with pytest.raises(IntakeError, match="'a' is mapped twice"):
-        intake.parse_model_map(["a=t", "a=u"])
+        intake.parse_model_map(["a=t", "a=u"], allow_remote=True)
 
 
 def test_the_example_openai_batch_file():
@@ -380,5 +380,5 @@ def test_a_near_miss_of_a_known_model_name_is_refused_with_the_name_it_meant(tmp
     monkeypatch.chdir(tmp_path)
     assert misspelt("smolm2-135m") is None
     with pytest.raises(IntakeError) as e:
-        intake.parse_model_map(["gpt-4o=big,smollm2-135m-int9"])
+        intake.parse_model_map(["gpt-4o=org/big,smollm2-135m-int9"])
     assert "did you mean smollm2-135m-int8?" in str(e.value.errors[0])

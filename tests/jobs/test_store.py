@@ -345,7 +345,8 @@ def test_summary_counts_and_statistics(db_url):
     assert st["mean_acceptance_length"]["request_mean"] == pytest.approx(((6 + 4) / 4 + (0 + 2) / 2) / 2)
     assert st["accepted_per_position"] == pytest.approx([0.25, 0.25])
     assert st["pool_wins"] == {"d1": 3, "ngram": 1}
-    assert st["generation_seconds"] == pytest.approx(1.5)
+    assert st["generation_seconds_sum"] == pytest.approx(1.5)
+    assert "generation_seconds" not in st and "verify_seconds" not in st   # sums say they are sums
     assert st["tokens_per_second"] == pytest.approx(12 / st["wall_clock_seconds"])
     assert st["latency_seconds"]["p50"] <= st["latency_seconds"]["p95"] <= st["latency_seconds"]["max"]
     workers = {w["worker"]: w for w in st["workers"]}

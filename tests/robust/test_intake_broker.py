@@ -48,7 +48,7 @@ def test_bad_text_is_file_line_error_on_both_databases(tmp_path: Path, db_url: s
     monkeypatch.setenv("SPECBATCH_DATABASE_URL", db_url)
     monkeypatch.setenv("SPECBATCH_BROKER_URL", f"redis://127.0.0.1:{_closed_port()}/0")
     get_settings.cache_clear()
-    result = CliRunner().invoke(cli, [command, str(path), "--target", "unused"])
+    result = CliRunner().invoke(cli, [command, str(path), "--target", "org/unused"])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.exit_code == 1
     out = result.output
@@ -65,7 +65,7 @@ def test_submit_good_file_broker_down_writes_nothing(tmp_path: Path, monkeypatch
     path.write_text('{"prompt": "fine"}\n')
     monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
     monkeypatch.setenv("SPECBATCH_BROKER_URL", f"redis://127.0.0.1:{_closed_port()}/0")
-    result = CliRunner().invoke(cli, ["submit", str(path), "--target", "unused"])
+    result = CliRunner().invoke(cli, ["submit", str(path), "--target", "org/unused"])
     assert result.exit_code == 1 and "cannot reach the broker" in result.output
     assert not (tmp_path / "db.sqlite").exists() or _job_count(url) == 0
 
@@ -105,7 +105,7 @@ def test_submit_against_a_broker_that_never_answers_fails_with_a_clear_error(tmp
            "SPECBATCH_BROKER_URL": f"redis://127.0.0.1:{silent_broker}/0", "SPECBATCH_BROKER_TIMEOUT": "2"}
     exe = str(Path(sys.executable).parent / "specbatch")
     # bounded: without read timeouts this call never returns (the subprocess timeout fails the test)
-    proc = subprocess.run([exe, "submit", str(path), "--target", "unused"], env=env, capture_output=True,
+    proc = subprocess.run([exe, "submit", str(path), "--target", "org/unused"], env=env, capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 1, proc.stderr
     assert "cannot reach the broker" in proc.stderr and "Timeout" in proc.stderr

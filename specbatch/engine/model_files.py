@@ -1,0 +1,134 @@
+"""What a model name points at on this machine, read without loading weights or importing torch:
+where its tokenizer and config live, and its context length. Intake uses it to refuse a prompt
+that cannot fit before a job exists; ``loading`` uses the same cache layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from specbatch.engine.known_models import HF_ID, KNOWN_MODELS
+from specbatch.plural import plural
+
+logger = logging.getLogger(__name__)
+
+# config keys that hold a model's context length, in the order transformers' configs use them
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model's tokenizer and config as files here: a ``save_pretrained`` directory, or a GGUF
+    file (``gguf_file`` inside ``directory``) not yet dequantized."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+
+def gguf_cache_key(path: Path) -> str:
+    """The name of a GGUF file's dequantized copy under ``CACHE_DIR/dequantized``."""
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode()).hexdigest()
+    return f"{path.stem}-{h[:12]}"
+
+
+def _from_gguf(gguf: Path, cache_dir: Path) -> ModelFiles:
+    dequantized = cache_dir / "dequantized" / gguf_cache_key(gguf)
+    if (dequantized / "config.json").is_file():
+        return ModelFiles(dequantized)
+    return ModelFiles(gguf.parent, gguf.name)
+
+
+def local_files(name: str, cache_dir: str | os.PathLike[str]) -> ModelFiles | None:
+    """Where ``name``'s tokenizer and config are on this machine; None when they are not here (a
+    known model whose weights are not installed, a Hugging Face id not in the local cache, a path
+    only the workers hold). Never downloads, assembles or converts anything."""
+    cache = Path(cache_dir)
+    known = KNOWN_MODELS.get(name)
+    if known is not None:
+        if len(known.packages) > 1:           # parts are assembled into the cache on first load
+            gguf = cache / "gguf" / known.filename
+            return _from_gguf(gguf, cache) if gguf.is_file() else None
+        spec = importlib.util.find_spec(known.packages[0])
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        gguf = Path(next(iter(spec.submodule_search_locations))) / known.filename
+        return _from_gguf(gguf, cache) if gguf.is_file() else None
+    path = Path(os.path.expanduser(name))
+    try:
+        if path.suffix == ".gguf" and path.is_file():
+            return _from_gguf(path, cache)
+        if (path / "config.json").is_file():
+            return ModelFiles(path)
+    except OSError:
+        return None
+    if HF_ID.fullmatch(name):
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "config.json")
+        if isinstance(found, str):
+            return ModelFiles(Path(found).parent)
+    return None
+
+
+def context_length(files: ModelFiles) -> int | None:
+    """The model's context in tokens (as ``loading`` reads it from the loaded config), or None."""
+    if files.gguf_file is not None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(files.directory / files.gguf_file)
+        arch = _gguf_value(reader, "general.architecture")
+        value = _gguf_value(reader, f"{arch}.context_length") if arch else None
+        return int(value) if isinstance(value, int) and value > 0 else None
+    try:
+        config = json.loads((files.directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return max_positions(config)
+
+
+def max_positions(config: dict[str, Any]) -> int | None:
+    """The context length in a config's dict (its text config first, as multimodal configs nest it)."""
+    for part in (config.get("text_config"), config):
+        if not isinstance(part, dict):
+            continue
+        for key in POSITION_KEYS:
+            value = part.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _gguf_value(reader: Any, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    part = field.parts[field.data[0]]
+    if field.types and field.types[0].name == "STRING":
+        return bytes(part).decode("utf-8", errors="replace")
+    return part[0].item() if len(part) else None
+
+
+def load_tokenizer(files: ModelFiles) -> Any:
+    """The model's transformers tokenizer (this imports transformers, and with it torch)."""
+    from transformers import AutoTokenizer
+
+    if files.gguf_file is not None:
+        return AutoTokenizer.from_pretrained(files.directory, gguf_file=files.gguf_file)
+    return AutoTokenizer.from_pretrained(files.directory)
+
+
+def context_problem(n_prompt: int, max_new_tokens: int, model: str, context: int | None) -> str | None:
+    """Why a prompt of ``n_prompt`` tokens cannot decode ``max_new_tokens`` within ``model``'s
+    context, or None; the engine and intake give the same message."""
+    if context is None or n_prompt + max_new_tokens <= context:
+        return None
+    return (f"prompt ({plural(n_prompt, 'token')}) + max_new_tokens ({max_new_tokens}) exceeds the context "
+            f"of {model!r} ({context} tokens); shorten the prompt or lower max_new_tokens")

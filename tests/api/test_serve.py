@@ -1,0 +1,56 @@
+"""`specbatch serve` at its edges: no api extra, a busy port, /docs with no internet (issue 26)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from specbatch.cli.main import cli
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'api.db'}")
+    monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
+
+
+def test_serve_without_the_api_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvicorn", None)       # `import uvicorn` raises ImportError
+    result = CliRunner().invoke(cli, ["serve"])
+    assert result.exit_code == 1, result.output
+    assert "pip install 'specbatch[api]'" in result.stderr and "unexpected error" not in result.stderr
+
+
+def test_serve_on_a_busy_port_exits_1_with_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = CliRunner().invoke(cli, ["serve", "--port", str(port)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"Error: cannot serve on 127.0.0.1:{port}: ") and "--port" in result.stderr
+
+
+def test_docs_are_served_from_local_files(tmp_path: Path) -> None:
+    """Swagger UI's script and style come from the swagger-ui-bundle package, not a CDN, so /docs
+    is no blank page offline; ReDoc (CDN only) is off."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    with TestClient(create_app(get_settings())) as client:
+        page = client.get("/docs")
+        assert page.status_code == 200
+        assert "/docs-assets/swagger-ui-bundle.js" in page.text and "/docs-assets/swagger-ui.css" in page.text
+        assert "cdn" not in page.text and "https://" not in page.text
+        for asset in ("swagger-ui-bundle.js", "swagger-ui.css"):
+            got = client.get(f"/docs-assets/{asset}")
+            assert got.status_code == 200 and len(got.content) > 10_000, asset
+        assert client.get("/openapi.json").json()["info"]["title"] == "specbatch"
+        assert client.get("/redoc").status_code == 404
