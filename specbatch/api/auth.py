@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Mapping
 
 from fastapi import Request
 
@@ -20,14 +21,21 @@ def key_matches(given: str, keys: tuple[str, ...]) -> bool:
     return found
 
 
-def require_key(request: Request) -> None:
-    """FastAPI dependency: 401 in OpenAI's shape unless the request carries one of the keys."""
-    keys: tuple[str, ...] = request.app.state.sb.settings.api_key_list
+def check_key(headers: Mapping[str, str], keys: tuple[str, ...]) -> ApiError | None:
+    """The 401 (OpenAI's shape) for a request that does not carry one of ``keys``; None: let it in."""
     if not keys:
-        return
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return None
+    scheme, _, given = headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        raise ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
-                            "(one of SPECBATCH_API_KEYS).", code="missing_api_key", headers=CHALLENGE)
+        return ApiError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
+                             "(one of SPECBATCH_API_KEYS).", code="missing_api_key", headers=CHALLENGE)
     if not key_matches(given.strip(), keys):
-        raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key", headers=CHALLENGE)
+        return ApiError(401, "Incorrect API key provided.", code="invalid_api_key", headers=CHALLENGE)
+    return None
+
+
+def require_key(request: Request) -> None:
+    """FastAPI dependency for routes without a body (``guard.Guard`` checks the others first)."""
+    refusal = check_key(request.headers, request.app.state.sb.settings.api_key_list)
+    if refusal is not None:
+        raise refusal

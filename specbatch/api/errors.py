@@ -71,7 +71,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
         return as_response(ApiError(e.status_code, str(e.detail), code=code,
                                   headers=dict(e.headers) if e.headers else None))
 

@@ -1,0 +1,72 @@
+"""The first thing every request meets: the key is checked before a body byte is read, and the body
+is counted as it streams in, chunked or not, and refused with a 413 past its route's limit.
+
+FastAPI reads a route's JSON body before it solves the route's dependencies, so ``require_key``
+alone would let anyone make the server buffer and parse a body of any size; a ``Content-Length``
+check alone misses chunked bodies. This is a plain ASGI middleware (no ``BaseHTTPMiddleware``):
+it wraps ``receive`` and never buffers anything itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from specbatch.api.errors import ApiError, as_response
+
+TOO_LARGE = "request_too_large"
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from ``receive`` at the first byte over the limit. An HTTPException because FastAPI
+    re-raises those from its body reading (any other error there becomes a 400 "error parsing the
+    body"); the app's handler answers it in OpenAI's shape."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request bodies here are at most {limit} bytes")
+
+
+def has_body(headers: Headers) -> bool:
+    return "transfer-encoding" in headers or headers.get("content-length", "0").strip() not in ("", "0")
+
+
+class Guard:
+    """``limit(scope)``: the most body bytes the route takes; ``check_key(headers)``: an ApiError
+    (401) for a request without a valid key, None to let it in (a keyless server lets all in)."""
+
+    def __init__(self, app: ASGIApp, limit: Callable[[Scope], int],
+                 check_key: Callable[[Headers], ApiError | None]) -> None:
+        self.app, self.limit, self.check_key = app, limit, check_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        limit = self.limit(scope)
+        refusal = None
+        if has_body(headers):
+            # a body is read only for a key holder; routes without a body check the key as a
+            # dependency (so a public route such as /healthz stays public)
+            refusal = self.check_key(headers)
+            length = headers.get("content-length", "")
+            if refusal is None and length.strip().isdigit() and int(length) > limit:
+                refusal = ApiError(413, BodyTooLarge(limit).detail, code=TOO_LARGE)
+        if refusal is not None:
+            await as_response(refusal)(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return message
+
+        await self.app(scope, bounded, send)

@@ -1,0 +1,100 @@
+"""What an attacker or a careless client sends a real `specbatch serve`: bodies that never end, keys
+that are not theirs, ids and filters that are not text. Raw sockets where the client must not
+finish sending; the official `openai` client elsewhere."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import KEYS, Api, start_api
+
+pytestmark = pytest.mark.integration
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def api(request: pytest.FixtureRequest, api_redis, tiny_models: Path,  # noqa: ANN001
+        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    server = start_api(request, "sqlite", api_redis, tiny_models, tmp_path_factory.mktemp("hardening"))
+    yield server
+    server.close()
+
+
+def _head(path: str, key: str | None, extra: str = "") -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"{auth}{extra}\r\n").encode()
+
+
+def _response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """Read one response (Content-Length framed) from ``sock``."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed without a response: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed mid-response"
+        body += chunk
+    return int(lines[0].split()[1]), json.loads(body)
+
+
+def _unfinished_chunked(api: Api, path: str, key: str | None, n_bytes: int) -> tuple[int, dict[str, Any]]:
+    """Send ``n_bytes`` of a chunked body and never its last chunk: the answer must come anyway.
+    (A server that waits for the end of the body fails this at the socket timeout.)"""
+    with socket.create_connection(("127.0.0.1", api.port), timeout=30) as sock:
+        sock.sendall(_head(path, key, "Transfer-Encoding: chunked\r\n"))
+        piece = b'{"pad": "' + b"x" * (64 * 1024) + b'"}'
+        sent = 0
+        while sent < n_bytes:
+            sock.sendall(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+            sent += len(piece)
+        return _response(sock)
+
+
+def test_a_chunked_body_without_a_key_is_refused_before_it_is_read(api: Api) -> None:
+    for key, code in ((None, "missing_api_key"), ("sk-wrong", "invalid_api_key")):
+        status, body = _unfinished_chunked(api, "/v1/batches", key, 1)
+        assert (status, body["error"]["code"]) == (401, code)
+
+
+def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(api: Api) -> None:
+    status, body = _unfinished_chunked(api, "/v1/batches", KEYS[0], MiB + 128 * 1024)
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    # a route that takes no body answers without reading it
+    status, body = _unfinished_chunked(api, "/v1/batches/batch_x/cancel", KEYS[0], MiB + 128 * 1024)
+    assert status == 404, body
+    # the upload's own limit is the file's (here 60 kB) plus the form around it
+    status, body = _unfinished_chunked(api, "/v1/files", KEYS[0], int(api.env["SPECBATCH_MAX_UPLOAD_BYTES"])
+                                       + 128 * 1024)
+    assert status in (400, 413), body
+
+
+def test_a_declared_length_over_the_limit_is_refused_before_it_is_read(api: Api) -> None:
+    with socket.create_connection(("127.0.0.1", api.port), timeout=30) as sock:
+        sock.sendall(_head("/v1/batches", KEYS[0], f"Content-Length: {150 * MiB}\r\n") + b"{")
+        status, body = _response(sock)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+    with socket.create_connection(("127.0.0.1", api.port), timeout=30) as sock:
+        sock.sendall(_head("/v1/batches", None, f"Content-Length: {150 * MiB}\r\n") + b"{")
+        assert _response(sock)[0] == 401
+
+
+def test_small_bodies_and_public_routes_still_pass(api: Api) -> None:
+    status, body = api.request("POST", "/v1/batches", body=json.dumps(
+        {"input_file_id": "file-0123456789abcdef01234567", "endpoint": "/v1/chat/completions",
+         "completion_window": "24h"}).encode(), headers={"Content-Type": "application/json"})
+    assert status == 404, body
+    assert api.get("/healthz", key=None)[0] == 200
