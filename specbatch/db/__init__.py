@@ -96,7 +96,9 @@ def _alembic_config(engine: Engine) -> Any:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # configparser reads "%" as interpolation: a percent-encoded password ("p%40ss") must be "%%"
+    # here (alembic's own CLI reads it back unescaped; our env.py uses the engine itself)
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     cfg.attributes["engine"] = engine
     return cfg
 
