@@ -10,19 +10,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
-from tests.api.conftest import KEYS, Api, start_api
+from tests.api.conftest import KEYS, Api, chat_line
 
 pytestmark = pytest.mark.integration
 
 MiB = 1 << 20
 
 
+TEAM = ("sk-team-a", "sk-team-b")      # two keys of one project
+ADMIN = "sk-admin"
+
+
 @pytest.fixture(scope="module")
-def api(request: pytest.FixtureRequest, api_redis, tiny_models: Path,  # noqa: ANN001
-        tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    server = start_api(request, "sqlite", api_redis, tiny_models, tmp_path_factory.mktemp("hardening"))
+def api(api_redis, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("hardening")
+    server = Api(tmp, api_redis, f"sqlite:///{tmp / 'api.db'}", tiny_models)
+    server.env["SPECBATCH_API_KEYS"] = ",".join([*KEYS, *(f"team:{k}" for k in TEAM), f"*:{ADMIN}"])
+    server.start()
     yield server
     server.close()
 
@@ -98,3 +105,54 @@ def test_small_bodies_and_public_routes_still_pass(api: Api) -> None:
          "completion_window": "24h"}).encode(), headers={"Content-Type": "application/json"})
     assert status == 404, body
     assert api.get("/healthz", key=None)[0] == 200
+
+
+def _batch(api: Api, key: str) -> tuple[str, str]:
+    c = api.client(key)
+    f = c.files.create(file=("in.jsonl", (json.dumps(chat_line(0)) + "\n").encode()), purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    return f.id, b.id
+
+
+def test_a_key_sees_only_its_tenants_files_and_batches(api: Api) -> None:
+    mine_f, mine_b = _batch(api, KEYS[0])
+    team_f, team_b = _batch(api, TEAM[0])
+    other = api.client(KEYS[1])
+    for call in (lambda: other.files.retrieve(mine_f), lambda: other.files.content(mine_f),
+                 lambda: other.files.delete(mine_f), lambda: other.batches.retrieve(mine_b),
+                 lambda: other.batches.cancel(mine_b), lambda: other.files.retrieve(team_f),
+                 lambda: other.batches.create(input_file_id=mine_f, endpoint="/v1/chat/completions",
+                                              completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert api.get(f"/v1/batches/{mine_b}/stats", key=KEYS[1])[0] == 404
+    # a cursor of another tenant is as unknown as a made-up one
+    assert api.get(f"/v1/batches?after={mine_b}", key=KEYS[1])[0] == \
+        api.get("/v1/batches?after=batch_nope", key=KEYS[1])[0]
+    assert {mine_f, team_f}.isdisjoint(f.id for f in other.files.list())
+    assert {mine_b, team_b}.isdisjoint(b.id for b in other.batches.list())
+    # one project, two keys: the same tenant
+    team = api.client(TEAM[1])
+    assert team.batches.retrieve(team_b).input_file_id == team_f
+    assert [b.id for b in team.batches.list()] == [team_b]
+    assert mine_f not in {f.id for f in team.files.list()}
+    # the admin key sees every tenant's objects
+    admin = api.client(ADMIN)
+    assert {mine_b, team_b} <= {b.id for b in admin.batches.list()}
+    assert admin.files.retrieve(mine_f).id == mine_f
+    # nothing was deleted or cancelled by the other tenant
+    mine = api.client(KEYS[0])
+    assert mine.files.retrieve(mine_f).id == mine_f
+    assert mine.batches.retrieve(mine_b).status not in ("cancelling", "cancelled")
+    assert [b.id for b in mine.batches.list()][0] == mine_b
+
+
+def test_the_input_file_of_a_live_batch_cannot_be_deleted(api: Api) -> None:
+    f, b = _batch(api, KEYS[0])
+    c = api.client(KEYS[0])
+    with pytest.raises(openai.ConflictError) as e:
+        c.files.delete(f)
+    assert e.value.body["code"] == "file_in_use" and b in e.value.body["message"]
+    assert c.files.retrieve(f).id == f
+    c.batches.cancel(b)        # no worker: the queued job is cancelled at once
+    assert c.files.delete(f).deleted is True
