@@ -1,5 +1,6 @@
-"""The first thing every request meets: the key is checked before a body byte is read, and the body
-is counted as it streams in, chunked or not, and refused with a 413 past its route's limit.
+"""The first thing every request meets: a URL with a control character in it is a 400, the key is
+checked before a body byte is read, and the body is counted as it streams in, chunked or not, and
+refused with a 413 past its route's limit.
 
 FastAPI reads a route's JSON body before it solves the route's dependencies, so ``require_key``
 alone would let anyone make the server buffer and parse a body of any size; a ``Content-Length``
@@ -10,6 +11,7 @@ it wraps ``receive`` and never buffers anything itself.
 from __future__ import annotations
 
 from collections.abc import Callable
+from urllib.parse import parse_qsl
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
@@ -27,6 +29,25 @@ class BodyTooLarge(HTTPException):
 
     def __init__(self, limit: int) -> None:
         super().__init__(413, f"request bodies here are at most {limit} bytes")
+
+
+def _control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def url_refusal(scope: Scope) -> ApiError | None:
+    """A 400 for a control character (NUL above all: PostgreSQL text cannot hold it) in the path or
+    a query parameter, which no id, cursor or filter of ours contains; nothing echoed."""
+    if _control(scope["path"]):
+        return ApiError(400, "the URL path holds a control character (such as NUL); no id contains one",
+                        param="id", code="invalid_url")
+    query = scope.get("query_string", b"").decode("latin-1")
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if _control(name) or _control(value):
+            param = None if _control(name) else name
+            return ApiError(400, f"query parameter {param or '(unnamed)'} holds a control character (such as "
+                                 "NUL)", param=param, code="invalid_url")
+    return None
 
 
 def has_body(headers: Headers) -> bool:
@@ -47,8 +68,8 @@ class Guard:
             return
         headers = Headers(scope=scope)
         limit = self.limit(scope)
-        refusal = None
-        if has_body(headers):
+        refusal = url_refusal(scope)
+        if refusal is None and has_body(headers):
             # a body is read only for a key holder; routes without a body check the key as a
             # dependency (so a public route such as /healthz stays public)
             refusal = self.check_key(headers)

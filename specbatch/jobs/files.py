@@ -27,6 +27,13 @@ from specbatch.errors import InputError, SpecBatchError
 
 ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 PURPOSES = ("batch", "batch_output")
+MAX_ID = 64        # the id columns' width; every id we issue (file-..., batch_...) is shorter
+
+
+def shown_id(value: str) -> str:
+    """``value`` as an error message may echo it: not when it is longer than any id we issue or
+    holds unprintable characters (a 150 MB "id" must not come back in a 404)."""
+    return value if len(value) <= MAX_ID and value.isprintable() else f"(an id of {len(value)} characters)"
 
 
 class FileNotFound(SpecBatchError):
@@ -45,7 +52,7 @@ def files_root(settings: Settings) -> Path:
 
 def file_path(settings: Settings, file_id: str) -> Path:
     if not ID_RE.match(file_id):
-        raise FileNotFound(f"No such File object: {file_id}")
+        raise FileNotFound(f"No such File object: {shown_id(file_id)}")
     return files_root(settings) / file_id
 
 
@@ -152,7 +159,7 @@ def scoped(stmt: Any, model: Any, owner: str | None) -> Any:
 def get_file(s: Session, file_id: str, owner: str | None = None) -> ApiFile:
     row = s.get(ApiFile, file_id) if ID_RE.match(file_id) else None
     if row is None or not visible(row, owner):
-        raise FileNotFound(f"No such File object: {file_id}")
+        raise FileNotFound(f"No such File object: {shown_id(file_id)}")
     return row
 
 
@@ -162,9 +169,9 @@ def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None,
     key = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
     stmt = scoped(stmt, model, owner)
     if after:
-        cursor = s.get(model, after)
+        cursor = s.get(model, after) if len(after) <= MAX_ID else None
         if not visible(cursor, owner):
-            raise InputError(f"no object with id {after!r} to list after", field="after")
+            raise InputError(f"no object with id {shown_id(after)!r} to list after", field="after")
         t, i = cursor.created_at, cursor.id
         if descending:
             stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))

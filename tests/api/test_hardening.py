@@ -13,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.api.conftest import KEYS, Api, chat_line
+from tests.api.conftest import KEYS, Api, chat_line, start_api
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +156,73 @@ def test_the_input_file_of_a_live_batch_cannot_be_deleted(api: Api) -> None:
     assert c.files.retrieve(f).id == f
     c.batches.cancel(b)        # no worker: the queued job is cancelled at once
     assert c.files.delete(f).deleted is True
+
+
+@pytest.fixture(scope="module")
+def pg_api(request: pytest.FixtureRequest, api_redis, tiny_models: Path,  # noqa: ANN001
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    """PostgreSQL: its text cannot hold a NUL, which is where the 500s came from."""
+    server = start_api(request, "postgresql", api_redis, tiny_models, tmp_path_factory.mktemp("hardening-pg"))
+    yield server
+    server.close()
+
+
+MULTIPART = "multipart/form-data; boundary=XX"
+PART = b'--XX\r\nContent-Disposition: form-data; name="%s"%s\r\n\r\n%s\r\n'
+
+
+def _form(purpose: bytes = b"batch", filename: bytes = b"a.jsonl", end: bytes = b"--XX--\r\n") -> bytes:
+    return (PART % (b"purpose", b"", purpose) + PART % (b"file", b'; filename="' + filename + b'"',
+                                                         b'{"prompt": "hi"}\n') + end)
+
+
+def _corpus(file_id: str) -> list[tuple[str, str, bytes | None, dict[str, str]]]:
+    """(method, path, body, headers): ids, cursors, filters and bodies no client should send."""
+    gets = ["/v1/batches/batch_%00", "/v1/batches/batch_%00/stats", "/v1/files/file-%00", "/v1/files/file-%00/content",
+            "/v1/batches/batch_" + "a" * 5000, "/v1/files/%ff%fe", "/v1/batches?after=%00", "/v1/batches?after=batch_%00",
+            "/v1/files?after=file-%00", "/v1/files?purpose=%00", "/v1/files?purpose=batch%00", "/v1/files?order=%00",
+            "/v1/batches?limit=%00", "/v1/batches?limit=1e9", "/v1/batches?limit=-1", "/v1/batches?limit=" + "9" * 40,
+            "/v1/batches?after=" + "x" * 10000, "/v1/batches?after=%ff", "/v1/files?%00=1", "/v1/batches?after=%0a"]
+    cases: list[tuple[str, str, bytes | None, dict[str, str]]] = [("GET", p, None, {}) for p in gets]
+    cases += [("POST", "/v1/batches/batch_%00/cancel", None, {}), ("DELETE", "/v1/files/file-%00", None, {})]
+    json_h = {"Content-Type": "application/json"}
+
+    def batch(**change: Any) -> bytes:
+        return json.dumps({"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h",
+                           **change}).encode()
+    for body in (batch(input_file_id="file-\0"), batch(input_file_id="x" * 100_000), batch(metadata={"a": "b\0"}),
+                 batch(metadata={"a\0": "b"}), batch(endpoint="\0"), batch(completion_window="\0"),
+                 batch(metadata={"specbatch_target": "\0"}), batch(metadata={"specbatch_model_map": "a\0=b"}),
+                 batch(metadata={"specbatch_stop": '["\\u0000"]'}), batch(output_expires_after={"\0": "\0"}),
+                 b'{"input_file_id": "\xff\xfe"}', b"not json", b"[1,2]", b"\0", b"{}", b'{"input_file_id": 5}'):
+        cases.append(("POST", "/v1/batches", body, json_h))
+    for body in (_form(filename=b"a\0.jsonl"), _form(purpose=b"batch\0"), _form(end=b""), _form(end=b"--XX"),
+                 b"garbage\r\n\r\n--XX--", b"--XX\r\nX-Long: " + b"a" * 100_000 + b"\r\n\r\nx\r\n--XX--\r\n",
+                 b"--XX\r\nBad Header Line\r\n\r\nx\r\n--XX--\r\n"):
+        cases.append(("POST", "/v1/files", body, {"Content-Type": MULTIPART}))
+    return cases
+
+
+def test_malformed_input_is_a_400_never_a_500_nor_a_traceback(pg_api: Api) -> None:
+    file_id = pg_api.upload([chat_line(0)]).id
+    statuses = {}
+    for method, path, body, headers in _corpus(file_id):
+        status, raw = pg_api.request(method, path, body=body, headers=headers)
+        key = f"{method} {path[:60]} {(body or b'')[:60]!r}"
+        statuses[key] = status
+        assert status < 500, (key, raw[:300])
+        if status >= 400:
+            error = json.loads(raw)["error"]
+            assert set(error) == {"message", "type", "param", "code"}, (key, error)
+            assert len(raw) < 2000, (key, "the request's bytes are echoed back")
+    assert statuses["POST /v1/files " + repr(_form(end=b"")[:60])] == 400     # cut short: not stored
+    assert len(list(pg_api.client().files.list())) == 1
+    c = pg_api.client()
+    for call in (lambda: c.batches.retrieve("batch_\0"), lambda: c.files.list(purpose="\0"),
+                 lambda: c.batches.list(after="batch_\0"), lambda: c.files.retrieve("file-\0"),
+                 lambda: c.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                          completion_window="24h", metadata={"note": "a\0b"})):
+        with pytest.raises(openai.BadRequestError):
+            call()
+    log = pg_api.procs[0].output()
+    assert "Traceback" not in log and "\0" not in log, log[-3000:]
