@@ -1,23 +1,60 @@
 """Credentials out of everything a person or a log sees: the one masking helper.
 
-``mask(text)`` replaces the password of every ``scheme://user:password@host`` URL inside ``text``
-with ``***``. Every message that may carry a setting goes through it: CLI output and errors,
-log lines (``RedactingFilter``), the Celery/Flower-visible configuration.
+``mask(text)`` finds every ``scheme://...`` URL inside ``text`` and masks its secrets, wherever the
+URL keeps them: the password of its userinfo (``user:***@host``) and the values of its secret query
+parameters (``?password=***``, which libpq and Redis accept as well). Every message that may carry a
+setting goes through it: CLI output and errors, log lines (``RedactingFilter``), the worker's refusal
+lines, the Celery/Flower-visible configuration.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from urllib.parse import unquote
 
 MASK = "***"
-# scheme://[user]:password@  (the password may be empty-looking but not contain '@' or spaces)
-_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^:/@\s'\"]*):(?P<pw>[^@\s'\"/]+)@")
+# query parameters that carry a secret (libpq: password, sslpassword; Redis/kombu: password;
+# tokens of any service); compared lower-case, after percent-decoding the name
+SECRET_PARAMS = frozenset({"password", "pass", "passwd", "pwd", "sslpassword", "token", "access_token",
+                           "secret", "api_key", "apikey"})
+# a URL runs from its scheme to the first space or quote (a URL quoted in a message ends there)
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.\-]*://[^\s'\"<>]+")
+
+
+def _mask_userinfo(authority_and_path: str) -> str:
+    # the userinfo ends at the last "@" before the query (an unencoded "@" or "/" in a password
+    # still ends up masked; a path with ":...@" in it is masked too, the safe side); "user:pw" keeps
+    # the user, a bare "user@" has no password
+    if "@" not in authority_and_path:
+        return authority_and_path
+    userinfo, _, rest = authority_and_path.rpartition("@")
+    if userinfo.startswith("/"):       # a path with an "@" in it (sqlite:////tmp/a@b.db), no userinfo
+        return authority_and_path
+    user, colon, _ = userinfo.partition(":")
+    return f"{user}:{MASK}@{rest}" if colon else authority_and_path
+
+
+def _mask_query(query: str) -> str:
+    parts = []
+    for part in re.split(r"([&;])", query):
+        name, eq, _ = part.partition("=")
+        parts.append(f"{name}={MASK}" if eq and unquote(name).strip().lower() in SECRET_PARAMS else part)
+    return "".join(parts)
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its userinfo password and secret query parameters replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    head, q, query = rest.partition("?")
+    return f"{scheme}://{_mask_userinfo(head)}{q}{_mask_query(query) if q else ''}"
 
 
 def mask(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``***``."""
-    return _CREDENTIALS.sub(lambda m: f"{m.group('head')}:{MASK}@", text)
+    """``text`` with the secrets of every URL in it replaced by ``***`` (see ``mask_url``)."""
+    return _URL.sub(lambda m: mask_url(m.group(0)), text)
 
 
 class RedactingFilter(logging.Filter):

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request
 from sqlalchemy.orm import sessionmaker
 
 from specbatch.config import Settings
@@ -73,7 +73,9 @@ def state(request: Request) -> AppState:
 
 def create_app(settings: Settings) -> FastAPI:
     from specbatch.api import batches, errors, files, health, metrics
-    from specbatch.api.auth import require_key
+    from specbatch.api.auth import check_key, require_key
+    from specbatch.api.guard import Guard
+    from specbatch.api.upload import FORM_OVERHEAD
     from specbatch.jobs.files import sweep_incoming
 
     if swept := sweep_incoming(settings):
@@ -96,13 +98,14 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     _local_docs(app)
 
-    @app.middleware("http")
-    async def bounded_bodies(request: Request, call_next: Any) -> Response:
-        # JSON bodies are small; only the upload streams (and bounds) a large one
-        length = request.headers.get("content-length", "")
-        if request.url.path != "/v1/files" and length.isdigit() and int(length) > MAX_JSON_BODY:
-            return errors.as_response(errors.ApiError(413, f"request bodies are at most {MAX_JSON_BODY} bytes"))
-        return await call_next(request)
+    def body_limit(scope: Any) -> int:
+        # JSON bodies are small; only the upload streams (and bounds per line) a large one
+        if scope["path"] == "/v1/files" and scope["method"] == "POST":
+            return settings.max_upload_bytes + FORM_OVERHEAD
+        return MAX_JSON_BODY
+
+    app.add_middleware(Guard, limit=body_limit,
+                       check_key=lambda headers: check_key(headers, settings.api_key_list))
 
     keyed = [Depends(require_key)]
     app.include_router(files.router, prefix="/v1", dependencies=keyed)

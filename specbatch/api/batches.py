@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from specbatch.api.app import AppState, state
+from specbatch.api.auth import Tenant
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
@@ -57,11 +58,11 @@ def _expire(sb: AppState, batch_ids: list[str]) -> None:
     logger.info("expired %d batch(es) past their completion window", len(batch_ids))
 
 
-def _object(sb: AppState, batch_id: str) -> dict[str, Any]:
-    """The Batch object (one read; an overdue batch is expired first)."""
+def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
+    """The tenant's Batch object (one read; an overdue batch is expired first)."""
     for _ in range(2):
         with sb.reader.begin() as s:
-            objs, overdue = _read(sb, s, [batches.get_batch(s, batch_id)])
+            objs, overdue = _read(sb, s, [batches.get_batch(s, batch_id, owner)])
         if not overdue:
             return objs[0]
         _expire(sb, overdue)
@@ -69,7 +70,7 @@ def _object(sb: AppState, batch_id: str) -> dict[str, Any]:
 
 
 @router.post("/batches")
-def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
+def create_batch(request: Request, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
     sb = state(request)
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
@@ -81,7 +82,7 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
     options = job_options(metadata, sb.settings)
     pair, defaults = options.pair, options.defaults
     with sb.reader.begin() as s:
-        f = files.get_file(s, body.input_file_id)
+        f = files.get_file(s, body.input_file_id, owner)
         purpose, filename = f.purpose, f.filename
     if purpose != "batch":
         raise ApiError(400, f"input file {body.input_file_id} has purpose {purpose!r}, not 'batch'",
@@ -89,7 +90,7 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
     check_broker(sb.settings, timeout=2.0)      # down: refuse before anything is written
     batch_id = batches.new_batch_id()
     fields: dict[str, Any] = {"batch_id": batch_id, "input_file_id": body.input_file_id, "endpoint": body.endpoint,
-              "completion_window": body.completion_window, "metadata": metadata}
+              "completion_window": body.completion_window, "metadata": metadata, "owner": owner}
     path = files.file_path(sb.settings, body.input_file_id)
     try:
         with path.open("rb") as fp:
@@ -98,12 +99,12 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))
-        return _object(sb, batch_id)
+        return _object(sb, batch_id, owner)
     mismatched = batches.endpoint_mismatches(parsed.requests, body.endpoint)
     if mismatched:
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=mismatched)
-        return _object(sb, batch_id)
+        return _object(sb, batch_id, owner)
     try:
         submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
                    source=f"{body.input_file_id} ({filename})", metadata={**metadata, "batch_id": batch_id},
@@ -113,15 +114,15 @@ def create_batch(request: Request, body: CreateBatch) -> dict[str, Any]:
             batches.fail(s, batch_id, [{"code": "broker_unavailable", "line": None, "param": None,
                                         "message": BROKER_DOWN}])
         raise
-    return _object(sb, batch_id)
+    return _object(sb, batch_id, owner)
 
 
 @router.get("/batches")
-def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
+def list_batches(request: Request, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
     sb = state(request)
     for _ in range(2):
         with sb.reader.begin() as s:
-            rows, more = batches.list_batches(s, limit=limit, after=after)
+            rows, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
             data, overdue = _read(sb, s, rows)
         if not overdue:
             return page(data, more)
@@ -130,26 +131,26 @@ def list_batches(request: Request, limit: int = Query(20, ge=1, le=100), after: 
 
 
 @router.get("/batches/{batch_id}")
-def retrieve_batch(request: Request, batch_id: str) -> dict[str, Any]:
-    return _object(state(request), batch_id)
+def retrieve_batch(request: Request, batch_id: str, owner: Tenant) -> dict[str, Any]:
+    return _object(state(request), batch_id, owner)
 
 
 @router.post("/batches/{batch_id}/cancel")
-def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
+def cancel_batch(request: Request, batch_id: str, owner: Tenant) -> dict[str, Any]:
     sb = state(request)
     with sb.factory.begin() as s:
-        batches.cancel(s, batch_id)
-    return _object(sb, batch_id)
+        batches.cancel(s, batch_id, owner)
+    return _object(sb, batch_id, owner)
 
 
 @router.get("/batches/{batch_id}/stats")
-def batch_stats(request: Request, batch_id: str) -> dict[str, Any]:
+def batch_stats(request: Request, batch_id: str, owner: Tenant) -> dict[str, Any]:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
     from specbatch.jobs import store
 
     sb = state(request)
     with sb.reader.begin() as s:
-        batch = batches.get_batch(s, batch_id)
+        batch = batches.get_batch(s, batch_id, owner)
         if batch.job_id is None:
             return {"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
                     "request_counts": None, "stats": None}

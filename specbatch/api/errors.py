@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
 from specbatch.errors import BrokerUnavailable, InputError, JobNotFound, SpecBatchError
@@ -64,6 +65,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":     # loc is ("body", offset): not a parameter
+            where = first.get("loc", ("body", "?"))[-1]
+            reason = (first.get("ctx") or {}).get("error", "JSON decode error")
+            return as_response(ApiError(400, f"the request body is not valid JSON ({reason} at character {where})",
+                                        code="invalid_json"))
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")
@@ -71,12 +77,21 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
         return as_response(ApiError(e.status_code, str(e.detail), code=code,
                                   headers=dict(e.headers) if e.headers else None))
 
+    @app.exception_handler(DataError)
+    async def unstorable(request: Request, e: DataError) -> JSONResponse:
+        # a value the database cannot hold (PostgreSQL text and NUL): the request's fault, one line
+        reason = str(e.orig or e).splitlines()[0]
+        logger.warning("%s %r: the database refused a value of the request: %s", request.method,
+                       request.url.path, reason)
+        return as_response(ApiError(400, "a value in the request cannot be stored (text may not contain NUL, "
+                                         "\\u0000, characters)", code="invalid_value"))
+
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception) -> JSONResponse:
-        logger.exception("%s %s failed", request.method, request.url.path)
+        logger.exception("%s %r failed", request.method, request.url.path)
         return as_response(ApiError(500, "The server had an error while processing your request.",
                                   type="server_error"))

@@ -10,8 +10,9 @@ from fastapi.responses import FileResponse
 
 from specbatch.api import upload
 from specbatch.api.app import AppState, state
+from specbatch.api.auth import Tenant
 from specbatch.api.errors import ApiError
-from specbatch.jobs import files
+from specbatch.jobs import batches, files
 
 router = APIRouter(tags=["files"])
 
@@ -22,20 +23,21 @@ def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
-def _save(sb: AppState, tmp: Any, form: upload.Upload) -> dict[str, Any]:
+def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dict[str, Any]:
     file_id = files.new_file_id()
     final = files.place(sb.settings, tmp, file_id)
     try:
         with sb.factory.begin() as s:
             return files.file_object(files.add_file(s, file_id=file_id, purpose="batch",
-                                                    filename=form.filename or "upload.jsonl", tally=form.tally))
+                                                    filename=form.filename or "upload.jsonl", tally=form.tally,
+                                                    owner=owner))
     except BaseException:
         final.unlink(missing_ok=True)
         raise
 
 
 @router.post("/files")
-async def create_file(request: Request) -> dict[str, Any]:
+async def create_file(request: Request, owner: Tenant) -> dict[str, Any]:
     sb = state(request)
     with files.incoming(sb.settings) as tmp:
         form = await upload.receive(request, tmp, sb.settings)
@@ -47,28 +49,28 @@ async def create_file(request: Request) -> dict[str, Any]:
             raise ApiError(400, "the 'file' part is missing", param="file")
         if form.tally.lines == 0:
             raise ApiError(400, "the file is empty; one JSON request per line is expected", param="file")
-        return await run_in_threadpool(_save, sb, tmp, form)
+        return await run_in_threadpool(_save, sb, tmp, form, owner)
 
 
 @router.get("/files")
-def list_files(request: Request, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+def list_files(request: Request, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> dict[str, Any]:
     with state(request).reader.begin() as s:
-        rows, more = files.list_files(s, limit=limit, after=after, purpose=purpose, order=order)
+        rows, more = files.list_files(s, limit=limit, after=after, purpose=purpose, order=order, owner=owner)
         return page([files.file_object(f) for f in rows], more)
 
 
 @router.get("/files/{file_id}")
-def retrieve_file(request: Request, file_id: str) -> dict[str, Any]:
+def retrieve_file(request: Request, file_id: str, owner: Tenant) -> dict[str, Any]:
     with state(request).reader.begin() as s:
-        return files.file_object(files.get_file(s, file_id))
+        return files.file_object(files.get_file(s, file_id, owner))
 
 
 @router.get("/files/{file_id}/content")
-def file_content(request: Request, file_id: str) -> FileResponse:
+def file_content(request: Request, file_id: str, owner: Tenant) -> FileResponse:
     sb = state(request)
     with sb.reader.begin() as s:
-        row = files.get_file(s, file_id)
+        row = files.get_file(s, file_id, owner)
         filename = row.filename
     path = files.file_path(sb.settings, file_id)
     if not path.exists():
@@ -78,9 +80,13 @@ def file_content(request: Request, file_id: str) -> FileResponse:
 
 
 @router.delete("/files/{file_id}")
-def delete_file(request: Request, file_id: str) -> dict[str, Any]:
+def delete_file(request: Request, file_id: str, owner: Tenant) -> dict[str, Any]:
     sb = state(request)
     with sb.factory.begin() as s:
-        files.delete_file(s, file_id)
+        files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
+        if live := batches.live_batches_of_file(s, file_id):
+            raise ApiError(409, f"file {file_id} is the input of {', '.join(live)}, which has not ended; "
+                                "cancel it or wait for it to end first", param="id", code="file_in_use")
+        files.delete_file(s, file_id, owner)
     files.file_path(sb.settings, file_id).unlink(missing_ok=True)
     return {"id": file_id, "object": "file", "deleted": True}

@@ -37,8 +37,12 @@ def check_metadata(metadata: Any) -> dict[str, str]:
     if len(metadata) > MAX_METADATA:
         raise InputError(f"has {len(metadata)} keys; the limit is {MAX_METADATA}", field="metadata")
     for k, v in metadata.items():
+        if "\x00" in k:     # PostgreSQL text cannot hold a NUL; the key is not echoed
+            raise InputError("a key contains a NUL character (\\u0000), which text cannot hold", field="metadata")
         if not isinstance(v, str):
             raise InputError("must be a string", field=f"metadata.{k}")
+        if "\x00" in v:
+            raise InputError("contains a NUL character (\\u0000), which text cannot hold", field=f"metadata.{k}")
         if len(k) > MAX_KEY or len(v) > MAX_VALUE:
             raise InputError(f"keys are at most {MAX_KEY} characters and values at most {MAX_VALUE}",
                              field=f"metadata.{k}")

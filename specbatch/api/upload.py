@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, cast
 
 from fastapi import Request
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from specbatch.api.errors import ApiError
 from specbatch.config import Settings
@@ -67,6 +68,8 @@ class _Parts:
         self._name = opts.get(b"name", b"").decode("utf-8", "replace")
         if self._name == "file":
             self.upload.filename = opts.get(b"filename", b"upload.jsonl").decode("utf-8", "replace") or "upload.jsonl"
+            if "\x00" in self.upload.filename and self.error is None:    # PostgreSQL text cannot hold it
+                self.error = ApiError(400, "the file's name contains a NUL character", param="file")
 
     def part_data(self, data: bytes, start: int, end: int) -> None:
         if self.error is not None:
@@ -116,11 +119,17 @@ async def receive(request: Request, dest: Path, settings: Settings) -> Upload:
     with dest.open("wb") as out:
         parts = _Parts(out, settings)
         parser = MultipartParser(boundary, cast("MultipartCallbacks", parts.callbacks()))
-        async for chunk in request.stream():
-            parser.write(chunk)
-            if parts.error is not None:
-                raise parts.error
-        parser.finalize()
+        try:
+            async for chunk in request.stream():
+                parser.write(chunk)
+                if parts.error is not None:
+                    raise parts.error
+            parser.finalize()
+        except MultipartParseError as e:     # its message names the offset, never the client's bytes
+            raise ApiError(400, f"malformed multipart/form-data body: {e}") from None
     if parts.error is not None:
         raise parts.error
+    if parser.state != MultipartState.END:     # a body cut short would be stored as a complete file
+        raise ApiError(400, "the multipart/form-data body ends before its closing boundary; nothing was stored",
+                       param="file")
     return parts.upload

@@ -29,7 +29,7 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     url = settings.database_url
     try:
         path = sqlite_path(url)
-        shown = make_url(url).render_as_string(hide_password=True)
+        shown = mask(make_url(url).render_as_string(hide_password=True))
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise click.UsageError(mask(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}")) from e
     is_new = path is not None and not path.exists()

@@ -13,6 +13,7 @@ from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
 from specbatch.plural import plural
+from specbatch.redact import mask
 
 JSON_HELP = "Print machine-readable JSON on stdout."
 
@@ -458,7 +459,7 @@ def db_upgrade(as_json: bool) -> None:
     from specbatch import db as store_db
 
     url = get_settings().database_url
-    shown = make_url(url).render_as_string(hide_password=True)
+    shown = mask(make_url(url).render_as_string(hide_password=True))
     path = store_db.sqlite_path(url)
     is_new = path is not None and not path.exists()
     try:
@@ -488,7 +489,7 @@ def db_url(as_json: bool) -> None:
     from specbatch.db import sqlite_path
 
     url = get_settings().database_url
-    shown = make_url(url).render_as_string(hide_password=True)
+    shown = mask(make_url(url).render_as_string(hide_password=True))
     path = sqlite_path(url)
     if as_json:
         echo_json({"url": shown, "path": str(path) if path else None,

@@ -22,6 +22,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import sessionmaker
 from sqlalchemy.pool import StaticPool
 
+from specbatch.redact import mask
+
 logger = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
@@ -96,7 +98,9 @@ def _alembic_config(engine: Engine) -> Any:
 
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
-    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    # configparser reads "%" as interpolation: a percent-encoded password ("p%40ss") must be "%%"
+    # here (alembic's own CLI reads it back unescaped; our env.py uses the engine itself)
+    cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%"))
     cfg.attributes["engine"] = engine
     return cfg
 
@@ -120,7 +124,7 @@ def _needs_upgrade(engine: Engine) -> bool:
         current = set(MigrationContext.configure(conn).get_current_heads())
     known = {rev.revision for rev in script.walk_revisions()}
     if current - known:
-        raise SpecBatchError(f"the database {engine.url.render_as_string(hide_password=True)} is at schema "
+        raise SpecBatchError(f"the database {mask(str(engine.url))} is at schema "
                              f"revision {', '.join(sorted(current - known))}, newer than this specbatch "
                              "knows; upgrade specbatch")
     return current != set(script.get_heads())
@@ -133,7 +137,7 @@ def get_engine(url: str) -> Engine:
         if engine is None:
             engine = _create(url)
             if _needs_upgrade(engine):
-                logger.info("migrating %s to the newest schema", engine.url)
+                logger.info("migrating %s to the newest schema", mask(str(engine.url)))
                 _run_upgrade(engine)
             _engines[url] = engine
         return engine

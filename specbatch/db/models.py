@@ -248,6 +248,7 @@ class ApiFile(Base):
     batch_id: Mapped[str | None] = mapped_column(String(64))    # set on a batch's output/error file
     kind: Mapped[str | None] = mapped_column(String(16))        # "output" | "error" for those
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    owner: Mapped[str | None] = mapped_column(String(64), index=True)   # the key's tenant (api/auth.py)
 
 
 class ApiBatch(Base):
@@ -269,6 +270,7 @@ class ApiBatch(Base):
     failed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     expired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     finalized_at: Mapped[datetime | None] = mapped_column(UTCDateTime)   # output files written
+    owner: Mapped[str | None] = mapped_column(String(64), index=True)   # the key's tenant (api/auth.py)
 
 
 STATS_COLUMNS = (

@@ -94,13 +94,13 @@ def endpoint_mismatches(requests: Sequence[intake.ParsedRequest], endpoint: str)
 
 def create_batch(s: Session, *, batch_id: str, input_file_id: str, endpoint: str, completion_window: str,
                  metadata: dict[str, str], job_id: str | None = None,
-                 errors: list[dict[str, Any]] | None = None) -> ApiBatch:
+                 errors: list[dict[str, Any]] | None = None, owner: str | None = None) -> ApiBatch:
     """The batch row; with ``errors`` (and no job) it is born failed."""
     now = utcnow()
     row = ApiBatch(id=batch_id, job_id=job_id, input_file_id=input_file_id, endpoint=endpoint,
                    completion_window=completion_window, meta=dict(metadata), errors=errors, created_at=now,
                    expires_at=now + COMPLETION_WINDOWS[completion_window],
-                   failed_at=now if errors else None)
+                   failed_at=now if errors else None, owner=owner)
     s.add(row)
     s.flush()
     return row
@@ -109,16 +109,19 @@ def create_batch(s: Session, *, batch_id: str, input_file_id: str, endpoint: str
 # ---------------------------------------------------------------- reading
 
 
-def get_batch(s: Session, batch_id: str) -> ApiBatch:
-    row = s.get(ApiBatch, batch_id) if batch_id.startswith("batch_") else None
-    if row is None:
-        raise BatchNotFound(f"No such Batch object: {batch_id}")
+def get_batch(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
+    """The batch; BatchNotFound if it is not the tenant ``owner``'s (None: any tenant's)."""
+    ours = batch_id.startswith("batch_") and len(batch_id) <= files.MAX_ID
+    row = s.get(ApiBatch, batch_id) if ours else None
+    if not files.visible(row, owner):
+        raise BatchNotFound(f"No such Batch object: {files.shown_id(batch_id)}")
     return row
 
 
-def list_batches(s: Session, *, limit: int, after: str | None = None) -> tuple[list[ApiBatch], bool]:
-    """Newest first, ``after`` a batch id (OpenAI's cursor)."""
-    return files.page_after(s, ApiBatch, select(ApiBatch), limit, after, descending=True)
+def list_batches(s: Session, *, limit: int, after: str | None = None,
+                 owner: str | None = None) -> tuple[list[ApiBatch], bool]:
+    """The tenant's batches, newest first, ``after`` a batch id (OpenAI's cursor)."""
+    return files.page_after(s, ApiBatch, select(ApiBatch), limit, after, descending=True, owner=owner)
 
 
 def jobs_of(s: Session, batches: Sequence[ApiBatch]) -> dict[str, Job]:
@@ -139,6 +142,15 @@ def batch_status(batch: ApiBatch, job: Job | None) -> str:
     if status.finished:
         return "completed" if batch.finalized_at else "finalizing"
     return "in_progress"
+
+
+def live_batches_of_file(s: Session, file_id: str) -> list[str]:
+    """Ids of the batches that read ``file_id`` and still have requests to run (the file may not be
+    deleted under them; finalizing writes the outputs from the database, not from the file)."""
+    rows = list(s.scalars(select(ApiBatch).where(ApiBatch.input_file_id == file_id)))
+    jobs = jobs_of(s, rows)
+    return [b.id for b in rows if b.failed_at is None and (job := jobs.get(b.job_id or "")) is not None
+            and not JobStatus(job.status).finished]
 
 
 def needs_finalizing(batch: ApiBatch, job: Job | None) -> bool:
@@ -163,10 +175,10 @@ def expire(s: Session, batch_id: str) -> None:
         s.flush()
 
 
-def cancel(s: Session, batch_id: str) -> ApiBatch:
+def cancel(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
     """Cancel the batch's job: pending requests are dropped, running ones finish first. A batch
     that has ended is returned unchanged."""
-    batch = get_batch(s, batch_id)
+    batch = get_batch(s, batch_id, owner)
     if batch.job_id is not None and batch.failed_at is None:
         store.cancel_job(s, batch.job_id)
     return batch
@@ -305,11 +317,13 @@ def _publish(settings: Settings, factory: sessionmaker, batch_id: str,
                                     error_file_id=ids["error"])).rowcount
         if not claimed:
             return False
+        batch = s.get(ApiBatch, batch_id)
+        owner = batch.owner if batch is not None else None     # the outputs are the batch's tenant's
         for kind, tmp, tally, _ in made:
             file_id = ids[kind]
             if file_id is None:
                 continue
             files.place(settings, tmp, file_id)
             files.add_file(s, file_id=file_id, purpose="batch_output", filename=f"{batch_id}_{kind}.jsonl",
-                           tally=tally.close(), batch_id=batch_id, kind=kind)
+                           tally=tally.close(), batch_id=batch_id, kind=kind, owner=owner)
     return True

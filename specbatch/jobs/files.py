@@ -27,6 +27,13 @@ from specbatch.errors import InputError, SpecBatchError
 
 ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 PURPOSES = ("batch", "batch_output")
+MAX_ID = 64        # the id columns' width; every id we issue (file-..., batch_...) is shorter
+
+
+def shown_id(value: str) -> str:
+    """``value`` as an error message may echo it: not when it is longer than any id we issue or
+    holds unprintable characters (a 150 MB "id" must not come back in a 404)."""
+    return value if len(value) <= MAX_ID and value.isprintable() else f"(an id of {len(value)} characters)"
 
 
 class FileNotFound(SpecBatchError):
@@ -45,7 +52,7 @@ def files_root(settings: Settings) -> Path:
 
 def file_path(settings: Settings, file_id: str) -> Path:
     if not ID_RE.match(file_id):
-        raise FileNotFound(f"No such File object: {file_id}")
+        raise FileNotFound(f"No such File object: {shown_id(file_id)}")
     return files_root(settings) / file_id
 
 
@@ -131,28 +138,40 @@ def place(settings: Settings, tmp: Path, file_id: str) -> Path:
 
 
 def add_file(s: Session, *, file_id: str, purpose: str, filename: str, tally: Tally,
-             batch_id: str | None = None, kind: str | None = None) -> ApiFile:
+             batch_id: str | None = None, kind: str | None = None, owner: str | None = None) -> ApiFile:
     row = ApiFile(id=file_id, purpose=purpose, filename=filename[:512], bytes=tally.size, lines=tally.lines,
-                  sha256=tally.sha256, batch_id=batch_id, kind=kind, created_at=utcnow())
+                  sha256=tally.sha256, batch_id=batch_id, kind=kind, created_at=utcnow(), owner=owner)
     s.add(row)
     s.flush()
     return row
 
 
-def get_file(s: Session, file_id: str) -> ApiFile:
+def visible(row: Any, owner: str | None) -> bool:
+    """Whether a file or batch row is the tenant ``owner``'s (None: every tenant's, see api/auth.py);
+    another tenant's object is answered as if it did not exist."""
+    return row is not None and (owner is None or row.owner == owner)
+
+
+def scoped(stmt: Any, model: Any, owner: str | None) -> Any:
+    return stmt if owner is None else stmt.where(model.owner == owner)
+
+
+def get_file(s: Session, file_id: str, owner: str | None = None) -> ApiFile:
     row = s.get(ApiFile, file_id) if ID_RE.match(file_id) else None
-    if row is None:
-        raise FileNotFound(f"No such File object: {file_id}")
+    if row is None or not visible(row, owner):
+        raise FileNotFound(f"No such File object: {shown_id(file_id)}")
     return row
 
 
-def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool) -> tuple[list[Any], bool]:
-    """Rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more)."""
+def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool,
+               owner: str | None = None) -> tuple[list[Any], bool]:
+    """``owner``'s rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more)."""
     key = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
+    stmt = scoped(stmt, model, owner)
     if after:
-        cursor = s.get(model, after)
-        if cursor is None:
-            raise InputError(f"no object with id {after!r} to list after", field="after")
+        cursor = s.get(model, after) if len(after) <= MAX_ID else None
+        if not visible(cursor, owner):
+            raise InputError(f"no object with id {shown_id(after)!r} to list after", field="after")
         t, i = cursor.created_at, cursor.id
         if descending:
             stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
@@ -163,17 +182,17 @@ def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None,
 
 
 def list_files(s: Session, *, limit: int, after: str | None = None, purpose: str | None = None,
-               order: str = "desc") -> tuple[list[ApiFile], bool]:
+               order: str = "desc", owner: str | None = None) -> tuple[list[ApiFile], bool]:
     stmt = select(ApiFile)
     if purpose:
         stmt = stmt.where(ApiFile.purpose == purpose)
-    return page_after(s, ApiFile, stmt, limit, after, order != "asc")
+    return page_after(s, ApiFile, stmt, limit, after, order != "asc", owner=owner)
 
 
-def delete_file(s: Session, file_id: str) -> None:
+def delete_file(s: Session, file_id: str, owner: str | None = None) -> None:
     """The row, in the caller's transaction; unlink ``file_path`` after it commits (bytes without a
     row are harmless, a row without bytes is not)."""
-    s.delete(get_file(s, file_id))
+    s.delete(get_file(s, file_id, owner))
     s.flush()
 
 

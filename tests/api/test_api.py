@@ -93,7 +93,10 @@ def test_upload_create_and_read_back(api: Api) -> None:
     status, stats = api.get(f"/v1/batches/{b.id}/stats")
     assert status == 200 and stats["request_counts"]["pending"] == 5 and stats["stats"]["results"] == 0
 
-    # deleting a file removes it for good
+    # the input of a batch with requests to run stays (409); once it has ended, deleting removes it for good
+    with pytest.raises(openai.ConflictError):
+        c.files.delete(f.id)
+    c.batches.cancel(b.id)
     assert c.files.delete(f.id).deleted is True
     with pytest.raises(openai.NotFoundError):
         c.files.retrieve(f.id)

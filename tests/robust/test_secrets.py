@@ -93,3 +93,48 @@ def test_every_command_masks_both_urls(tmp_path: Path, pg_database: str, tiny_mo
     leaked = {cmd: out for cmd, out in outputs.items() if SECRET in out}
     assert not leaked, leaked
     assert len(outputs) >= 12
+
+
+@pytest.mark.parametrize("url, shown", [
+    (f"postgresql+psycopg://u@h:5432/db?sslmode=require&password={SECRET}&application_name=x",
+     "postgresql+psycopg://u@h:5432/db?sslmode=require&password=***&application_name=x"),
+    (f"postgresql://u@h/db?PassWord={SECRET};sslpassword={SECRET}", "postgresql://u@h/db?PassWord=***;sslpassword=***"),
+    (f"redis://h:6379/0?password={SECRET}", "redis://h:6379/0?password=***"),
+    (f"https://h/api?token={SECRET}", "https://h/api?token=***"),
+    (f"postgresql://u:p%40ss%2Fw%3Ard%25{SECRET}%C3%BC@h/db", "postgresql://u:***@h/db"),
+    (f"redis://:p@ss/w:rd{SECRET}@h:6379/0", "redis://:***@h:6379/0"),     # not even encoded
+    (f"postgresql://u:{SECRET}@h/db?pass={SECRET}", "postgresql://u:***@h/db?pass=***"),
+    ("postgresql://u@h/db?sslmode=require", "postgresql://u@h/db?sslmode=require"),
+    ("redis://user@h/0", "redis://user@h/0"),                             # a user, no password
+])
+def test_mask_finds_secrets_wherever_a_url_keeps_them(url: str, shown: str) -> None:
+    assert mask(url) == shown
+    assert mask(f"cannot reach '{url}' (refused)") == f"cannot reach '{shown}' (refused)"
+
+
+def test_a_worker_refusal_masks_the_database_url() -> None:
+    from specbatch.db import session_factory
+    from specbatch.worker.guard import refusal
+
+    url = f"postgresql+psycopg://u@elsewhere/db?password={SECRET}"    # the worker's own URL
+    with session_factory("sqlite://").begin() as s:
+        reason = refusal(s, "job-x", [1], {"target": "t"}, url)
+    assert reason and "not in this worker's database" in reason and SECRET not in reason
+
+
+@pytest.mark.integration
+def test_query_parameter_passwords_are_masked_by_every_command(pg_database: str, tmp_path: Path) -> None:
+    """libpq takes ``?password=`` in a PostgreSQL URL, redis-py in a Redis URL (#32)."""
+    env = {"SPECBATCH_DATABASE_URL": f"{pg_database}?password={SECRET}",
+           "SPECBATCH_BROKER_URL": f"redis://127.0.0.1:{_closed_port()}/0?password={SECRET}"}
+    prompts = tmp_path / "one.jsonl"
+    prompts.write_text('{"prompt": "a b c"}\n')
+    outputs = {}
+    for args in (["db", "upgrade"], ["db", "url"], ["jobs"], ["submit", str(prompts), "--target", "x"]):
+        get_settings.cache_clear()
+        result = CliRunner().invoke(cli, args, env=env)
+        outputs[" ".join(args)] = result.output
+    assert "?password=***" in outputs["db upgrade"], outputs
+    assert "cannot reach the broker at redis://127.0.0.1:" in outputs[f"submit {prompts} --target x"]
+    leaked = {cmd: out for cmd, out in outputs.items() if SECRET in out}
+    assert not leaked, leaked
