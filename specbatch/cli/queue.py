@@ -60,14 +60,18 @@ def sampling_options(f: Any) -> Any:
     return f
 
 
-def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...]) -> tuple[str, list[str]]:
+def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...], *,
+                 check: bool = True) -> tuple[str, list[str]]:
+    """The pair the options name (the default pair without any); ``check``: refuse a name that is
+    no model here (``known_models.name_problem``; a worker's own load says so in its own words)."""
     from specbatch.worker.submission import Pair, check_names
 
     if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
-        check_names([target or settings.default_target], settings)
+        if check:
+            check_names([target or settings.default_target], settings)
         return target or settings.default_target, []
 
-    pair = Pair.resolve(settings, target, drafts)
+    pair = Pair.resolve(settings, target, drafts, check=check)
     return pair.target, pair.drafts
 
 
@@ -344,7 +348,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads)
     plain = no_draft(drafts, no_speculation)
-    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts)
+    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts, check=False)
     if plain:
         drafts_, ngram = [], False
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,

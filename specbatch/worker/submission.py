@@ -42,14 +42,16 @@ class Pair:
 
     @classmethod
     def resolve(cls, settings: Settings, target: str | None, drafts: list[str] | tuple[str, ...],
-                ngram: bool = False) -> Pair:
+                ngram: bool = False, *, check: bool = True) -> Pair:
         """No model given: the default pair from settings. A target alone runs without a draft.
         A name that is no model here (neither known, nor a model path on this machine, nor a
         Hugging Face id) is refused, before a job waits for a worker that never comes
-        (ModelLoadError, the message ``run`` gives), unless ``settings.allow_remote_models``."""
+        (ModelLoadError, the message ``run`` gives), unless ``settings.allow_remote_models`` or
+        ``check=False`` (a worker, whose own load refuses such a name)."""
         pair = (cls(settings.default_target, [settings.default_draft], ngram) if target is None and not drafts
                 else cls(target or settings.default_target, list(drafts), ngram))
-        check_names([pair.target, *pair.drafts], settings)
+        if check:
+            check_names([pair.target, *pair.drafts], settings)
         return pair
 
 

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.worker.services import REPO
 
 
+@pytest.mark.slow     # ~25 s on 2 busy cores; a benchmark's own bookkeeping, not in CI
 def test_telemetry_cost_runs_both_modes_on_the_same_work(tiny_models: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "code", "prompt": f"def f{i}(x):"}) + "\n"

@@ -72,6 +72,7 @@ def _env(tmp_path: Path) -> tuple[dict[str, str], str]:
             "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}, url
 
 
+@pytest.mark.slow     # ~1-2 min on 2 busy cores; .ci/run runs it (nothing else interrupts a run)
 def test_ctrl_c_stops_keeps_results_releases_claims_and_resume_finishes(tmp_path: Path, tiny_models: Path) -> None:
     env, url = _env(tmp_path)
     proc = _start_run(tmp_path, env, tiny_models)
@@ -104,6 +105,7 @@ def test_ctrl_c_stops_keeps_results_releases_claims_and_resume_finishes(tmp_path
     assert f"job {job['id']}: nothing left to run (completed)" in again.stderr
 
 
+@pytest.mark.slow     # as above
 def test_second_ctrl_c_exits_at_once_and_resume_without_broker_finishes(tmp_path: Path,
                                                                          tiny_models: Path) -> None:
     env, url = _env(tmp_path)
