@@ -359,7 +359,8 @@ def export(job_id: str, fmt: str | None, output: Path | None, errors_path: Path 
 def cancel(job_id: str, as_json: bool) -> None:
     """Cancel a job: pending requests are dropped, finished results are kept.
 
-    Requests already generating finish first (the job is "cancelling" until they do).
+    Requests a worker is already generating are dropped at its next decoding step (the job is
+    "cancelling" until then; a result stored before is kept).
 
     \b
     Example:
@@ -385,8 +386,9 @@ def cancel(job_id: str, as_json: bool) -> None:
                    f"{plural(c['completed'], 'result')} kept")
     else:
         click.echo(f"job {summary['id']} is cancelling: {plural(pending_before, 'pending request')} dropped; "
-                   f"{plural(c['running'], 'running request')} {'finishes' if c['running'] == 1 else 'finish'} "
-                   "first")
+                   f"{plural(c['running'], 'running request')}: a worker drops {'it' if c['running'] == 1 else 'them'} "
+                   "at its next decoding step (a result stored before then is kept); `specbatch status` "
+                   "shows how many finished first")
 
 
 @click.command()
