@@ -49,6 +49,7 @@ class Settings(BaseSettings):
     cache_dir: str = Field(default_factory=_default_cache_dir)
     visibility_timeout: Positive = 3600   # seconds; above the longest task
     lease_seconds: Positive = 300         # a claimed request's lease, renewed while working
+    lease_sweep_seconds: Positive = 30    # how often a worker queues again what a dead worker held
     max_attempts: Positive = 3            # a request that kills its worker this often is failed
     chunk_size: Positive = 8              # request ids per Celery task
     max_requests: Positive = 100_000      # per prompt file

@@ -191,6 +191,18 @@ def _pending_queues(settings: Settings, job_id: str) -> list[str]:
         return [job.queue if r is None else queue_name(r[0], r[1], job.ngram) for r in routes] or [job.queue]
 
 
+def _warn_stranded(settings: Settings, job_id: str) -> None:
+    from specbatch.jobs import store
+
+    with open_db(settings, readonly=True).begin() as s:
+        n = store.expired_leases(s, job_id)
+    if n:
+        warn(f"{plural(n, 'running request')} of job {job_id} {'has' if n == 1 else 'have'} an expired lease "
+             "(the worker holding them is gone): a live worker of their queue queues them again within "
+             f"SPECBATCH_LEASE_SWEEP_SECONDS ({settings.lease_sweep_seconds}s); `specbatch resume {job_id}` "
+             "does it now")
+
+
 @click.command()
 @click.argument("job_id", metavar="JOB")
 @click.option("--watch", is_flag=True, help="Refresh until the job ends (Ctrl-C stops watching, not the job).")
@@ -215,6 +227,7 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     if not finished:
         for queue in _pending_queues(settings, summary["id"]):
             _check_workers(settings, queue)
+        _warn_stranded(settings, summary["id"])
     if watch and not finished and as_json:      # machine output: only the final summary
         while not finished:
             time.sleep(interval)
@@ -346,7 +359,8 @@ def export(job_id: str, fmt: str | None, output: Path | None, errors_path: Path 
 def cancel(job_id: str, as_json: bool) -> None:
     """Cancel a job: pending requests are dropped, finished results are kept.
 
-    Requests already generating finish first (the job is "cancelling" until they do).
+    Requests a worker is already generating are dropped at its next decoding step (the job is
+    "cancelling" until then; a result stored before is kept).
 
     \b
     Example:
@@ -372,8 +386,9 @@ def cancel(job_id: str, as_json: bool) -> None:
                    f"{plural(c['completed'], 'result')} kept")
     else:
         click.echo(f"job {summary['id']} is cancelling: {plural(pending_before, 'pending request')} dropped; "
-                   f"{plural(c['running'], 'running request')} {'finishes' if c['running'] == 1 else 'finish'} "
-                   "first")
+                   f"{plural(c['running'], 'running request')}: a worker drops {'it' if c['running'] == 1 else 'them'} "
+                   "at its next decoding step (a result stored before then is kept); `specbatch status` "
+                   "shows how many finished first")
 
 
 @click.command()

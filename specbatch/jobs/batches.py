@@ -176,8 +176,8 @@ def expire(s: Session, batch_id: str) -> None:
 
 
 def cancel(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
-    """Cancel the batch's job: pending requests are dropped, running ones finish first. A batch
-    that has ended is returned unchanged."""
+    """Cancel the batch's job: pending requests are dropped, running ones at their worker's next
+    decoding step. A batch that has ended is returned unchanged."""
     batch = get_batch(s, batch_id, owner)
     if batch.job_id is not None and batch.failed_at is None:
         store.cancel_job(s, batch.job_id)

@@ -200,6 +200,15 @@ def resumable_request_ids(s: Session, job_id: str) -> list[int]:
         (Request.status == RequestStatus.running) & _lease_expired(now))).order_by(Request.id)))
 
 
+def expired_leases(s: Session, job_id: str) -> int:
+    """How many of the job's requests are running on a lease that has expired (their worker died);
+    a live worker of their queue queues them again (``specbatch.worker.heal``)."""
+    now = utcnow()
+    return int(s.scalar(select(func.count()).select_from(Request).where(
+        Request.job_id == job_id, Request.status == RequestStatus.running,
+        Request.lease_expires_at.is_not(None), Request.lease_expires_at <= now)) or 0)
+
+
 Route = tuple[str, tuple[str, ...]]     # (target, drafts): the models a request runs on
 
 

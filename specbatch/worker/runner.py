@@ -74,6 +74,27 @@ class EngineReady(bootsteps.StartStopStep):
         raise ModelLoadFailed(f"models not loaded after {self.timeout:.0f}s")
 
 
+class LeaseSweeper(bootsteps.StartStopStep):
+    """Once the models are loaded, sweep this worker's queue for requests a dead worker held
+    (``specbatch.worker.heal``), at start and every ``lease_sweep_seconds``."""
+
+    requires = (EngineReady,)
+
+    def start(self, worker: Any) -> None:
+        from specbatch.config import get_settings
+        from specbatch.worker.heal import Sweeper
+
+        queues = worker.app.conf.get("specbatch_sweep_queues")
+        self.sweeper = Sweeper(get_settings(), queues) if queues else None
+        if self.sweeper is not None:
+            self.sweeper.start()
+
+    def stop(self, worker: Any) -> None:
+        sweeper = getattr(self, "sweeper", None)
+        if sweeper is not None:
+            sweeper.stop()
+
+
 def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = "prefork",
                 start_method: str = "spawn", extra: Sequence[str] = ()) -> list[str]:
     argv = ["worker", "-Q", queue, "--loglevel", loglevel, "--pool", pool, "--concurrency", "1",
@@ -113,8 +134,10 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
         specbatch_observe={"worker": host_format(default_nodename(hostname)), "metrics": server is not None},
         imports=list(imports),
         task_default_queue=queue,
+        specbatch_sweep_queues=[queue],
     )
     app.steps["worker"].add(EngineReady)
+    app.steps["worker"].add(LeaseSweeper)
     if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
         from specbatch.worker import tasks
 

@@ -25,8 +25,10 @@ from specbatch.observability import tracing
 from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
+from specbatch.worker.cancel import CancelWatch
 from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk, with_db_retry
 from specbatch.worker.guard import allows_fallback, draft_only, refusal
+from specbatch.worker.interrupt import Interrupted, interruptible
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -192,15 +194,16 @@ def _fallback_ok(settings: Any, job_id: str) -> bool:
     return with_db_retry(read)
 
 
-def _release_mine(settings: Any, job_id: str, worker: str) -> None:
+def _release_mine(settings: Any, job_id: str, worker: str) -> list[int]:
     from specbatch.db import session_factory
     from specbatch.jobs import store
 
-    def release() -> None:
+    def release() -> list[int]:
         with session_factory(settings.database_url).begin() as s:
-            store.release_held_by(s, job_id, worker)
+            ids = store.release_held_by(s, job_id, worker)
             store.refresh_job(s, job_id)
-    with_db_retry(release)
+            return ids
+    return with_db_retry(release)
 
 
 @app.task(bind=True, base=EngineTask, name=TASK_NAME)
@@ -237,8 +240,9 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             with tracing.continued(tracing.headers_of(self.request), "chunk",
                                    {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
                                     "specbatch.worker": worker}):
-                report = process_chunk(settings, engine or self.engine, request_ids, worker,
-                                       on_result=observer.on_result, should_stop=_should_stop)
+                with CancelWatch(settings, job_id) as cancelled, interruptible(engine or self.engine, cancelled):
+                    report = process_chunk(settings, engine or self.engine, request_ids, worker,
+                                           on_result=observer.on_result, should_stop=_should_stop)
             pilot = getattr(engine or self.engine, "autopilot", None)
             if pilot is not None:   # what the autopilot keeps now: the batch-size/speculation gauges
                 observer.set_decoding(batch_size=int(pilot.kept[0]), speculation=bool(pilot.kept[1]))
@@ -256,6 +260,11 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             raise self.retry(exc=e, countdown=countdown) from e
         except (Reject, SpecBatchError):
             raise
+        except Interrupted:     # the job was cancelled mid-batch: drop its rows now (see worker.cancel)
+            dropped = _release_mine(settings, job_id, worker)
+            logger.info("job %s cancelled: dropped %d request(s) this worker was generating", job_id,
+                        len(dropped))
+            return {"cancelled": dropped}
         except Exception as e:   # the target itself failed (out of memory, a CUDA error, ...)
             logger.exception("target failure on job %s", job_id)
             _release_mine(settings, job_id, worker)

@@ -433,3 +433,22 @@ def test_failure_lines_show_the_first_failures_and_count_the_rest():
     assert failure_lines(d) == ["line 2 (a): prompt too long",
                                 "and 6 more; `specbatch export j1 --status failed` lists every failure"]
     assert failure_lines({"id": "j1", "request_counts": {"failed": 0}, "failures": []}) == []
+
+
+def test_status_says_how_many_requests_a_dead_worker_left_with_expired_leases(db_url, no_worker_check):
+    from datetime import timedelta
+
+    from specbatch.db.models import utcnow
+
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.claim_requests(s, ids[1:3], "w-dead", 60, 3)
+        s.execute(Request.__table__.update().where(Request.id.in_(ids[1:3]))
+                  .values(lease_expires_at=utcnow() - timedelta(seconds=5)))
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert "2 running requests of job" in result.stderr and "expired lease" in result.stderr
+    assert f"specbatch resume {job_id}" in result.stderr
+    with db.session_factory(db_url).begin() as s:     # a live lease is not stranded
+        store.claim_requests(s, ids[1:3], "w-live", 60, 3)
+    assert "expired lease" not in run("status", job_id).stderr
