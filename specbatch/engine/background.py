@@ -115,6 +115,8 @@ class BackgroundCompile:
             plan.enabled = False
             plan.reason += "; no graph measured faster than eager here: decoding stays eager"
         self.plan = plan   # last: ``done`` now, for the decoding thread
+        if not plan.enabled:
+            logger.info("%s: decoding eagerly: %s", self.models[0].name, plan.reason)
         self._set(f"compiled after {self.seconds:.0f} s" if plan.enabled else f"eager: {plan.reason}")
 
     def _useful(self) -> bool:
