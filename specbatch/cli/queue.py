@@ -16,6 +16,7 @@ from specbatch.cli.common import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
+    check_queue_workers,
     compile_notice,
     compile_option,
     echo_json,
@@ -120,11 +121,7 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str], n
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:
-    from specbatch.worker.monitor import queue_has_consumer
-
-    if queue_has_consumer(settings, queue) is False:
-        warn(f"no live worker consumes queue {queue}; start one with "
-             f"`specbatch worker` and the same --target/--draft options")
+    check_queue_workers(settings, queue, "start one with `specbatch worker` and the same --target/--draft options")
 
 
 def wait_for_job(settings: Settings, job_id: str, interval: float = 1.0) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from celery import bootsteps
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
+from specbatch.worker.monitor import STATE_KEY
 from specbatch.worker.pids import alive
 from specbatch.worker.queues import queue_name
 
@@ -57,7 +58,6 @@ class ModelLoadFailed(SystemExit):
 
 
 STARTING = "starting: loading models"
-STATE_KEY = "specbatch_state"   # in the worker's app config: `celery inspect conf`, Flower's Config tab
 POLL_SECONDS = 0.5
 
 

@@ -34,16 +34,16 @@ def db_url(tmp_path, monkeypatch) -> str:
 
 @pytest.fixture
 def no_worker_check(monkeypatch) -> list[str]:
-    """Replace the live-worker probe; records the queues asked about. Returns False (no consumer)."""
+    """Replace the live-worker probe; records the queues asked about. Returns no worker."""
     import specbatch.worker.monitor as monitor
 
     asked: list[str] = []
 
-    def fake(settings, queue):
+    def fake(settings, queue, **_):
         asked.append(queue)
-        return False
+        return []
 
-    monkeypatch.setattr(monitor, "queue_has_consumer", fake)
+    monkeypatch.setattr(monitor, "queue_workers", fake)
     return asked
 
 
@@ -239,7 +239,7 @@ def test_status_of_a_finished_job_does_not_probe_workers(db_url, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("probed the broker for a finished job")
 
-    monkeypatch.setattr(monitor, "queue_has_consumer", boom)
+    monkeypatch.setattr(monitor, "queue_workers", boom)
     job_id, _ = make_job(db_url, results=1, failures=0, pending=0)
     result = run("status", job_id, "--json")
     assert result.exit_code == 0, result.output
