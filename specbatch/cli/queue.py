@@ -361,7 +361,7 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
         env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
     else:
         warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
-    argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.app", "flower",
+    argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.flower", "flower",
             f"--port={port or settings.flower_port}", f"--address={address}", *flower_args]
     os.execve(sys.executable, argv, env)
 

@@ -100,3 +100,30 @@ def _alive(pid: int) -> bool:
         return False
     state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
     return state not in ("Z", "X")
+
+
+def test_flower_shows_the_starting_worker_its_state_and_the_pair_queue_holding_tasks(cluster, gate) -> None:  # noqa: ANN001
+    """Before: "No workers are available" while the worker loaded or compiled, and the Broker tab
+    listed only specbatch.default while the job's tasks waited in the pair queue."""
+    import requests
+
+    from tests.worker.test_queue_integration import _get
+
+    flower, port = cluster.flower(password="s3cret")
+    job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
+    proc = _worker(cluster, "w1", "tests.worker.gated_load_hook")
+    wait_for(lambda: _state(cluster, proc, "starting"), 120, "the worker to announce itself")
+    base, auth = f"http://127.0.0.1:{port}", ("admin", "s3cret")
+    assert wait_for(lambda: _get(base + "/healthcheck", None) is not None, 60, "flower to start")
+
+    def starting() -> dict | None:
+        workers = _get(base + "/api/workers?refresh=1", auth) or {}
+        return next((w for name, w in workers.items() if name.startswith("w1@")
+                     and (w.get("conf") or {}).get("specbatch_state")), None)
+    worker = wait_for(starting, 60, "flower to list the starting worker with its state")
+    assert worker["conf"]["specbatch_state"] == "starting: loading models", worker["conf"]
+
+    page = requests.get(base + "/broker", auth=auth, timeout=10)
+    assert page.status_code == 200 and cluster.queue() in page.text, page.text[-2000:]
+    gate.touch()
+    assert cluster.wait_finished(job_id)["status"] == "completed"
