@@ -299,7 +299,7 @@ def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_on
 
     # a later start compiles only the variant kept, and says why where that is not frozen
     compared = []
-    monkeypatch.setattr(C, "compare_not_frozen", lambda *a: compared.append(a) or a[-1])
+    monkeypatch.setattr(C, "compare_not_frozen", lambda *a, **_: compared.append(a) or a[-1])
     target.compiled = None
     plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     assert not compared and target.compiled.frozen is kept
