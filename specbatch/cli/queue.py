@@ -314,7 +314,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
            metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
-    Both models load before the worker consumes; start one worker per GPU.
+    Both models load before the worker consumes (it is online meanwhile: `status` names it);
+    compiling then runs in the background while it decodes eagerly. Start one worker per GPU.
 
     \b
     Example:
