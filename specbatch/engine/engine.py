@@ -105,12 +105,15 @@ class Engine:
         """Switch to the compiled forward a background compile finished (between batches, on the
         decoding thread); True when this call switched. The step costs, the autopilot's rates and
         the memory budget measured eager code and less free memory: they start over."""
-        plan = self.background.adopt() if self.background is not None else None
-        if self.background is not None and self.background.done:
-            self.compile_plan = self.background.plan
+        background = self.background
+        if background is None or not background.done:
+            return False
+        self.background = None            # finished: nothing more to adopt, no memory to leave it
+        plan = background.adopt()
+        self.compile_plan, self.memory = background.plan, None
         if plan is None:
             return False
-        self.costs, self.autopilot, self.memory = {}, None, None
+        self.costs, self.autopilot = {}, None
         return True
 
     @property
