@@ -433,3 +433,22 @@ def test_failure_lines_show_the_first_failures_and_count_the_rest():
     assert failure_lines(d) == ["line 2 (a): prompt too long",
                                 "and 6 more; `specbatch export j1 --status failed` lists every failure"]
     assert failure_lines({"id": "j1", "request_counts": {"failed": 0}, "failures": []}) == []
+
+
+def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, monkeypatch):
+    """A worker loading its models is online, not consuming yet: status says it is starting and
+    shows a consuming worker's compile progress, and never tells the user to start a second one."""
+    import specbatch.worker.monitor as monitor
+
+    views = [monitor.WorkerView("w1@h", False, "starting: loading models")]
+    monkeypatch.setattr(monitor, "queue_workers", lambda settings, queue, **_: views)
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id, "--json")
+    assert result.exit_code == 0, result.output
+    assert "worker w1@h is starting for queue sb.q1 (starting: loading models)" in result.stderr
+    assert "no live worker" not in result.stderr and json.loads(result.stdout)["id"] == job_id
+
+    views[:] = [monitor.WorkerView("w1@h", True, "compiling 2/4 (t graph 2/4), decoding eagerly until then")]
+    result = run("status", job_id, "--json")
+    assert "worker w1@h: compiling 2/4 (t graph 2/4), decoding eagerly until then" in result.stderr
+    assert "no live worker" not in result.stderr and "starting" not in result.stderr
