@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -111,7 +112,7 @@ def _rows_now(batch_size: Any) -> int | None:
 def _write_ready(path: str | None, text: str) -> None:
     if not path:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"   # the compile thread writes states too
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
