@@ -69,7 +69,7 @@ COVERAGE: dict[str, str] = {
     "specbatch export JOB -f csv -o answers.csv": THIS + "test_cluster_setup",
     "psql postgresql://postgres@127.0.0.1:5432/specbatch -f examples/results.sql": THIS + "test_cluster_setup",
     "SPECBATCH_FLOWER_PASSWORD=change-me specbatch flower --port 5555": THIS + "test_cluster_setup",
-    "celery -A specbatch.worker.app flower --port=5555": THIS + "test_cluster_setup",
+    "celery -A specbatch.worker.flower flower --port=5555": THIS + "test_cluster_setup",
     # docker compose: no Docker engine here; the file is checked statically
     "echo SPECBATCH_FLOWER_PASSWORD=change-me > .env": "tests/test_compose.py::test_flower_basic_auth_and_port",
     "echo SPECBATCH_API_KEYS=sk-change-me >> .env": "tests/test_compose.py::test_api_service",

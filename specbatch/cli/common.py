@@ -66,6 +66,26 @@ def warn(message: str) -> None:
     click.secho(f"warning: {mask(message)}", err=True, fg="yellow")
 
 
+def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = False) -> None:
+    """On stderr: a worker still starting for ``queue`` and its state (so nobody starts a second
+    one), else a warning when no live worker consumes it (``advice``: how to start one), or that
+    the broker cannot be asked; ``states``: also each consuming worker's state (compiling ...)."""
+    from specbatch.worker.monitor import queue_workers
+
+    workers = queue_workers(settings, queue, states=states)
+    if workers is None:
+        warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
+        return
+    for w in workers:
+        if not w.consuming:
+            click.echo(f"worker {w.name} is starting for queue {queue} ({w.state}); "
+                       "tasks wait in the queue until it consumes", err=True)
+        elif states and w.state and not w.state.startswith("ready"):
+            click.echo(f"worker {w.name}: {w.state}", err=True)
+    if not workers:
+        warn(f"no live worker consumes queue {queue}: {advice}")
+
+
 class FiniteFloatRange(click.FloatRange):
     """A FloatRange that also refuses nan and inf (click lets nan through every bound)."""
 

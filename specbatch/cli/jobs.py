@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from specbatch.cli.common import echo_json, open_db, warn
+from specbatch.cli.common import check_queue_workers, echo_json, open_db, warn
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
@@ -104,15 +104,9 @@ def jobs(limit: int, as_json: bool) -> None:
 
 
 def _check_workers(settings: Settings, queue: str) -> None:
-    """Warn on stderr when no live worker consumes the job's queue."""
-    from specbatch.worker.monitor import queue_has_consumer
-
-    has = queue_has_consumer(settings, queue)
-    if has is False:
-        warn(f"no live worker consumes queue {queue}: nothing will progress until one starts "
-             "(`specbatch worker` with this job's --target/--draft)")
-    elif has is None:
-        warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
+    """On stderr: the job's workers that are starting or compiling, or that none consumes its queue."""
+    check_queue_workers(settings, queue, "nothing will progress until one starts "
+                        "(`specbatch worker` with this job's --target/--draft)", states=True)
 
 
 def _status_view(d: dict[str, Any]) -> Any:

@@ -16,6 +16,7 @@ from specbatch.cli.common import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
+    check_queue_workers,
     compile_notice,
     compile_option,
     echo_json,
@@ -131,11 +132,7 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str], n
 
 
 def _warn_no_consumer(settings: Settings, queue: str) -> None:
-    from specbatch.worker.monitor import queue_has_consumer
-
-    if queue_has_consumer(settings, queue) is False:
-        warn(f"no live worker consumes queue {queue}; start one with "
-             f"`specbatch worker` and the same --target/--draft options")
+    check_queue_workers(settings, queue, "start one with `specbatch worker` and the same --target/--draft options")
 
 
 def wait_for_job(settings: Settings, job_id: str, interval: float = 1.0) -> dict[str, Any]:
@@ -334,7 +331,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
            metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
-    Both models load before the worker consumes; start one worker per GPU.
+    Both models load before the worker consumes (it is online meanwhile: `status` names it);
+    compiling then runs in the background while it decodes eagerly. Start one worker per GPU.
 
     \b
     Example:
@@ -381,7 +379,7 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
         env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
     else:
         warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
-    argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.app", "flower",
+    argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.flower", "flower",
             f"--port={port or settings.flower_port}", f"--address={address}", *flower_args]
     os.execve(sys.executable, argv, env)
 

@@ -366,9 +366,16 @@ def warm_shapes(batch_size: int) -> tuple[tuple[int, int, int], ...]:
     return WARM_SHAPES + ((batch_size, 1, 1), (batch_size, 4, 2))
 
 
-def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str]
-            ) -> CompileReport:
-    """Compile ``lm``'s graphs for ``shapes`` now (before serving); falls back to eager on failure."""
+class Cancelled(Exception):
+    """A background compile was told to stop (the worker is shutting down): nothing is installed."""
+
+
+def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str],
+            progress: Callable[[str], None] | None = None) -> CompileReport:
+    """Compile ``lm``'s graphs for ``shapes`` now (before serving); falls back to eager on failure.
+
+    ``progress`` hears "MODEL graph i/n" before each graph; it may raise ``Cancelled`` to stop
+    (between graphs: dynamo cannot be interrupted inside one), which propagates."""
     from transformers import DynamicCache
 
     report = CompileReport(model=lm.name)
@@ -381,9 +388,12 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
     marker = _marker(cache_dir, lm, compiled.frozen)
     report.cached = marker.exists()
     t0 = time.perf_counter()
+    shapes = tuple(shapes)
     try:
         with torch.inference_mode():
-            for rows, width, keep in shapes:
+            for i, (rows, width, keep) in enumerate(shapes, 1):
+                if progress is not None:
+                    progress(f"{lm.name} graph {i}/{len(shapes)}")
                 cache = DynamicCache()
                 prefix = torch.zeros(rows, 4, dtype=torch.long, device=lm.device)
                 lm.forward(prefix, cache, logits_to_keep=1)      # eager prefill
@@ -394,6 +404,8 @@ def warm_up(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os
                 if compiled.failed:
                     break
                 report.speedups[shape_key(rows, width, keep)] = measure_speedup(lm, cache, ids, keep)
+    except Cancelled:
+        raise
     except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
         compiled.fail(e)
     report.seconds = time.perf_counter() - t0
@@ -433,7 +445,8 @@ def time_steps(steps: dict[str, Callable[[], Any]], cache: Any, width: int, roun
 
 
 def compare_not_frozen(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str],
-                       frozen: CompileReport, rounds: int = 2 * MEASURE_ROUNDS) -> CompileReport:
+                       frozen: CompileReport, rounds: int = 2 * MEASURE_ROUNDS,
+                       progress: Callable[[str], None] | None = None) -> CompileReport:
     """A start where frozen graphs fit and no start here compared these shapes: compile the same
     graphs not frozen too, time the two on the same steps (alternating), keep freezing only
     where it measured ``FROZEN_MARGIN`` faster (``keeps_frozen``), and record the comparison in
@@ -450,7 +463,7 @@ def compare_not_frozen(lm: Any, shapes: Iterable[tuple[int, int, int]], cache_di
     trial = CompiledForward(lm.model, lm.name, lm.device, frozen=False)
     trial.trial = True
     lm.compiled = trial
-    other = warm_up(lm, shapes, cache_dir)
+    other = warm_up(lm, shapes, cache_dir, progress=progress)
     forwards = {True: kept_graphs, False: trial}
     gain = _time_frozen_against_not(lm, shapes, forwards, rounds) if other.enabled else None
     for f in forwards.values():   # the comparison's calls are not decoding (nor its misses: none)
@@ -749,7 +762,8 @@ def _keep_what_pays(lm: Any, report: CompileReport) -> None:
 
 def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
             cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None,
-            notify: Callable[[str], None] | None = None) -> CompilePlan:
+            notify: Callable[[str], None] | None = None,
+            progress: Callable[[str], None] | None = None) -> CompilePlan:
     """Decide (auto / on / off), then install and warm the compiled forwards up before serving.
 
     auto compiles only where the compiled forward measured faster than eager: on this machine at
@@ -758,7 +772,9 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     token count (``run``, ``generate``) only when ``compile_pays``. After warming up, auto leaves
     eager the shape classes that measured no faster than eager (``_keep_what_pays``); on keeps
     every graph, as told (the bench measures them all). ``notify`` hears, before each model
-    compiles, that it does and about how long (minutes on a small CPU: a CLI says so).
+    compiles, that it does and about how long (minutes on a small CPU: a CLI says so);
+    ``progress`` hears "compiling i/n" before each graph (see ``warm_up``; a background compile
+    stops through it).
     """
     mode = resolve_mode(mode)
     if mode == "off":
@@ -811,6 +827,14 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
     configure_inductor(cache_dir, target.device)
     reason += not_frozen
     plan = CompilePlan(mode, True, reason)
+    total = sum(len(s) * (2 if variants[id(m)] is None else 1) for m, s in models)
+    done = [0]
+
+    def step(what: str) -> None:   # "compiling 2/4 (smollm2-135m graph 2/4)"
+        done[0] += 1
+        if progress is not None:
+            progress(f"compiling {done[0]}/{total} ({what})")
+
     for lm, shapes in models:
         variant = variants[id(lm)]
         if install(lm, frozen=variant is not False) is None:
@@ -822,9 +846,9 @@ def prepare(target: Any, drafts: list[Any], *, mode: str, batch_size: int,
         logger.info(notice)
         if notify is not None:
             notify(notice)
-        report = warm_up(lm, shapes, cache_dir)
+        report = warm_up(lm, shapes, cache_dir, progress=step)
         if variant is None and report.enabled:
-            report = compare_not_frozen(lm, shapes, cache_dir, report)
+            report = compare_not_frozen(lm, shapes, cache_dir, report, progress=step)
         plan.models.append(report)
         if mode == "auto":
             _keep_what_pays(lm, report)

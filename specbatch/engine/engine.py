@@ -11,8 +11,9 @@ import torch
 
 from specbatch.config import get_settings
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
+from specbatch.engine.background import BackgroundCompile
 from specbatch.engine.chat import encode
-from specbatch.engine.compiled import CompilePlan
+from specbatch.engine.compiled import CompilePlan, resolve_mode
 from specbatch.engine.compiled import prepare as prepare_compiled
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -63,6 +64,7 @@ class Engine:
         self.autopilot: Autopilot | None = None   # kept across calls: what it measured stays true
         self.memory: MemoryBudget | None = None
         self.compile_plan: CompilePlan | None = None  # set by load (compiled forward or not, why)
+        self.background: BackgroundCompile | None = None  # a compile still warming up (workers)
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
@@ -70,12 +72,15 @@ class Engine:
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
              max_memory: int | None = None, compile: str = "off",
              expected_new_tokens: int | Sequence[int] | None = None,
-             notify: Callable[[str], None] | None = None) -> Engine:
+             notify: Callable[[str], None] | None = None,
+             background: Callable[[str], None] | bool = False) -> Engine:
         """Load the models; ``compile`` (auto / on / off) compiles them before returning
         (``expected_new_tokens``: the job's size, for auto, as a total or one budget per request;
         None means a long-lived worker; ``notify``: told before each model compiles, see
         ``compiled.prepare``). With batch_size "auto" the compile decision plans for
-        ``planned_batch_size()`` rows."""
+        ``planned_batch_size()`` rows. ``background`` (a worker): return eager at once and
+        compile in a thread instead (``specbatch.engine.background``; a callable hears its state),
+        switching to the compiled forward between batches once it is warmed up and faster."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
@@ -83,11 +88,33 @@ class Engine:
                      batch_size=batch_size, max_memory=max_memory)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
+        cache = cache_dir or get_settings().cache_dir
+        if background is not False and resolve_mode(compile) != "off":
+            engine.compile_plan = CompilePlan(resolve_mode(compile), False,
+                                              "compiling in the background, decoding eagerly until then")
+            engine.background = BackgroundCompile(
+                t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(), cache_dir=cache,
+                on_state=background if callable(background) else None).start()
+            return engine
         engine.compile_plan = prepare_compiled(
             t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
-            cache_dir=cache_dir or get_settings().cache_dir, expected_new_tokens=expected_new_tokens,
-            notify=notify)
+            cache_dir=cache, expected_new_tokens=expected_new_tokens, notify=notify)
         return engine
+
+    def adopt_compiled(self) -> bool:
+        """Switch to the compiled forward a background compile finished (between batches, on the
+        decoding thread); True when this call switched. The step costs, the autopilot's rates and
+        the memory budget measured eager code and less free memory: they start over."""
+        background = self.background
+        if background is None or not background.done:
+            return False
+        self.background = None            # finished: nothing more to adopt, no memory to leave it
+        plan = background.adopt()
+        self.compile_plan, self.memory = background.plan, None
+        if plan is None:
+            return False
+        self.costs, self.autopilot = {}, None
+        return True
 
     @property
     def target_name(self) -> str:
@@ -147,6 +174,7 @@ class Engine:
         (``specbatch.engine.autopilot``); ``policy`` replaces either. ``on_start(indices)``:
         called as requests start decoding (join the batch), before any forward over them.
         """
+        self.adopt_compiled()
         size = check_batch_size(batch_size or self.batch_size)
         valid: list[Request] = []
         for i, req in enumerate(requests):
@@ -172,6 +200,9 @@ class Engine:
     def _memory(self) -> MemoryBudget:
         if self.memory is None:
             budget = self.max_memory or default_budget(self.target.device)
+            if self.max_memory is None and self.background is not None and not self.background.done:
+                # what the compile running beside decoding will add (reset once it is adopted)
+                budget = max(budget - self.background.reserved_bytes(), budget // 2)
             shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
             self.memory = MemoryBudget(budget, shapes)
         return self.memory

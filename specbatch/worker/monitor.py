@@ -1,24 +1,37 @@
-"""Ask the live workers (Celery remote control) which queues they consume."""
+"""Ask the live workers (Celery remote control) which queues they consume, and how far along
+they are (``specbatch_state`` in a worker's app config, see ``specbatch.worker.runner``)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from specbatch.config import Settings
 from specbatch.worker.app import app_for
 
 logger = logging.getLogger(__name__)
 
+# in a `specbatch worker`'s app config: `celery inspect conf` and Flower's worker page (Config) show it
+STATE_KEY = "specbatch_state"
 
-def active_queues(settings: Settings, timeout: float = 1.0) -> dict[str, list[str]] | None:
-    """worker name -> queue names it consumes; None when the broker is unreachable."""
+
+def _inspect(settings: Settings, command: str, timeout: float) -> dict[str, Any] | None:
+    """worker name -> its reply to ``command``; None when the broker is unreachable."""
     app = app_for(settings)
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=timeout)
-            replies = app.control.inspect(timeout=timeout, connection=conn).active_queues() or {}
+            return getattr(app.control.inspect(timeout=timeout, connection=conn), command)() or {}
     except Exception as e:
         logger.debug("broker unreachable: %s", e)
+        return None
+
+
+def active_queues(settings: Settings, timeout: float = 1.0) -> dict[str, list[str]] | None:
+    """worker name -> queue names it consumes; None when the broker is unreachable."""
+    replies = _inspect(settings, "active_queues", timeout)
+    if replies is None:
         return None
     return {worker: [q.get("name", "") for q in (queues or [])] for worker, queues in replies.items()}
 
@@ -29,3 +42,34 @@ def queue_has_consumer(settings: Settings, queue: str, timeout: float = 1.0) -> 
     if workers is None:
         return None
     return any(queue in names for names in workers.values())
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A live worker of one queue, as its remote control answers."""
+
+    name: str
+    consuming: bool          # consumes the queue now
+    state: str | None        # "starting: loading models", "compiling 2/4 (...)", ...; None: not said
+
+
+def queue_workers(settings: Settings, queue: str, timeout: float = 1.0,
+                  states: bool = True) -> list[WorkerView] | None:
+    """The live workers consuming ``queue``, and the `specbatch worker`s for it still starting
+    (online, not consuming until their models are loaded), so nobody is told to start another;
+    None when the broker is unreachable. ``states`` False: ask for states only when no worker
+    consumes the queue (one round trip less, ``timeout`` each)."""
+    consumers = active_queues(settings, timeout=timeout)
+    if consumers is None:
+        return None
+    consuming = {w for w, names in consumers.items() if queue in names}
+    confs = _inspect(settings, "conf", timeout) if states or not consuming else {}
+    views = []
+    for worker in sorted(set(consumers) | set(confs or {})):
+        conf = (confs or {}).get(worker) or {}
+        state = conf.get(STATE_KEY) if isinstance(conf, dict) else None
+        starting = isinstance(conf, dict) and conf.get("task_default_queue") == queue and \
+            str(state or "").startswith("starting")
+        if worker in consuming or starting:
+            views.append(WorkerView(worker, worker in consuming, state))
+    return views

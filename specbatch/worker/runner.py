@@ -12,17 +12,27 @@ tests/worker/test_pool_crash.py keeps the SIGQUIT rows honest):
 
 So a worker is prefork with exactly one spawned child: the child, a fresh interpreter, is the
 only process that loads models or touches CUDA; the parent never forks a process that has.
-The parent waits (``EngineReady`` bootstep, before the consumer starts) until the child reports
-its models loaded, or exits non-zero with the loading error.
+
+Starting: the parent's consumer starts at once but consumes no task queue (``HoldQueue``), so
+the worker is online (heartbeats, Flower, ``celery inspect``) while the child loads; its state
+(``specbatch_state`` in the app config: "starting: loading models", then the child's own, e.g.
+"compiling 2/4 (...), decoding eagerly until then") is what ``specbatch status`` / ``submit``
+show. The ``EngineReady`` consumer step consumes the queue once the child reports its models
+loaded, or exits non-zero with the loading error. Compiling happens after that, in the child's
+background (``specbatch.engine.background``), so the worker serves eagerly meanwhile.
+SIGTERM while the child loads: the warm shutdown kills the child (it cannot see the shutdown
+while it loads, and billiard would wait for it).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import shutil
+import signal
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +42,7 @@ from celery import bootsteps
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
+from specbatch.worker.monitor import STATE_KEY
 from specbatch.worker.pids import alive
 from specbatch.worker.queues import queue_name
 
@@ -46,39 +57,90 @@ class ModelLoadFailed(SystemExit):
         self.message = message
 
 
+STARTING = "starting: loading models"
+POLL_SECONDS = 0.5
+
+
+def _read(path: str | None) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+class HoldQueue(bootsteps.Step):
+    """Consume nothing at first: the consumer starts at once (the worker is online, answers
+    inspect, sends heartbeats: Flower and ``specbatch status`` see it starting) and
+    ``EngineReady`` adds the pair's queue once the pool child has its models."""
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        if worker.app.conf.get("specbatch_ready_file"):
+            worker.app.amqp.queues.deselect(worker.app.conf.task_default_queue)
+
+
 class EngineReady(bootsteps.StartStopStep):
-    """Block worker start-up (after the pool, before the consumer) until the child has its models."""
+    """In the consumer's event loop: follow the pool child's state file (``specbatch_state``
+    in the app config), consume the queue once it reports its models loaded, exit with the
+    loading error if it reports one. A shutdown before then kills the loading child: it does not
+    see a warm shutdown while it loads (billiard waits for it otherwise)."""
 
-    requires = ("celery.worker.components:Pool",)
-    timeout = 3600.0
+    requires = ("celery.worker.consumer.tasks:Tasks",)
 
-    def start(self, worker: Any) -> None:
-        path = worker.app.conf.get("specbatch_ready_file")
-        if not path:
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.ready = False
+        self.timer: Any = None
+
+    def start(self, c: Any) -> None:
+        if not c.app.conf.get("specbatch_ready_file"):
             return
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline:
-            try:
-                with open(path) as f:
-                    text = f.read()
-            except FileNotFoundError:
-                text = ""
-            if text.startswith("ok"):
-                logger.info("models loaded; consuming %s", ", ".join(worker.app.amqp.queues))
-                return
-            if text.startswith("error"):
-                message = text.partition("\n")[2].strip()
-                logger.error("cannot load models: %s", message)
-                raise ModelLoadFailed(message)
-            time.sleep(0.2)
-        raise ModelLoadFailed(f"models not loaded after {self.timeout:.0f}s")
+        self.poll(c)
+        self.timer = c.timer.call_repeatedly(POLL_SECONDS, self.poll, (c,))
+
+    def poll(self, c: Any) -> None:
+        conf = c.app.conf
+        state = _read(conf.get("specbatch_state_file")).strip()
+        if state and state != conf.get(STATE_KEY):
+            conf[STATE_KEY] = state
+            logger.info("state: %s", state)
+        if self.ready:
+            return
+        text = _read(conf.get("specbatch_ready_file"))
+        if text.startswith("ok"):
+            self.ready = True
+            queue = conf.task_default_queue
+            c.add_task_queue(queue)
+            logger.info("models loaded; consuming %s", queue)
+        elif text.startswith("error"):
+            message = text.partition("\n")[2].strip()
+            logger.error("cannot load models: %s", message)
+            raise ModelLoadFailed(message)   # SystemExit: out of the event loop, the worker stops
+
+    def stop(self, c: Any) -> None:
+        """Also on a reconnect (the consumer restarts): only a shutdown kills a loading child."""
+        from celery.worker import state
+
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        if self.ready or not c.app.conf.get("specbatch_ready_file"):
+            return
+        if state.should_stop is None and state.should_terminate is None:
+            return
+        for pid in (getattr(c.pool, "info", None) or {}).get("processes", ()):
+            logger.info("stopping pool child %s while it loads its models", pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 class LeaseSweeper(bootsteps.StartStopStep):
-    """Once the models are loaded, sweep this worker's queue for requests a dead worker held
-    (``specbatch.worker.heal``), at start and every ``lease_sweep_seconds``."""
-
-    requires = (EngineReady,)
+    """Sweep this worker's queue for requests a dead worker held (``specbatch.worker.heal``), at
+    start and every ``lease_sweep_seconds``. It runs while the models still load: what it takes
+    back is queued again, for whichever worker of the queue consumes first."""
 
     def start(self, worker: Any) -> None:
         from specbatch.config import get_settings
@@ -126,6 +188,8 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     own = worker_dir(settings)
     ready = str(own / "ready")
     app.conf.update(
+        specbatch_state_file=str(own / "state") if pool == "prefork" else None,
+        specbatch_state=STARTING if pool == "prefork" else "ready",
         specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram,
                           "device": device or settings.device, "dtype": dtype or settings.dtype,
                           "batch_size": batch_size or settings.batch_size, "max_memory": max_memory,
@@ -136,8 +200,9 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
         task_default_queue=queue,
         specbatch_sweep_queues=[queue],
     )
-    app.steps["worker"].add(EngineReady)
+    app.steps["worker"].add(HoldQueue)
     app.steps["worker"].add(LeaseSweeper)
+    app.steps["consumer"].add(EngineReady)
     if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
         from specbatch.worker import tasks
 
@@ -164,6 +229,10 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     except FileNotFoundError:
         pass
     shutil.rmtree(own, ignore_errors=True)
+    # the process ends next: the interpreter's last full garbage collections took 5-6 s of a
+    # SIGTERM'd worker's exit on a busy 2-core host (gdb: gc_collect_main in Py_FinalizeEx);
+    # frozen objects are not scanned again
+    gc.freeze()
     return code, load_error
 
 

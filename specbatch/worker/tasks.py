@@ -4,8 +4,10 @@ The engine is held once per worker process by ``EngineTask``. Under ``specbatch 
 one spawned pool child, see ``specbatch.worker.runner``) the child loads it in
 ``worker_process_init`` and then tells the parent it is ready, so the worker consumes only once
 its models are loaded; that handler may block for as long as loading takes because the app
-raises ``worker_proc_alive_timeout``. Any other pool (``celery -A specbatch.worker.app worker
---pool solo``) loads it on first use.
+raises ``worker_proc_alive_timeout``. Compiling is not part of that: it runs in the child's
+background (``specbatch.engine.background``), the child writes its progress to the state file
+the parent announces. Any other pool (``celery -A specbatch.worker.app worker --pool solo``)
+loads it on first use.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from celery import Task, signals
@@ -39,6 +43,7 @@ MAX_RETRIES = 100          # worker-lost resends + waits for held leases + trans
 _ENGINE: dict[str, Engine] = {}   # "engine" -> the loaded Engine of this process
 _HEALTH: dict[str, TargetHealth] = {}   # "target" -> consecutive target failures of this process
 _REFUSED: set[str] = set()     # queues this process refused a task of (misconfigured worker)
+_OBSERVED: dict[str, Any] = {}   # "plan" -> the compile plan the metrics show
 
 
 def engine_spec(conf: Any) -> dict[str, Any]:
@@ -52,8 +57,9 @@ def engine_spec(conf: Any) -> dict[str, Any]:
             "threads": s.threads or None}
 
 
-def build_engine(spec: dict[str, Any]) -> Engine:
-    """Load the engine for ``spec`` (tests wrap this to inject faults)."""
+def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = None) -> Engine:
+    """Load the engine for ``spec`` (tests wrap this to inject faults); it compiles in the
+    background (``on_state`` hears how far), so the worker consumes eagerly at once."""
     from specbatch.engine import Engine
     from specbatch.engine.threads import configure_threads
 
@@ -62,19 +68,30 @@ def build_engine(spec: dict[str, Any]) -> Engine:
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
                        cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
                        max_memory=spec.get("max_memory"),
-                       # a worker compiles while it warms up, before it consumes (auto: it is long-lived)
-                       compile=spec.get("compile") or "off")
+                       # a worker compiles in the background (auto: it is long-lived), eager meanwhile
+                       compile=spec.get("compile") or "off", background=on_state or True)
 
 
 def get_engine(conf: Any) -> Engine:
     if "engine" not in _ENGINE:
-        engine = _ENGINE["engine"] = build_engine(engine_spec(conf))
+        state_file = conf.get("specbatch_state_file")
+        engine = _ENGINE["engine"] = build_engine(
+            engine_spec(conf), (lambda state: _write_ready(state_file, state + "\n")) if state_file else None)
         plan = engine.compile_plan
         # auto chose eager: say why, as compiling says that it compiles (a failure already warned)
         if (plan is not None and plan.mode == "auto" and not plan.enabled
+                and getattr(engine, "background", None) is None   # it says so itself when done
                 and not any(m.error for m in plan.models)):
             logger.info("%s: decoding eagerly: %s", engine.target_name, plan.reason)
     return _ENGINE["engine"]
+
+
+def _observe_compile(observer: observe.Observer, engine: Any) -> None:
+    """Once a background compile was adopted, its plan replaces the eager one in the metrics."""
+    plan = getattr(engine, "compile_plan", None)
+    if plan is not None and plan is not _OBSERVED.get("plan"):
+        _OBSERVED["plan"] = plan
+        observer.set_compile_plan(plan)
 
 
 def get_observer(conf: Any) -> observe.Observer:
@@ -97,7 +114,7 @@ def _rows_now(batch_size: Any) -> int | None:
 def _write_ready(path: str | None, text: str) -> None:
     if not path:
         return
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"   # the compile thread writes states too
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
@@ -126,12 +143,14 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
     if not conf.get("specbatch_engine"):
         return  # a plain `celery -A ... worker`: load lazily on first task
     try:
-        get_engine(conf)
+        engine = get_engine(conf)
     except Exception as e:  # reported to the parent, which exits non-zero with this message
         logger.error("cannot load models: %s", e)
         _write_ready(ready, f"error\n{e}")
         return
-    get_observer(conf).set_compile_plan(get_engine(conf).compile_plan)
+    get_observer(conf).set_compile_plan(engine.compile_plan)
+    if getattr(engine, "background", None) is None:   # compile off (or nothing to compile): that is all there is
+        _write_ready(conf.get("specbatch_state_file"), "ready (eager)\n")
     _write_ready(ready, "ok\n")
 
 
@@ -243,6 +262,7 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
                 with CancelWatch(settings, job_id) as cancelled, interruptible(engine or self.engine, cancelled):
                     report = process_chunk(settings, engine or self.engine, request_ids, worker,
                                            on_result=observer.on_result, should_stop=_should_stop)
+            _observe_compile(observer, engine or self.engine)
             pilot = getattr(engine or self.engine, "autopilot", None)
             if pilot is not None:   # what the autopilot keeps now: the batch-size/speculation gauges
                 observer.set_decoding(batch_size=int(pilot.kept[0]), speculation=bool(pilot.kept[1]))

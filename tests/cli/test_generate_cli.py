@@ -273,9 +273,9 @@ def test_the_cli_says_before_compiling_that_it_compiles_and_about_how_long(tiny_
     from specbatch.engine.loading import load_model
 
     order: list[str] = []
-    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: order.append("warm") or
+    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir, **_: order.append("warm") or
                         C.CompileReport(model=lm.name, enabled=True))
-    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report: report)
+    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report, **_: report)
     target = load_model(str(tiny_models / "llama"))
 
     def notify(message: str) -> None:

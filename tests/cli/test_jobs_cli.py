@@ -34,16 +34,16 @@ def db_url(tmp_path, monkeypatch) -> str:
 
 @pytest.fixture
 def no_worker_check(monkeypatch) -> list[str]:
-    """Replace the live-worker probe; records the queues asked about. Returns False (no consumer)."""
+    """Replace the live-worker probe; records the queues asked about. Returns no worker."""
     import specbatch.worker.monitor as monitor
 
     asked: list[str] = []
 
-    def fake(settings, queue):
+    def fake(settings, queue, **_):
         asked.append(queue)
-        return False
+        return []
 
-    monkeypatch.setattr(monitor, "queue_has_consumer", fake)
+    monkeypatch.setattr(monitor, "queue_workers", fake)
     return asked
 
 
@@ -239,7 +239,7 @@ def test_status_of_a_finished_job_does_not_probe_workers(db_url, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("probed the broker for a finished job")
 
-    monkeypatch.setattr(monitor, "queue_has_consumer", boom)
+    monkeypatch.setattr(monitor, "queue_workers", boom)
     job_id, _ = make_job(db_url, results=1, failures=0, pending=0)
     result = run("status", job_id, "--json")
     assert result.exit_code == 0, result.output
@@ -452,3 +452,22 @@ def test_status_says_how_many_requests_a_dead_worker_left_with_expired_leases(db
     with db.session_factory(db_url).begin() as s:     # a live lease is not stranded
         store.claim_requests(s, ids[1:3], "w-live", 60, 3)
     assert "expired lease" not in run("status", job_id).stderr
+
+
+def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, monkeypatch):
+    """A worker loading its models is online, not consuming yet: status says it is starting and
+    shows a consuming worker's compile progress, and never tells the user to start a second one."""
+    import specbatch.worker.monitor as monitor
+
+    views = [monitor.WorkerView("w1@h", False, "starting: loading models")]
+    monkeypatch.setattr(monitor, "queue_workers", lambda settings, queue, **_: views)
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id, "--json")
+    assert result.exit_code == 0, result.output
+    assert "worker w1@h is starting for queue sb.q1 (starting: loading models)" in result.stderr
+    assert "no live worker" not in result.stderr and json.loads(result.stdout)["id"] == job_id
+
+    views[:] = [monitor.WorkerView("w1@h", True, "compiling 2/4 (t graph 2/4), decoding eagerly until then")]
+    result = run("status", job_id, "--json")
+    assert "worker w1@h: compiling 2/4 (t graph 2/4), decoding eagerly until then" in result.stderr
+    assert "no live worker" not in result.stderr and "starting" not in result.stderr

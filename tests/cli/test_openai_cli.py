@@ -158,7 +158,8 @@ def test_submit_wait_exits_by_outcome(db_url: str, tmp_path: Path, monkeypatch: 
 
     monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
     monkeypatch.setattr(enqueue, "enqueue_routes", fake_enqueue)
-    monkeypatch.setattr(monitor, "queue_has_consumer", lambda settings, queue: True)
+    monkeypatch.setattr(monitor, "queue_workers",
+                        lambda settings, queue, **_: [monitor.WorkerView("w@h", True, None)])
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
     if fail:
@@ -183,7 +184,8 @@ def test_submit_wait_exits_by_outcome(db_url: str, tmp_path: Path, monkeypatch: 
 def test_status_watch_refreshes_until_the_job_ends(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import specbatch.worker.monitor as monitor
 
-    monkeypatch.setattr(monitor, "queue_has_consumer", lambda settings, queue: True)
+    monkeypatch.setattr(monitor, "queue_workers",
+                        lambda settings, queue, **_: [monitor.WorkerView("w@h", True, None)])
     job_id, ids = _job(db_url)
     t = _finish_later(db_url, job_id, ids, delay=0.6)
     result = invoke("status", job_id, "--watch", "--interval", "0.2", "--json")

@@ -59,7 +59,7 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
     """A long-lived worker (no job size) compiles, before it consumes; a short job does not."""
     target = load_model(str(tiny_models / "llama"))
     warmed = []
-    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: warmed.append(shapes) or
+    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir, **_: warmed.append(shapes) or
                         C.CompileReport(model=lm.name, enabled=True, seconds=1.0))
     _no_comparison(monkeypatch)
     plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
@@ -95,7 +95,7 @@ def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models
     need = C.compile_memory_estimate([(target, C.warm_shapes(8))])
     assert need == C.MEMORY_FIXED + int(weights * C.MEMORY_PER_GRAPH * 4)
     assert C.compile_memory_estimate([(target, C.warm_shapes(8))], frozen=False) == C.MEMORY_FIXED
-    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir: C.CompileReport(model=lm.name, enabled=True))
+    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir, **_: C.CompileReport(model=lm.name, enabled=True))
     _no_comparison(monkeypatch)
 
     monkeypatch.setattr(memory, "default_budget", lambda device: need)
@@ -244,7 +244,7 @@ def _eager_backend(monkeypatch):
 
 def _no_comparison(monkeypatch):
     """Frozen graphs only, as before a first start compared them (tests of other decisions)."""
-    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report: report)
+    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report, **_: report)
 
 
 def test_frozen_is_kept_only_where_it_measured_worth_it(tmp_path):
@@ -299,7 +299,7 @@ def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_on
 
     # a later start compiles only the variant kept, and says why where that is not frozen
     compared = []
-    monkeypatch.setattr(C, "compare_not_frozen", lambda *a: compared.append(a) or a[-1])
+    monkeypatch.setattr(C, "compare_not_frozen", lambda *a, **_: compared.append(a) or a[-1])
     target.compiled = None
     plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     assert not compared and target.compiled.frozen is kept

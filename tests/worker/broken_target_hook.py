@@ -19,8 +19,8 @@ class _BrokenEngine:
         yield  # a generator, like the real one
 
 
-def _build(spec):  # noqa: ANN001, ANN202
-    return _BrokenEngine(_real_build(spec))
+def _build(spec, *args):  # noqa: ANN001, ANN002, ANN202
+    return _BrokenEngine(_real_build(spec, *args))
 
 
 tasks.build_engine = _build

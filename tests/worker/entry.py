@@ -18,9 +18,11 @@ from specbatch.worker.runner import run_worker
 @click.option("--draft", "drafts", multiple=True)
 @click.option("--hostname", "-n", default=None)
 @click.option("--imports", multiple=True)
-def main(target: str, drafts: tuple[str, ...], hostname: str | None, imports: tuple[str, ...]) -> None:
+@click.option("--compile", "compile_", default=None)
+def main(target: str, drafts: tuple[str, ...], hostname: str | None, imports: tuple[str, ...],
+         compile_: str | None) -> None:
     code, error = run_worker(get_settings(), target=target, drafts=drafts, hostname=hostname,
-                             imports=imports)
+                             imports=imports, compile=compile_)
     if error:
         click.echo(f"cannot load models: {error}", err=True)
     sys.exit(code or (3 if error else 0))

@@ -29,8 +29,8 @@ class _PoisonedEngine:
         return self._engine.generate_many(requests, batch_size=batch_size, on_start=start)
 
 
-def _build(spec):  # noqa: ANN001, ANN202
-    return _PoisonedEngine(_real_build(spec))
+def _build(spec, *args):  # noqa: ANN001, ANN002, ANN202
+    return _PoisonedEngine(_real_build(spec, *args))
 
 
 tasks.build_engine = _build

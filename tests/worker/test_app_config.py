@@ -49,7 +49,7 @@ def test_a_worker_logs_why_auto_decodes_eagerly(plan, logged, monkeypatch, caplo
     from specbatch.worker import tasks
 
     monkeypatch.setattr(tasks, "_ENGINE", {})
-    monkeypatch.setattr(tasks, "build_engine", lambda spec: SimpleNamespace(compile_plan=plan, target_name="t"))
+    monkeypatch.setattr(tasks, "build_engine", lambda spec, *_: SimpleNamespace(compile_plan=plan, target_name="t"))
     with caplog.at_level(logging.INFO, logger="specbatch.worker.tasks"):
         tasks.get_engine({"specbatch_engine": {"target": "t"}})
         tasks.get_engine({"specbatch_engine": {"target": "t"}})    # loaded once: said once

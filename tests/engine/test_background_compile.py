@@ -1,0 +1,127 @@
+"""Compiling in the background (specbatch.engine.background): eager at once, the compiled forward
+adopted between batches once warmed up and faster, not a token changed across the switch."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from specbatch.engine import Engine, GenerationParams
+from specbatch.engine import background as B
+from specbatch.engine import compiled as C
+from specbatch.engine.loading import load_model
+
+PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The", "Write a haiku about",
+           "Once upon a time"]
+N = 24
+
+
+def _greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:
+    return [engine.generate(prompt=p, params=GenerationParams(max_new_tokens=N)).token_ids for p in prompts]
+
+
+@pytest.fixture
+def dynamo_only(monkeypatch):
+    """torch.compile with dynamo's own eager backend: the same tracing, guards and graph dispatch
+    in the background thread, no minutes of inductor (the slow test below runs inductor); frozen
+    only, as a later start on a host that compared the two."""
+    real = torch.compile
+
+    def cheap(model, dynamic=None, mode=None, options=None):  # noqa: ANN001, ANN202
+        return real(model, dynamic=dynamic, backend="eager")
+
+    monkeypatch.setattr(C.torch, "compile", cheap)
+    monkeypatch.setattr(C, "recorded_frozen", lambda *a, **k: True)   # one variant: no comparison
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """The background compile starts only once the test opens the gate (no race with decoding)."""
+    gate, real = threading.Event(), B.prepare
+
+    def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        gate.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(B, "prepare", held)
+    return gate
+
+
+@pytest.mark.slow   # ~40 s on a busy 2-core host: dynamo traces both models while the first batches decode
+def test_decodes_eagerly_at_once_then_switches_between_batches_token_identical(
+        tiny_models, tmp_path, dynamo_only, gated, monkeypatch):
+    monkeypatch.setattr("specbatch.engine.engine.default_budget", lambda device: 8 * 2**30)
+    states: list[str] = []
+    engine = Engine.load(str(tiny_models / "llama"), drafts=[str(tiny_models / "llama-partial")],
+                         compile="on", background=states.append, batch_size=1, cache_dir=str(tmp_path))
+    reference = Engine(load_model(str(tiny_models / "llama")), batch_size=1)   # the target alone, eager
+    assert engine.compile_plan is not None and not engine.compile_plan.enabled
+    assert "background" in engine.compile_plan.reason
+
+    first = _greedy(engine, PROMPTS[:2])                # the job's first batches: eager
+    assert engine.target.compiled is None and engine.drafts[0].compiled is None
+    background = engine.background
+    # while it compiles, decoding leaves it the memory it will take
+    assert background is not None and engine._memory().budget == 8 * 2**30 - background.reserved_bytes()
+    gated.set()
+    assert background.join(timeout=600)
+    second = _greedy(engine, PROMPTS[2:])               # switched before this batch
+    assert engine.compile_plan.enabled and background.adopted, engine.compile_plan.to_dict()
+    assert engine.background is None and engine.memory is not None       # a budget measured since
+    compiled = engine.target.compiled
+    assert compiled is not None and compiled.warmed and compiled.calls > 0 and compiled.misses == 0
+
+    assert first + second == _greedy(reference, PROMPTS)     # lossless across the switch
+    assert any(s.startswith("compiling 1/") and s.endswith("decoding eagerly until then") for s in states), states
+    assert states[-1].startswith("compiled after"), states
+
+
+def test_auto_switches_to_nothing_that_measured_no_faster_here(tiny_models, tmp_path, dynamo_only,
+                                                               monkeypatch):
+    monkeypatch.setattr(C, "measure_speedup", lambda *a, **k: 0.9)
+    states: list[str] = []
+    engine = Engine.load(str(tiny_models / "llama"), compile="auto", background=states.append, batch_size=1,
+                         cache_dir=str(tmp_path))
+    assert engine.background is not None and engine.background.join(timeout=600)
+    _greedy(engine, PROMPTS[:1])
+    assert engine.target.compiled is None and not engine.compile_plan.enabled
+    assert "no graph measured faster than eager here" in engine.compile_plan.reason
+    assert states[-1].startswith("eager: "), states
+
+
+def test_a_stopped_background_compile_installs_nothing(tiny_models, tmp_path, dynamo_only, gated):
+    engine = Engine.load(str(tiny_models / "llama"), compile="on", background=True, batch_size=1,
+                         cache_dir=str(tmp_path))
+    assert engine.background is not None
+    engine.background.stop()
+    gated.set()
+    assert engine.background.join(timeout=600)
+    _greedy(engine, PROMPTS[:1])
+    assert engine.target.compiled is None and "stopped" in engine.compile_plan.reason
+
+
+def test_off_does_not_start_a_background_compile(tiny_models, tmp_path):
+    engine = Engine.load(str(tiny_models / "llama"), compile="off", background=True, cache_dir=str(tmp_path))
+    assert engine.background is None and engine.compile_plan.reason == "compile off"
+
+
+@pytest.mark.slow
+def test_inductor_in_the_background_while_decoding_eagerly_then_switched(tiny_models, tmp_path, monkeypatch):
+    """The real compiler on another thread while this one decodes: every eager output meanwhile
+    and every compiled one after the switch are the target's own greedy tokens."""
+    monkeypatch.setattr(C, "recorded_frozen", lambda *a, **k: True)   # frozen only: 2 graphs, not 4
+    engine = Engine.load(str(tiny_models / "llama"), compile="on", background=True, batch_size=1,
+                         cache_dir=str(tmp_path))
+    reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)
+    background = engine.background
+    assert background is not None
+    rounds = 0
+    while not background.done:          # decoding eagerly the whole time it compiles
+        assert _greedy(engine, PROMPTS[:1]) == reference[:1]
+        rounds += 1
+    assert _greedy(engine, PROMPTS) == reference
+    assert engine.compile_plan.enabled, engine.compile_plan.to_dict()
+    compiled = engine.target.compiled
+    assert compiled is not None and compiled.calls > 0 and compiled.misses == 0 and rounds > 0

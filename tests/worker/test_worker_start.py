@@ -1,0 +1,129 @@
+"""A starting worker: online (and saying so) while it loads, consuming eagerly while it compiles,
+stopped by SIGTERM either way. Real Redis, real `specbatch worker` processes (prefork, spawned
+child); hooks in the pool child hold loading / compiling as long as a test needs."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from specbatch.worker.monitor import active_queues, queue_workers
+from tests.worker.conftest import CLI
+from tests.worker.services import Proc, wait_for
+
+pytestmark = pytest.mark.slow   # each starts a worker: spawning its child alone is seconds here
+
+
+def _worker(cluster, name: str, hook: str, compile_: str = "off") -> Proc:  # noqa: ANN001
+    argv = [sys.executable, "-m", "tests.worker.entry", "--imports", hook, "--compile", compile_,
+            "--target", str(cluster.models / "llama"), "--draft", str(cluster.models / "llama-partial"),
+            "-n", f"{name}@%h"]
+    proc = Proc(argv, cluster.env, cluster.tmp / f"worker-{name}.log")
+    cluster.procs.append(proc)
+    return proc
+
+
+def _state(cluster, proc: Proc, prefix: str) -> str | None:  # noqa: ANN001
+    """This worker's announced state once it starts with ``prefix``."""
+    if proc.proc.poll() is not None:
+        raise AssertionError(f"worker exited {proc.proc.returncode}:\n{proc.output()[-3000:]}")
+    views = queue_workers(cluster.settings, cluster.queue(), timeout=0.5) or []
+    return next((v.state for v in views if v.state and v.state.startswith(prefix)), None)
+
+
+@pytest.fixture
+def gate(cluster):  # noqa: ANN001, ANN201
+    path = cluster.tmp / "gate"
+    cluster.env["SPECBATCH_TEST_GATE"] = str(path)
+    return path
+
+
+def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, gate) -> None:  # noqa: ANN001
+    proc = _worker(cluster, "w1", "tests.worker.gated_load_hook")
+    assert wait_for(lambda: _state(cluster, proc, "starting"), 120, "the worker to announce itself") == \
+        "starting: loading models"
+    view = next(v for v in queue_workers(cluster.settings, cluster.queue()) or [] if v.name.startswith("w1@"))
+    assert not view.consuming      # online, not consuming: nothing is taken before the models are there
+
+    # what a user sees: the worker is starting, not "no live worker ... start one"
+    job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
+    out = subprocess.run([*CLI, "status", job_id], env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"is starting for queue {cluster.queue()} (starting: loading models)" in out.stderr, out.stderr
+    assert "no live worker" not in out.stderr, out.stderr
+
+    gate.touch()
+    cluster.wait_consuming(proc)
+    assert cluster.wait_finished(job_id)["status"] == "completed"
+    assert wait_for(lambda: _state(cluster, proc, "ready"), 30, "the ready state") == "ready (eager)"
+
+
+def test_sigterm_stops_a_worker_while_it_loads(cluster, gate) -> None:  # noqa: ANN001
+    """Before: "Warm shutdown", then the parent waited for the loading child forever."""
+    proc = _worker(cluster, "w1", "tests.worker.gated_load_hook")
+    wait_for(lambda: _state(cluster, proc, "starting"), 120, "the worker to announce itself")
+    child = proc.pool_children()
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()[-3000:]      # the bound is generous; measured ~3-5 s
+    assert not any(_alive(pid) for pid in child), child
+
+
+def test_a_compiling_worker_consumes_eagerly_shows_progress_and_stops_on_sigterm(cluster) -> None:  # noqa: ANN001
+    """Before: compiling ran before the worker consumed (31 minutes for the default pair) and a
+    SIGTERM then left it alive."""
+    proc = _worker(cluster, "w1", "tests.worker.stuck_compile_hook", compile_="on")
+    cluster.wait_consuming(proc)
+    state = wait_for(lambda: _state(cluster, proc, "compiling"), 60, "the compiling state")
+    assert state.startswith("compiling 1/4 (") and state.endswith("decoding eagerly until then"), state
+
+    job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
+    assert cluster.wait_finished(job_id)["status"] == "completed"      # eagerly, while compiling
+    out = subprocess.run([*CLI, "status", job_id], env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "no live worker" not in out.stderr, out.stderr
+
+    child = proc.pool_children()
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()[-3000:]
+    assert not any(_alive(pid) for pid in child), child
+    assert not (active_queues(cluster.settings, timeout=0.5) or {})
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = open(f"/proc/{pid}/stat").read().split()[2] if os.path.exists(f"/proc/{pid}/stat") else "X"
+    return state not in ("Z", "X")
+
+
+def test_flower_shows_the_starting_worker_its_state_and_the_pair_queue_holding_tasks(cluster, gate) -> None:  # noqa: ANN001
+    """Before: "No workers are available" while the worker loaded or compiled, and the Broker tab
+    listed only specbatch.default while the job's tasks waited in the pair queue."""
+    import requests
+
+    from tests.worker.test_queue_integration import _get
+
+    flower, port = cluster.flower(password="s3cret")
+    job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
+    proc = _worker(cluster, "w1", "tests.worker.gated_load_hook")
+    wait_for(lambda: _state(cluster, proc, "starting"), 120, "the worker to announce itself")
+    base, auth = f"http://127.0.0.1:{port}", ("admin", "s3cret")
+    assert wait_for(lambda: _get(base + "/healthcheck", None) is not None, 60, "flower to start")
+
+    def starting() -> dict | None:
+        workers = _get(base + "/api/workers?refresh=1", auth) or {}
+        return next((w for name, w in workers.items() if name.startswith("w1@")
+                     and (w.get("conf") or {}).get("specbatch_state")), None)
+    worker = wait_for(starting, 60, "flower to list the starting worker with its state")
+    assert worker["conf"]["specbatch_state"] == "starting: loading models", worker["conf"]
+
+    page = requests.get(base + "/broker", auth=auth, timeout=10)
+    assert page.status_code == 200 and cluster.queue() in page.text, page.text[-2000:]
+    gate.touch()
+    assert cluster.wait_finished(job_id)["status"] == "completed"
