@@ -39,7 +39,8 @@ def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
     ``model``: a transformers model (eager) or a LoadedModel (its ``forward``: compiled if
     installed, see specbatch.engine.compiled).
     """
-    from specbatch.engine.loading import LoadedModel, _cache_kwarg
+    from specbatch.engine.hf_cache import cache_kwarg
+    from specbatch.engine.loading import LoadedModel
 
     hf = model.model if isinstance(model, LoadedModel) else model
     vocab = int(hf.config.get_text_config().vocab_size)
@@ -48,7 +49,7 @@ def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
 
     def call(ids: torch.Tensor, keep: int) -> Any:
         if hf is model:
-            return model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{_cache_kwarg(model): cache})
+            return model(input_ids=ids, use_cache=True, logits_to_keep=keep, **{cache_kwarg(model): cache})
         return model.forward(ids, cache, logits_to_keep=keep)
 
     with torch.inference_mode():

@@ -9,6 +9,7 @@ from typing import Any
 import click
 
 from specbatch.cli.common import check_queue_workers, echo_json, open_db, warn
+from specbatch.cli.render import batching_line, counts_line, failure_lines, models, num, when
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
@@ -16,43 +17,6 @@ from specbatch.plural import plural
 from specbatch.redact import mask
 
 JSON_HELP = "Print machine-readable JSON on stdout."
-
-
-def _when(iso: str | None) -> str:
-    return iso[:19].replace("T", " ") if iso else "-"
-
-
-def _num(x: float | None, fmt: str = "{:.3f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def _models(d: dict[str, Any]) -> str:
-    drafts = list(d["drafts"]) + (["ngram"] if d.get("ngram") else [])
-    return d["target"] + (f" <- {', '.join(drafts)}" if drafts else "")
-
-
-def failure_lines(d: dict[str, Any]) -> list[str]:
-    """The summary's first failed requests, one line each, and how to see them all."""
-    shown = d.get("failures") or []
-    lines = [f"line {f['line_no']} ({f['custom_id']}): {f['error']}" for f in shown]
-    more = d["request_counts"].get("failed", 0) - len(shown)
-    if shown:
-        lines.append((f"and {more} more; " if more > 0 else "")
-                     + f"`specbatch export {d['id']} --status failed` lists every failure")
-    return lines
-
-
-def _counts_line(c: dict[str, int]) -> str:
-    return "  ".join(f"{k} {c[k]}" for k in ("total", "pending", "running", "completed", "failed",
-                                             "cancelled"))
-
-
-def batching_line(b: dict[str, Any]) -> str:
-    """ "B=16 81% of decode time, B=8 12%, ...; speculated 20% of steps" (largest share first)."""
-    shares = sorted(b["batch_size_share"].items(), key=lambda kv: -kv[1])
-    sizes = ", ".join(f"B={k} {v:.0%}" for k, v in shares[:5])
-    spec = b.get("speculative_step_share")
-    return sizes + ("" if spec is None else f"; speculated {spec:.0%} of steps")
 
 
 def _console() -> Any:
@@ -95,8 +59,8 @@ def jobs(limit: int, as_json: bool) -> None:
         table.add_column(col, no_wrap=col != "models")
     for d in data:
         c = d["request_counts"]
-        table.add_row(d["id"], d["status"], _models(d), f"{c['completed']}/{c['total']}", str(c["failed"]),
-                      _when(d["created_at"]))
+        table.add_row(d["id"], d["status"], models(d), f"{c['completed']}/{c['total']}", str(c["failed"]),
+                      when(d["created_at"]))
     _console().print(table)
 
 
@@ -120,32 +84,32 @@ def _status_view(d: dict[str, Any]) -> Any:
     info.add_column(style="bold")
     info.add_column()
     info.add_row("status", d["status"])
-    info.add_row("models", _models(d))
+    info.add_row("models", models(d))
     for route in d.get("models", []):       # body.model -> the pair it runs on (unless it says no more)
-        if route["model"] is not None and (route["model"], _models(route)) != (d["target"], _models(d)):
-            info.add_row("", escape(f"{route['model']}: {_models(route)} ({plural(route['requests'], 'request')})"))
+        if route["model"] is not None and (route["model"], models(route)) != (d["target"], models(d)):
+            info.add_row("", escape(f"{route['model']}: {models(route)} ({plural(route['requests'], 'request')})"))
     info.add_row("queue", d["queue"])
     if d["source"]:
         info.add_row("source", escape(d["source"]))
     for key in ("created_at", "started_at", "finished_at", "cancel_requested_at", "cancelled_at"):
         if d[key]:
-            info.add_row(key.removesuffix("_at").replace("_", " "), _when(d[key]))
-    info.add_row("requests", _counts_line(d["request_counts"]))
+            info.add_row(key.removesuffix("_at").replace("_", " "), when(d[key]))
+    info.add_row("requests", counts_line(d["request_counts"]))
     for i, line in enumerate(failure_lines(d)):     # custom ids and errors are the user's text, not markup
         info.add_row("failures" if i == 0 else "", escape(line))
     if st["results"]:
         ar, mal, lat = st["acceptance_rate"], st["mean_acceptance_length"], st["latency_seconds"]
-        info.add_row("acceptance rate", f"{_num(ar['token_weighted'])} token-weighted, "
-                                        f"{_num(ar['request_mean'])} request mean")
-        info.add_row("mean acceptance length", f"{_num(mal['token_weighted'], '{:.2f}')} token-weighted, "
-                                               f"{_num(mal['request_mean'], '{:.2f}')} request mean")
+        info.add_row("acceptance rate", f"{num(ar['token_weighted'])} token-weighted, "
+                                        f"{num(ar['request_mean'])} request mean")
+        info.add_row("mean acceptance length", f"{num(mal['token_weighted'], '{:.2f}')} token-weighted, "
+                                               f"{num(mal['request_mean'], '{:.2f}')} request mean")
         info.add_row("tokens generated", str(st["tokens_generated"]))
         if st.get("cache_hits"):
             info.add_row("cache hits", f"{plural(st['cache_hits'], 'result')} copied, "
                                        f"{plural(st['tokens_from_cache'], 'token')} not generated")
-        info.add_row("throughput", f"{_num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
+        info.add_row("throughput", f"{num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
-        info.add_row("latency", f"p50 {_num(lat['p50'], '{:.2f}')} s, p95 {_num(lat['p95'], '{:.2f}')} s")
+        info.add_row("latency", f"p50 {num(lat['p50'], '{:.2f}')} s, p95 {num(lat['p95'], '{:.2f}')} s")
         if st["pool_wins"]:
             info.add_row("pool wins", ", ".join(f"{k} {v}" for k, v in st["pool_wins"].items()))
         batching = st.get("batching") or {}
@@ -158,7 +122,7 @@ def _status_view(d: dict[str, Any]) -> Any:
             workers.add_column(col, justify="left" if col == "worker" else "right")
         for w in st["workers"]:
             workers.add_row(w["worker"], str(w["requests"]), str(w["tokens_generated"]),
-                            _num(w["tokens_per_second"], "{:.1f}"), _num(w["busy_tokens_per_second"], "{:.1f}"))
+                            num(w["tokens_per_second"], "{:.1f}"), num(w["busy_tokens_per_second"], "{:.1f}"))
         parts.append(workers)
     return Group(*parts)
 

@@ -615,11 +615,11 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
             continue
         table.add_row(key, str(value))
     if (stats.get("batching") or {}).get("batch_size_share"):
-        from specbatch.cli.jobs import batching_line
+        from specbatch.cli.render import batching_line
 
         table.add_row("batch sizes", batching_line(stats["batching"]))
     Console().print(table)
-    from specbatch.cli.jobs import failure_lines
+    from specbatch.cli.render import failure_lines
 
     for line in failure_lines(summary):
         click.echo(f"failed: {line}", err=True)

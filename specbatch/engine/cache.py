@@ -6,22 +6,13 @@ Rollback is the same for a chain and a token tree: the columns of rejected token
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from specbatch.engine.backend import TargetBackend
+from specbatch.engine.hf_cache import cache_length, kv_layers
 from specbatch.engine.loading import LoadedModel
-
-
-def kv_layers(cache: DynamicCache) -> list[Any]:
-    """The cache's attention layers (each with ``keys`` / ``values`` of shape (B, H, L, D))."""
-    return list(cache.layers)
-
-
-def cache_length(cache: DynamicCache | None) -> int:
-    return 0 if cache is None else int(cache.get_seq_length())
 
 
 class BatchCache:

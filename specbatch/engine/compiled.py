@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from specbatch.engine.hf_cache import cache_kwarg
+
 logger = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -421,9 +423,7 @@ def measure_speedup(lm: Any, cache: Any, ids: torch.Tensor, keep: int,
                     rounds: int = MEASURE_ROUNDS) -> float:
     """Eager / compiled time of one step of ``ids`` after ``cache``, best of ``rounds``, the two
     alternating so both see the same load; the cache is left as it was."""
-    from specbatch.engine.loading import _cache_kwarg
-
-    kwarg = _cache_kwarg(lm.model)
+    kwarg = cache_kwarg(lm.model)
     best = time_steps({"compiled": lambda: lm.forward(ids, cache, logits_to_keep=keep),
                        "eager": lambda: lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep,
                                                  **{kwarg: cache})},
@@ -712,10 +712,8 @@ def eager_step_seconds(lm: Any, prefix: int = 32, rows: int = 1) -> float:
     underestimated a batched job's decoding several times over)."""
     from transformers import DynamicCache
 
-    from specbatch.engine.loading import _cache_kwarg
-
     cache = DynamicCache()
-    kw = {_cache_kwarg(lm.model): cache}
+    kw = {cache_kwarg(lm.model): cache}
     with torch.inference_mode():
         lm.model(input_ids=torch.zeros(rows, prefix, dtype=torch.long, device=lm.device), use_cache=True,
                  logits_to_keep=1, **kw)

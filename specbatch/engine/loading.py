@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import inspect
 import logging
 import os
 import shutil
@@ -25,6 +24,7 @@ import torch
 
 from specbatch.config import get_settings
 from specbatch.engine.compiled import CompiledForward
+from specbatch.engine.hf_cache import cache_kwarg
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
 from specbatch.errors import DeviceError, ModelLoadError
@@ -56,7 +56,7 @@ class LoadedModel:
         Compiled when a compiled forward is installed and the cache is not empty; eager otherwise
         (and for good once compiling failed, after one warning).
         """
-        kwarg = _cache_kwarg(self.model)
+        kwarg = cache_kwarg(self.model)
         compiled = self.compiled
         if compiled is not None:
             n_cached = int(cache.get_seq_length()) if cache is not None else 0
@@ -79,15 +79,6 @@ def _is_compile_error(e: BaseException) -> bool:
     mod = type(e).__module__
     return mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "subprocess")) or \
         isinstance(e, (OSError, ImportError))
-
-
-def _cache_kwarg(model: Any) -> str:
-    name = getattr(model, "_specbatch_cache_kwarg", None)
-    if name is None:
-        params = inspect.signature(model.forward).parameters
-        name = "cache" if "cache" in params else "past_key_values"
-        model._specbatch_cache_kwarg = name
-    return name
 
 
 def known_model_status() -> list[dict[str, Any]]:

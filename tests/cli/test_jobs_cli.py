@@ -426,7 +426,7 @@ def test_status_shows_the_users_text_as_text_not_markup(db_url, no_worker_check)
 
 
 def test_failure_lines_show_the_first_failures_and_count_the_rest():
-    from specbatch.cli.jobs import failure_lines
+    from specbatch.cli.render import failure_lines
 
     d = {"id": "j1", "request_counts": {"failed": 7},
          "failures": [{"line_no": 2, "custom_id": "a", "error": "prompt too long"}]}
