@@ -26,6 +26,7 @@ from specbatch.engine.gamma import GammaController
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
+from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Verdict, Warp
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.tally import Tally
@@ -45,6 +46,7 @@ class Row:
     stop: StopCheck
     warp: Warp | None                   # None: greedy
     generator: torch.Generator | None   # the request's own: its draws do not depend on the batch
+    procs: RowProcessors | None         # logit processors (penalties, logit_bias); None: none
     ctl: GammaController
     tally: Tally
     t_start: float
@@ -153,7 +155,7 @@ class Decoder:
         self.rows.extend(new)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
-        warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p)
+        warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p, params.min_p)
         gen = None
         if warp is not None:
             gen = torch.Generator(device=self.target.device)
@@ -161,7 +163,7 @@ class Decoder:
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         gamma = params.gamma if params.gamma is not None else self.default_gamma
         ctl = GammaController(self.policy.costs(1), gamma=gamma, adaptive=not params.fixed_gamma)
-        return Row(index, list(ids), params, stop, warp, gen, ctl,
+        return Row(index, list(ids), params, stop, warp, gen, RowProcessors.build(params, len(ids)), ctl,
                    Tally(GenerationStats(prompt_tokens=len(ids))), now)
 
     # -- one step for every row: draft, verify the trees in one forward, accept, roll back
@@ -235,17 +237,25 @@ class Decoder:
         return build_tree(proposals, order)
 
     def _verify(self, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict]:
-        """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b)."""
+        """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b).
+
+        A row with logit processors has its logits processed at every node with that node's
+        history (the accepted ids plus the drafted tokens on the node's path), as the drafts'
+        q were: then the verifiers are exact for the processed target."""
         keep = logits.shape[1]
-        greedy = any(r.warp is None for r in self.rows)
-        argmax = logits.argmax(dim=-1).tolist() if greedy else []
+        plain_greedy = any(r.warp is None and r.procs is None for r in self.rows)
+        argmax = logits.argmax(dim=-1).tolist() if plain_greedy else []
         out = []
         for b, (r, t) in enumerate(zip(self.rows, trees)):
             start = keep - 1 - t.n_nodes
+            x = logits[b, start:]
+            if r.procs is not None:
+                x = r.procs(x, r.ids, t.branches())
             if r.warp is None:
-                out.append(verify_greedy(t, argmax[b][start:]))
+                ids = x.argmax(dim=-1).tolist() if r.procs is not None else argmax[b][start:]
+                out.append(verify_greedy(t, ids))
             else:
-                out.append(verify_sampling(t, r.warp.probs(logits[b, start:]), r.generator))
+                out.append(verify_sampling(t, r.warp.probs(x), r.generator))
         return out
 
     def _accept(self, r: Row, v: Verdict) -> None:

@@ -176,7 +176,7 @@ class Engine:
         valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
-                params = req.params.validate()
+                params = req.params.validate(self.target.vocab_size)
                 ids = self._ids(req.prompt, req.messages, req.input_ids)
                 self._check_fits(ids, params)
             except SpecBatchError as e:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from specbatch.config import Settings
+from specbatch.engine import rules
 from specbatch.engine.known_models import misspelt, not_found
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
@@ -32,14 +32,16 @@ from specbatch.jobs.openai_fields import json_type
 from specbatch.plural import plural
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# logit processors (specbatch.engine.processors): stored in a request's params only when given
+PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop")
+             "top_k", "seed", "stop", *PROCESSOR_KEYS)
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
 MAX_CUSTOM_ID = 512
-MAX_SEED = 2**63 - 1
+MAX_SEED = rules.MAX_SEED
 KEPT_ERRORS = 1000          # errors kept in memory; the total is always counted
 BOM = b"\xef\xbb\xbf"
 _MISSING = object()
@@ -49,7 +51,8 @@ Route = tuple[str, list[str]]       # (target, drafts) a --model-map entry sends
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """One valid line. ``params`` holds every GenerationParams field of PARAM_KEYS, resolved."""
+    """One valid line. ``params`` holds every GenerationParams field of PARAM_KEYS, resolved, and
+    those of PROCESSOR_KEYS the line gives (``logit_bias`` as {"token id": bias})."""
 
     line_no: int
     custom_id: str
@@ -134,48 +137,28 @@ class _Problems(Exception):
 
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return rules.is_number(v)
+
+
+def _is_int(v: Any) -> bool:
+    return rules.is_int(v)
 
 
 def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
-    """(normalised value, problem or None) for one generation parameter."""
+    """(normalised value, problem or None) for one generation parameter: the rule table of
+    specbatch.engine.rules, which GenerationParams.validate applies too."""
     if name in MAX_TOKENS_KEYS:
-        if not _is_int(v):
-            return v, f"must be an integer >= 1, got {json_type(v)}"
-        return v, None if v >= 1 else f"must be >= 1, got {v}"
-    if name == "temperature":
-        if not _is_number(v):
-            return v, f"must be a number >= 0, got {json_type(v)}"
-        return float(v), None if math.isfinite(v) and v >= 0 else f"must be >= 0, got {v}"
-    if name == "top_p":
-        if not _is_number(v):
-            return v, f"must be a number in (0, 1], got {json_type(v)}"
-        return float(v), None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
-    if name == "top_k":
-        if not _is_int(v):
-            return v, f"must be an integer >= 0 (0: no top-k), got {json_type(v)}"
-        return v, None if v >= 0 else f"must be >= 0, got {v}"
-    if name == "seed":
-        if v is None:
-            return None, None
-        if not _is_int(v):
-            return v, f"must be an integer, got {json_type(v)}"
-        return v, None if 0 <= v <= MAX_SEED else f"must be in [0, 2**63 - 1], got {v}"
+        return rules.check("max_new_tokens", v)
     if name == "stop":
-        if v is None:
-            return [], None
-        stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-            return v, f"must be a string or a list of strings, got {json_type(v)}"
-        if any(s == "" for s in stops):
-            return v, "stop strings must not be empty"
-        return list(stops), None
-    raise KeyError(name)
+        return rules.check_stop(v)
+    return rules.check(name, v)
+
+
+def _check_logit_bias(v: Any, field: str) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """{"token id": bias}, as stored (JSON keys are strings); every bad entry is one problem."""
+    bias, problems = rules.check_logit_bias(v)
+    return {str(k): b for k, b in sorted(bias.items())}, [(field + where, why) for where, why in problems]
 
 
 def job_params(defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -402,6 +385,19 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
     if top_p_zero:
         params.update(temperature=0.0, top_p=1.0)
+    for key in PROCESSOR_KEYS:
+        if fields_.get(key) is None:
+            continue
+        if key == "logit_bias":
+            value, more = _check_logit_bias(fields_[key], prefix + key)
+            problems += more
+            if value:
+                params[key] = value
+            continue
+        value, problem = _check_param(key, fields_[key])
+        if problem:
+            problems.append((prefix + key, problem))
+        params[key] = value
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()

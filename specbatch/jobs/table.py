@@ -85,7 +85,13 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
     row.update(messages=_messages(req.messages), metadata=_entries(req.meta),
                params={"max_new_tokens": params.get("max_new_tokens"), "temperature": params.get("temperature"),
                        "top_p": params.get("top_p"), "top_k": params.get("top_k"), "seed": params.get("seed"),
-                       "stop": list(params.get("stop") or [])},
+                       "stop": list(params.get("stop") or []),
+                       # the logit processors, stored only when a line gave them: their defaults else
+                       "presence_penalty": params.get("presence_penalty", 0.0),
+                       "frequency_penalty": params.get("frequency_penalty", 0.0),
+                       "repetition_penalty": params.get("repetition_penalty", 1.0),
+                       "min_p": params.get("min_p", 0.0),
+                       "logit_bias": _entries(params.get("logit_bias") or {})},
                text=None, finish_reason=None, prompt_tokens=None, completion_tokens=None, token_ids=None,
                conversation=conversation(req, res), stats=None, worker=None, started_at=None,
                finished_at=None, latency_seconds=None)
@@ -116,7 +122,9 @@ def parquet_schema() -> Any:
         ("wall_seconds", f64), ("tokens_per_second", f64), ("pool_wins", entries(i64)), ("final_gamma", i64),
         ("speculation_disabled", pa.bool_())])
     params = pa.struct([("max_new_tokens", i64), ("temperature", f64), ("top_p", f64), ("top_k", i64),
-                        ("seed", i64), ("stop", pa.list_(s))])
+                        ("seed", i64), ("stop", pa.list_(s)), ("presence_penalty", f64),
+                        ("frequency_penalty", f64), ("repetition_penalty", f64), ("min_p", f64),
+                        ("logit_bias", entries(f64))])
     return pa.schema([
         ("job_id", s), ("request_id", i64), ("custom_id", s), ("line_no", i64), ("kind", s), ("status", s),
         ("model", s), ("target", s), ("drafts", pa.list_(s)), ("prompt", s), ("prompt_ids", pa.list_(i64)),
