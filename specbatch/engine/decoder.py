@@ -31,7 +31,7 @@ from specbatch.engine.sampling import Verdict, Warp
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.tally import Tally
 from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
-from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
+from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats, TokenLogprob
 
 Request = tuple[int, list[int], GenerationParams]   # (caller's index, prompt ids, parameters)
 
@@ -52,6 +52,7 @@ class Row:
     t_start: float
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
 
 
 class Decoder:
@@ -164,7 +165,8 @@ class Decoder:
         gamma = params.gamma if params.gamma is not None else self.default_gamma
         ctl = GammaController(self.policy.costs(1), gamma=gamma, adaptive=not params.fixed_gamma)
         return Row(index, list(ids), params, stop, warp, gen, RowProcessors.build(params, len(ids)), ctl,
-                   Tally(GenerationStats(prompt_tokens=len(ids))), now)
+                   Tally(GenerationStats(prompt_tokens=len(ids))), now,
+                   logprobs=None if params.logprobs is None else [])
 
     # -- one step for every row: draft, verify the trees in one forward, accept, roll back
     def _step(self) -> None:
@@ -188,6 +190,7 @@ class Decoder:
                                     parents=None if chains else
                                     [t.feed_parents(len(p)) for p, t in zip(pending, trees)])
         verdicts = self._verify(trees, logits)
+        self._logprobs(trees, logits, verdicts)
         t2 = time.perf_counter()
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
@@ -258,6 +261,23 @@ class Decoder:
                 out.append(verify_sampling(t, r.warp.probs(x), r.generator))
         return out
 
+    def _logprobs(self, trees: list[TokenTree], logits: torch.Tensor, verdicts: list[Verdict]) -> None:
+        """Rows that ask for them record each emitted token's log-probability under the target:
+        the raw log-softmax of the verification logits at the node before it (the root, then
+        the accepted path), the same numbers the target alone gives (docs/FORMATS.md)."""
+        keep = logits.shape[1]
+        for b, (r, t, v) in enumerate(zip(self.rows, trees, verdicts)):
+            if r.logprobs is None:
+                continue
+            start = keep - 1 - t.n_nodes
+            cols = torch.tensor([start] + [start + j for j in v.path], device=logits.device)
+            lp = logits[b].index_select(0, cols).float().log_softmax(dim=-1)      # (len(tokens), V)
+            chosen = lp.gather(1, torch.tensor(v.tokens, device=lp.device)[:, None])[:, 0].tolist()
+            k = r.params.logprobs or 0
+            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            for x, c, tv, ti in zip(v.tokens, chosen, top_v.tolist(), top_i.tolist()):
+                r.logprobs.append(TokenLogprob(x, c, tuple(zip(ti, tv))))
+
     def _accept(self, r: Row, v: Verdict) -> None:
         """Extend the row's sequence; stop on EOS, max_new_tokens or a stop string."""
         r.ids.extend(v.tokens)
@@ -265,6 +285,8 @@ class Decoder:
         keep, reason = r.stop.step(r.generated, len(v.tokens))
         if reason is not None:
             del r.generated[keep:]
+            if r.logprobs is not None:
+                del r.logprobs[keep:]
             r.finish = reason
 
     def _retire(self) -> Iterator[tuple[int, GenerationOutput]]:
@@ -280,4 +302,4 @@ class Decoder:
         for r in finished:
             s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)
             yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated,
-                                            r.finish or "length", s)
+                                            r.finish or "length", s, r.logprobs)

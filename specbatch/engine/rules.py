@@ -15,6 +15,8 @@ from typing import Any
 
 MAX_SEED = 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0      # OpenAI's range for a logit_bias value: [-100, 100]
+MAX_TOP_LOGPROBS = 20         # chat's top_logprobs: 0..20 (completions' logprobs: 0..5)
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def json_type(v: Any) -> str:
@@ -107,6 +109,7 @@ RULES: dict[str, Rule] = {
     "seed": Rule(integer=True, lo=0, hi=MAX_SEED, nullable=True, shown="in [0, 2**63 - 1]",
                  typed_range=False),
     "gamma": Rule(integer=True, lo=0, hi=64, nullable=True),
+    "logprobs": Rule(integer=True, lo=0, hi=MAX_TOP_LOGPROBS, nullable=True),
 }
 
 

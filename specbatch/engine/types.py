@@ -28,6 +28,8 @@ class GenerationParams:
     repetition_penalty: float = 1.0     # vLLM/HF (CTRL): tokens of prompt + output; 1: none
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) pairs
     min_p: float = 0.0                  # drop tokens below min_p * the top token's probability
+    logprobs: int | None = None         # return each token's log-probability and this many top
+                                        # alternatives (the raw target's log-softmax); None: none
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):       # one stop string, not its characters
@@ -121,6 +123,16 @@ class GenerationStats:
         return d
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target (its raw log-softmax, from the
+    verification forward, never a draft) and the ``top`` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()      # (token id, logprob), most likely first
+
+
 @dataclass
 class GenerationOutput:
     """What one request produced. ``token_ids`` are the new tokens only."""
@@ -129,7 +141,11 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str                  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None   # per token of token_ids, when params.logprobs is set
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": list(self.token_ids),
-                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        d = {"text": self.text, "token_ids": list(self.token_ids),
+             "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            d["logprobs"] = [asdict(t) for t in self.logprobs]
+        return d
