@@ -30,6 +30,7 @@ from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Verdict, Warp
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.tally import Tally
+from specbatch.engine.token_bytes import TokenBytes
 from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats, TokenLogprob
 
@@ -65,6 +66,7 @@ class Decoder:
         self.memory = memory
         self.rows: list[Row] = []
         self.cache = BatchCache(target)
+        self.token_bytes = TokenBytes(target.tokenizer)    # for logprobs' ``bytes``
         # the draft models' caches lag the rows: rows joined, or steps ran, without drafting
         # (their first proposal then feeds the backlog: a catch-up, not a measured step)
         self.drafts_behind = False
@@ -276,7 +278,8 @@ class Decoder:
             k = r.params.logprobs or 0
             top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
             for x, c, tv, ti in zip(v.tokens, chosen, top_v.tolist(), top_i.tolist()):
-                r.logprobs.append(TokenLogprob(x, c, tuple(zip(ti, tv))))
+                r.logprobs.append(TokenLogprob(x, c, tuple(zip(ti, tv)), self.token_bytes(x),
+                                               tuple(self.token_bytes(i) for i in ti)))
 
     def _accept(self, r: Row, v: Verdict) -> None:
         """Extend the row's sequence; stop on EOS, max_new_tokens or a stop string."""

@@ -113,6 +113,10 @@ RULES: dict[str, Rule] = {
 }
 
 
+# completions' ``logprobs``: 0..5 alternatives (chat's ``top_logprobs`` is RULES["logprobs"])
+COMPLETION_LOGPROBS = Rule(integer=True, lo=0, hi=MAX_COMPLETION_LOGPROBS)
+
+
 def check(name: str, v: Any) -> tuple[Any, str | None]:
     """One numeric parameter against its rule (KeyError for a name without one)."""
     return RULES[name].check(v)

@@ -131,6 +131,8 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()      # (token id, logprob), most likely first
+    raw: bytes = b""                             # the token's own bytes (token_bytes.py)
+    top_raw: tuple[bytes, ...] = ()              # those of each top alternative
 
 
 @dataclass
@@ -147,5 +149,6 @@ class GenerationOutput:
         d = {"text": self.text, "token_ids": list(self.token_ids),
              "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
         if self.logprobs is not None:
-            d["logprobs"] = [asdict(t) for t in self.logprobs]
+            d["logprobs"] = [{"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top],
+                              "bytes": list(t.raw)} for t in self.logprobs]
         return d

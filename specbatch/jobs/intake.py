@@ -36,7 +36,7 @@ PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop", *PROCESSOR_KEYS)
+             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs")
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
@@ -159,6 +159,26 @@ def _check_logit_bias(v: Any, field: str) -> tuple[dict[str, float], list[tuple[
     """{"token id": bias}, as stored (JSON keys are strings); every bad entry is one problem."""
     bias, problems = rules.check_logit_bias(v)
     return {str(k): b for k, b in sorted(bias.items())}, [(field + where, why) for where, why in problems]
+
+
+def _check_logprobs(fields_: dict[str, Any], prefix: str, chat: bool) -> tuple[int | None, list[tuple[str, str]]]:
+    """(top alternatives per token or None, problems), as OpenAI reads the fields: chat takes
+    ``logprobs: true`` and ``top_logprobs`` 0..20; completions take ``logprobs`` 0..5."""
+    lp = fields_.get("logprobs")
+    if not chat:
+        if lp is None or lp is False:
+            return None, []
+        value, why = rules.COMPLETION_LOGPROBS.check(lp)
+        return (None, [(prefix + "logprobs", why)]) if why else (value, [])
+    problems: list[tuple[str, str]] = []
+    if lp is not None and not isinstance(lp, bool):
+        problems.append((prefix + "logprobs", f"must be a boolean, got {json_type(lp)}"))
+    top, why = rules.check("logprobs", fields_.get("top_logprobs"))
+    if why:
+        problems.append((prefix + "top_logprobs", why))
+    elif top and lp is not True:
+        problems.append((prefix + "top_logprobs", f"needs logprobs: true (got {json.dumps(lp)})"))
+    return ((top or 0) if lp is True and not problems else None), problems
 
 
 def job_params(defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -385,6 +405,12 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
     if top_p_zero:
         params.update(temperature=0.0, top_p=1.0)
+    n_logprobs, more = _check_logprobs(fields_, prefix, chat=has_messages)
+    problems += more
+    if n_logprobs is not None:
+        params["logprobs"] = n_logprobs
+    if fields_.get("top_logprobs") is not None and not has_messages and not prefix:
+        problems.append(("top_logprobs", "a prompt line takes logprobs (0..5), as /v1/completions"))
     for key in PROCESSOR_KEYS:
         if fields_.get(key) is None:
             continue

@@ -10,7 +10,7 @@ Three kinds of field:
     speculation: specbatch.engine.processors), the prompt, ``model`` (routing) and ``metadata`` (kept);
   - no-op: accepted when its value cannot change the generated text (``n`` 1, ``store``,
     ``service_tier``, ...); the job warns once, listing them;
-  - refused: a value specbatch cannot honour (``n`` > 1, tools, JSON mode, logprobs, ...), reported
+  - refused: a value specbatch cannot honour (``n`` > 1, tools, JSON mode, ...), reported
     per line as ``FILE:LINE: body.FIELD: why``.
 A no-op field's check returns None when the value is accepted, else the reason it is refused.
 """
@@ -30,8 +30,9 @@ Check = Callable[[Any], "str | None"]
 # honoured by intake itself (see specbatch.jobs.intake): prompt/messages, parameters, model, metadata
 PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
 CHAT_HONOURED = ("messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                 "stop", "metadata", *PROCESSOR_FIELDS)
-COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", *PROCESSOR_FIELDS)
+                 "stop", "metadata", *PROCESSOR_FIELDS, "logprobs", "top_logprobs")
+COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", *PROCESSOR_FIELDS,
+                       "logprobs")
 # not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty; max_new_tokens is
 # specbatch's own alias)
 EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty")
@@ -103,18 +104,6 @@ def _null(why: str) -> Check:
     return check
 
 
-def _top_logprobs(v: Any) -> str | None:
-    if v is None or v == 0:
-        return None
-    return "must be null or 0: specbatch does not return log probabilities"
-
-
-def _completion_logprobs(v: Any) -> str | None:
-    if v is None or v is False:
-        return None
-    return "must be null: specbatch does not return log probabilities"
-
-
 def _suffix(v: Any) -> str | None:
     if v is None or v == "":
         return None
@@ -125,14 +114,11 @@ _STR = _any_of(str, what="a string")
 _BOOL = _any_of(bool, what="a boolean")
 _OBJ = _any_of(dict, what="an object")
 _NO_TOOLS = "tool calling is not supported: specbatch generates plain text"
-_NO_LOGPROBS = "specbatch does not return log probabilities"
 
 CHAT_NOOP: dict[str, Check] = {
     "n": _one("one completion per request line"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
-    "logprobs": _false(_NO_LOGPROBS),
-    "top_logprobs": _top_logprobs,
     "response_format": _response_format,
     "tools": _empty(f"must be empty: {_NO_TOOLS}", list),
     "tool_choice": _tool_choice,
@@ -160,7 +146,6 @@ COMPLETION_NOOP: dict[str, Check] = {
     "best_of": _one("specbatch generates one candidate per request"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
-    "logprobs": _completion_logprobs,
     "echo": _false("the output is the completion only, without the prompt"),
     "suffix": _suffix,
     "user": _STR,

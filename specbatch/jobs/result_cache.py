@@ -87,6 +87,8 @@ def cache_key(target: str, prompt_ids: Sequence[int], params: GenerationParams) 
                   "logit_bias": [[int(i), float(b)] for i, b in sorted((int(i), b) for i, b in params.logit_bias)]}
     defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": []}
     fields.update({k: v for k, v in processors.items() if v != defaults[k]})
+    if params.logprobs is not None:     # a hit copies the source's logprobs: the same count of them
+        fields["logprobs"] = params.logprobs
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
