@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -65,6 +65,7 @@ class ParsedRequest:
     drafts: list[str] | None = None
     metadata: dict[str, str] | None = None      # body.metadata, kept and exported
     prompt_ids: list[int] | None = None         # a completions prompt given as token ids
+    openai: bool = False                        # an OpenAI batch line (its fields are body.*)
 
     def generation_params(self) -> GenerationParams:
         return params_from_dict(self.params)
@@ -434,7 +435,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     return {"custom_id": custom_id, "kind": "completion" if has_prompt else "chat", "prompt": prompt,
             "messages": messages, "params": params, "model": model,
             "target": route[0] if route else None, "drafts": list(route[1]) if route else None,
-            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop}
+            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop, "openai": bool(prefix)}
 
 
 def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
@@ -638,6 +639,37 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         errors.sort(key=lambda e: (e.line_no or 0))
         raise IntakeError(errors, total=total_errors)
     return ParsedFile(requests, noop_fields, models, model_map)
+
+
+def check_token_ids(parsed: ParsedFile, name: str, vocab_of: Callable[[str | None], int | None]) -> None:
+    """Once a target's vocabulary is known (``specbatch run`` loads the target before writing the
+    job; ``submit`` reads a local model's config): every logit_bias key must be a token id below
+    ``vocab_of(request's route target)`` (None: the job's own target; a None answer: not known
+    here, the worker checks). Raises one IntakeError listing each bad key as
+    ``FILE:LINE: body.logit_bias.ID: why``."""
+    errors = []
+    for r in parsed.requests:
+        if not r.params.get("logit_bias") or (vocab := vocab_of(r.target)) is None:
+            continue
+        _, problems = rules.check_logit_bias(r.params["logit_bias"], vocab)
+        for where, why in problems:
+            errors.append(InputError(why, path=name, line_no=r.line_no,
+                                     field=("body." if r.openai else "") + "logit_bias" + where))
+    if errors:
+        raise IntakeError(errors)
+
+
+def local_vocab_size(model: str) -> int | None:
+    """A local model directory's vocabulary size (its config.json), without loading it; None when
+    the model is not a local directory (the worker checks then, failing the request)."""
+    path = Path(model).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    return vocab if _is_int(vocab) else None
 
 
 def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
