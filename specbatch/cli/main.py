@@ -20,6 +20,7 @@ COMMAND_MODULES = {
     "specbatch.cli.queue": ("submit", "run", "worker", "resume", "flower"),
     "specbatch.cli.bench": ("bench",),
     "specbatch.cli.cache": ("cache",),
+    "specbatch.cli.audit": ("audit",),
     "specbatch.cli.serve": ("serve",),
 }
 

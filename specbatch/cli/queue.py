@@ -214,7 +214,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       specbatch submit batch.jsonl --model-map gpt-4o-mini=qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --wait
       cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
-    from specbatch.jobs import store
+    from specbatch.jobs import intake, store
     from specbatch.observability import tracing
     from specbatch.worker.enqueue import check_broker, enqueue_routes
     from specbatch.worker.queues import queue_name
@@ -228,6 +228,9 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
         raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))   # the file first: local
+    # a local model's logit_bias keys are checked now (others by the worker, per request)
+    intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
+                           lambda t: intake.local_vocab_size(t or target_))
     check_broker(settings)  # broker down: fail before anything is written
     for line in parsed.warnings(target_):
         warn(line)
@@ -429,7 +432,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     from rich.console import Console
 
     from specbatch.engine.threads import configure_threads
-    from specbatch.jobs import store
+    from specbatch.jobs import intake, store
     from specbatch.observability import tracing
     from specbatch.worker.interrupt import stop_on_signals
     from specbatch.worker.queues import queue_name
@@ -471,6 +474,10 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
                               compile_ or settings.compile, tp.max_memory,
                               [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
+        # logit_bias keys against the loaded target's vocabulary: still nothing written
+        vocab = engine.target.vocab_size
+        intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
+                               lambda t: vocab if t in (None, target_) else intake.local_vocab_size(t))
         job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
                                      queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
                                      metadata={"embedded": True}, cache=not no_cache)

@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -228,6 +229,8 @@ class Result(Base):
     cache_target: Mapped[str | None] = mapped_column(String(64))      # the target's fingerprint
     cached: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     cached_from: Mapped[int | None] = mapped_column(IdType)
+    # per-token log-probabilities, packed (jobs/logprobs.py); NULL unless the request asked (0009)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     request: Mapped[Request] = relationship(back_populates="result", lazy="raise")
 

@@ -27,11 +27,13 @@ from specbatch.engine.gamma import GammaController
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
+from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Verdict, Warp
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.tally import Tally
+from specbatch.engine.token_bytes import TokenBytes
 from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
-from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
+from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats, TokenLogprob
 
 Request = tuple[int, list[int], GenerationParams]   # (caller's index, prompt ids, parameters)
 
@@ -46,11 +48,13 @@ class Row:
     stop: StopCheck
     warp: Warp | None                   # None: greedy
     generator: torch.Generator | None   # the request's own: its draws do not depend on the batch
+    procs: RowProcessors | None         # logit processors (penalties, logit_bias); None: none
     ctl: GammaController
     tally: Tally
     t_start: float
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
 
 
 class Decoder:
@@ -69,6 +73,7 @@ class Decoder:
         self.cache: TargetBackend = self.backend(0)
         # drafters that read the target's hidden states (EAGLE-style) get them on the accepted path
         self.hidden = any(d.needs_target_hidden for d in self.drafters)
+        self.token_bytes = TokenBytes(target.tokenizer)    # for logprobs' ``bytes``
         # the draft models' caches lag the rows: rows joined, or steps ran, without drafting
         # (their first proposal then feeds the backlog: a catch-up, not a measured step)
         self.drafts_behind = False
@@ -160,7 +165,7 @@ class Decoder:
         self.rows.extend(new)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
-        warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p)
+        warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p, params.min_p)
         gen = None
         if warp is not None:
             gen = torch.Generator(device=self.target.device)
@@ -168,8 +173,9 @@ class Decoder:
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         gamma = params.gamma if params.gamma is not None else self.default_gamma
         ctl = GammaController(self.policy.costs(1), gamma=gamma, adaptive=not params.fixed_gamma)
-        return Row(index, list(ids), params, stop, warp, gen, ctl,
-                   Tally(GenerationStats(prompt_tokens=len(ids))), now)
+        return Row(index, list(ids), params, stop, warp, gen, RowProcessors.build(params, len(ids)), ctl,
+                   Tally(GenerationStats(prompt_tokens=len(ids))), now,
+                   logprobs=None if params.logprobs is None else [])
 
     # -- one step for every row: draft, verify the trees in one forward, accept, roll back
     def _step(self) -> None:
@@ -194,6 +200,7 @@ class Decoder:
                                     [t.feed_parents(len(p)) for p, t in zip(pending, trees)],
                                     hidden=self.hidden)
         verdicts = self._verify(trees, logits)
+        self._logprobs(trees, logits, verdicts)
         t2 = time.perf_counter()
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
@@ -244,17 +251,25 @@ class Decoder:
         return build_tree(proposals, order)
 
     def _verify(self, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict]:
-        """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b)."""
+        """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b).
+
+        A row with logit processors has its logits processed at every node with that node's
+        history (the accepted ids plus the drafted tokens on the node's path), as the drafts'
+        q were: then the verifiers are exact for the processed target."""
         keep = logits.shape[1]
-        greedy = any(r.warp is None for r in self.rows)
-        argmax = logits.argmax(dim=-1).tolist() if greedy else []
+        plain_greedy = any(r.warp is None and r.procs is None for r in self.rows)
+        argmax = logits.argmax(dim=-1).tolist() if plain_greedy else []
         out = []
         for b, (r, t) in enumerate(zip(self.rows, trees)):
             start = keep - 1 - t.n_nodes
+            x = logits[b, start:]
+            if r.procs is not None:
+                x = r.procs(x, r.ids, t.branches())
             if r.warp is None:
-                out.append(verify_greedy(t, argmax[b][start:]))
+                ids = x.argmax(dim=-1).tolist() if r.procs is not None else argmax[b][start:]
+                out.append(verify_greedy(t, ids))
             else:
-                out.append(verify_sampling(t, r.warp.probs(logits[b, start:]), r.generator))
+                out.append(verify_sampling(t, r.warp.probs(x), r.generator))
         return out
 
     def _accepted_hidden(self, trees: list[TokenTree], verdicts: list[Verdict], keep: int
@@ -269,6 +284,24 @@ class Decoder:
             out.append(states[b, [start] + [start + j for j in v.path]])
         return out
 
+    def _logprobs(self, trees: list[TokenTree], logits: torch.Tensor, verdicts: list[Verdict]) -> None:
+        """Rows that ask for them record each emitted token's log-probability under the target:
+        the raw log-softmax of the verification logits at the node before it (the root, then
+        the accepted path), the same numbers the target alone gives (docs/FORMATS.md)."""
+        keep = logits.shape[1]
+        for b, (r, t, v) in enumerate(zip(self.rows, trees, verdicts)):
+            if r.logprobs is None:
+                continue
+            start = keep - 1 - t.n_nodes
+            cols = torch.tensor([start] + [start + j for j in v.path], device=logits.device)
+            lp = logits[b].index_select(0, cols).float().log_softmax(dim=-1)      # (len(tokens), V)
+            chosen = lp.gather(1, torch.tensor(v.tokens, device=lp.device)[:, None])[:, 0].tolist()
+            k = r.params.logprobs or 0
+            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            for x, c, tv, ti in zip(v.tokens, chosen, top_v.tolist(), top_i.tolist()):
+                r.logprobs.append(TokenLogprob(x, c, tuple(zip(ti, tv)), self.token_bytes(x),
+                                               tuple(self.token_bytes(i) for i in ti)))
+
     def _accept(self, r: Row, v: Verdict) -> None:
         """Extend the row's sequence; stop on EOS, max_new_tokens or a stop string."""
         r.ids.extend(v.tokens)
@@ -276,6 +309,8 @@ class Decoder:
         keep, reason = r.stop.step(r.generated, len(v.tokens))
         if reason is not None:
             del r.generated[keep:]
+            if r.logprobs is not None:
+                del r.logprobs[keep:]
             r.finish = reason
 
     def _retire(self) -> Iterator[tuple[int, GenerationOutput]]:
@@ -291,4 +326,4 @@ class Decoder:
         for r in finished:
             s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)
             yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated,
-                                            r.finish or "length", s)
+                                            r.finish or "length", s, r.logprobs)

@@ -16,6 +16,7 @@ import torch
 
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.loading import LoadedModel
+from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Warp
 
 
@@ -28,6 +29,8 @@ class DraftRow(Protocol):
     def warp(self) -> Warp | None: ...       # None: greedy
     @property
     def generator(self) -> torch.Generator | None: ...
+    @property
+    def procs(self) -> RowProcessors | None: ...  # logit processors; q is drawn after them
 
 
 @dataclass(frozen=True)
@@ -157,14 +160,19 @@ class ModelDrafter(Drafter):
         for j in range(max(k)):
             logits = fit_vocab(self.cache.forward(feeds, logits_to_keep=1)[:, -1], self.vocab_size)
             greedy = logits.argmax(dim=-1).tolist()
-            # 2. the next draft token: argmax when greedy, else a draw from warped q (own generator)
+            # 2. the next draft token: argmax when greedy, else a draw from warped q (own
+            #    generator); a row's logit processors first, with the tokens drafted so far
+            #    as this position's history (the target's logits get the same at this node)
             for b, r in enumerate(rows):
                 if j >= k[b]:
                     continue
+                x = logits[b]
+                if r.procs is not None:
+                    x = r.procs(x[None], r.ids, [tokens[b]])[0]
                 if r.warp is None:
-                    tokens[b].append(greedy[b])
+                    tokens[b].append(greedy[b] if r.procs is None else int(x.argmax()))
                 else:
-                    q = r.warp.probs(logits[b])
+                    q = r.warp.probs(x)
                     tokens[b].append(int(torch.multinomial(q, 1, generator=r.generator)))
                     qs[b].append(q)
             # 3. feed it unless it is the row's last (the target scores it; no need for its logits)

@@ -38,6 +38,15 @@ class EngineRequest:
     input_ids: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class Scored:
+    """Engine.score: per token, the target's raw log-probability and its probability under the
+    request's processors and warp (greedy: 1 for the argmax, else 0)."""
+
+    logprobs: list[float]
+    probs: list[float]
+
+
 def decodable_tokens(budgets: Sequence[int], context: int | None) -> int:
     """What a job's requests can decode: a budget at or past the target's context fails at once
     (prompt + max_new_tokens exceeds it) and decodes nothing, so it must not make auto compile
@@ -179,7 +188,7 @@ class Engine:
         valid: list[Request] = []
         for i, req in enumerate(requests):
             try:
-                params = req.params.validate()
+                params = req.params.validate(self.target.vocab_size)
                 ids = self._ids(req.prompt, req.messages, req.input_ids)
                 self._check_fits(ids, params)
             except SpecBatchError as e:
@@ -192,6 +201,34 @@ class Engine:
                           memory=self._memory())
         with torch.inference_mode():
             yield from decoder.run(valid, on_start)
+
+    def score(self, tokens: Sequence[int], prompt: str | None = None,
+              messages: list[dict[str, Any]] | None = None, *, input_ids: list[int] | None = None,
+              params: GenerationParams | None = None) -> Scored:
+        """The target alone on ``tokens`` following the prompt, in one forward (teacher forcing):
+        each token's raw log-probability, and its probability under ``params``' processors and
+        warp (what sampling could draw). For audits (specbatch.jobs.audit)."""
+        from specbatch.engine.processors import RowProcessors
+        from specbatch.engine.sampling import Warp
+
+        params = (params or GenerationParams()).validate(self.target.vocab_size)
+        ids = self._ids(prompt, messages, input_ids)
+        toks = [int(t) for t in tokens]
+        if not toks:
+            return Scored([], [])
+        with torch.inference_mode():
+            seq = torch.tensor([ids + toks], device=self.target.device)
+            logits = self.target.model(seq).logits[0, len(ids) - 1: -1].float()      # (n, V)
+            at = torch.tensor(toks, device=logits.device)[:, None]
+            raw = logits.log_softmax(-1).gather(1, at)[:, 0].tolist()
+            procs = RowProcessors.build(params, len(ids))
+            x = logits if procs is None else procs(logits, ids, [toks[:j] for j in range(len(toks))])
+            if params.greedy:
+                probs = (x.argmax(-1) == at[:, 0]).float().tolist()
+            else:
+                warp = Warp(params.temperature, params.top_k, params.top_p, params.min_p)
+                probs = warp.probs(x).gather(1, at)[:, 0].tolist()
+        return Scored(raw, probs)
 
     @property
     def speculates(self) -> bool:

@@ -13,11 +13,13 @@ import torch
 
 @dataclass(frozen=True)
 class Warp:
-    """Sampling parameters applied identically to p and q (HF order: temperature, top-k, top-p)."""
+    """Sampling parameters applied identically to p and q, after the logit processors
+    (processors.py), in HF's order: temperature, top-k, top-p, min-p."""
 
     temperature: float
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (..., V) -> probabilities (..., V) in float32."""
@@ -32,6 +34,10 @@ class Warp:
             remove = cum <= (1 - self.top_p)
             remove[..., -1] = False
             x = x.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+        if self.min_p > 0:
+            # transformers' MinPLogitsWarper: drop tokens below min_p * the top token's probability
+            probs = x.softmax(dim=-1)
+            x = x.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         return x.softmax(dim=-1)
 
 

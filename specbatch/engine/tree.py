@@ -55,6 +55,14 @@ class TokenTree:
         self.members.append(member)
         self.qs.append(proposal.q)
 
+    def branches(self) -> list[list[int]]:
+        """Per node (0: the root), the drafted tokens on its path, itself included: the history
+        the target's logits at that node were conditioned on, beyond the accepted sequence."""
+        out: list[list[int]] = [[]]
+        for tok, parent in zip(self.tokens, self.parents):
+            out.append(out[parent] + [tok])      # a parent's index precedes its children's
+        return out
+
     def feed_parents(self, n_prefix: int) -> list[int]:
         """Parents within a feed of n_prefix accepted tokens (root last) followed by the nodes."""
         return [i - 1 for i in range(n_prefix)] + [n_prefix - 1 + a for a in self.parents]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from specbatch.engine import rules
 from specbatch.errors import RequestError
-
-MAX_TEMPERATURE = 2.0       # OpenAI's range is [0, 2]; above it sampling is close to uniform noise
 
 
 @dataclass(frozen=True)
@@ -24,35 +22,48 @@ class GenerationParams:
     gamma: int | None = None            # initial draft length; None: the engine's default
     adaptive: bool = True               # adapt gamma and switch speculation off when it does not pay
 
+    # logit processors (specbatch.engine.processors), applied to p and to every q alike
+    presence_penalty: float = 0.0       # OpenAI: minus this once a token is in the generated text
+    frequency_penalty: float = 0.0      # OpenAI: minus this per occurrence in the generated text
+    repetition_penalty: float = 1.0     # vLLM/HF (CTRL): tokens of prompt + output; 1: none
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]) pairs
+    min_p: float = 0.0                  # drop tokens below min_p * the top token's probability
+    logprobs: int | None = None         # return each token's log-probability and this many top
+                                        # alternatives (the raw target's log-softmax); None: none
+
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):       # one stop string, not its characters
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.logit_bias, dict):   # as JSON gives it; validate() checks and normalises
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(p) if isinstance(p, list) else p
+                                                         for p in self.logit_bias))
 
-    def validate(self) -> GenerationParams:
-        """Raise RequestError naming the bad field; returns self for chaining."""
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
+    def validate(self, vocab_size: int | None = None) -> GenerationParams:
+        """Raise RequestError naming the first bad field (the rules of specbatch.engine.rules);
+        returns the parameters normalised (logit_bias as sorted (int id, float bias) pairs).
+        ``vocab_size``: the target's, to check logit_bias token ids against."""
+        for name in rules.RULES:
+            _, problem = rules.check(name, getattr(self, name))
+            if problem:
+                raise RequestError(problem, field=name)
+        _, problem = rules.check_stop(self.stop)
+        if problem:
+            raise RequestError(problem, field="stop")
+        bias, problems = rules.check_logit_bias(self.logit_bias, vocab_size)
+        if problems:
+            where, why = problems[0]
+            raise RequestError(why, field="logit_bias" + where)
+        return replace(self, logit_bias=tuple(sorted(bias.items())))
 
-        def is_num(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise RequestError("must be an integer >= 1", field="max_new_tokens")
-        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise RequestError(f"must be a number in [0, {MAX_TEMPERATURE:g}]", field="temperature")
-        if not is_num(self.top_p) or not (0 < self.top_p <= 1):
-            raise RequestError("must be a number in (0, 1]", field="top_p")
-        if not is_int(self.top_k) or self.top_k < 0:
-            raise RequestError("must be an integer >= 0", field="top_k")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
-            raise RequestError("must be an integer in [0, 2**63)", field="seed")
-        if self.gamma is not None and (not is_int(self.gamma) or not 0 <= self.gamma <= 64):
-            raise RequestError("must be an integer in [0, 64]", field="gamma")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise RequestError("stop strings must be non-empty strings", field="stop")
-        return self
+    @property
+    def processed(self) -> bool:
+        """Whether any logit processor changes the target's logits (see processors.py)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_p)
 
     @property
     def fixed_gamma(self) -> bool:
@@ -112,6 +123,18 @@ class GenerationStats:
         return d
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the target (its raw log-softmax, from the
+    verification forward, never a draft) and the ``top`` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()      # (token id, logprob), most likely first
+    raw: bytes = b""                             # the token's own bytes (token_bytes.py)
+    top_raw: tuple[bytes, ...] = ()              # those of each top alternative
+
+
 @dataclass
 class GenerationOutput:
     """What one request produced. ``token_ids`` are the new tokens only."""
@@ -120,7 +143,12 @@ class GenerationOutput:
     token_ids: list[int]
     finish_reason: str                  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None   # per token of token_ids, when params.logprobs is set
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": list(self.token_ids),
-                "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        d = {"text": self.text, "token_ids": list(self.token_ids),
+             "finish_reason": self.finish_reason, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            d["logprobs"] = [{"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top],
+                              "bytes": list(t.raw)} for t in self.logprobs]
+        return d

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from specbatch.config import Settings
+from specbatch.engine import rules
 from specbatch.engine.known_models import name_problem
-from specbatch.engine.types import MAX_TEMPERATURE, GenerationParams
+from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields
 from specbatch.jobs.context import ContextCheck
@@ -33,14 +33,16 @@ from specbatch.jobs.openai_fields import json_type
 from specbatch.plural import plural
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+# logit processors (specbatch.engine.processors): stored in a request's params only when given
+PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop")
+             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs")
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
 MAX_CUSTOM_ID = 512
-MAX_SEED = 2**63 - 1
+MAX_SEED = rules.MAX_SEED
 KEPT_ERRORS = 1000          # errors kept in memory; the total is always counted
 BOM = b"\xef\xbb\xbf"
 _MISSING = object()
@@ -50,7 +52,8 @@ Route = tuple[str, list[str]]       # (target, drafts) a --model-map entry sends
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """One valid line. ``params`` holds every GenerationParams field of PARAM_KEYS, resolved."""
+    """One valid line. ``params`` holds every GenerationParams field of PARAM_KEYS, resolved, and
+    those of PROCESSOR_KEYS the line gives (``logit_bias`` as {"token id": bias})."""
 
     line_no: int
     custom_id: str
@@ -63,6 +66,7 @@ class ParsedRequest:
     drafts: list[str] | None = None
     metadata: dict[str, str] | None = None      # body.metadata, kept and exported
     prompt_ids: list[int] | None = None         # a completions prompt given as token ids
+    openai: bool = False                        # an OpenAI batch line (its fields are body.*)
 
     def generation_params(self) -> GenerationParams:
         return params_from_dict(self.params)
@@ -137,50 +141,48 @@ class _Problems(Exception):
 
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return rules.is_number(v)
+
+
+def _is_int(v: Any) -> bool:
+    return rules.is_int(v)
 
 
 def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
-    """(normalised value, problem or None) for one generation parameter."""
+    """(normalised value, problem or None) for one generation parameter: the rule table of
+    specbatch.engine.rules, which GenerationParams.validate applies too."""
     if name in MAX_TOKENS_KEYS:
-        if not _is_int(v):
-            return v, f"must be an integer >= 1, got {json_type(v)}"
-        return v, None if v >= 1 else f"must be >= 1, got {v}"
-    if name == "temperature":
-        if not _is_number(v):
-            return v, f"must be a number >= 0, got {json_type(v)}"
-        if math.isfinite(v) and v > MAX_TEMPERATURE:
-            return float(v), f"must be <= {MAX_TEMPERATURE:g} (OpenAI's range is 0 to 2), got {v}"
-        return float(v), None if math.isfinite(v) and v >= 0 else f"must be >= 0, got {v}"
-    if name == "top_p":
-        if not _is_number(v):
-            return v, f"must be a number in (0, 1], got {json_type(v)}"
-        return float(v), None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
-    if name == "top_k":
-        if not _is_int(v):
-            return v, f"must be an integer >= 0 (0: no top-k), got {json_type(v)}"
-        return v, None if v >= 0 else f"must be >= 0, got {v}"
-    if name == "seed":
-        if v is None:
-            return None, None
-        if not _is_int(v):
-            return v, f"must be an integer, got {json_type(v)}"
-        return v, None if 0 <= v <= MAX_SEED else f"must be in [0, 2**63 - 1], got {v}"
+        return rules.check("max_new_tokens", v)
     if name == "stop":
-        if v is None:
-            return [], None
-        stops = [v] if isinstance(v, str) else v
-        if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-            return v, f"must be a string or a list of strings, got {json_type(v)}"
-        if any(s == "" for s in stops):
-            return v, "stop strings must not be empty"
-        return list(stops), None
-    raise KeyError(name)
+        return rules.check_stop(v)
+    return rules.check(name, v)
+
+
+def _check_logit_bias(v: Any, field: str) -> tuple[dict[str, float], list[tuple[str, str]]]:
+    """{"token id": bias}, as stored (JSON keys are strings); every bad entry is one problem."""
+    bias, problems = rules.check_logit_bias(v)
+    return {str(k): b for k, b in sorted(bias.items())}, [(field + where, why) for where, why in problems]
+
+
+def _check_logprobs(fields_: dict[str, Any], prefix: str, chat: bool) -> tuple[int | None, list[tuple[str, str]]]:
+    """(top alternatives per token or None, problems), as OpenAI reads the fields: chat takes
+    ``logprobs: true`` and ``top_logprobs`` 0..20; completions take ``logprobs`` 0..5."""
+    lp = fields_.get("logprobs")
+    if not chat:
+        if lp is None or lp is False:
+            return None, []
+        value, why = rules.COMPLETION_LOGPROBS.check(lp)
+        return (None, [(prefix + "logprobs", why)]) if why else (value, [])
+    problems: list[tuple[str, str]] = []
+    if lp is not None and not isinstance(lp, bool):
+        problems.append((prefix + "logprobs", f"must be a boolean, got {json_type(lp)}"))
+    top, why = rules.check("logprobs", fields_.get("top_logprobs"))
+    if why:
+        problems.append((prefix + "top_logprobs", why))
+    elif top and lp is not True:
+        problems.append((prefix + "top_logprobs", f"needs logprobs: true (got {json.dumps(lp)})"))
+    return ((top or 0) if lp is True and not problems else None), problems
 
 
 def job_params(defaults: dict[str, Any] | None) -> dict[str, Any]:
@@ -407,6 +409,25 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
     if top_p_zero:
         params.update(temperature=0.0, top_p=1.0)
+    n_logprobs, more = _check_logprobs(fields_, prefix, chat=has_messages)
+    problems += more
+    if n_logprobs is not None:
+        params["logprobs"] = n_logprobs
+    if fields_.get("top_logprobs") is not None and not has_messages and not prefix:
+        problems.append(("top_logprobs", "a prompt line takes logprobs (0..5), as /v1/completions"))
+    for key in PROCESSOR_KEYS:
+        if fields_.get(key) is None:
+            continue
+        if key == "logit_bias":
+            value, more = _check_logit_bias(fields_[key], prefix + key)
+            problems += more
+            if value:
+                params[key] = value
+            continue
+        value, problem = _check_param(key, fields_[key])
+        if problem:
+            problems.append((prefix + key, problem))
+        params[key] = value
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()
@@ -417,7 +438,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     return {"custom_id": custom_id, "kind": "completion" if has_prompt else "chat", "prompt": prompt,
             "messages": messages, "params": params, "model": model,
             "target": route[0] if route else None, "drafts": list(route[1]) if route else None,
-            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop}
+            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop, "openai": bool(prefix)}
 
 
 def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:
@@ -625,6 +646,37 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         errors.sort(key=lambda e: (e.line_no or 0))
         raise IntakeError(errors, total=total_errors)
     return ParsedFile(requests, noop_fields, models, model_map)
+
+
+def check_token_ids(parsed: ParsedFile, name: str, vocab_of: Callable[[str | None], int | None]) -> None:
+    """Once a target's vocabulary is known (``specbatch run`` loads the target before writing the
+    job; ``submit`` reads a local model's config): every logit_bias key must be a token id below
+    ``vocab_of(request's route target)`` (None: the job's own target; a None answer: not known
+    here, the worker checks). Raises one IntakeError listing each bad key as
+    ``FILE:LINE: body.logit_bias.ID: why``."""
+    errors = []
+    for r in parsed.requests:
+        if not r.params.get("logit_bias") or (vocab := vocab_of(r.target)) is None:
+            continue
+        _, problems = rules.check_logit_bias(r.params["logit_bias"], vocab)
+        for where, why in problems:
+            errors.append(InputError(why, path=name, line_no=r.line_no,
+                                     field=("body." if r.openai else "") + "logit_bias" + where))
+    if errors:
+        raise IntakeError(errors)
+
+
+def local_vocab_size(model: str) -> int | None:
+    """A local model directory's vocabulary size (its config.json), without loading it; None when
+    the model is not a local directory (the worker checks then, failing the request)."""
+    path = Path(model).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    vocab = config.get("vocab_size") if isinstance(config, dict) else None
+    return vocab if _is_int(vocab) else None
 
 
 def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,

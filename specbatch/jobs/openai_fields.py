@@ -6,10 +6,11 @@ completion_create_params`` and ``openai.types.completion_create_params``); tests
 test_openai_intake.py fails when the package gains a field that is not sorted here.
 
 Three kinds of field:
-  - honoured: the generation parameters, the prompt, ``model`` (routing) and ``metadata`` (kept);
-  - no-op: accepted when its value cannot change the generated text (``n`` 1, penalties 0, ``store``,
+  - honoured: the generation parameters (penalties and ``logit_bias`` included, exact under
+    speculation: specbatch.engine.processors), the prompt, ``model`` (routing) and ``metadata`` (kept);
+  - no-op: accepted when its value cannot change the generated text (``n`` 1, ``store``,
     ``service_tier``, ...); the job warns once, listing them;
-  - refused: a value specbatch cannot honour (``n`` > 1, tools, JSON mode, logprobs, ...), reported
+  - refused: a value specbatch cannot honour (``n`` > 1, tools, JSON mode, ...), reported
     per line as ``FILE:LINE: body.FIELD: why``.
 A no-op field's check returns None when the value is accepted, else the reason it is refused.
 """
@@ -20,31 +21,21 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from specbatch.engine.rules import json_type
+
+__all__ = ["json_type"]   # re-exported: intake's messages use it too
+
 Check = Callable[[Any], "str | None"]
 
 # honoured by intake itself (see specbatch.jobs.intake): prompt/messages, parameters, model, metadata
+PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
 CHAT_HONOURED = ("messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                 "stop", "metadata")
-COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop")
-# not OpenAI's, accepted on both URLs (vLLM has top_k; max_new_tokens is specbatch's own alias)
-EXTENSIONS = ("top_k", "max_new_tokens")
-
-
-def json_type(v: Any) -> str:
-    """How an error message names a JSON value's type."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, (int, float)):
-        return f"the number {v!r}"    # "an integer ..., got a number" hid that 16.0 is not one
-    if isinstance(v, str):
-        return "a string"
-    return "an array" if isinstance(v, list) else "an object"
-
-
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+                 "stop", "metadata", *PROCESSOR_FIELDS, "logprobs", "top_logprobs")
+COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", *PROCESSOR_FIELDS,
+                       "logprobs")
+# not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty; max_new_tokens is
+# specbatch's own alias)
+EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty")
 
 
 def _any_of(*types: type, what: str) -> Check:
@@ -54,14 +45,6 @@ def _any_of(*types: type, what: str) -> Check:
             return None
         return f"must be {what}, got {json_type(v)}"
     return check
-
-
-def _penalty(v: Any) -> str | None:
-    if v is None or (_is_num(v) and v == 0):
-        return None
-    if not _is_num(v):
-        return f"must be a number, got {json_type(v)}"
-    return f"must be 0: specbatch cannot apply penalties, so the text would differ (got {v})"
 
 
 def _one(what: str) -> Check:
@@ -121,18 +104,6 @@ def _null(why: str) -> Check:
     return check
 
 
-def _top_logprobs(v: Any) -> str | None:
-    if v is None or v == 0:
-        return None
-    return "must be null or 0: specbatch does not return log probabilities"
-
-
-def _completion_logprobs(v: Any) -> str | None:
-    if v is None or v is False:
-        return None
-    return "must be null: specbatch does not return log probabilities"
-
-
 def _suffix(v: Any) -> str | None:
     if v is None or v == "":
         return None
@@ -143,17 +114,11 @@ _STR = _any_of(str, what="a string")
 _BOOL = _any_of(bool, what="a boolean")
 _OBJ = _any_of(dict, what="an object")
 _NO_TOOLS = "tool calling is not supported: specbatch generates plain text"
-_NO_LOGPROBS = "specbatch does not return log probabilities"
 
 CHAT_NOOP: dict[str, Check] = {
-    "frequency_penalty": _penalty,
-    "presence_penalty": _penalty,
     "n": _one("one completion per request line"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
-    "logprobs": _false(_NO_LOGPROBS),
-    "top_logprobs": _top_logprobs,
-    "logit_bias": _empty("must be empty: specbatch cannot bias token logits, so the text would differ", dict),
     "response_format": _response_format,
     "tools": _empty(f"must be empty: {_NO_TOOLS}", list),
     "tool_choice": _tool_choice,
@@ -177,15 +142,11 @@ CHAT_NOOP: dict[str, Check] = {
 }
 
 COMPLETION_NOOP: dict[str, Check] = {
-    "frequency_penalty": _penalty,
-    "presence_penalty": _penalty,
     "n": _one("one completion per request line"),
     "best_of": _one("specbatch generates one candidate per request"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
-    "logprobs": _completion_logprobs,
     "echo": _false("the output is the completion only, without the prompt"),
-    "logit_bias": CHAT_NOOP["logit_bias"],
     "suffix": _suffix,
     "user": _STR,
 }

@@ -23,6 +23,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from specbatch.db.models import REQUEST_STATUSES, STATS_COLUMNS, Job, Request, RequestStatus, Result
+from specbatch.jobs import logprobs
 from specbatch.jobs.store import INVALID_REQUEST, SERVER_ERROR, get_job
 
 BATCH_ROWS = 1000
@@ -86,14 +87,17 @@ def success_body(job: Job, req: Request, res: Result) -> dict[str, Any]:
     key = f"{job.id}-{req.id}"
     usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
              "total_tokens": res.prompt_tokens + res.completion_tokens}
+    lps = None if res.logprobs is None else logprobs.unpack(res.logprobs)
     if req.kind == "chat":
         body: dict[str, Any] = {
             "id": f"chatcmpl-{key}", "object": "chat.completion",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text, "refusal": None},
-                         "logprobs": None, "finish_reason": res.finish_reason}]}
+                         "logprobs": None if lps is None else logprobs.chat_logprobs(lps),
+                         "finish_reason": res.finish_reason}]}
     else:
         body = {"id": f"cmpl-{key}", "object": "text_completion",
-                "choices": [{"index": 0, "text": res.text, "logprobs": None,
+                "choices": [{"index": 0, "text": res.text,
+                             "logprobs": None if lps is None else logprobs.completion_logprobs(lps),
                              "finish_reason": res.finish_reason}]}
     body.update(created=int(res.finished_at.timestamp()), model=produced_by(job, req, res)[0],
                 system_fingerprint=None, usage=usage, specbatch=stats(job, req, res))

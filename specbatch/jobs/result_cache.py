@@ -79,7 +79,16 @@ def cache_key(target: str, prompt_ids: Sequence[int], params: GenerationParams) 
     }
     if not params.greedy:  # greedy decoding never reads these (sampling.Warp is built for sampling only)
         fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                      seed=params.seed)
+                      seed=params.seed, **({"min_p": params.min_p} if params.min_p else {}))
+    # the logit processors change greedy text too; named only when set, so the keys of requests
+    # without them are those of KEY_VERSION 1 (their entries stay valid)
+    processors = {"presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                  "repetition_penalty": params.repetition_penalty,
+                  "logit_bias": [[int(i), float(b)] for i, b in sorted((int(i), b) for i, b in params.logit_bias)]}
+    defaults = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": []}
+    fields.update({k: v for k, v in processors.items() if v != defaults[k]})
+    if params.logprobs is not None:     # a hit copies the source's logprobs: the same count of them
+        fields["logprobs"] = params.logprobs
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 

@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 from specbatch.db.models import Job, JobStatus, Request, RequestStatus, Result, utcnow
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import JobNotFound, SpecBatchError
+from specbatch.jobs import logprobs
 from specbatch.jobs.intake import ParsedRequest, params_from_dict
 from specbatch.plural import plural
 
@@ -414,6 +415,7 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),
         "lossy": bool((models or {}).get("lossy", False)),
         "cache_key": cache_key, "cache_target": cache_target,
+        "logprobs": None if output.logprobs is None else logprobs.pack(output.logprobs),
     }
     return _complete(s, req, values, now)
 
@@ -448,6 +450,7 @@ def record_cached_result(s: Session, request_id: int, source: Result, worker: st
         "accepted_per_position": [], "pool_wins": {}, "target": source.target, "drafts": source.drafts,
         "lossy": source.lossy, "cache_key": source.cache_key, "cache_target": source.cache_target,
         "cached": True, "cached_from": source.cached_from if source.cached else source.id,  # the generated row
+        "logprobs": source.logprobs,    # the key holds the request's logprobs: the source's are the same
     }
     return _complete(s, req, values, now)
 

@@ -1,5 +1,8 @@
 """One row per request for CSV (flat, nested data as JSON text) and Parquet (typed, nested).
 
+Log-probabilities are Parquet list columns (and in the JSONL export); CSV, like the
+specbatch_results view it mirrors, leaves them out.
+
 To add a column: add it to FLAT_COLUMNS / flat_record for CSV, and to parquet_schema /
 parquet_record for Parquet (docs/FORMATS.md lists both).
 
@@ -14,6 +17,7 @@ import json
 from typing import Any
 
 from specbatch.db.models import STATS_COLUMNS, Job, Request, RequestStatus, Result
+from specbatch.jobs.logprobs import unpack as unpack_logprobs
 from specbatch.jobs.openai_output import produced_by, request_models
 
 FLAT_COLUMNS = (
@@ -27,6 +31,17 @@ FLAT_COLUMNS = (
 PARQUET_STATS = (*STATS_COLUMNS, "draft_steps", "accepted_at_position", "batch_size_seconds")
 _JSON_TEXT = ("drafts", "prompt_ids", "messages", "params", "metadata", "token_ids", "accepted_per_position",
               "pool_wins")
+
+
+def _logprobs(res: Result | None) -> dict[str, Any]:
+    """``logprobs``: each generated token's log-probability; ``top_logprobs``: per token, its top
+    alternatives as {token_id, token, logprob}. Both null unless the request asked for them."""
+    if res is None or res.logprobs is None:
+        return {"logprobs": None, "top_logprobs": None}
+    lps = unpack_logprobs(res.logprobs)
+    return {"logprobs": [t.logprob for t in lps],
+            "top_logprobs": [[{"token_id": i, "token": b.decode("utf-8", errors="replace"), "logprob": v}
+                              for (i, v), b in zip(t.top, t.top_raw)] for t in lps]}
 
 
 def _base(job: Job, req: Request) -> dict[str, Any]:
@@ -88,10 +103,16 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
     row.update(messages=_messages(req.messages), metadata=_entries(req.meta),
                params={"max_new_tokens": params.get("max_new_tokens"), "temperature": params.get("temperature"),
                        "top_p": params.get("top_p"), "top_k": params.get("top_k"), "seed": params.get("seed"),
-                       "stop": list(params.get("stop") or [])},
+                       "stop": list(params.get("stop") or []),
+                       # the logit processors, stored only when a line gave them: their defaults else
+                       "presence_penalty": params.get("presence_penalty", 0.0),
+                       "frequency_penalty": params.get("frequency_penalty", 0.0),
+                       "repetition_penalty": params.get("repetition_penalty", 1.0),
+                       "min_p": params.get("min_p", 0.0),
+                       "logit_bias": _entries(params.get("logit_bias") or {})},
                text=None, finish_reason=None, prompt_tokens=None, completion_tokens=None, token_ids=None,
                conversation=conversation(req, res), stats=None, worker=None, started_at=None,
-               finished_at=None, latency_seconds=None)
+               finished_at=None, latency_seconds=None, **_logprobs(res))
     if res is not None:
         stats = {c: getattr(res, c) for c in PARQUET_STATS}
         stats["pool_wins"] = _entries(res.pool_wins or {})
@@ -121,7 +142,9 @@ def parquet_schema() -> Any:
         ("speculation_disabled", pa.bool_()), ("draft_steps", i64), ("accepted_at_position", pa.list_(i64)),
         ("batch_size_seconds", entries(f64))])
     params = pa.struct([("max_new_tokens", i64), ("temperature", f64), ("top_p", f64), ("top_k", i64),
-                        ("seed", i64), ("stop", pa.list_(s))])
+                        ("seed", i64), ("stop", pa.list_(s)), ("presence_penalty", f64),
+                        ("frequency_penalty", f64), ("repetition_penalty", f64), ("min_p", f64),
+                        ("logit_bias", entries(f64))])
     return pa.schema([
         ("job_id", s), ("request_id", i64), ("custom_id", s), ("line_no", i64), ("kind", s), ("status", s),
         ("model", s), ("target", s), ("drafts", pa.list_(s)), ("prompt", s), ("prompt_ids", pa.list_(i64)),
@@ -129,5 +152,6 @@ def parquet_schema() -> Any:
         ("error_type", s), ("text", s), ("finish_reason", s), ("prompt_tokens", i64),
         ("completion_tokens", i64), ("token_ids", pa.list_(i64)), ("conversation", message), ("stats", stats),
         ("worker", s), ("started_at", ts), ("finished_at", ts), ("latency_seconds", f64),
-        ("lossy", pa.bool_()), ("cached", pa.bool_()),
+        ("lossy", pa.bool_()), ("cached", pa.bool_()), ("logprobs", pa.list_(f64)),
+        ("top_logprobs", pa.list_(pa.list_(pa.struct([("token_id", i64), ("token", s), ("logprob", f64)])))),
     ])

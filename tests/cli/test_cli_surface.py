@@ -19,7 +19,7 @@ ISSUE_COMMANDS = {"submit", "run", "worker", "status", "jobs", "export", "cancel
                   "generate", "bench", "db", "models", "flower"}
 # commands that report something, so they take --json ("db" is a group: its subcommands do)
 REPORTING = ("submit", "run", "status", "jobs", "export", "cancel", "retry", "resume", "generate",
-             "models", "bench", "db upgrade", "db url", "cache stats", "cache clear")
+             "models", "bench", "db upgrade", "db url", "cache stats", "cache clear", "audit")
 NOT_REPORTING = ("worker", "flower", "serve")  # long-running processes with their own logs
 
 

@@ -48,7 +48,8 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
                 {"role": "user", "name": "ann", "content": [{"type": "text", "text": "The quick brown fox"}]}]
     file = "\n".join([
         _line("chat-a", "/v1/chat/completions", {"model": "model-a", "messages": messages, "max_tokens": 6,
-                                                 "presence_penalty": 0, "store": True,
+                                                 "presence_penalty": 0.8, "logit_bias": {"7": 2},
+                                                 "logprobs": True, "top_logprobs": 2, "store": True,
                                                  "metadata": {"split": "train"}}),
         _line("ids-b", "/v1/completions", {"model": "model-b", "prompt": [10, 11, 12, 13], "max_tokens": 6,
                                            "echo": False}),
@@ -62,7 +63,7 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
                     "--json", stdin=file.encode())
     assert result.exit_code == 3, result.output   # partial failure (README "Exit status")
     assert ("warning: accepted with no effect on the generated text: echo (1 line), metadata (1 line), "
-            "presence_penalty (1 line), store (1 line); metadata is kept and exported") in result.stderr
+            "store (1 line); metadata is kept and exported") in result.stderr
     summary = json.loads(result.stdout)
     assert summary["status"] == "completed_with_errors" and summary["source"] == "<stdin>"
     jid = summary["id"]
@@ -84,9 +85,11 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
     # each request is exactly what its routed target generates alone (greedy, lossless)
     params = GenerationParams(max_new_tokens=6)
     alone_a, alone_b = Engine.load(llama), Engine.load(gpt2)
+    # chat-a's penalty and bias reach the worker: the target alone with the same processors
+    processed = GenerationParams(max_new_tokens=6, presence_penalty=0.8, logit_bias={"7": 2}, logprobs=2)
     want = {"chat-a": alone_a.generate(messages=[{"role": "system", "content": "Be brief."},
                                                  {"role": "user", "name": "ann",
-                                                  "content": "The quick brown fox"}], params=params),
+                                                  "content": "The quick brown fox"}], params=processed),
             "ids-b": alone_b.generate(input_ids=[10, 11, 12, 13], params=params),
             "text-b": alone_b.generate(prompt="Once upon a time", params=params)}
     for cid, ref in want.items():
@@ -95,6 +98,10 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
         assert got == ref.text, cid
         assert body["usage"]["completion_tokens"] == len(ref.token_ids)
         assert body["model"] == (llama if cid == "chat-a" else gpt2)
+        if cid == "chat-a":     # the target's logprobs, two alternatives per token
+            content = body["choices"][0]["logprobs"]["content"]
+            assert [c["logprob"] for c in content] == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+            assert all(len(c["top_logprobs"]) == 2 for c in content)
     assert want["ids-b"].text != alone_a.generate(input_ids=[10, 11, 12, 13], params=params).text
     (bad_ids,) = map(json.loads, err.read_text().splitlines())
     assert check_line(bad_ids).response.status_code == 400

@@ -130,3 +130,22 @@ def test_run_compile_auto_says_once_why_it_decodes_eagerly(tmp_path: Path, tiny_
     off = CliRunner().invoke(cli, [*args, "--compile", "off"])
     assert off.exit_code == 0, off.output
     assert "eagerly" not in off.output
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_logit_bias_outside_the_targets_vocabulary_writes_nothing(tmp_path: Path, tiny_models: Path,
+                                                                   command: str) -> None:
+    """The target's vocabulary is known before the job is written (run: the loaded target;
+    submit: a local model's config), so a bad logit_bias key fails the file, FILE:LINE: field."""
+    path = tmp_path / "bias.jsonl"
+    lines = [{"custom_id": "ok", "prompt": "Hi", "logit_bias": {"383": 5}},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "Hi", "logit_bias": {"384": 5, "9999": -1}}}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = CliRunner().invoke(cli, [command, str(path), "--target", str(tiny_models / "llama")])
+    assert result.exit_code == 1, result.output
+    assert f"{path}:2: body.logit_bias.384: token id 384 is outside the target's vocabulary [0, 384)" in result.output
+    assert f"{path}:2: body.logit_bias.9999: token id 9999" in result.output
+    assert "Traceback" not in result.output
+    listed = CliRunner().invoke(cli, ["jobs", "--json"])
+    assert listed.exit_code != 0 or json.loads(listed.stdout) == []

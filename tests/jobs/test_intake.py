@@ -79,7 +79,7 @@ BAD_CASES = {
     "max_tokens_boolean": (L(prompt="a", max_tokens=True), ["1: max_tokens: must be an integer >= 1, got a boolean"]),
     "max_tokens_float": (L(prompt="a", max_tokens=64.5), ["1: max_tokens: must be an integer >= 1, got the number 64.5"]),
     "temperature_string": (L(prompt="a", temperature="hot"),
-                           ["1: temperature: must be a number >= 0, got a string"]),
+                           ["1: temperature: must be a number in [0, 2] (OpenAI's range), got a string"]),
     "top_k_float": (L(prompt="a", top_k=1.5), ["1: top_k: must be an integer >= 0 (0: no top-k), got the number 1.5"]),
     "seed_string": (L(prompt="a", seed="1"), ["1: seed: must be an integer, got a string"]),
     "stop_number": (L(prompt="a", stop=5), ["1: stop: must be a string or a list of strings, got the number 5"]),
@@ -88,9 +88,9 @@ BAD_CASES = {
     "custom_id_empty": (L(custom_id="", prompt="a"), ["1: custom_id: must not be empty"]),
     "custom_id_too_long": (L(custom_id="x" * 513, prompt="a"),
                            ["1: custom_id: is 513 characters; the limit is 512"]),
-    "temperature_negative": (L(prompt="a", temperature=-1), ["1: temperature: must be >= 0, got -1"]),
+    "temperature_negative": (L(prompt="a", temperature=-1), ["1: temperature: must be in [0, 2] (OpenAI's range), got -1"]),
     "temperature_over_two": (L(prompt="a", temperature=5.0),
-                             ["1: temperature: must be <= 2 (OpenAI's range is 0 to 2), got 5.0"]),
+                             ["1: temperature: must be in [0, 2] (OpenAI's range), got 5.0"]),
     "top_p_zero": (L(prompt="a", top_p=0), ["1: top_p: must be in (0, 1], got 0"]),
     "top_p_above_one": (L(prompt="a", top_p=1.5), ["1: top_p: must be in (0, 1], got 1.5"]),
     "top_k_negative": (L(prompt="a", top_k=-1), ["1: top_k: must be >= 0, got -1"]),
@@ -135,7 +135,7 @@ BAD_CASES = {
     "batch_prompt_list": (L(method="POST", url="/v1/completions", body={"prompt": ["a", "b"]}),
                           ["1: body.prompt: holds 2 prompts; give one prompt per line"]),
     "batch_bad_temperature": (L(method="POST", url="/v1/completions", body={"prompt": "x", "temperature": -2}),
-                              ["1: body.temperature: must be >= 0, got -2"]),
+                              ["1: body.temperature: must be in [0, 2] (OpenAI's range), got -2"]),
     "too_many_requests": (GOOD + L(prompt="b") + b"\n" + L(prompt="c") + L(prompt="d"),
                           [": 4 requests; the limit is 3 per file (SPECBATCH_MAX_REQUESTS): split the file"]),
     "empty_file": (b"", [": no requests (the file is empty); one JSON object per line is expected"]),
@@ -213,7 +213,7 @@ def test_every_error_of_every_line_is_listed_in_line_order(seeded_url, tmp_path)
     lines = str(e.value).splitlines()
     assert lines[0] == "5 errors; nothing was written:"
     assert lines[1].startswith(f"{path}:2: invalid JSON")
-    assert lines[2:] == [f"{path}:4: temperature: must be >= 0, got -1", f"{path}:4: top_p: must be in (0, 1], got 2",
+    assert lines[2:] == [f"{path}:4: temperature: must be in [0, 2] (OpenAI's range), got -1", f"{path}:4: top_p: must be in (0, 1], got 2",
                          f'{path}:4: custom_id: duplicate "a" (first on line 1)',
                          f'{path}:5: custom_id: duplicate "a" (first on line 1)']
     assert snapshot(seeded_url) == before
@@ -241,7 +241,7 @@ def test_a_taken_default_custom_id_is_listed_beside_the_lines_other_errors(tmp_p
     with pytest.raises(IntakeError) as e:
         intake.parse_file(path, {}, Settings(database_url="sqlite://"))
     assert str(e.value).splitlines()[1:] == [
-        f"{path}:2: temperature: must be >= 0, got -1",
+        f"{path}:2: temperature: must be in [0, 2] (OpenAI's range), got -1",
         f'{path}:2: custom_id: missing, and the default "line-2" is taken by line 1; give this line a custom_id']
 
 
@@ -272,7 +272,7 @@ def test_bad_job_defaults_name_the_option(tmp_path):
     path.write_bytes(GOOD)
     with pytest.raises(IntakeError) as e:
         intake.parse_file(path, {"temperature": -1.0, "top_p": 0.5}, Settings(database_url="sqlite://"))
-    assert str(e.value).splitlines()[1:] == ["--temperature: must be >= 0, got -1.0"]
+    assert str(e.value).splitlines()[1:] == ["--temperature: must be in [0, 2] (OpenAI's range), got -1.0"]
 
 
 # ---------------------------------------------------------------- valid files
@@ -361,12 +361,12 @@ def test_temperature_is_openais_range_everywhere_params_are_checked() -> None:
     with pytest.raises(IntakeError, match="temperature.*got 2.5"):
         intake.job_params({"temperature": 2.5})
     GenerationParams(temperature=2.0).validate()
-    with pytest.raises(RequestError, match=r"must be a number in \[0, 2\]"):
+    with pytest.raises(RequestError, match=r"must be in \[0, 2\]"):
         GenerationParams(temperature=5.0).validate()
     settings = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "org/t", "SPECBATCH_DEFAULT_DRAFT": "org/d"})
     with pytest.raises(InputError) as e:
         job_options({"specbatch_temperature": "5"}, settings)
-    assert e.value.field == "metadata.specbatch_temperature" and "<= 2" in e.value.reason
+    assert e.value.field == "metadata.specbatch_temperature" and "[0, 2]" in e.value.reason
     for command in (["generate", "--prompt", "x"], ["run", "nothing.jsonl"]):
         result = CliRunner().invoke(cli, [*command, "--temperature", "5"])
         assert result.exit_code == 2 and "--temperature" in result.output, result.output

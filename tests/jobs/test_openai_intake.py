@@ -134,21 +134,19 @@ def test_the_guides_other_endpoints_are_refused_per_line():
 # ---------------------------------------------------------------- no-op fields: accepted, one warning
 
 NOOP = [
-    (CHAT, "presence_penalty", 0), (CHAT, "frequency_penalty", 0.0), (CHAT, "presence_penalty", None),
-    (CHAT, "logprobs", False), (CHAT, "logprobs", None), (CHAT, "top_logprobs", None), (CHAT, "n", 1),
+    (CHAT, "n", 1),
     (CHAT, "stream", False), (CHAT, "stream_options", {"include_usage": True}), (CHAT, "store", True),
     (CHAT, "service_tier", "flex"), (CHAT, "user", "u-42"), (CHAT, "parallel_tool_calls", True),
     (CHAT, "safety_identifier", "h123"), (CHAT, "prompt_cache_key", "k"),
     (CHAT, "prompt_cache_retention", "24h"), (CHAT, "prompt_cache_options", {"mode": "implicit"}),
     (CHAT, "prediction", {"type": "content", "content": "Hello"}), (CHAT, "response_format", {"type": "text"}),
     (CHAT, "tools", []), (CHAT, "tool_choice", "none"), (CHAT, "functions", []), (CHAT, "function_call", "none"),
-    (CHAT, "logit_bias", {}), (CHAT, "modalities", ["text"]), (CHAT, "audio", None),
+    (CHAT, "modalities", ["text"]), (CHAT, "audio", None),
     (CHAT, "reasoning_effort", None), (CHAT, "verbosity", "medium"), (CHAT, "web_search_options", None),
     (CHAT, "moderation", None), (CHAT, "metadata", {"k": "v"}),
-    (COMPLETIONS, "echo", False), (COMPLETIONS, "best_of", 1), (COMPLETIONS, "logprobs", None),
-    (COMPLETIONS, "suffix", None), (COMPLETIONS, "n", 1), (COMPLETIONS, "presence_penalty", 0),
-    (COMPLETIONS, "frequency_penalty", 0), (COMPLETIONS, "stream", None), (COMPLETIONS, "user", "u"),
-    (COMPLETIONS, "logit_bias", None), (COMPLETIONS, "stream_options", None),
+    (COMPLETIONS, "echo", False), (COMPLETIONS, "best_of", 1),
+    (COMPLETIONS, "suffix", None), (COMPLETIONS, "n", 1), (COMPLETIONS, "stream", None),
+    (COMPLETIONS, "user", "u"), (COMPLETIONS, "stream_options", None),
 ]
 
 
@@ -172,10 +170,9 @@ def test_the_issue_file_is_accepted_whole_with_one_warning():
     got = read(line(body), line(comp, COMPLETIONS, cid="r2"))
     assert len(got.requests) == 2
     warnings = got.warnings("t")
-    assert warnings[0] == ("accepted with no effect on the generated text: echo (1 line), frequency_penalty "
-                           "(1 line), logprobs (1 line), metadata (1 line), presence_penalty (1 line), "
-                           "service_tier (1 line), store (1 line), stream_options (1 line); metadata is kept "
-                           "and exported")
+    assert warnings[0] == ("accepted with no effect on the generated text: echo (1 line), "
+                           "metadata (1 line), service_tier (1 line), store (1 line), stream_options (1 line); "
+                           "metadata is kept and exported")
     assert got.requests[0].metadata == {"run": "7"} and got.requests[0].params["max_new_tokens"] == 16
 
 
@@ -195,20 +192,7 @@ REFUSED = [
     (CHAT, "functions", [{"name": "f"}], "must be empty: tool calling is not supported: specbatch generates "
                                          "plain text"),
     (CHAT, "function_call", {"name": "f"}, "must be \"none\" or \"auto\": tool calling is not supported"),
-    (CHAT, "logit_bias", {"50256": -100}, "must be empty: specbatch cannot bias token logits, so the text "
-                                          "would differ"),
-    (COMPLETIONS, "logit_bias", {"1": 5}, "must be empty: specbatch cannot bias token logits, so the text "
-                                          "would differ"),
-    (CHAT, "logprobs", True, "must be false: specbatch does not return log probabilities"),
-    (CHAT, "top_logprobs", 5, "must be null or 0: specbatch does not return log probabilities"),
-    (COMPLETIONS, "logprobs", 5, "must be null: specbatch does not return log probabilities"),
     (COMPLETIONS, "echo", True, "must be false: the output is the completion only, without the prompt"),
-    (CHAT, "presence_penalty", 0.5, "must be 0: specbatch cannot apply penalties, so the text would differ "
-                                    "(got 0.5)"),
-    (CHAT, "frequency_penalty", -1, "must be 0: specbatch cannot apply penalties, so the text would differ "
-                                    "(got -1)"),
-    (COMPLETIONS, "presence_penalty", 2, "must be 0: specbatch cannot apply penalties, so the text would "
-                                         "differ (got 2)"),
     (CHAT, "stream", True, "must be false: batch output is not streamed"),
     (COMPLETIONS, "suffix", "}", "must be empty: specbatch does not insert text between a prompt and a suffix"),
     (CHAT, "modalities", ["text", "audio"], "must be [\"text\"]: specbatch generates text only"),
@@ -237,6 +221,92 @@ def test_refused_field_names_file_line_field_and_why(url, field, value, why):
         assert errors == [f"batch.jsonl:2: body.{field}.n: must be a string, got the number 1"]
     else:
         assert errors == [f"batch.jsonl:2: body.{field}: {why}"]
+
+
+# ---------------------------------------------------------------- logit processors: honoured, ranges checked
+
+
+def test_penalties_bias_and_min_p_are_stored_for_the_workers():
+    body = {"model": "m", "messages": MSGS, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "logit_bias": {"50256": -100, "7": 2.5}, "min_p": 0.1, "repetition_penalty": 1.2}
+    comp = {"model": "m", "prompt": "Hi", "presence_penalty": 2, "logit_bias": {}}
+    got = read(line(body), line(comp, COMPLETIONS, cid="r2"))
+    a, b = got.requests
+    assert not got.noop_fields
+    assert {k: a.params[k] for k in intake.PROCESSOR_KEYS} == {
+        "presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {"7": 2.5, "50256": -100.0},
+        "min_p": 0.1, "repetition_penalty": 1.2}
+    assert a.generation_params().validate().logit_bias == ((7, 2.5), (50256, -100.0))
+    assert b.params["presence_penalty"] == 2.0 and "logit_bias" not in b.params
+
+
+BAD_PROCESSORS = [
+    ("presence_penalty", 2.5, "body.presence_penalty: must be in [-2, 2], got 2.5"),
+    ("frequency_penalty", -3, "body.frequency_penalty: must be in [-2, 2], got -3"),
+    ("frequency_penalty", "1", "body.frequency_penalty: must be a number in [-2, 2], got a string"),
+    ("min_p", 1.5, "body.min_p: must be in [0, 1], got 1.5"),
+    ("repetition_penalty", 0, "body.repetition_penalty: must be > 0, got 0"),
+    ("logit_bias", {"5": 101}, "body.logit_bias.5: must be in [-100, 100], got 101"),
+    ("logit_bias", {"x": 1}, "body.logit_bias.x: 'x' is not a token id (a non-negative integer)"),
+    ("logit_bias", {"-3": 1}, "body.logit_bias.-3: '-3' is not a token id (a non-negative integer)"),
+    ("logit_bias", {"5": "a"}, "body.logit_bias.5: must be a number in [-100, 100], got a string"),
+    ("logit_bias", [1, 2], "body.logit_bias: must be an object of token id -> bias, got an array"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "why"), BAD_PROCESSORS,
+                         ids=[f"{f}-{json.dumps(v)}" for f, v, _ in BAD_PROCESSORS])
+def test_bad_processor_values_name_file_line_field(field, value, why):
+    body = {"model": "m", "messages": MSGS}
+    assert refused(line(body, cid="ok"), line({**body, field: value}, cid="bad")) == [f"batch.jsonl:2: {why}"]
+
+
+def test_every_bad_logit_bias_entry_is_its_own_line():
+    body = {"model": "m", "messages": MSGS, "logit_bias": {"1": 200, "y": 0, "3": -1}}
+    assert refused(line(body)) == ["batch.jsonl:1: body.logit_bias.1: must be in [-100, 100], got 200",
+                                   "batch.jsonl:1: body.logit_bias.y: 'y' is not a token id (a non-negative integer)"]
+
+
+# ---------------------------------------------------------------- log-probabilities
+
+
+@pytest.mark.parametrize(("url", "fields", "want"), [
+    (CHAT, {"logprobs": True, "top_logprobs": 5}, 5),
+    (CHAT, {"logprobs": True}, 0),
+    (CHAT, {"logprobs": True, "top_logprobs": 20}, 20),
+    (CHAT, {"logprobs": False, "top_logprobs": 0}, None),
+    (CHAT, {"logprobs": None}, None),
+    (COMPLETIONS, {"logprobs": 5}, 5),
+    (COMPLETIONS, {"logprobs": 0}, 0),
+    (COMPLETIONS, {"logprobs": None}, None),
+])
+def test_logprobs_fields_set_the_top_alternatives(url, fields, want):
+    body = {"model": "m", **({"messages": MSGS} if url == CHAT else {"prompt": "Hi"}), **fields}
+    (r,) = read(line(body, url)).requests
+    assert r.params.get("logprobs") == want
+    assert r.generation_params().logprobs == want
+
+
+@pytest.mark.parametrize(("url", "fields", "why"), [
+    (CHAT, {"logprobs": True, "top_logprobs": 21}, "body.top_logprobs: must be in [0, 20], got 21"),
+    (CHAT, {"logprobs": True, "top_logprobs": -1}, "body.top_logprobs: must be in [0, 20], got -1"),
+    (CHAT, {"top_logprobs": 3}, "body.top_logprobs: needs logprobs: true (got null)"),
+    (CHAT, {"logprobs": 3}, "body.logprobs: must be a boolean, got the number 3"),
+    (COMPLETIONS, {"logprobs": 6}, "body.logprobs: must be in [0, 5], got 6"),
+    (COMPLETIONS, {"logprobs": True}, "body.logprobs: must be an integer in [0, 5], got a boolean"),
+])
+def test_bad_logprobs_fields(url, fields, why):
+    body = {"model": "m", **({"messages": MSGS} if url == CHAT else {"prompt": "Hi"}), **fields}
+    assert refused(line(body, url)) == [f"batch.jsonl:1: {why}"]
+
+
+def test_native_lines_take_the_logprobs_fields_of_their_kind():
+    native = [json.dumps({"custom_id": "a", "prompt": "Hi", "logprobs": 3}),
+              json.dumps({"custom_id": "b", "messages": MSGS, "logprobs": True, "top_logprobs": 4})]
+    a, b = read(*native).requests
+    assert (a.params["logprobs"], b.params["logprobs"]) == (3, 4)
+    assert refused(json.dumps({"prompt": "Hi", "top_logprobs": 2})) == [
+        "batch.jsonl:1: top_logprobs: a prompt line takes logprobs (0..5), as /v1/completions"]
 
 
 # ---------------------------------------------------------------- also accepted
@@ -344,8 +414,7 @@ def test_the_example_openai_batch_file():
         ("request-3", "completion", "gpt-3.5-turbo-instruct"), ("request-4", "completion", "gpt-3.5-turbo-instruct")]
     assert got.requests[1].metadata == {"topic": "physics", "split": "train"}
     assert got.requests[3].prompt_ids == [504, 2062, 6715]
-    assert set(got.noop_fields) == {"presence_penalty", "frequency_penalty", "logprobs", "store", "service_tier",
-                                    "metadata", "echo", "n"}
+    assert set(got.noop_fields) == {"store", "service_tier", "metadata", "echo", "n"}
     assert len(got.warnings("t")) == 2
 
 

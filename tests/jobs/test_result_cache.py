@@ -47,6 +47,14 @@ def test_only_greedy_requests_are_cacheable():
     ({"top_p": 0.5}, True),
     ({"top_k": 7}, True),
     ({"gamma": 2, "adaptive": False}, True),     # lossless: the draft length changes no output
+    # the logit processors change greedy text: each is in the key (min_p cannot change the argmax)
+    ({"presence_penalty": 0.5}, False),
+    ({"frequency_penalty": -0.5}, False),
+    ({"repetition_penalty": 1.2}, False),
+    ({"logit_bias": ((5, 1.0),)}, False),
+    ({"logit_bias": ((5, 2.0),)}, False),
+    ({"min_p": 0.3}, True),
+    ({"presence_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": ()}, True),   # the defaults
 ])
 def test_greedy_key_per_parameter(change, hits):
     base = result_cache.cache_key("T", [1, 2, 3], dataclasses.replace(GREEDY, stop=("b", "a")))
@@ -65,7 +73,8 @@ def test_key_covers_target_prompt_and_stop_set():
         "T", [1], dataclasses.replace(GREEDY, stop=("y", "x", "x")))
 
 
-@pytest.mark.parametrize("field, value", [("temperature", 0.8), ("top_p", 0.8), ("top_k", 3), ("seed", 2)])
+@pytest.mark.parametrize("field, value", [("temperature", 0.8), ("top_p", 0.8), ("top_k", 3), ("seed", 2),
+                                          ("min_p", 0.2)])
 def test_sampled_key_covers_every_sampling_parameter(field, value):
     """Ready for the day seeded sampling becomes cacheable: each sampling parameter is in the key."""
     sampled = GenerationParams(max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=5, seed=1)

@@ -4,7 +4,7 @@
 a bare key; NULL for rows made before this revision or without keys (only an admin key, or a
 server without keys, sees those).
 
-Revision ID: 0009_hardening
+Revision ID: 0009
 Revises: 0008
 Create Date: 2026-12-02
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009_hardening"
+revision = "0009"
 down_revision = "0008"
 branch_labels = None
 depends_on = None

@@ -1,0 +1,65 @@
+"""specbatch audit: the certificate that a finished job's output is its target's output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from specbatch.cli.common import echo_json, open_db
+from specbatch.cli.throughput import device_options
+from specbatch.config import get_settings
+from specbatch.plural import plural
+
+
+@click.command()
+@click.argument("job_id", metavar="JOB")
+@click.option("--sample", metavar="N|PCT%", help="Audit N completed requests, or PCT% of them (default: all).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Which requests --sample picks.")
+@device_options
+@click.option("--json", "as_json", is_flag=True, help="Print {id, audited, passed, failed, requests} as JSON.")
+def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype: str | None,
+          as_json: bool) -> None:
+    """Re-decode a finished job's requests with the target alone and compare (exit 0: all match).
+
+    Greedy requests must be token-identical to the target decoding alone; sampled requests'
+    stored logprobs must equal the target's (without stored logprobs: every token must be one
+    the target could sample). Speculation is lossless when this passes.
+
+    \b
+    Example:
+      specbatch audit 3f9a2c --sample 10%
+    """
+    from specbatch.engine import Engine
+    from specbatch.jobs import audit as auditor
+    from specbatch.jobs import store
+
+    settings = get_settings()
+    fraction = auditor.parse_sample(sample)
+    with open_db(settings, readonly=True).begin() as s:
+        jid = store.get_job(s, job_id).id
+        items = auditor.items(s, jid, fraction, seed)
+    engines: dict[str, Engine] = {}
+
+    def engine_for(target: str) -> Engine:
+        if target not in engines:      # the target alone: no drafts, no n-gram drafter
+            engines[target] = Engine.load(target, device=device or settings.device,
+                                          dtype=dtype or settings.dtype, cache_dir=settings.cache_dir,
+                                          batch_size=1)
+        return engines[target]
+
+    def show(v: Any) -> None:
+        if not as_json:
+            click.echo(f"{'ok  ' if v.ok else 'FAIL'} {v.custom_id}: {v.check}: {v.detail}")
+
+    verdicts = auditor.audit(items, engine_for, show)
+    failed = [v for v in verdicts if not v.ok]
+    if as_json:
+        echo_json({"id": jid, "audited": len(verdicts), "passed": len(verdicts) - len(failed),
+                   "failed": len(failed), "requests": [v.to_dict() for v in verdicts]})
+    else:
+        click.echo(f"{plural(len(verdicts), 'request')} audited: {len(verdicts) - len(failed)} match the "
+                   f"target alone, {len(failed)} do not", err=True)
+    if failed:
+        raise SystemExit(1)

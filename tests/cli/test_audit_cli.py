@@ -1,0 +1,95 @@
+"""specbatch audit: passes on a finished speculative job, fails when a stored token is altered."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import select
+
+from specbatch import db
+from specbatch.cli.main import cli
+from specbatch.config import Settings, get_settings
+from specbatch.db.models import Request, Result
+from specbatch.engine import Engine
+from specbatch.engine.loading import load_model
+from specbatch.jobs import intake, store
+
+LINES = [
+    {"custom_id": "greedy", "prompt": "def fibonacci(n):", "max_tokens": 12},
+    {"custom_id": "penalised", "prompt": "Write a haiku about", "max_tokens": 12, "frequency_penalty": 1.5,
+     "logit_bias": {"7": 3}},
+    {"custom_id": "sampled-lp", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 1.2,
+              "seed": 4, "logprobs": True, "top_logprobs": 2}},
+    {"custom_id": "sampled", "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0.9,
+     "top_k": 8, "seed": 2, "presence_penalty": 1.0},
+]
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch, tiny_models):
+    url = f"sqlite:///{tmp_path / 'audit.db'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    get_settings.cache_clear()
+    db.upgrade(url)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in LINES))
+    parsed = intake.read_file(path, {}, Settings(database_url=url))
+    target = str(tiny_models / "llama")
+    engine = Engine(load_model(target), [load_model(str(tiny_models / "llama-partial"))], ngram=True)
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target=target, drafts=["llama-partial"], ngram=True, params={},
+                                  requests=parsed.requests, queue="q").id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids, "w", 60, 3)
+        for rid, req in zip(ids, parsed.requests):
+            out = engine.generate(prompt=req.prompt, messages=req.messages, params=req.generation_params())
+            store.record_result(s, rid, out, "w")
+        store.refresh_job(s, job_id)
+    yield url, job_id
+    db.forget_engines()
+
+
+def run(*args: str):
+    return CliRunner().invoke(cli, list(args), obj={})
+
+
+def _alter(url: str, job_id: str, custom_id: str) -> None:
+    with db.session_factory(url).begin() as s:
+        res = s.execute(select(Result).join(Request, Request.id == Result.request_id)
+                        .where(Request.job_id == job_id, Request.custom_id == custom_id)).scalar_one()
+        tokens = list(res.token_ids)
+        tokens[2] = (tokens[2] + 1) % 384
+        res.token_ids = tokens
+
+
+def test_audit_passes_on_a_speculative_job(job):
+    url, job_id = job
+    result = run("audit", job_id, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["audited"], report["failed"]) == (4, 0)
+    checks = {r["custom_id"]: r["check"] for r in report["requests"]}
+    assert checks == {"greedy": "identical", "penalised": "identical", "sampled-lp": "logprobs",
+                      "sampled": "support"}
+
+
+@pytest.mark.parametrize("custom_id", ["greedy", "penalised", "sampled-lp"])
+def test_audit_fails_when_a_stored_token_is_altered(job, custom_id):
+    url, job_id = job
+    _alter(url, job_id, custom_id)
+    result = run("audit", job_id)
+    assert result.exit_code == 1
+    assert f"FAIL {custom_id}: " in result.stdout and "token 2" in result.stdout
+    assert "3 match the target alone, 1 do not" in result.stderr
+
+
+def test_sample_picks_a_subset_and_bad_sample_is_one_line(job):
+    url, job_id = job
+    result = run("audit", job_id, "--sample", "50%", "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["audited"] == 2
+    bad = run("audit", job_id, "--sample", "0")
+    assert bad.exit_code == 1 and "--sample: '0': give a count >= 1" in bad.output
+    assert "Traceback" not in bad.output
