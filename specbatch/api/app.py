@@ -7,68 +7,19 @@ the event loop never waits on SQL); the upload is ``async`` because it streams t
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
-from sqlalchemy.orm import sessionmaker
+from fastapi import Depends, FastAPI
 
+from specbatch.api.deps import AppState, Finalizer
 from specbatch.config import Settings
 from specbatch.db import session_factory
 
 logger = logging.getLogger(__name__)
 
 MAX_JSON_BODY = 1 << 20
-
-
-class Finalizer:
-    """Writes finished batches' output files in the background, one batch at a time, each once
-    per process (a GET never waits for an export; the batch shows ``finalizing`` meanwhile)."""
-
-    def __init__(self, settings: Settings, factory: sessionmaker, reader: sessionmaker) -> None:
-        self.settings, self.factory, self.reader = settings, factory, reader
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-finalize")
-        self._pending: set[str] = set()
-        self._lock = threading.Lock()
-
-    def schedule(self, batch_id: str) -> None:
-        with self._lock:
-            if batch_id in self._pending:
-                return
-            self._pending.add(batch_id)
-        self._pool.submit(self._run, batch_id)
-
-    def _run(self, batch_id: str) -> None:
-        from specbatch.jobs.batches import finalize
-
-        try:
-            finalize(self.settings, self.factory, self.reader, batch_id)
-        except Exception:
-            logger.exception("batch %s: writing the output files failed; the next read retries", batch_id)
-        finally:
-            with self._lock:
-                self._pending.discard(batch_id)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-@dataclass
-class AppState:
-    settings: Settings
-    factory: sessionmaker
-    reader: sessionmaker
-    finalizer: Finalizer
-    checks: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
-
-
-def state(request: Request) -> AppState:
-    return request.app.state.sb  # type: ignore[no-any-return]
 
 
 def create_app(settings: Settings) -> FastAPI:

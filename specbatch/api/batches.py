@@ -9,12 +9,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
-from specbatch.api.app import AppState, state
 from specbatch.api.auth import Tenant
+from specbatch.api.deps import AppState, State
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
@@ -70,8 +70,7 @@ def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
 
 
 @router.post("/batches")
-def create_batch(request: Request, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
-    sb = state(request)
+def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
                        param="endpoint")
@@ -118,8 +117,7 @@ def create_batch(request: Request, body: CreateBatch, owner: Tenant) -> dict[str
 
 
 @router.get("/batches")
-def list_batches(request: Request, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
-    sb = state(request)
+def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
     for _ in range(2):
         with sb.reader.begin() as s:
             rows, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
@@ -131,24 +129,22 @@ def list_batches(request: Request, owner: Tenant, limit: int = Query(20, ge=1, l
 
 
 @router.get("/batches/{batch_id}")
-def retrieve_batch(request: Request, batch_id: str, owner: Tenant) -> dict[str, Any]:
-    return _object(state(request), batch_id, owner)
+def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
+    return _object(sb, batch_id, owner)
 
 
 @router.post("/batches/{batch_id}/cancel")
-def cancel_batch(request: Request, batch_id: str, owner: Tenant) -> dict[str, Any]:
-    sb = state(request)
+def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
     with sb.factory.begin() as s:
         batches.cancel(s, batch_id, owner)
     return _object(sb, batch_id, owner)
 
 
 @router.get("/batches/{batch_id}/stats")
-def batch_stats(request: Request, batch_id: str, owner: Tenant) -> dict[str, Any]:
+def batch_stats(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
     from specbatch.jobs import store
 
-    sb = state(request)
     with sb.reader.begin() as s:
         batch = batches.get_batch(s, batch_id, owner)
         if batch.job_id is None:

@@ -9,8 +9,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
 from specbatch.api import upload
-from specbatch.api.app import AppState, state
 from specbatch.api.auth import Tenant
+from specbatch.api.deps import AppState, State
 from specbatch.api.errors import ApiError
 from specbatch.jobs import batches, files
 
@@ -37,8 +37,7 @@ def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dic
 
 
 @router.post("/files")
-async def create_file(request: Request, owner: Tenant) -> dict[str, Any]:
-    sb = state(request)
+async def create_file(request: Request, sb: State, owner: Tenant) -> dict[str, Any]:
     with files.incoming(sb.settings) as tmp:
         form = await upload.receive(request, tmp, sb.settings)
         purpose = form.fields.get("purpose")
@@ -53,22 +52,21 @@ async def create_file(request: Request, owner: Tenant) -> dict[str, Any]:
 
 
 @router.get("/files")
-def list_files(request: Request, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> dict[str, Any]:
-    with state(request).reader.begin() as s:
+    with sb.reader.begin() as s:
         rows, more = files.list_files(s, limit=limit, after=after, purpose=purpose, order=order, owner=owner)
         return page([files.file_object(f) for f in rows], more)
 
 
 @router.get("/files/{file_id}")
-def retrieve_file(request: Request, file_id: str, owner: Tenant) -> dict[str, Any]:
-    with state(request).reader.begin() as s:
+def retrieve_file(sb: State, file_id: str, owner: Tenant) -> dict[str, Any]:
+    with sb.reader.begin() as s:
         return files.file_object(files.get_file(s, file_id, owner))
 
 
 @router.get("/files/{file_id}/content")
-def file_content(request: Request, file_id: str, owner: Tenant) -> FileResponse:
-    sb = state(request)
+def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
     with sb.reader.begin() as s:
         row = files.get_file(s, file_id, owner)
         filename = row.filename
@@ -80,8 +78,7 @@ def file_content(request: Request, file_id: str, owner: Tenant) -> FileResponse:
 
 
 @router.delete("/files/{file_id}")
-def delete_file(request: Request, file_id: str, owner: Tenant) -> dict[str, Any]:
-    sb = state(request)
+def delete_file(sb: State, file_id: str, owner: Tenant) -> dict[str, Any]:
     with sb.factory.begin() as s:
         files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
         if live := batches.live_batches_of_file(s, file_id):

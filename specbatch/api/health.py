@@ -7,11 +7,11 @@ import logging
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from specbatch.api.app import AppState, state
+from specbatch.api.deps import AppState, State
 from specbatch.worker.enqueue import check_broker
 
 logger = logging.getLogger(__name__)
@@ -26,8 +26,7 @@ def _database(sb: AppState) -> None:
 
 
 @router.get("/healthz")
-def healthz(request: Request) -> JSONResponse:
-    sb = state(request)
+def healthz(sb: State) -> JSONResponse:
     checks = {"database": sb.checks.submit(_database, sb),
               "broker": sb.checks.submit(check_broker, sb.settings, TIMEOUT - 1)}
     out: dict[str, Any] = {}

@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from specbatch.api.app import state
+from specbatch.api.deps import State
 from specbatch.config import Settings
 from specbatch.db.models import Job, JobStatus, RequestStatus, Result
 from specbatch.db.models import Request as RequestRow
@@ -144,8 +144,7 @@ def registry_for(settings: Settings, reader: sessionmaker) -> CollectorRegistry:
 
 
 @router.get("/metrics")
-def metrics(request: Request) -> Response:
-    sb = state(request)
+def metrics(request: Request, sb: State) -> Response:
     registry = getattr(request.app.state, "registry", None)
     if registry is None:
         registry = request.app.state.registry = registry_for(sb.settings, sb.reader)

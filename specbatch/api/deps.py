@@ -1,0 +1,70 @@
+"""What routes share, given through ``Depends``: the app's settings, sessions and background
+finalizer (FastAPI, "Bigger Applications": shared dependencies in their own module).
+
+``create_app`` (api/app.py) builds one ``AppState`` per app; routes take it as ``sb: State``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Annotated
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import sessionmaker
+
+from specbatch.config import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class Finalizer:
+    """Writes finished batches' output files in the background, one batch at a time, each once
+    per process (a GET never waits for an export; the batch shows ``finalizing`` meanwhile)."""
+
+    def __init__(self, settings: Settings, factory: sessionmaker, reader: sessionmaker) -> None:
+        self.settings, self.factory, self.reader = settings, factory, reader
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-finalize")
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+
+    def schedule(self, batch_id: str) -> None:
+        with self._lock:
+            if batch_id in self._pending:
+                return
+            self._pending.add(batch_id)
+        self._pool.submit(self._run, batch_id)
+
+    def _run(self, batch_id: str) -> None:
+        from specbatch.jobs.batches import finalize
+
+        try:
+            finalize(self.settings, self.factory, self.reader, batch_id)
+        except Exception:
+            logger.exception("batch %s: writing the output files failed; the next read retries", batch_id)
+        finally:
+            with self._lock:
+                self._pending.discard(batch_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    factory: sessionmaker
+    reader: sessionmaker
+    finalizer: Finalizer
+    checks: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
+
+
+def app_state(request: Request) -> AppState:
+    return request.app.state.sb  # type: ignore[no-any-return]
+
+
+State = Annotated[AppState, Depends(app_state)]
+"""A route's share of the app's state: ``def route(sb: State)`` (FastAPI, "Bigger Applications")."""
