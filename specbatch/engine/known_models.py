@@ -88,8 +88,7 @@ def name_problem(name: str) -> str | None:
 
 def misspelt(name: str) -> str | None:
     """The known name ``name`` most likely misspells, where it is no path here either; None
-    otherwise. Only a near miss is refused before a job exists: any other word may name a
-    directory where the workers run, or a placeholder in a test."""
+    otherwise (``cache clear --target`` suggests it; intake refuses with ``name_problem``)."""
     if name in KNOWN_MODELS or "/" in name or name.startswith(("~", ".")) or name.endswith(".gguf"):
         return None
     try:

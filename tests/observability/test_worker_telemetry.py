@@ -92,7 +92,9 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver
     assert before[("specbatch_speculation_enabled", frozenset(labels.items()))] == 1
 
     rows = [{"custom_id": f"r{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 5 + 3 * i}
-            for i in range(4)] + [{"custom_id": "long", "prompt": "x " * 5000}]   # fails: over the context
+            for i in range(4)] + [{"custom_id": "bad-ids", "method": "POST", "url": "/v1/completions",
+                                   "body": {"prompt": [10**6], "max_tokens": 5}}]   # fails: past the vocabulary
+    # (a prompt over the context no longer reaches a worker: intake refuses it)
     out = subprocess.run([*CLI, "submit", str(cluster.prompts(rows)), *pair, "--json"], env={**cluster.env, **otel},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -140,4 +142,4 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver
     assert {c["parent"] for c in chunks} == {enqueue["span_id"]}
     assert {s["trace_id"] for s in spans} == {submit["trace_id"]}
     failed = [s for s in spans if s["name"] == "request" and "specbatch.error" in s["attrs"]]
-    assert len(failed) == 1 and "context" in failed[0]["attrs"]["specbatch.error"].string_value
+    assert len(failed) == 1 and "token ids must be in" in failed[0]["attrs"]["specbatch.error"].string_value

@@ -12,7 +12,8 @@ from specbatch.worker.monitor import active_queues
 from tests.worker.private_pg import PrivatePostgres
 from tests.worker.services import wait_for
 
-pytestmark = pytest.mark.integration
+# slow: 40 requests through a worker that pauses and resumes, ~4 min on 2 busy cores; .ci/run runs it
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def test_database_outage_longer_than_a_lease(cluster, monkeypatch) -> None:  # noqa: ANN001
