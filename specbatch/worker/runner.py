@@ -98,6 +98,9 @@ class EngineReady(bootsteps.StartStopStep):
     def start(self, c: Any) -> None:
         if not c.app.conf.get("specbatch_ready_file"):
             return
+        if not self.ready:   # the banner's [queues] is empty until then
+            logger.info("online; consuming %s once the pool child has loaded the models",
+                        c.app.conf.task_default_queue)
         self.poll(c)
         self.timer = c.timer.call_repeatedly(POLL_SECONDS, self.poll, (c,))
 
