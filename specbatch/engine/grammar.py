@@ -1,8 +1,8 @@
 """Structured outputs: which tokens a grammar allows, per row, on llguidance (docs/STRUCTURED.md).
 
-- ``GrammarSpec``: what a request asked for (a JSON schema, a regex, a choice of strings, a
-  Lark/GBNF grammar); ``GrammarSpec.problem()`` checks it compiles without any tokenizer, so
-  intake refuses a bad one before a job exists.
+- ``GrammarSpec`` (grammar_spec.py, no torch there): what a request asked for (a JSON schema, a
+  regex, a choice of strings, a Lark/GBNF grammar); ``GrammarSpec.problem()`` checks it
+  compiles without any tokenizer, so intake refuses a bad one before a job exists.
 - ``Vocab``: a model's tokenizer as llguidance reads it, built once per tokenizer (about a second).
 - ``Matcher``: one row's grammar state over the tokens it generated: the allowed-token mask,
   advance, rollback to an accepted prefix, the forced tokens, and the mask at every node of a
@@ -15,7 +15,6 @@ matcher in error keeps the message (``Matcher.error``), and so does this wrapper
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,73 +22,9 @@ from typing import Any
 
 import torch
 
-KINDS = ("json", "regex", "choice", "grammar")
+from specbatch.engine.grammar_spec import KINDS, GrammarSpec
 
-# JSON is written as json.dumps writes it, ", " and ": " and no other whitespace: the spelling
-# models have read most, and no free whitespace a weak model could loop in until max_tokens
-# (with fixed separators more of the output is forced, too: drafted by the grammar)
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-@dataclass(frozen=True)
-class GrammarSpec:
-    """A request's output constraint. ``source``: the schema as JSON text (kind "json"), the regex,
-    the choices as a JSON array, or the grammar text (Lark, or GBNF as llama.cpp writes it).
-    ``strict`` (JSON only): an unsupported schema keyword is an error; else it is ignored."""
-
-    kind: str
-    source: str
-    strict: bool = True
-
-    @classmethod
-    def json_schema(cls, schema: dict[str, Any], strict: bool = True) -> GrammarSpec:
-        # key order kept: the output lists properties in the schema's order
-        return cls("json", json.dumps(schema), strict)
-
-    @classmethod
-    def choice(cls, options: Sequence[str]) -> GrammarSpec:
-        return cls("choice", json.dumps(list(options)))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "source": self.source, "strict": self.strict}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GrammarSpec:
-        return cls(d["kind"], d["source"], bool(d.get("strict", True)))
-
-    def llguidance(self) -> str:
-        """The grammar in llguidance's own format. Raises ValueError for a kind it does not know
-        or a GBNF grammar it cannot convert (``problem()`` says so as data)."""
-        from llguidance import LLMatcher, grammar_from
-
-        if self.kind == "json":
-            return LLMatcher.grammar_from_json_schema(
-                self.source, overrides={**JSON_OPTIONS, "lenient": not self.strict})  # type: ignore[arg-type]
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.source)
-        if self.kind == "choice":
-            return grammar_from("choice", self.source)
-        if self.kind == "grammar":
-            return grammar_from("grammar", self.source)   # Lark as is; GBNF converted to Lark
-        raise ValueError(f"unknown grammar kind {self.kind!r} (one of {', '.join(KINDS)})")
-
-    def problem(self) -> str | None:
-        """Why the grammar cannot be used (the library's message), or None. No tokenizer needed."""
-        from llguidance import LLMatcher
-
-        if self.kind == "choice":
-            options = json.loads(self.source)
-            if not options:
-                return "must list at least one string"
-            if any(not isinstance(o, str) or not o for o in options):
-                return "every choice must be a non-empty string"
-        try:
-            grammar = self.llguidance()
-        except ValueError as e:
-            return str(e)
-        message = LLMatcher.validate_grammar(grammar)
-        return message.strip() or None
-
+__all__ = ["KINDS", "GrammarSpec", "Matcher", "Vocab", "unpack", "vocab_for"]
 
 @dataclass(frozen=True, eq=False)
 class Vocab:

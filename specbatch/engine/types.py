@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from specbatch.engine.grammar_spec import GrammarSpec, spec_problem
 from specbatch.errors import RequestError
 
 
@@ -21,12 +22,15 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     gamma: int | None = None            # initial draft length; None: the engine's default
     adaptive: bool = True               # adapt gamma and switch speculation off when it does not pay
+    structured: GrammarSpec | None = None   # the output's grammar (docs/STRUCTURED.md); None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):       # one stop string, not its characters
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, list):
             object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.structured, dict):   # as stored in a request's params
+            object.__setattr__(self, "structured", GrammarSpec.from_dict(self.structured))
 
     def validate(self) -> GenerationParams:
         """Raise RequestError naming the bad field; returns self for chaining."""
@@ -50,6 +54,8 @@ class GenerationParams:
             raise RequestError("must be an integer in [0, 64]", field="gamma")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise RequestError("stop strings must be non-empty strings", field="stop")
+        if self.structured is not None and (problem := spec_problem(self.structured)):
+            raise RequestError(problem, field="structured")
         return self
 
     @property

@@ -27,14 +27,14 @@ from specbatch.config import Settings
 from specbatch.engine.known_models import misspelt, not_found
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
-from specbatch.jobs import openai_fields
+from specbatch.jobs import openai_fields, structured
 from specbatch.jobs.openai_fields import json_type
 from specbatch.plural import plural
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop")
+             "top_k", "seed", "stop", "response_format", "structured_outputs")
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
@@ -402,6 +402,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
     if top_p_zero:
         params.update(temperature=0.0, top_p=1.0)
+    problems += _check_structured(fields_, prefix, kind if prefix else None, params)
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()
@@ -413,6 +414,19 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
             "messages": messages, "params": params, "model": model,
             "target": route[0] if route else None, "drafts": list(route[1]) if route else None,
             "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop}
+
+
+def _check_structured(fields_: dict[str, Any], prefix: str, kind: str | None,
+                      params: dict[str, Any]) -> list[tuple[str | None, str]]:
+    """The line's output constraint (specbatch.jobs.structured) into ``params["structured"]``.
+    response_format is a chat field: on /v1/completions _check_body has refused it already."""
+    given = {k: fields_[k] for k in ("response_format", "structured_outputs") if k in fields_}
+    if kind == "completion":
+        given.pop("response_format", None)
+    spec, problems = structured.parse(given, prefix)
+    if spec is not None:
+        params["structured"] = spec
+    return list(problems)
 
 
 def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:

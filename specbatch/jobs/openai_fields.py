@@ -6,17 +6,17 @@ completion_create_params`` and ``openai.types.completion_create_params``); tests
 test_openai_intake.py fails when the package gains a field that is not sorted here.
 
 Three kinds of field:
-  - honoured: the generation parameters, the prompt, ``model`` (routing) and ``metadata`` (kept);
+  - honoured: the generation parameters, the prompt, ``model`` (routing), ``metadata`` (kept) and
+    ``response_format`` (structured outputs, specbatch.jobs.structured);
   - no-op: accepted when its value cannot change the generated text (``n`` 1, penalties 0, ``store``,
     ``service_tier``, ...); the job warns once, listing them;
-  - refused: a value specbatch cannot honour (``n`` > 1, tools, JSON mode, logprobs, ...), reported
+  - refused: a value specbatch cannot honour (``n`` > 1, tools, logprobs, ...), reported
     per line as ``FILE:LINE: body.FIELD: why``.
 A no-op field's check returns None when the value is accepted, else the reason it is refused.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +24,11 @@ Check = Callable[[Any], "str | None"]
 
 # honoured by intake itself (see specbatch.jobs.intake): prompt/messages, parameters, model, metadata
 CHAT_HONOURED = ("messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                 "stop", "metadata")
+                 "stop", "metadata", "response_format")   # response_format: specbatch.jobs.structured
 COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop")
-# not OpenAI's, accepted on both URLs (vLLM has top_k; max_new_tokens is specbatch's own alias)
-EXTENSIONS = ("top_k", "max_new_tokens")
+# not OpenAI's, accepted on both URLs (vLLM has top_k and structured_outputs; max_new_tokens is
+# specbatch's own alias)
+EXTENSIONS = ("top_k", "max_new_tokens", "structured_outputs")
 
 
 def json_type(v: Any) -> str:
@@ -90,13 +91,6 @@ def _empty(why: str, container: type) -> Check:
     return check
 
 
-def _response_format(v: Any) -> str | None:
-    if v is None or (isinstance(v, dict) and v.get("type") == "text"):
-        return None
-    got = json.dumps(v.get("type")) if isinstance(v, dict) else json_type(v)
-    return f'only {{"type": "text"}}: specbatch does not constrain the output format (got {got})'
-
-
 def _tool_choice(v: Any) -> str | None:
     if v is None or v in ("none", "auto"):      # "auto" with no tools: nothing to call
         return None
@@ -154,7 +148,6 @@ CHAT_NOOP: dict[str, Check] = {
     "logprobs": _false(_NO_LOGPROBS),
     "top_logprobs": _top_logprobs,
     "logit_bias": _empty("must be empty: specbatch cannot bias token logits, so the text would differ", dict),
-    "response_format": _response_format,
     "tools": _empty(f"must be empty: {_NO_TOOLS}", list),
     "tool_choice": _tool_choice,
     "parallel_tool_calls": _BOOL,
