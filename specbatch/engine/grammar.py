@@ -53,8 +53,15 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 def unpack(bits: torch.Tensor, size: int) -> torch.Tensor:
-    """Packed masks (N, W) int32, bit i of word w = token 32w + i -> (N, size) bool."""
-    return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(bits.shape[0], -1)[:, :size].bool()
+    """Packed masks (N, W) int32, bit i of word w = token 32w + i -> (N, size) bool.
+
+    A state that allows nothing (the output ended: an EOS was taken) comes out all True: what
+    follows an EOS is never emitted (the row stops there), and an all-False mask would leave no
+    distribution to verify or sample from.
+    """
+    out = ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(bits.shape[0], -1)[:, :size].bool()
+    out[~out.any(dim=-1)] = True
+    return out
 
 
 class Matcher:

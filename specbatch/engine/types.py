@@ -89,6 +89,8 @@ class GenerationStats:
     first_token_seconds: float = 0.0    # request start -> its first token (the prefill step)
     pool_wins: dict[str, int] = field(default_factory=dict)  # drafter name -> steps it won
     step_winners: list[int] = field(default_factory=list)    # per step: pool index, -1 if none
+    grammar_drafted_tokens: int = 0     # structured output: forced tokens the grammar proposed
+    grammar_accepted_tokens: int = 0    # ... and how many of them were accepted
     final_gamma: int = 0
     speculation_disabled: bool = False
     # this request's share of decode time by active rows in the step ("16": seconds / 16 summed
