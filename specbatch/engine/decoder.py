@@ -60,8 +60,9 @@ class Decoder:
     """Decodes requests with a target and a draft pool, as many at a time as the policy allows."""
 
     def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
-                 default_gamma: int = 4, memory: MemoryBudget | None = None) -> None:
+                 default_gamma: int = 4, memory: MemoryBudget | None = None, grammar_drafts: bool = True) -> None:
         self.target, self.drafters, self.policy = target, list(drafters), policy
+        self.grammar_drafts = grammar_drafts   # structured rows: the grammar's forced tokens as a draft chain
         self.default_gamma = default_gamma
         self.memory = memory
         self.rows: list[Row] = []
@@ -189,7 +190,7 @@ class Decoder:
         # (structured rows: no draft token the grammar refuses; the tokens it forces, a chain)
         proposals = constrained.trim(rows, proposals)
         forced = [constrained.forced(r, min(MAX_DRAFT, r.params.max_new_tokens - len(r.generated) - 1))
-                  for r in rows]
+                  if self.grammar_drafts else None for r in rows]
         t1 = time.perf_counter()
         # 2. verify: one target forward over each row's pending tokens (root last) and its tree
         trees = [self._tree(b, [props[b] for props in proposals], forced[b]) for b in range(n)]
