@@ -34,8 +34,7 @@ from specbatch.engine.tally import Tally
 from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats
 
-Request = tuple[int, list[int], GenerationParams]
-   # (caller's index, prompt ids, parameters)
+Request = tuple[int, list[int], GenerationParams]   # (caller's index, prompt ids, parameters)
 
 
 @dataclass

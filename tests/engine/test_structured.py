@@ -139,6 +139,11 @@ def test_the_grammar_drafts_with_no_draft_model(load):
     assert out.token_ids == reference(target, PROMPTS[0], spec, 20)
     assert out.stats.grammar_drafted_tokens > 0
     assert out.stats.verify_steps < len(out.token_ids)     # several tokens a step
+    off = Engine(target, [])
+    off.grammar_drafts = False
+    plain = off.generate(prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=20, structured=spec))
+    assert plain.token_ids == out.token_ids and plain.stats.grammar_drafted_tokens == 0
+    assert plain.stats.verify_steps == len(plain.token_ids)
 
 
 # ------------------------------------------------------------------ sampling: the masked target's law
