@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbatch.engine import constrained
 from specbatch.engine.backend import BackendFactory, TargetBackend
 from specbatch.engine.cache import BatchCache
-from specbatch.engine.drafters import Drafter, Proposal
+from specbatch.engine.drafters import Drafter, Proposal, common_prefix
 from specbatch.engine.gamma import GammaController
+from specbatch.engine.grammar import Matcher, vocab_for
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
@@ -55,6 +57,7 @@ class Row:
     generated: list[int] = field(default_factory=list)
     finish: str | None = None
     logprobs: list[TokenLogprob] | None = None   # per generated token, when params.logprobs is set
+    grammar: Matcher | None = None      # structured output: the state after ``generated``
 
 
 class Decoder:
@@ -62,10 +65,11 @@ class Decoder:
 
     def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
                  default_gamma: int = 4, memory: MemoryBudget | None = None,
-                 backend: BackendFactory | None = None) -> None:
+                 backend: BackendFactory | None = None, grammar_drafts: bool = True) -> None:
         """``target`` gives the tokenizer, stop ids and device; ``backend`` runs it (default: the
         transformers model itself over a ``BatchCache``; see engine/backend.py)."""
         self.target, self.drafters, self.policy = target, list(drafters), policy
+        self.grammar_drafts = grammar_drafts   # structured rows: the grammar's forced tokens as a draft chain
         self.default_gamma = default_gamma
         self.memory = memory
         self.rows: list[Row] = []
@@ -173,9 +177,14 @@ class Decoder:
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         gamma = params.gamma if params.gamma is not None else self.default_gamma
         ctl = GammaController(self.policy.costs(1), gamma=gamma, adaptive=not params.fixed_gamma)
+        grammar = None
+        if params.structured is not None:
+            t = self.target
+            grammar = Matcher(vocab_for(t.tokenizer, t.vocab_size, tuple(sorted(t.eos_token_ids))),
+                              params.structured)
         return Row(index, list(ids), params, stop, warp, gen, RowProcessors.build(params, len(ids)), ctl,
                    Tally(GenerationStats(prompt_tokens=len(ids))), now,
-                   logprobs=None if params.logprobs is None else [])
+                   logprobs=None if params.logprobs is None else [], grammar=grammar)
 
     # -- one step for every row: draft, verify the trees in one forward, accept, roll back
     def _step(self) -> None:
@@ -190,17 +199,24 @@ class Decoder:
             self.drafts_behind = True
         t0 = time.perf_counter()
         proposals = [d.propose(rows, k) for d in self.drafters] if any(k) else []
+        # (structured rows: no draft token the grammar refuses; the tokens it forces, a chain)
+        proposals = constrained.trim(rows, proposals)
+        forced = [constrained.forced(r, min(MAX_DRAFT, r.params.max_new_tokens - len(r.generated) - 1))
+                  if self.grammar_drafts else None for r in rows]
         t1 = time.perf_counter()
         # 2. verify: one target forward over each row's pending tokens (root last) and its tree
-        trees = [self._tree(b, [props[b] for props in proposals]) for b in range(n)]
+        trees = [self._tree(b, [props[b] for props in proposals], forced[b]) for b in range(n)]
         keep = max(t.n_nodes for t in trees) + 1
         chains = all(t.is_chain for t in trees)   # (then BatchCache may use the causal mask)
         logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
                                     parents=None if chains else
                                     [t.feed_parents(len(p)) for p, t in zip(pending, trees)],
                                     hidden=self.hidden)
+        # logprobs are the raw target's (docs/FORMATS.md), read before the grammar masks them
+        raw = logits.clone() if any(r.grammar is not None and r.logprobs is not None for r in rows) else logits
+        constrained.mask_logits(rows, trees, logits)   # p: the constrained target's, at every node
         verdicts = self._verify(trees, logits)
-        self._logprobs(trees, logits, verdicts)
+        self._logprobs(trees, raw, verdicts)
         t2 = time.perf_counter()
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
@@ -213,7 +229,10 @@ class Decoder:
                                        sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, with_prompts))
         for b, (r, t, v) in enumerate(zip(rows, trees, verdicts)):
             forwards = sum(p.forwards for props in proposals if (p := props[b]) is not None)
-            winner = self.drafters[v.winner].name if v.winner >= 0 else ""
+            winner = self._member_name(v.winner)
+            if (f := forced[b]) is not None:
+                r.tally.stats.grammar_drafted_tokens += len(f.tokens)
+                r.tally.stats.grammar_accepted_tokens += common_prefix(f.tokens, v.tokens[:v.n_accepted])
             r.tally.step(t.depth, v.n_accepted, v.winner, winner, draft_forwards=forwards,
                          draft_seconds=t1 - t0, verify_seconds=t2 - t1)
             r.ctl.observe(t.depth, v.n_accepted)
@@ -243,12 +262,24 @@ class Decoder:
             ks.append(max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)))
         return ks
 
-    def _tree(self, b: int, proposals: list[Proposal | None]) -> TokenTree:
-        """Row b's tree. Sampling tries members in order of their recent acceptance on the row."""
+    def _tree(self, b: int, proposals: list[Proposal | None], forced: Proposal | None = None) -> TokenTree:
+        """Row b's tree. Sampling tries members in order of their recent acceptance on the row;
+        the grammar's forced chain (member index len(drafters)) first, where there is one."""
+        if forced is not None:
+            order = [len(proposals), *range(len(proposals))]
+            if self.rows[b].warp is not None and len(proposals) >= 2:
+                order[1:] = sorted(range(len(proposals)), key=lambda i: -self.drafters[i].scores[b].rate)
+            return build_tree([*proposals, forced], order)
         if self.rows[b].warp is None or len(proposals) < 2:
             return build_tree(proposals)
         order = sorted(range(len(proposals)), key=lambda i: -self.drafters[i].scores[b].rate)
         return build_tree(proposals, order)
+
+    def _member_name(self, winner: int) -> str:
+        """The pool name of a tree's winning member (the grammar's chain: after the drafters)."""
+        if winner < 0:
+            return ""
+        return self.drafters[winner].name if winner < len(self.drafters) else constrained.GRAMMAR
 
     def _verify(self, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict]:
         """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b).
@@ -312,6 +343,10 @@ class Decoder:
             if r.logprobs is not None:
                 del r.logprobs[keep:]
             r.finish = reason
+        # a finished row's grammar is done with (tokens past its EOS were never masked for it)
+        elif r.grammar is not None and not r.grammar.advance(v.tokens):
+            # every token emitted was allowed by its mask: a refusal here is a bug, not bad input
+            raise RuntimeError(f"structured output: the grammar refused emitted tokens: {r.grammar.error}")
 
     def _retire(self) -> Iterator[tuple[int, GenerationOutput]]:
         if all(r.finish is None for r in self.rows):

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from specbatch.engine.cache import BatchCache
+from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Warp
@@ -31,6 +32,8 @@ class DraftRow(Protocol):
     def generator(self) -> torch.Generator | None: ...
     @property
     def procs(self) -> RowProcessors | None: ...  # logit processors; q is drawn after them
+    @property
+    def grammar(self) -> Matcher | None: ...  # structured output: the state after ids; None: free text
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,15 @@ class ModelDrafter(Drafter):
         # 1. the cache holds a prefix of each row's ids (observe() dropped rejected drafts):
         #    feed the rest; then each step feeds the token just drafted, for rows that want more
         feeds = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
+        # structured rows: the grammar follows the draft while it allows it (advanced[b] tokens)
+        advanced = [0] * n
         for j in range(max(k)):
             logits = fit_vocab(self.cache.forward(feeds, logits_to_keep=1)[:, -1], self.vocab_size)
+            # a structured row drafts from q masked by its grammar after the tokens drafted so far
+            # (the verifier reads this masked q: the draws come from it)
+            for b, r in enumerate(rows):
+                if r.grammar is not None and advanced[b] == j < k[b]:
+                    logits[b].masked_fill_(~r.grammar.mask()[: logits.shape[-1]], float("-inf"))
             greedy = logits.argmax(dim=-1).tolist()
             # 2. the next draft token: argmax when greedy, else a draw from warped q (own
             #    generator); a row's logit processors first, with the tokens drafted so far
@@ -175,10 +185,17 @@ class ModelDrafter(Drafter):
                     q = r.warp.probs(x)
                     tokens[b].append(int(torch.multinomial(q, 1, generator=r.generator)))
                     qs[b].append(q)
+            for b, r in enumerate(rows):   # (not past an EOS: the rest is cut before verifying)
+                if r.grammar is not None and advanced[b] == j < k[b] and r.grammar.allows(tokens[b][-1:]):
+                    r.grammar.advance(tokens[b][-1:])
+                    advanced[b] += 1
             # 3. feed it unless it is the row's last (the target scores it; no need for its logits)
             feeds = [[t[-1]] if j + 1 < k[b] else [] for b, t in enumerate(tokens)]
             if not any(feeds):
                 break
+        for r, a in zip(rows, advanced):   # the drafted tokens leave the grammar's state
+            if r.grammar is not None:
+                r.grammar.rollback(a)
         self.fed = [max(0, kb - 1) for kb in k]
         self.last = [Proposal(t, torch.stack(q) if q else None, forwards=len(t)) if t else None
                      for t, q in zip(tokens, qs)]

@@ -74,6 +74,8 @@ class Engine:
         self.memory: MemoryBudget | None = None
         self.compile_plan: CompilePlan | None = None  # set by load (compiled forward or not, why)
         self.background: BackgroundCompile | None = None  # a compile still warming up (workers)
+        # structured outputs: the grammar's forced tokens are proposed as drafts (off: to measure)
+        self.grammar_drafts = True
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
@@ -198,7 +200,7 @@ class Engine:
         if policy is None:
             policy = self._policy(size, valid)
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
-                          memory=self._memory())
+                          memory=self._memory(), grammar_drafts=self.grammar_drafts)
         with torch.inference_mode():
             yield from decoder.run(valid, on_start)
 

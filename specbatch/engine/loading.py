@@ -269,6 +269,24 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
                        info={"source": str(source), "int8": int8, "dtype": dtype})
 
 
+def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """A model's tokenizer without its weights: by known name (read from the GGUF file), ``.gguf``
+    file, directory or Hugging Face id. For tools that need token ids only (grammar benchmarks)."""
+    from transformers import AutoTokenizer
+
+    known = KNOWN_MODELS.get(name)
+    path = Path(os.path.expanduser(name))
+    if known is not None:
+        path = _known_gguf(known, Path(cache_dir or get_settings().cache_dir))
+    try:
+        with _no_progress_bars():
+            if path.suffix == ".gguf":
+                return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+            return AutoTokenizer.from_pretrained(path if path.is_dir() else name)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {e}") from e
+
+
 @contextlib.contextmanager
 def _no_progress_bars() -> Iterator[None]:
     from transformers.utils import logging as hf_logging

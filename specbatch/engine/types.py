@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from specbatch.engine import rules
+from specbatch.engine.grammar_spec import GrammarSpec, spec_problem
 from specbatch.errors import RequestError
 
 
@@ -21,6 +22,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     gamma: int | None = None            # initial draft length; None: the engine's default
     adaptive: bool = True               # adapt gamma and switch speculation off when it does not pay
+    structured: GrammarSpec | None = None   # the output's grammar (docs/STRUCTURED.md); None: free text
 
     # logit processors (specbatch.engine.processors), applied to p and to every q alike
     presence_penalty: float = 0.0       # OpenAI: minus this once a token is in the generated text
@@ -41,6 +43,8 @@ class GenerationParams:
         elif isinstance(self.logit_bias, list):
             object.__setattr__(self, "logit_bias", tuple(tuple(p) if isinstance(p, list) else p
                                                          for p in self.logit_bias))
+        if isinstance(self.structured, dict):   # as stored in a request's params
+            object.__setattr__(self, "structured", GrammarSpec.from_dict(self.structured))
 
     def validate(self, vocab_size: int | None = None) -> GenerationParams:
         """Raise RequestError naming the first bad field (the rules of specbatch.engine.rules);
@@ -57,6 +61,8 @@ class GenerationParams:
         if problems:
             where, why = problems[0]
             raise RequestError(why, field="logit_bias" + where)
+        if self.structured is not None and (problem := spec_problem(self.structured)):
+            raise RequestError(problem, field="structured")
         return replace(self, logit_bias=tuple(sorted(bias.items())))
 
     @property
@@ -96,6 +102,8 @@ class GenerationStats:
     first_token_seconds: float = 0.0    # request start -> its first token (the prefill step)
     pool_wins: dict[str, int] = field(default_factory=dict)  # drafter name -> steps it won
     step_winners: list[int] = field(default_factory=list)    # per step: pool index, -1 if none
+    grammar_drafted_tokens: int = 0     # structured output: forced tokens the grammar proposed
+    grammar_accepted_tokens: int = 0    # ... and how many of them were accepted
     final_gamma: int = 0
     speculation_disabled: bool = False
     # this request's share of decode time by active rows in the step ("16": seconds / 16 summed

@@ -27,7 +27,7 @@ from specbatch.engine import rules
 from specbatch.engine.known_models import name_problem
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
-from specbatch.jobs import openai_fields
+from specbatch.jobs import openai_fields, structured
 from specbatch.jobs.context import ContextCheck
 from specbatch.jobs.openai_fields import json_type
 from specbatch.plural import plural
@@ -37,7 +37,8 @@ PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs")
+             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs", "response_format",
+             "structured_outputs")
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
@@ -428,6 +429,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         if problem:
             problems.append((prefix + key, problem))
         params[key] = value
+    problems += _check_structured(fields_, prefix, kind if prefix else None, params)
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()
@@ -439,6 +441,19 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
             "messages": messages, "params": params, "model": model,
             "target": route[0] if route else None, "drafts": list(route[1]) if route else None,
             "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop, "openai": bool(prefix)}
+
+
+def _check_structured(fields_: dict[str, Any], prefix: str, kind: str | None,
+                      params: dict[str, Any]) -> list[tuple[str | None, str]]:
+    """The line's output constraint (specbatch.jobs.structured) into ``params["structured"]``.
+    response_format is a chat field: on /v1/completions _check_body has refused it already."""
+    given = {k: fields_[k] for k in ("response_format", "structured_outputs") if k in fields_}
+    if kind == "completion":
+        given.pop("response_format", None)
+    spec, problems = structured.parse(given, prefix)
+    if spec is not None:
+        params["structured"] = spec
+    return list(problems)
 
 
 def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, int]]:

@@ -7,17 +7,17 @@ test_openai_intake.py fails when the package gains a field that is not sorted he
 
 Three kinds of field:
   - honoured: the generation parameters (penalties and ``logit_bias`` included, exact under
-    speculation: specbatch.engine.processors), the prompt, ``model`` (routing) and ``metadata`` (kept);
+    speculation: specbatch.engine.processors), ``logprobs``, the prompt, ``model`` (routing),
+    ``metadata`` (kept) and ``response_format`` (structured outputs, specbatch.jobs.structured);
   - no-op: accepted when its value cannot change the generated text (``n`` 1, ``store``,
     ``service_tier``, ...); the job warns once, listing them;
-  - refused: a value specbatch cannot honour (``n`` > 1, tools, JSON mode, ...), reported
+  - refused: a value specbatch cannot honour (``n`` > 1, tools, ...), reported
     per line as ``FILE:LINE: body.FIELD: why``.
 A no-op field's check returns None when the value is accepted, else the reason it is refused.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -30,12 +30,13 @@ Check = Callable[[Any], "str | None"]
 # honoured by intake itself (see specbatch.jobs.intake): prompt/messages, parameters, model, metadata
 PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
 CHAT_HONOURED = ("messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                 "stop", "metadata", *PROCESSOR_FIELDS, "logprobs", "top_logprobs")
+                 "stop", "metadata", *PROCESSOR_FIELDS, "logprobs", "top_logprobs",
+                 "response_format")   # response_format: specbatch.jobs.structured
 COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", *PROCESSOR_FIELDS,
                        "logprobs")
-# not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty; max_new_tokens is
-# specbatch's own alias)
-EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty")
+# not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty and structured_outputs;
+# max_new_tokens is specbatch's own alias)
+EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty", "structured_outputs")
 
 
 def _any_of(*types: type, what: str) -> Check:
@@ -71,13 +72,6 @@ def _empty(why: str, container: type) -> Check:
             return None
         return f"{why}" if isinstance(v, container) else f"must be {json_type(container())}, got {json_type(v)}"
     return check
-
-
-def _response_format(v: Any) -> str | None:
-    if v is None or (isinstance(v, dict) and v.get("type") == "text"):
-        return None
-    got = json.dumps(v.get("type")) if isinstance(v, dict) else json_type(v)
-    return f'only {{"type": "text"}}: specbatch does not constrain the output format (got {got})'
 
 
 def _tool_choice(v: Any) -> str | None:
@@ -119,7 +113,6 @@ CHAT_NOOP: dict[str, Check] = {
     "n": _one("one completion per request line"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
-    "response_format": _response_format,
     "tools": _empty(f"must be empty: {_NO_TOOLS}", list),
     "tool_choice": _tool_choice,
     "parallel_tool_calls": _BOOL,

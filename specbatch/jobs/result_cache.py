@@ -77,6 +77,8 @@ def cache_key(target: str, prompt_ids: Sequence[int], params: GenerationParams) 
         "max_new_tokens": params.max_new_tokens,
         "stop": sorted(set(params.stop)),   # any stop string ends the text; order and repeats do not matter
     }
+    if params.structured is not None:   # (absent otherwise: keys of free-text requests are unchanged)
+        fields["structured"] = params.structured.to_dict()
     if not params.greedy:  # greedy decoding never reads these (sampling.Warp is built for sampling only)
         fields.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                       seed=params.seed, **({"min_p": params.min_p} if params.min_p else {}))

@@ -1,0 +1,78 @@
+"""Structured outputs in the decode loop: the grammar's part of a step, for rows that have one.
+
+The law a constrained row follows is the constrained target: at each position the target's
+logits masked by the grammar state after the tokens before it (then warped as usual). The loop
+keeps it exact under speculation with four calls (docs/STRUCTURED.md, "In the decode loop"):
+
+1. ``trim``: each proposal stops before the first token its row's grammar refuses (an n-gram
+   copy, say); a model draft is masked while drafted (``ModelDrafter.propose``), so it passes whole.
+2. ``forced``: the run of tokens the grammar admits next, proposed as one more chain of the
+   row's tree (a point mass, like an n-gram draft), tried first when sampling.
+3. ``mask_logits``: the target's logits at the root and at every node of the row's tree are
+   masked with the state after that node's path (``Matcher.tree_masks``), before either verifier
+   reads them: a verifier then sees the constrained target's p, so its guarantee (greedy
+   identity, or the sampling law) holds for the constrained target.
+4. The row's matcher advances over the accepted tokens only (``Row`` in decoder.py): a rejected
+   draft never entered it, so nothing is rolled back there; every draft-time advance
+   (``tree_masks``, ``ModelDrafter.propose``) is rolled back before it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from specbatch.engine.drafters import Proposal
+from specbatch.engine.grammar import Matcher
+from specbatch.engine.tree import TokenTree
+
+GRAMMAR = "grammar"     # the pool name of the grammar's forced-token chain (stats: pool_wins)
+
+
+class GrammarRow(Protocol):
+    @property
+    def grammar(self) -> Matcher | None: ...
+
+
+def trim(rows: Sequence[GrammarRow], proposals: list[list[Proposal | None]]) -> list[list[Proposal | None]]:
+    """proposals[i][b]: member i's proposal for row b, cut before the first token row b's grammar
+    refuses (None where nothing is left)."""
+    out = []
+    for props in proposals:
+        cut: list[Proposal | None] = []
+        for r, p in zip(rows, props):
+            if p is None or r.grammar is None:
+                cut.append(p)
+                continue
+            n = r.grammar.allows(p.tokens)
+            if n == len(p.tokens):
+                cut.append(p)
+            else:
+                cut.append(Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.forwards) if n else None)
+        out.append(cut)
+    return out
+
+
+def forced(row: GrammarRow, limit: int) -> Proposal | None:
+    """Up to ``limit`` tokens the grammar forces next, as a proposal; None if none is forced."""
+    if row.grammar is None or limit <= 0:
+        return None
+    tokens = row.grammar.forced()[:limit]
+    return Proposal(tokens) if tokens else None
+
+
+def mask_logits(rows: Sequence[GrammarRow], trees: Sequence[TokenTree], logits: torch.Tensor) -> None:
+    """logits: (B, keep, V), row b's root at column keep - 1 - n_nodes(b) (as ``Decoder._verify``
+    reads them). Masks constrained rows in place: -inf where the grammar refuses the token."""
+    keep = logits.shape[1]
+    for b, (r, t) in enumerate(zip(rows, trees)):
+        if r.grammar is None:
+            continue
+        allowed = r.grammar.tree_masks(t.tokens, t.parents).to(logits.device)   # (1 + n_nodes, V)
+        view = logits[b, keep - 1 - t.n_nodes:]
+        width = view.shape[-1]
+        if allowed.shape[-1] < width:      # logits wider than the vocabulary: the rest is refused
+            allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
+        view.masked_fill_(~allowed[:, :width], float("-inf"))

@@ -1,0 +1,118 @@
+"""A request's output constraint from its line: OpenAI's ``response_format`` and the extension
+``structured_outputs`` (vLLM's shape), checked with the grammar library (docs/FORMATS.md,
+"Structured outputs"; docs/STRUCTURED.md).
+
+    "response_format": {"type": "json_object"}
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}, "strict": true}}
+    "structured_outputs": {"json": {...}} | {"regex": "..."} | {"choice": ["a", "b"]}
+                        | {"grammar": "..."} | {"json_object": true}
+
+``parse`` returns the constraint as stored in a request's params (``GrammarSpec.to_dict()``) or
+None, and the problems as (field, message) pairs: a schema, regex or grammar the library cannot
+compile is refused with the library's own message, per line, before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specbatch.engine.grammar_spec import GrammarSpec, spec_problem
+from specbatch.jobs.openai_fields import json_type
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+Problems = list[tuple[str, str]]
+
+
+def parse(fields: dict[str, Any], prefix: str) -> tuple[dict[str, Any] | None, Problems]:
+    """The constraint of a line (``fields``: the body of an OpenAI line, or a plain line)."""
+    rf, so = fields.get("response_format"), fields.get("structured_outputs")
+    spec, problems = (None, []) if rf is None else _response_format(rf, prefix + "response_format")
+    if so is not None:
+        if spec is not None:
+            problems.append((prefix + "structured_outputs", "give response_format or structured_outputs, "
+                                                            "not both"))
+        else:
+            spec, problems = _structured_outputs(so, prefix + "structured_outputs")
+    return (spec.to_dict() if spec is not None and not problems else None), problems
+
+
+def _compiles(spec: GrammarSpec, field: str) -> Problems:
+    problem = spec_problem(spec)
+    return [] if problem is None else [(field, f"the grammar library refuses it: {problem}")]
+
+
+def _response_format(v: Any, field: str) -> tuple[GrammarSpec | None, Problems]:
+    if not isinstance(v, dict):
+        return None, [(field, f"must be an object, got {json_type(v)}")]
+    kind = v.get("type")
+    if kind not in RESPONSE_FORMAT_TYPES:
+        return None, [(field + ".type", f"must be one of {', '.join(map(json.dumps, RESPONSE_FORMAT_TYPES))} "
+                                        f"(got {json.dumps(kind) if isinstance(kind, str) else json_type(kind)})")]
+    allowed = ("type", "json_schema") if kind == "json_schema" else ("type",)
+    problems = [(f"{field}.{k}", f"unknown field for type {json.dumps(kind)}") for k in v if k not in allowed]
+    if kind == "text":
+        return None, problems
+    if kind == "json_object":
+        spec = GrammarSpec.json_schema({"type": "object"})
+        return spec, problems
+    js = v.get("json_schema")
+    where = field + ".json_schema"
+    if not isinstance(js, dict):
+        return None, problems + [(where, "is required" if js is None else f"must be an object, got {json_type(js)}")]
+    problems += [(f"{where}.{k}", f"unknown field; expected {', '.join(JSON_SCHEMA_KEYS)}")
+                 for k in js if k not in JSON_SCHEMA_KEYS]
+    for k in ("name", "description"):
+        if js.get(k) is not None and not isinstance(js[k], str):
+            problems.append((f"{where}.{k}", f"must be a string, got {json_type(js[k])}"))
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        problems.append((where + ".strict", f"must be a boolean, got {json_type(strict)}"))
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        return None, problems + [(where + ".schema", "is required" if schema is None
+                                  else f"must be a JSON schema object, got {json_type(schema)}")]
+    spec = GrammarSpec.json_schema(schema, strict=strict is not False)
+    return spec, problems + _compiles(spec, where + ".schema")
+
+
+def _structured_outputs(v: Any, field: str) -> tuple[GrammarSpec | None, Problems]:
+    if not isinstance(v, dict):
+        return None, [(field, f"must be an object, got {json_type(v)}")]
+    problems: Problems = [(f"{field}.{k}", f"not supported; give one of {', '.join(STRUCTURED_KINDS)}")
+                          for k in v if k not in STRUCTURED_KINDS]
+    given = [k for k in STRUCTURED_KINDS if v.get(k) is not None]
+    if len(given) != 1:
+        why = "needs one of" if not given else f"gives {' and '.join(given)}; give one of"
+        return None, problems + [(field, f"{why} {', '.join(STRUCTURED_KINDS)}")]
+    kind = given[0]
+    value, where = v[kind], f"{field}.{kind}"
+    if kind == "json_object":
+        if value is not True:
+            return None, problems + [(where, f"must be true, got {json_type(value)}")]
+        return GrammarSpec.json_schema({"type": "object"}), problems
+    if kind == "json":
+        if isinstance(value, str):        # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                return None, problems + [(where, f"is a string but not JSON: {e.msg} (column {e.colno})")]
+        if not isinstance(value, dict):
+            return None, problems + [(where, f"must be a JSON schema object, got {json_type(value)}")]
+        spec = GrammarSpec.json_schema(value)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value:
+            return None, problems + [(where, "must be a non-empty list of strings"
+                                      if isinstance(value, list) else f"must be a list of strings, got {json_type(value)}")]
+        if any(not isinstance(c, str) or not c for c in value):
+            return None, problems + [(where, "every choice must be a non-empty string")]
+        spec = GrammarSpec.choice(value)
+    else:                                   # regex, grammar
+        if not isinstance(value, str) or not value:
+            return None, problems + [(where, f"must be a non-empty string, got {json_type(value)}"
+                                      if not isinstance(value, str) else "must not be empty")]
+        spec = GrammarSpec(kind, value)
+    return spec, problems + _compiles(spec, where)

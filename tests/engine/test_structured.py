@@ -1,0 +1,209 @@
+"""Structured outputs are exact under speculation.
+
+Greedy: a constrained request's tokens equal the target's own greedy decoding under the same
+grammar mask (transformers' generate with a LogitsProcessor that applies the mask), for one draft,
+a pool, n-gram, B=1 and B=8. Sampling: the first two tokens of a ``choice`` follow the masked
+target's law (chi-square), and a lossy verifier is caught (negative control).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import specbatch.engine.tree as tree_mod
+from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.grammar import GrammarSpec, Matcher, vocab_for
+from specbatch.engine.sampling import Warp
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"enum": ["fox", "dog"]}, "maxItems": 3}}}
+SPECS = {
+    "schema": GrammarSpec.json_schema(PERSON),
+    "json_object": GrammarSpec.json_schema({"type": "object"}),
+    "regex": GrammarSpec("regex", r"[0-9]{2,4}-(queue|worker|fox)"),
+    "choice": GrammarSpec.choice(["the quick fox", "the lazy dog", "queues"]),
+}
+PROMPTS = ["Write a haiku about", "def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The"]
+
+
+def matcher(target, spec: GrammarSpec) -> Matcher:
+    return Matcher(vocab_for(target.tokenizer, target.vocab_size, tuple(sorted(target.eos_token_ids))), spec)
+
+
+class GrammarMask(LogitsProcessor):
+    """The reference: transformers' generate, the target's logits masked by the grammar state
+    after the tokens generated so far (batch of one)."""
+
+    def __init__(self, m: Matcher, prompt_len: int) -> None:
+        self.m, self.n0 = m, prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        assert self.m.advance(input_ids[0, self.n0 + self.m.consumed:].tolist())
+        return scores.masked_fill(~self.m.mask()[: scores.shape[-1]], float("-inf"))
+
+
+_REF: dict = {}
+
+
+def reference(target, prompt: str, spec: GrammarSpec, n: int) -> list[int]:
+    key = (id(target.model), prompt, spec, n)
+    if key not in _REF:
+        ids = target.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            out = target.model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                logits_processor=LogitsProcessorList([GrammarMask(matcher(target, spec), ids.shape[1])]))
+        _REF[key] = out[0, ids.shape[1]:].tolist()
+    return _REF[key]
+
+
+def valid_prefix(target, spec: GrammarSpec, tokens: list[int]) -> bool:
+    m = matcher(target, spec)
+    return m.allows(tokens) == len(tokens)
+
+
+DRAFTS = {
+    "self": (["llama-same"], False),
+    "random": (["llama-random"], False),
+    "partial": (["llama-partial"], False),
+    "ngram": ([], True),
+    "pool3": (["llama-partial", "llama-random"], True),
+    "none": ([], False),
+}
+
+
+@pytest.mark.parametrize("drafts", list(DRAFTS))
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_greedy_matches_the_masked_target(load, drafts, kind):
+    names, ngram = DRAFTS[drafts]
+    target = load("llama")
+    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    spec = SPECS[kind]
+    for prompt in PROMPTS[:2]:
+        for n in (1, 40):
+            ref = reference(target, prompt, spec, n)
+            out = engine.generate(prompt=prompt, params=GenerationParams(
+                max_new_tokens=n, gamma=4, adaptive=False, structured=spec))
+            assert out.token_ids == ref, (prompt, n)
+            assert valid_prefix(target, spec, out.token_ids)
+            ended = bool(out.token_ids) and out.token_ids[-1] in target.eos_token_ids
+            assert out.finish_reason == ("stop" if ended else "length")
+
+
+def test_greedy_batch_of_eight_rows_each_with_its_own_grammar(load):
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")], ngram=True)
+    cases = [(p, s) for p in PROMPTS for s in (None, *SPECS.values())][:8]
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=30, gamma=4, adaptive=False,
+                                                            structured=s)) for p, s in cases]
+    got = dict(engine.generate_many(reqs, batch_size=8))
+    for i, (p, s) in enumerate(cases):
+        if s is None:
+            ids = target.tokenizer(p, return_tensors="pt").input_ids
+            with torch.inference_mode():
+                want = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
+                                             do_sample=False, pad_token_id=0)[0, ids.shape[1]:].tolist()
+        else:
+            want = reference(target, p, s, 30)
+        assert got[i].token_ids == want, (p, s)
+
+
+def test_a_finished_schema_output_parses_and_the_grammar_drafted_some_of_it(load):
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")])
+    out = engine.generate(prompt=PROMPTS[0], params=GenerationParams(
+        max_new_tokens=120, structured=SPECS["schema"]))
+    s = out.stats
+    assert s.grammar_drafted_tokens > 0 and 0 < s.grammar_accepted_tokens <= s.grammar_drafted_tokens
+    if out.finish_reason == "stop":
+        doc = json.loads(out.text)
+        assert list(doc) == ["name", "age", "tags"] and set(doc["tags"]) <= {"fox", "dog"}
+    else:   # a long name or tag list: cut at max_tokens, but every token so far allowed
+        assert valid_prefix(target, SPECS["schema"], out.token_ids)
+
+
+def test_the_grammar_drafts_with_no_draft_model(load):
+    """Forced tokens are verified as drafts even where no drafter runs."""
+    target = load("llama")
+    spec = GrammarSpec.choice(["queues and workers waiting"])
+    out = Engine(target, []).generate(prompt=PROMPTS[0], params=GenerationParams(
+        max_new_tokens=20, structured=spec))
+    assert out.text.rstrip() == "queues and workers waiting" or out.text.startswith("queues")
+    assert out.token_ids == reference(target, PROMPTS[0], spec, 20)
+    assert out.stats.grammar_drafted_tokens > 0
+    assert out.stats.verify_steps < len(out.token_ids)     # several tokens a step
+    off = Engine(target, [])
+    off.grammar_drafts = False
+    plain = off.generate(prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=20, structured=spec))
+    assert plain.token_ids == out.token_ids and plain.stats.grammar_drafted_tokens == 0
+    assert plain.stats.verify_steps == len(plain.token_ids)
+
+
+# ------------------------------------------------------------------ sampling: the masked target's law
+
+CHOICE = GrammarSpec.choice(["fox", "dog", "queue", "worker", "the fox", "the dog", "def"])
+WARP = Warp(temperature=1.5)
+PROMPT = "The quick brown fox"
+
+
+def exact_joint(target) -> dict[tuple[int, ...], float]:
+    """The law of the first two tokens under the masked target (a one-token output ends with EOS)."""
+    ids = target.tokenizer(PROMPT, return_tensors="pt").input_ids
+    m = matcher(target, CHOICE)
+    joint: dict[tuple[int, ...], float] = {}
+    with torch.inference_mode():
+        p1 = WARP.probs(target.model(ids).logits[0, -1].masked_fill(~m.mask(), float("-inf")))
+        for x1 in torch.nonzero(p1).flatten().tolist():
+            m.advance([x1])
+            ext = torch.cat([ids, torch.tensor([[x1]])], dim=1)
+            p2 = WARP.probs(target.model(ext).logits[0, -1].masked_fill(~m.mask(), float("-inf")))
+            m.rollback(1)
+            for x2 in torch.nonzero(p2).flatten().tolist():
+                joint[(x1, x2)] = float(p1[x1] * p2[x2])
+    return joint
+
+
+def empirical(engine, n: int, seed0: int = 0) -> collections.Counter:
+    params = dict(max_new_tokens=2, temperature=WARP.temperature, gamma=3, adaptive=False, structured=CHOICE)
+    return collections.Counter(
+        tuple(engine.generate(prompt=PROMPT, params=GenerationParams(seed=seed0 + i, **params)).token_ids)
+        for i in range(n))
+
+
+def chi2_pvalue(counts: collections.Counter, joint: dict) -> float:
+    assert set(counts) <= set(joint), "sampled an outcome the masked target cannot produce"
+    keys = sorted(joint)
+    n = sum(counts.values())
+    total = sum(joint.values())
+    return float(chisquare([counts.get(k, 0) for k in keys], [joint[k] / total * n for k in keys]).pvalue)
+
+
+@pytest.mark.slow    # 800 seeded requests per pool (minutes on a shared 2-core CPU)
+@pytest.mark.parametrize("pool", ["single", "pool"])
+def test_sampling_follows_the_masked_target(load, pool):
+    target = load("llama")
+    drafts = [load("llama-partial")] + ([load("llama-random")] if pool == "pool" else [])
+    engine = Engine(target, drafts, ngram=pool == "pool")
+    joint = exact_joint(target)
+    assert len(joint) > 4
+    counts = empirical(engine, 800)
+    assert chi2_pvalue(counts, joint) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_lossy_verifier_is_caught(load, monkeypatch):
+    """Negative control: accepting every draft token skews the law toward the masked q."""
+    monkeypatch.setattr(tree_mod, "accept", lambda p, q, x, g: True)
+    target = load("llama")
+    engine = Engine(target, [load("llama-random")])
+    counts = empirical(engine, 400)
+    joint = exact_joint(target)
+    outside = sum(c for k, c in counts.items() if k not in joint)
+    assert outside > 0 or chi2_pvalue(counts, joint) < 1e-3

@@ -1,0 +1,145 @@
+"""Structured outputs at intake (specbatch.jobs.structured): OpenAI's response_format and the
+structured_outputs extension become params["structured"]; bad ones are refused per line with
+FILE:LINE and the field, nothing written."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from specbatch.config import Settings
+from specbatch.engine.grammar_spec import GrammarSpec
+from specbatch.errors import IntakeError
+from specbatch.jobs import intake
+
+SETTINGS = Settings(database_url="sqlite://")
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+MSGS = [{"role": "user", "content": "Hi"}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def line(body: dict, url: str = CHAT, cid: str = "r1") -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def chat(**fields) -> str:
+    return line({"model": "m", "messages": MSGS, **fields})
+
+
+def read(*lines: str) -> intake.ParsedFile:
+    data = ("\n".join(lines) + "\n").encode()
+    return intake.read_stream(io.BytesIO(data), "batch.jsonl", {}, SETTINGS)
+
+
+def refused(*lines: str) -> list[str]:
+    with pytest.raises(IntakeError) as e:
+        read(*lines)
+    return [str(x) for x in e.value.errors]
+
+
+def spec_of(text: str) -> GrammarSpec | None:
+    req = read(text).requests[0]
+    return req.generation_params().structured
+
+
+@pytest.mark.parametrize("text, want", [
+    (chat(response_format={"type": "json_object"}), GrammarSpec.json_schema({"type": "object"})),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                  "strict": True}}),
+     GrammarSpec.json_schema(PERSON)),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
+                                                                  "strict": False}}),
+     GrammarSpec.json_schema(PERSON, strict=False)),
+    (chat(structured_outputs={"json": PERSON}), GrammarSpec.json_schema(PERSON)),
+    (chat(structured_outputs={"json": json.dumps(PERSON)}), GrammarSpec.json_schema(PERSON)),
+    (chat(structured_outputs={"regex": "[0-9]{3}"}), GrammarSpec("regex", "[0-9]{3}")),
+    (chat(structured_outputs={"choice": ["yes", "no"]}), GrammarSpec.choice(["yes", "no"])),
+    (chat(structured_outputs={"grammar": 'start: "a"+'}), GrammarSpec("grammar", 'start: "a"+')),
+    (chat(structured_outputs={"json_object": True}), GrammarSpec.json_schema({"type": "object"})),
+    (line({"model": "m", "prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}, COMPLETIONS),
+     GrammarSpec.choice(["a", "b"])),
+    (json.dumps({"prompt": "Hi", "response_format": {"type": "json_object"}}),
+     GrammarSpec.json_schema({"type": "object"})),
+    (json.dumps({"prompt": "Hi", "structured_outputs": {"regex": "x+"}}), GrammarSpec("regex", "x+")),
+    (chat(response_format={"type": "text"}), None),
+    (chat(), None),
+])
+def test_constraints_are_read_into_the_params(text, want):
+    assert spec_of(text) == want
+
+
+def test_the_spec_survives_the_stored_params():
+    req = read(chat(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}))
+    stored = json.loads(json.dumps(req.requests[0].params))          # as the database keeps it
+    assert intake.params_from_dict(stored).structured == GrammarSpec.json_schema(PERSON)
+
+
+def test_schema_key_order_is_kept():
+    schema = {"type": "object", "properties": {"z": {"type": "integer"}, "a": {"type": "integer"}}}
+    got = spec_of(chat(structured_outputs={"json": schema}))
+    assert got is not None and list(json.loads(got.source)["properties"]) == ["z", "a"]
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({"response_format": {"type": "yaml"}},
+     'body.response_format.type: must be one of "text", "json_object", "json_schema" (got "yaml")'),
+    ({"response_format": "json"}, "body.response_format: must be an object, got a string"),
+    ({"response_format": {"type": "json_schema"}}, "body.response_format.json_schema: is required"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}},
+     "body.response_format.json_schema.schema: must be a JSON schema object, got an array"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "body.response_format.json_schema.schema: the grammar library refuses it: Invalid type: foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON, "strict": "yes"}}},
+     "body.response_format.json_schema.strict: must be a boolean, got a string"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON, "shema": {}}}},
+     "body.response_format.json_schema.shema: unknown field; expected name, schema, strict, description"),
+    ({"response_format": {"type": "json_object", "schema": PERSON}},
+     'body.response_format.schema: unknown field for type "json_object"'),
+    ({"structured_outputs": {"regex": "a(b"}}, "body.structured_outputs.regex: the grammar library refuses it"),
+    ({"structured_outputs": {"choice": []}}, "body.structured_outputs.choice: must be a non-empty list of strings"),
+    ({"structured_outputs": {"choice": ["a", 1]}},
+     "body.structured_outputs.choice: every choice must be a non-empty string"),
+    ({"structured_outputs": {"grammar": "start: nowhere"}},
+     "body.structured_outputs.grammar: the grammar library refuses it"),
+    ({"structured_outputs": {"json": "{not json"}}, "body.structured_outputs.json: is a string but not JSON"),
+    ({"structured_outputs": {"json": 3}}, "body.structured_outputs.json: must be a JSON schema object, got the number 3"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
+     "body.structured_outputs: gives regex and choice; give one of json, regex, choice, grammar, json_object"),
+    ({"structured_outputs": {}}, "body.structured_outputs: needs one of json, regex, choice, grammar, json_object"),
+    ({"structured_outputs": {"json_object": False}}, "body.structured_outputs.json_object: must be true"),
+    ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+     "body.structured_outputs.whitespace_pattern: not supported"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "body.structured_outputs: give response_format or structured_outputs, not both"),
+])
+def test_bad_constraints_are_refused_per_line(fields, want):
+    errors = refused(chat(), chat(**fields) .replace('"r1"', '"r2"'))
+    assert len(errors) == 1 and errors[0].startswith("batch.jsonl:2: " + want), errors
+
+
+def test_every_problem_of_a_file_is_listed_and_nothing_parsed():
+    errors = refused(chat(structured_outputs={"choice": []}),
+                     chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}})
+                     .replace('"r1"', '"r2"'))
+    assert [e.split(":")[1] for e in errors] == ["1", "2"]
+
+
+def test_response_format_stays_a_chat_field():
+    errors = refused(line({"model": "m", "prompt": "Hi", "response_format": {"type": "json_object"}},
+                          COMPLETIONS))
+    assert errors == ["batch.jsonl:1: body.response_format: a field of /v1/chat/completions requests, "
+                      "not of /v1/completions"]
+
+
+def test_the_result_cache_keys_the_constraint():
+    from specbatch.engine.types import GenerationParams
+    from specbatch.jobs.result_cache import cache_key
+
+    free = GenerationParams()
+    a = GenerationParams(structured=GrammarSpec.choice(["a", "b"]))
+    b = GenerationParams(structured=GrammarSpec.choice(["a", "c"]))
+    keys = {cache_key("T", [1, 2], p) for p in (free, a, b)}
+    assert len(keys) == 3
