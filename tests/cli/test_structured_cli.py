@@ -9,31 +9,15 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from click.testing import CliRunner
 
-from specbatch import db
-from specbatch.cli.main import cli
-from specbatch.config import get_settings
+# the same tmp SQLite database and CliRunner as the OpenAI CLI tests (db_url is autouse there)
+from tests.cli.test_openai_cli import db_url, invoke  # noqa: F401
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["label", "score", "note"],
           "properties": {"label": {"enum": ["fox", "dog", "queue"]},
                          "score": {"type": "integer", "minimum": 0, "maximum": 100},
                          "note": {"type": "string", "maxLength": 8}}}
 PROMPTS = ["The quick brown fox", "Write a haiku about queues", "def fibonacci(n):", "Once upon a time"]
-
-
-@pytest.fixture(autouse=True)
-def db_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    url = f"sqlite:///{tmp_path / 'specbatch.db'}"
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
-    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
-    get_settings.cache_clear()
-    yield url
-    db.forget_engines()
-
-
-def invoke(*args: str, stdin: bytes | None = None):
-    return CliRunner().invoke(cli, list(args), input=stdin, obj={})
 
 
 @pytest.mark.slow     # 48 requests (about a minute on a shared 2-core CPU)
