@@ -6,9 +6,11 @@ the event loop never waits on SQL); the upload is ``async`` because it streams t
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -42,7 +44,7 @@ def create_app(settings: Settings) -> FastAPI:
         sb.checks.shutdown(wait=False, cancel_futures=True)
 
     # FastAPI's own /docs and /redoc load their scripts from a CDN (a blank page offline): /docs is
-    # Swagger UI from the swagger-ui-bundle package instead, and ReDoc is off
+    # Swagger UI from the swagger-ui-py package instead, and ReDoc is off
     app = FastAPI(title="specbatch", summary="OpenAI-compatible Batch API over specbatch's job queue",
                   lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.sb = sb
@@ -70,14 +72,14 @@ DOCS_ASSETS = "/docs-assets"
 
 
 def _local_docs(app: FastAPI) -> None:
-    """``/docs``: Swagger UI served from the ``swagger-ui-bundle`` package's files (the ``api``
-    extra), so it works with no internet access. (FastAPI, "Self-hosting JavaScript and CSS for docs".)"""
+    """``/docs``: Swagger UI served from the ``swagger-ui-py`` package's files (the ``api`` extra),
+    so it works with no internet access (FastAPI, "Self-hosting JavaScript and CSS for docs").
+    Swagger UI 5: FastAPI's schema is OpenAPI 3.1, which Swagger UI 4 (swagger-ui-bundle, the
+    package used before) refuses with "Unable to render this definition"."""
     from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.responses import HTMLResponse
     from fastapi.staticfiles import StaticFiles
-    from swagger_ui_bundle import swagger_ui_path
-
-    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_static())), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     def docs() -> HTMLResponse:
@@ -85,3 +87,12 @@ def _local_docs(app: FastAPI) -> None:
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
+def swagger_ui_static() -> Path:
+    """The Swagger UI files of ``swagger-ui-py``, found without importing it (its import pulls
+    in a templating server we do not use)."""
+    spec = importlib.util.find_spec("swagger_ui")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("No module named 'swagger_ui'", name="swagger_ui")
+    return Path(next(iter(spec.submodule_search_locations))) / "static"

@@ -44,7 +44,9 @@ def serve(host: str, port: int, log_level: str, allow_remote_models: bool) -> No
     try:
         import uvicorn
 
-        from specbatch.api.app import create_app
+        from specbatch.api.app import create_app, swagger_ui_static
+
+        swagger_ui_static()     # /docs' files (the extra's swagger-ui-py)
     except ImportError as e:      # installed without the extra: say which one
         raise click.ClickException(f"the HTTP API needs the api extra ({e}): "
                                    "pip install 'specbatch[api]'") from e
