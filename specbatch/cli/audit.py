@@ -59,7 +59,12 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
         echo_json({"id": jid, "audited": len(verdicts), "passed": len(verdicts) - len(failed),
                    "failed": len(failed), "requests": [v.to_dict() for v in verdicts]})
     else:
-        click.echo(f"{plural(len(verdicts), 'request')} audited: {len(verdicts) - len(failed)} match the "
-                   f"target alone, {len(failed)} do not", err=True)
+        # a support check (sampled, no logprobs stored) is weaker than a match: say how many
+        weak = sum(v.ok and v.check == "support" for v in verdicts)
+        exact = len(verdicts) - len(failed) - weak
+        click.echo(f"{plural(len(verdicts), 'request')} audited: {exact} match the target alone"
+                   + (f", {weak} sampled without stored logprobs only possible under it (send "
+                      "logprobs to compare exactly)" if weak else "")
+                   + f", {len(failed)} do not", err=True)
     if failed:
         raise SystemExit(1)
