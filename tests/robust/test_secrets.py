@@ -130,11 +130,11 @@ def test_query_parameter_passwords_are_masked_by_every_command(pg_database: str,
     prompts = tmp_path / "one.jsonl"
     prompts.write_text('{"prompt": "a b c"}\n')
     outputs = {}
-    for args in (["db", "upgrade"], ["db", "url"], ["jobs"], ["submit", str(prompts), "--target", "x"]):
+    for args in (["db", "upgrade"], ["db", "url"], ["jobs"], ["submit", str(prompts), "--target", "org/x"]):
         get_settings.cache_clear()
         result = CliRunner().invoke(cli, args, env=env)
         outputs[" ".join(args)] = result.output
     assert "?password=***" in outputs["db upgrade"], outputs
-    assert "cannot reach the broker at redis://127.0.0.1:" in outputs[f"submit {prompts} --target x"]
+    assert "cannot reach the broker at redis://127.0.0.1:" in outputs[f"submit {prompts} --target org/x"]
     leaked = {cmd: out for cmd, out in outputs.items() if SECRET in out}
     assert not leaked, leaked
