@@ -96,6 +96,9 @@ def _create(url: str) -> Engine:
 def _alembic_config(engine: Engine) -> Any:
     from alembic.config import Config
 
+    # alembic logs its plugin set-up and dialect at INFO on every start (nine lines per process in
+    # a worker's log); specbatch says "migrating ..." itself when it migrates
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # configparser reads "%" as interpolation: a percent-encoded password ("p%40ss") must be "%%"
