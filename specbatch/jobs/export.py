@@ -16,6 +16,8 @@ import contextlib
 import csv
 import json
 import os
+import re
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -70,6 +72,26 @@ def _jsonl(line: dict[str, Any]) -> str:
     return json.dumps(line, ensure_ascii=False) + "\n"
 
 
+STALE_TMP_SECONDS = 3600
+_TMP = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.tmp$")      # _atomic's own temporary names
+
+
+def sweep_stale_tmps(directory: Path, now: float | None = None) -> list[Path]:
+    """Remove temporary files an export killed mid-write left in ``directory`` (our own pattern,
+    ``.NAME.PID.tmp``, untouched for an hour: a live export rewrites its file all the time)."""
+    now = time.time() if now is None else now
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(directory):
+            if not _TMP.match(entry.name) or not entry.is_file(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if now - entry.stat(follow_symlinks=False).st_mtime > STALE_TMP_SECONDS:
+                    os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+    return removed
+
+
 @contextlib.contextmanager
 def _atomic(paths: Sequence[Path], force: bool) -> Iterator[list[Path]]:
     """Temporary files beside ``paths``, renamed over them only if the block succeeds."""
@@ -77,6 +99,8 @@ def _atomic(paths: Sequence[Path], force: bool) -> Iterator[list[Path]]:
         for p in paths:
             if p.exists():
                 raise ExportExists(f"{p} exists; give --force to overwrite it")
+    for d in {p.parent for p in paths}:
+        sweep_stale_tmps(d)
     tmps = [p.with_name(f".{p.name}.{os.getpid()}.tmp") for p in paths]
     try:
         yield tmps

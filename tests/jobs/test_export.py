@@ -391,3 +391,26 @@ def test_job_summary_lists_where_each_model_runs(job, tmp_path):
     assert routes == [
         {"model": "babbage-002", "target": "tgt", "drafts": [], "requests": 3},
         {"model": "gpt-4o-mini", "target": "tgt-chat", "drafts": ["d-chat"], "requests": 2}]
+
+
+def test_an_export_sweeps_temporary_files_a_killed_export_left(job, tmp_path):
+    """A SIGKILLed export leaves ``.NAME.PID.tmp`` beside its output; the next export into that
+    directory removes ours once an hour old, and nothing else."""
+    import os
+    import time
+
+    url, job_id, _ = job
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = out / ".answers.jsonl.4242.tmp"
+    fresh = out / ".other.jsonl.4343.tmp"         # an export running right now
+    mine_not = out / ".answers.jsonl.tmp"          # not our pattern
+    for p in (stale, fresh, mine_not):
+        p.write_text("partial")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(stale, (hours_ago, hours_ago))
+    os.utime(mine_not, (hours_ago, hours_ago))
+    with db.session_factory(url).begin() as s:
+        export.export_job(s, job_id, "csv", out / "answers.csv")
+    assert not stale.exists() and fresh.exists() and mine_not.exists()
+    assert (out / "answers.csv").exists()
