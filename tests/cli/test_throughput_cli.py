@@ -95,3 +95,18 @@ def test_bad_throughput_options_exit_2(tmp_path: Path, command: str, option: str
 def test_draft_none_cannot_be_mixed(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path, 1)), "--draft", "none", "--draft", "x"])
     assert result.exit_code == 2 and "'none'" in result.output
+
+
+@pytest.mark.parametrize(("drafts", "share", "said"), [(["d"], 0.0, True), (["d"], 0.2, False), ([], 0.0, False)])
+def test_run_summary_says_why_a_draft_never_drafted(drafts, share, said, capsys, monkeypatch):
+    """A first run whose autopilot kept plain steps showed 'speculated 0% of steps' and no reason."""
+    from specbatch.cli.queue import _print_summary
+    from specbatch.config import Settings
+
+    monkeypatch.setenv("COLUMNS", "200")
+    summary = {"id": "j1", "status": "completed", "target": "t", "drafts": drafts,
+               "request_counts": {"total": 1, "completed": 1}, "failures": [],
+               "stats": {"batching": {"batch_size_share": {"8": 1.0}, "speculative_step_share": share}}}
+    _print_summary(summary, Settings.from_env({}))
+    out = capsys.readouterr().out
+    assert ("plain batched steps measured faster here" in out) is said, out
