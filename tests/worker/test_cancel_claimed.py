@@ -16,7 +16,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 def test_cancel_drops_rows_the_worker_is_generating(cluster, monkeypatch) -> None:  # noqa: ANN001
     cluster.env["SPECBATCH_CHUNK_SIZE"] = "8"
-    w1 = cluster.worker("w1")
+    # slow steps: on a quiet machine the tiny model ended all six rows within the cancel watch's
+    # first second, and the test saw nothing to drop
+    w1 = cluster.worker("w1", imports=("tests.worker.slow_step_hook",))
     rows = [{"custom_id": f"q{i}", "prompt": f"Tell a long story {i}", "max_tokens": 450} for i in range(6)]
     job_id, ids = cluster.submit(rows)
     wait_for(lambda: sum(r["status"] == "running" and r["attempts"] > 0 for r in cluster.rows(job_id)) >= 1,
