@@ -37,8 +37,7 @@ PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs", "response_format",
-             "structured_outputs")
+             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs", *structured.FIELDS)
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
@@ -447,7 +446,7 @@ def _check_structured(fields_: dict[str, Any], prefix: str, kind: str | None,
                       params: dict[str, Any]) -> list[tuple[str | None, str]]:
     """The line's output constraint (specbatch.jobs.structured) into ``params["structured"]``.
     response_format is a chat field: on /v1/completions _check_body has refused it already."""
-    given = {k: fields_[k] for k in ("response_format", "structured_outputs") if k in fields_}
+    given = {k: fields_[k] for k in structured.FIELDS if k in fields_}
     if kind == "completion":
         given.pop("response_format", None)
     spec, problems = structured.parse(given, prefix)

@@ -34,9 +34,10 @@ CHAT_HONOURED = ("messages", "model", "max_tokens", "max_completion_tokens", "te
                  "response_format")   # response_format: specbatch.jobs.structured
 COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", *PROCESSOR_FIELDS,
                        "logprobs")
-# not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty and structured_outputs;
-# max_new_tokens is specbatch's own alias)
-EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty", "structured_outputs")
+# not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty, structured_outputs and
+# its older guided_json/_regex/_choice/_grammar; max_new_tokens is specbatch's own alias)
+EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty", "structured_outputs",
+              "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _any_of(*types: type, what: str) -> Check:

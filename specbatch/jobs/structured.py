@@ -6,6 +6,8 @@
     "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}, "strict": true}}
     "structured_outputs": {"json": {...}} | {"regex": "..."} | {"choice": ["a", "b"]}
                         | {"grammar": "..."} | {"json_object": true}
+    "guided_json": {...} | "guided_regex": "..." | "guided_choice": [...] | "guided_grammar": "..."
+                        (vLLM's older top-level names for the same four kinds)
 
 ``parse`` returns the constraint as stored in a request's params (``GrammarSpec.to_dict()``) or
 None, and the problems as (field, message) pairs: a schema, regex or grammar the library cannot
@@ -23,20 +25,32 @@ from specbatch.jobs.openai_fields import json_type
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+FIELDS = ("response_format", "structured_outputs", *GUIDED)   # every field that may carry a constraint
 
 Problems = list[tuple[str, str]]
 
 
 def parse(fields: dict[str, Any], prefix: str) -> tuple[dict[str, Any] | None, Problems]:
     """The constraint of a line (``fields``: the body of an OpenAI line, or a plain line)."""
-    rf, so = fields.get("response_format"), fields.get("structured_outputs")
-    spec, problems = (None, []) if rf is None else _response_format(rf, prefix + "response_format")
-    if so is not None:
-        if spec is not None:
-            problems.append((prefix + "structured_outputs", "give response_format or structured_outputs, "
-                                                            "not both"))
-        else:
-            spec, problems = _structured_outputs(so, prefix + "structured_outputs")
+    given = [k for k in FIELDS if fields.get(k) is not None]
+    rf = fields.get("response_format")
+    if len(given) > 1 and isinstance(rf, dict) and rf.get("type") == "text":   # OpenAI's default: no constraint
+        _, problems = _response_format(rf, prefix + "response_format")
+        if problems:
+            return None, problems
+        given.remove("response_format")
+    if len(given) > 1:
+        return None, [(prefix + k, f"give one of {', '.join(given)}, not several") for k in given[1:]]
+    if not given:
+        return None, []
+    name = given[0]
+    if name == "response_format":
+        spec, problems = _response_format(fields[name], prefix + name)
+    elif name == "structured_outputs":
+        spec, problems = _structured_outputs(fields[name], prefix + name)
+    else:
+        spec, problems = _kind_spec(GUIDED[name], fields[name], prefix + name)
     return (spec.to_dict() if spec is not None and not problems else None), problems
 
 
@@ -88,31 +102,35 @@ def _structured_outputs(v: Any, field: str) -> tuple[GrammarSpec | None, Problem
     if len(given) != 1:
         why = "needs one of" if not given else f"gives {' and '.join(given)}; give one of"
         return None, problems + [(field, f"{why} {', '.join(STRUCTURED_KINDS)}")]
-    kind = given[0]
-    value, where = v[kind], f"{field}.{kind}"
+    spec, more = _kind_spec(given[0], v[given[0]], f"{field}.{given[0]}")
+    return spec, problems + more
+
+
+def _kind_spec(kind: str, value: Any, where: str) -> tuple[GrammarSpec | None, Problems]:
+    """One constraint of a kind in STRUCTURED_KINDS, its value found at ``where``."""
     if kind == "json_object":
         if value is not True:
-            return None, problems + [(where, f"must be true, got {json_type(value)}")]
-        return GrammarSpec.json_schema({"type": "object"}), problems
+            return None, [(where, f"must be true, got {json_type(value)}")]
+        return GrammarSpec.json_schema({"type": "object"}), []
     if kind == "json":
         if isinstance(value, str):        # vLLM takes the schema as JSON text too
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
-                return None, problems + [(where, f"is a string but not JSON: {e.msg} (column {e.colno})")]
+                return None, [(where, f"is a string but not JSON: {e.msg} (column {e.colno})")]
         if not isinstance(value, dict):
-            return None, problems + [(where, f"must be a JSON schema object, got {json_type(value)}")]
+            return None, [(where, f"must be a JSON schema object, got {json_type(value)}")]
         spec = GrammarSpec.json_schema(value)
     elif kind == "choice":
         if not isinstance(value, list) or not value:
-            return None, problems + [(where, "must be a non-empty list of strings"
+            return None, [(where, "must be a non-empty list of strings"
                                       if isinstance(value, list) else f"must be a list of strings, got {json_type(value)}")]
         if any(not isinstance(c, str) or not c for c in value):
-            return None, problems + [(where, "every choice must be a non-empty string")]
+            return None, [(where, "every choice must be a non-empty string")]
         spec = GrammarSpec.choice(value)
     else:                                   # regex, grammar
         if not isinstance(value, str) or not value:
-            return None, problems + [(where, f"must be a non-empty string, got {json_type(value)}"
+            return None, [(where, f"must be a non-empty string, got {json_type(value)}"
                                       if not isinstance(value, str) else "must not be empty")]
         spec = GrammarSpec(kind, value)
-    return spec, problems + _compiles(spec, where)
+    return spec, _compiles(spec, where)

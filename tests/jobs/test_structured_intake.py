@@ -65,6 +65,13 @@ def spec_of(text: str) -> GrammarSpec | None:
      GrammarSpec.json_schema({"type": "object"})),
     (json.dumps({"prompt": "Hi", "structured_outputs": {"regex": "x+"}}), GrammarSpec("regex", "x+")),
     (chat(response_format={"type": "text"}), None),
+    (chat(guided_json=PERSON), GrammarSpec.json_schema(PERSON)),
+    (chat(guided_regex="[0-9]{3}"), GrammarSpec("regex", "[0-9]{3}")),
+    (chat(guided_choice=["yes", "no"]), GrammarSpec.choice(["yes", "no"])),
+    (chat(guided_grammar='start: "a"+'), GrammarSpec("grammar", 'start: "a"+')),
+    (chat(response_format={"type": "text"}, guided_choice=["a", "b"]), GrammarSpec.choice(["a", "b"])),
+    (json.dumps({"prompt": "Hi", "guided_regex": "x+"}), GrammarSpec("regex", "x+")),
+    (line({"model": "m", "prompt": "Hi", "guided_choice": ["a", "b"]}, COMPLETIONS), GrammarSpec.choice(["a", "b"])),
     (chat(), None),
 ])
 def test_constraints_are_read_into_the_params(text, want):
@@ -113,7 +120,15 @@ def test_schema_key_order_is_kept():
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
      "body.structured_outputs.whitespace_pattern: not supported"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
-     "body.structured_outputs: give response_format or structured_outputs, not both"),
+     "body.structured_outputs: give one of response_format, structured_outputs, not several"),
+    ({"guided_json": PERSON, "structured_outputs": {"regex": "a"}},
+     "body.guided_json: give one of structured_outputs, guided_json, not several"),
+    ({"guided_regex": "a(b"}, "body.guided_regex: the grammar library refuses it"),
+    ({"guided_choice": "yes"}, "body.guided_choice: must be a list of strings, got a string"),
+    ({"guided_json": [1]}, "body.guided_json: must be a JSON schema object, got an array"),
+    ({"guided_grammar": ""}, "body.guided_grammar: must not be empty"),
+    ({"response_format": {"type": "text", "x": 1}, "guided_regex": "a"},
+     'body.response_format.x: unknown field for type "text"'),
 ])
 def test_bad_constraints_are_refused_per_line(fields, want):
     errors = refused(chat(), chat(**fields) .replace('"r1"', '"r2"'))
