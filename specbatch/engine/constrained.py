@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from specbatch.engine.drafters import Proposal
+from specbatch.engine.drafters import Proposal, common_prefix
 from specbatch.engine.grammar import Matcher
 from specbatch.engine.tree import TokenTree
 
@@ -61,6 +61,18 @@ def forced(row: GrammarRow, limit: int) -> Proposal | None:
         return None
     tokens = row.grammar.forced()[:limit]
     return Proposal(tokens) if tokens else None
+
+
+def drafters_part(proposals: Sequence[Proposal | None], forced: Proposal | None,
+                  accepted: Sequence[int]) -> tuple[int, int]:
+    """(drafted, accepted) of a row's drafters past the grammar's forced run: what its gamma
+    controller learns from. A forced token is accepted by construction, and a masked draft model
+    proposes it too, so counting it would credit the drafter with the grammar's certainty."""
+    skip = 0 if forced is None else len(forced.tokens)
+    props = [p for p in proposals if p is not None]
+    drafted = max((len(p.tokens) for p in props), default=0)
+    agreed = max((common_prefix(p.tokens, accepted) for p in props), default=0)
+    return max(0, drafted - skip), max(0, agreed - skip)
 
 
 def mask_logits(rows: Sequence[GrammarRow], trees: Sequence[TokenTree], logits: torch.Tensor) -> None:

@@ -18,6 +18,9 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import specbatch.engine.tree as tree_mod
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.constrained import drafters_part
+from specbatch.engine.drafters import Proposal
+from specbatch.engine.gamma import GammaController
 from specbatch.engine.grammar import GrammarSpec, Matcher, vocab_for
 from specbatch.engine.sampling import Warp
 
@@ -144,6 +147,29 @@ def test_the_grammar_drafts_with_no_draft_model(load):
     plain = off.generate(prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=20, structured=spec))
     assert plain.token_ids == out.token_ids and plain.stats.grammar_drafted_tokens == 0
     assert plain.stats.verify_steps == len(plain.token_ids)
+
+
+def test_a_forced_run_is_not_credited_to_the_draft_model(load, monkeypatch):
+    """Every token of a one-option choice is forced: the draft model (masked while drafting, so it
+    proposes the forced tokens too) adds nothing, and its gamma controller must learn nothing."""
+    seen: list[tuple[int, int]] = []
+    real = GammaController.observe
+    monkeypatch.setattr(GammaController, "observe", lambda self, k, n: (seen.append((k, n)), real(self, k, n))[1])
+    spec = GrammarSpec.choice(["queues and workers waiting for the lazy dog"])
+    target = load("llama")
+    out = Engine(target, [load("llama-same")]).generate(prompt=PROMPTS[0], params=GenerationParams(
+        max_new_tokens=30, gamma=4, adaptive=False, structured=spec))
+    assert out.token_ids == reference(target, PROMPTS[0], spec, 30)
+    assert out.stats.grammar_drafted_tokens > 0 and seen
+    assert all(k == 0 for k, _ in seen), seen
+
+
+def test_drafters_part_counts_only_past_the_forced_run():
+    forced = Proposal([5, 6])
+    assert drafters_part([Proposal([5, 6, 7, 8]), None], forced, [5, 6, 7]) == (2, 1)
+    assert drafters_part([Proposal([5, 6, 9])], None, [5, 6]) == (3, 2)      # free text: as before
+    assert drafters_part([Proposal([5])], forced, [5, 6]) == (0, 0)
+    assert drafters_part([], forced, [5, 6]) == (0, 0)
 
 
 # ------------------------------------------------------------------ sampling: the masked target's law
