@@ -110,6 +110,10 @@ def _status_view(d: dict[str, Any]) -> Any:
         info.add_row("throughput", f"{num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
         info.add_row("latency", f"p50 {num(lat['p50'], '{:.2f}')} s, p95 {num(lat['p95'], '{:.2f}')} s")
+        if st.get("grammar_drafted_tokens"):
+            info.add_row("grammar drafting", f"{num(st['grammar_token_share'], '{:.0%}')} of the tokens were "
+                                             f"forced by the grammar ({st['grammar_accepted_tokens']} of "
+                                             f"{st['grammar_drafted_tokens']} drafted, accepted)")
         if st["pool_wins"]:
             info.add_row("pool wins", ", ".join(f"{k} {v}" for k, v in st["pool_wins"].items()))
         batching = st.get("batching") or {}

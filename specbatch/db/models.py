@@ -211,6 +211,9 @@ class Result(Base):
     pool_wins: Mapped[dict[str, int]] = mapped_column(JSONType, default=dict)
     final_gamma: Mapped[int] = mapped_column(Integer, default=0)
     speculation_disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # structured outputs' forced tokens (migration 0014); NULL on rows written before it
+    grammar_drafted_tokens: Mapped[int | None] = mapped_column(Integer, default=0)
+    grammar_accepted_tokens: Mapped[int | None] = mapped_column(Integer, default=0)
     # which models produced it (migration 0003); lossy: a --fallback-draft result, draft alone
     target: Mapped[str | None] = mapped_column(String(512))
     drafts: Mapped[list[str] | None] = mapped_column(JSONType)
@@ -280,6 +283,7 @@ STATS_COLUMNS = (
     "verify_steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
     "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds", "verify_seconds",
     "wall_seconds", "tokens_per_second", "pool_wins", "final_gamma", "speculation_disabled",
+    "grammar_drafted_tokens", "grammar_accepted_tokens",
 )
 
 # The plain-SQL view for sqlite3 / psql users; created by the migrations (0001, columns in 0007).

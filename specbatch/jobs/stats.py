@@ -54,7 +54,8 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
             Result.started_at, Result.finished_at, Result.latency_seconds, Result.pool_wins,
             Result.accepted_per_position, Result.speculation_disabled, Result.cached,
-            Result.batch_size_seconds, Result.draft_steps)
+            Result.batch_size_seconds, Result.draft_steps, Result.grammar_drafted_tokens,
+            Result.grammar_accepted_tokens)
     rows = s.execute(select(*cols).where(Result.job_id == job_id).order_by(Result.id)).all()
     generated = [r for r in rows if not r.cached]        # results-cache hits generated nothing
 
@@ -133,6 +134,10 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             "max": max(latencies) if latencies else None,
         },
         "speculation_disabled": sum(1 for r in rows if r.speculation_disabled),
+        # structured outputs: forced tokens the grammar drafted, and the share of the text they make
+        "grammar_drafted_tokens": sum(r.grammar_drafted_tokens or 0 for r in rows),
+        "grammar_accepted_tokens": (grammar := sum(r.grammar_accepted_tokens or 0 for r in generated)),
+        "grammar_token_share": _ratio(grammar, tokens),
         "batching": {
             # decode time by rows active in the step (each request's share summed): what was chosen
             "batch_size_share": {str(k): v / size_total for k, v in sorted(by_size.items())}

@@ -410,6 +410,8 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "wall_seconds": _finite(st.wall_seconds), "tokens_per_second": _finite(st.tokens_per_second),
         "pool_wins": {str(k): int(v) for k, v in st.pool_wins.items()}, "final_gamma": st.final_gamma,
         "speculation_disabled": bool(st.speculation_disabled), "worker": worker,
+        "grammar_drafted_tokens": int(st.grammar_drafted_tokens),
+        "grammar_accepted_tokens": int(st.grammar_accepted_tokens),
         "batch_size_seconds": {str(k): _finite(v) for k, v in st.batch_size_seconds.items()},
         "started_at": started, "finished_at": now, "latency_seconds": latency,
         "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),

@@ -354,6 +354,29 @@ def test_summary_counts_and_statistics(db_url):
     assert workers["w2"]["busy_tokens_per_second"] == pytest.approx(2 / 0.5)
 
 
+def test_the_grammars_forced_tokens_are_stored_and_summed(db_url):
+    job_id, ids = make_job(db_url, 3)
+    f = db.session_factory(db_url)
+    with f.begin() as s:
+        store.claim_requests(s, ids, "w1", 60, 3)
+        store.start_requests(s, ids, "w1")
+        structured = output(new_tokens=10)
+        structured.stats.grammar_drafted_tokens, structured.stats.grammar_accepted_tokens = 7, 6
+        store.record_result(s, ids[0], structured, "w1")
+        store.record_result(s, ids[1], output(new_tokens=10), "w1")        # free text: 0 and 0
+        store.record_result(s, ids[2], output(new_tokens=4), "w1")
+        s.execute(update(Result).where(Result.request_id == ids[2])      # a row from before 0014
+                  .values(grammar_drafted_tokens=None, grammar_accepted_tokens=None))
+        store.refresh_job(s, job_id)
+    with f.begin() as s:
+        rows = {r.request_id: r for r in s.scalars(select(Result).where(Result.job_id == job_id))}
+        st = store.job_summary(s, job_id)["stats"]
+    assert (rows[ids[0]].grammar_drafted_tokens, rows[ids[0]].grammar_accepted_tokens) == (7, 6)
+    assert (rows[ids[1]].grammar_drafted_tokens, rows[ids[1]].grammar_accepted_tokens) == (0, 0)
+    assert (st["grammar_drafted_tokens"], st["grammar_accepted_tokens"]) == (7, 6)
+    assert st["grammar_token_share"] == pytest.approx(6 / 24)
+
+
 def test_a_workers_busy_time_counts_rows_decoded_together_once(db_url):
     """Two rows of one batch, each 1 s from admission to completion and finished together, kept
     the worker busy for about 1 s, not 2: busy tokens/s is the rate while generating."""
