@@ -61,9 +61,12 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--job", "job_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Job mode: this whole prompt file end to end per configuration (ours-auto, ours at fixed "
                    "B with and without speculation, HF generate at the same B, HF assisted at B=1).")
+@click.option("--structured", is_flag=True,
+              help="Instead: a JSON-schema job, grammar drafting on vs off and vs plain constrained decoding, "
+                   "at the autopilot's choice and at each --batch-sizes [auto,1,4,16; quick auto,1,8].")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
           throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_,
-          job_file) -> None:
+          job_file, structured) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
@@ -71,6 +74,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
       specbatch bench --quick --threads 1 --out bench-results
       specbatch bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-int8 --ngram --batch-sizes 1,4,8,16
       specbatch bench --job examples/prompts.jsonl --quick --threads 1
+      specbatch bench --structured --quick --threads 1
     """
     from specbatch.bench.harness import BenchOptions, run_bench
     from specbatch.bench.report import markdown, write_all
@@ -86,6 +90,11 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
     if telemetry:
         return _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats,
                           device, dtype, as_json)
+    if structured:
+        if len(drafts) > 1:
+            raise click.BadParameter("--structured takes one draft", param_hint="--draft")
+        return _structured(settings, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
+                           max_new_tokens, repeats, device, dtype, quick, out_dir, as_json)
     if job_file is not None:
         from specbatch.cli.bench_job import bench_job
 
@@ -182,3 +191,38 @@ def _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_to
         echo_json(result)
     else:
         click.echo(markdown(result, command))
+
+
+def _structured(settings, target, drafts, sizes, num_prompts, max_new_tokens, repeats, device, dtype, quick,
+                out_dir, as_json) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from specbatch.bench.structured import StructuredBenchOptions, markdown, run_structured_bench
+    from specbatch.engine.loading import load_model
+
+    for name, value in (("--num-prompts", num_prompts), ("--max-new-tokens", max_new_tokens),
+                        ("--repeats", repeats)):
+        if value is not None and value < 1:
+            raise click.BadParameter("must be >= 1", param_hint=name)
+    given = {"target": target or settings.default_target, "draft": drafts[0] if drafts else settings.default_draft,
+             "batch_sizes": ("auto", *sizes) if sizes else None, "num_prompts": num_prompts,
+             "max_new_tokens": max_new_tokens, "repeats": repeats}
+    opts = StructuredBenchOptions.quick_defaults(**given) if quick else \
+        StructuredBenchOptions(**{k: v for k, v in given.items() if v is not None})
+    kw = {"device": device or settings.device, "dtype": dtype or settings.dtype,
+          "cache_dir": settings.cache_dir or None}
+    tgt, drf = load_model(opts.target, **kw), load_model(opts.draft, **kw)
+    result = _run_with_progress(lambda o, say=None: run_structured_bench(o, tgt, drf, say), opts, quiet=as_json)
+    command = "specbatch " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "specbatch" else None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structured-report.md").write_text(markdown(result, command), encoding="utf-8")
+    (out / "structured-result.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    if as_json:
+        echo_json(result)
+    else:
+        click.echo(markdown(result, command))
+    bad = [r["name"] for r in result["rows"] if not r["identical"]]
+    if bad:
+        click.secho(f"FAILED: {', '.join(bad)} differ from the target alone", err=True, fg="red")
+        sys.exit(1)

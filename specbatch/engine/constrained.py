@@ -19,7 +19,7 @@ keeps it exact under speculation with four calls (docs/STRUCTURED.md, "In the de
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -61,6 +61,30 @@ def forced(row: GrammarRow, limit: int) -> Proposal | None:
         return None
     tokens = row.grammar.forced()[:limit]
     return Proposal(tokens) if tokens else None
+
+
+def forced_cap(runs: Sequence[int], depth: int, step_cost: Callable[[int], float | None]) -> int:
+    """How many of its forced tokens each row proposes this step: the cap L with the most tokens
+    per second, ``(rows + sum(min(f, L))) / step_cost(1 + max(depth, L))``.
+
+    ``runs``: each row's forced run (0: none); ``depth``: the deepest draft the drafters proposed
+    (forced tokens up to it ride along for free); ``step_cost(n)``: the measured seconds of a step
+    verifying n positions per row at this batch size (None: not measured, and then no cap, which
+    measures it). A batch pads every row to its deepest tree, so one row's long forced run costs
+    every row its positions: at B=1 it is nearly free, at B=8 on a CPU it may cost more than it
+    brings. Which tokens are emitted does not depend on L, only how many steps it takes."""
+    longest = max(runs, default=0)
+    if longest <= depth:
+        return longest
+    best, best_rate = longest, -1.0
+    for cap in sorted({depth, *(f for f in runs if f > depth)}):
+        cost = step_cost(1 + cap)
+        if cost is None or cost <= 0:
+            return longest
+        rate = (len(runs) + sum(min(f, cap) for f in runs)) / cost
+        if rate > best_rate:
+            best, best_rate = cap, rate
+    return best
 
 
 def drafters_part(proposals: Sequence[Proposal | None], forced: Proposal | None,

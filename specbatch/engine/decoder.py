@@ -203,6 +203,11 @@ class Decoder:
         proposals = constrained.trim(rows, proposals)
         forced = [constrained.forced(r, min(MAX_DRAFT, r.params.max_new_tokens - len(r.generated) - 1))
                   if self.grammar_drafts else None for r in rows]
+        if any(f is not None for f in forced):    # (cut where the padded verify costs more than it brings)
+            cap = constrained.forced_cap([0 if f is None else len(f.tokens) for f in forced],
+                                         max((len(p.tokens) for props in proposals for p in props if p), default=0),
+                                         self.policy.costs(n).verify_cost)
+            forced = [None if f is None or cap == 0 else Proposal(f.tokens[:cap]) for f in forced]
         t1 = time.perf_counter()
         # 2. verify: one target forward over each row's pending tokens (root last) and its tree
         trees = [self._tree(b, [props[b] for props in proposals], forced[b]) for b in range(n)]

@@ -18,7 +18,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 import specbatch.engine.tree as tree_mod
 from specbatch.engine import Engine, EngineRequest, GenerationParams
-from specbatch.engine.constrained import drafters_part
+from specbatch.engine.constrained import drafters_part, forced_cap
 from specbatch.engine.drafters import Proposal
 from specbatch.engine.gamma import GammaController
 from specbatch.engine.grammar import GrammarSpec, Matcher, vocab_for
@@ -162,6 +162,17 @@ def test_a_forced_run_is_not_credited_to_the_draft_model(load, monkeypatch):
     assert out.token_ids == reference(target, PROMPTS[0], spec, 30)
     assert out.stats.grammar_drafted_tokens > 0 and seen
     assert all(k == 0 for k, _ in seen), seen
+
+
+def test_forced_cap_weighs_the_padded_step_against_the_tokens_it_brings():
+    flat = lambda n: 1.0                       # noqa: E731 - verify cost that does not grow (B=1, memory-bound)
+    linear = lambda n: 0.5 + 0.5 * n           # noqa: E731 - each position costs half a step (compute-bound)
+    assert forced_cap([6], 0, flat) == 6
+    assert forced_cap([6, 0, 0, 0, 0, 0, 0, 0], 0, linear) == 0      # 8 rows pay 6 positions for 6 tokens
+    assert forced_cap([6, 6, 6, 6, 6, 6, 6, 6], 0, linear) == 6      # every row gains as much as it pays
+    assert forced_cap([6, 0], 0, lambda n: None) == 6               # not measured: no cap, so it is measured
+    assert forced_cap([3, 0], 4, linear) == 3                        # within the drafts' depth: free
+    assert forced_cap([0, 0], 0, linear) == 0
 
 
 def test_drafters_part_counts_only_past_the_forced_run():
