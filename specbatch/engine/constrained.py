@@ -8,8 +8,9 @@ keeps it exact under speculation with four calls (docs/STRUCTURED.md, "In the de
    copy, say); a model draft is masked while drafted (``ModelDrafter.propose``), so it passes whole.
 2. ``forced``: the run of tokens the grammar admits next, proposed as one more chain of the
    row's tree (a point mass, like an n-gram draft), tried first when sampling.
-3. ``mask_logits``: the target's logits at the root and at every node of the row's tree are
-   masked with the state after that node's path (``Matcher.tree_masks``), before either verifier
+3. ``tree_masks`` + ``mask_logits``: the target's logits at the root and at every node of the
+   row's tree are masked with the state after that node's path (``Matcher.tree_masks``, computed
+   on a helper thread while the target's forward runs), before either verifier
    reads them: a verifier then sees the constrained target's p, so its guarantee (greedy
    identity, or the sampling law) holds for the constrained target.
 4. The row's matcher advances over the accepted tokens only (``Row`` in decoder.py): a rejected
@@ -99,14 +100,20 @@ def drafters_part(proposals: Sequence[Proposal | None], forced: Proposal | None,
     return max(0, drafted - skip), max(0, agreed - skip)
 
 
-def mask_logits(rows: Sequence[GrammarRow], trees: Sequence[TokenTree], logits: torch.Tensor) -> None:
+def tree_masks(rows: Sequence[GrammarRow], trees: Sequence[TokenTree]) -> list[torch.Tensor | None]:
+    """Per row, the (1 + n_nodes, V) bool masks at its tree's root and nodes (None: free text).
+    Needs only the trees, not the logits: the decoder computes them while the target runs."""
+    return [None if r.grammar is None else r.grammar.tree_masks(t.tokens, t.parents) for r, t in zip(rows, trees)]
+
+
+def mask_logits(masks: Sequence[torch.Tensor | None], trees: Sequence[TokenTree], logits: torch.Tensor) -> None:
     """logits: (B, keep, V), row b's root at column keep - 1 - n_nodes(b) (as ``Decoder._verify``
     reads them). Masks constrained rows in place: -inf where the grammar refuses the token."""
     keep = logits.shape[1]
-    for b, (r, t) in enumerate(zip(rows, trees)):
-        if r.grammar is None:
+    for b, (allowed, t) in enumerate(zip(masks, trees)):
+        if allowed is None:
             continue
-        allowed = r.grammar.tree_masks(t.tokens, t.parents).to(logits.device)   # (1 + n_nodes, V)
+        allowed = allowed.to(logits.device)   # (1 + n_nodes, V)
         view = logits[b, keep - 1 - t.n_nodes:]
         width = view.shape[-1]
         if allowed.shape[-1] < width:      # logits wider than the vocabulary: the rest is refused

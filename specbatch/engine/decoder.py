@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,11 @@ from specbatch.engine.tally import Tally
 from specbatch.engine.token_bytes import TokenBytes
 from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats, TokenLogprob
+
+# Grammar masks are computed on this helper thread while the target's forward runs (torch's kernels
+# release the GIL; llguidance computes a mask without it): off the step's critical path. The thread
+# starts at the first structured step of the process (after a Celery fork, in the child).
+_MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-grammar-masks")
 
 Request = tuple[int, list[int], GenerationParams]   # (caller's index, prompt ids, parameters)
 
@@ -213,13 +219,20 @@ class Decoder:
         trees = [self._tree(b, [props[b] for props in proposals], forced[b]) for b in range(n)]
         keep = max(t.n_nodes for t in trees) + 1
         chains = all(t.is_chain for t in trees)   # (then BatchCache may use the causal mask)
-        logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
-                                    parents=None if chains else
-                                    [t.feed_parents(len(p)) for p, t in zip(pending, trees)],
-                                    hidden=self.hidden)
+        # (the grammar's masks need only the trees: computed on a helper thread during the forward)
+        masks = _MASKS.submit(constrained.tree_masks, rows, trees) if any(r.grammar for r in rows) else None
+        try:
+            logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
+                                        parents=None if chains else
+                                        [t.feed_parents(len(p)) for p, t in zip(pending, trees)],
+                                        hidden=self.hidden)
+        finally:   # (a failed forward still waits: the thread holds the rows' matchers until it is done)
+            if masks is not None:
+                wait([masks])
         # logprobs are the raw target's (docs/FORMATS.md), read before the grammar masks them
         raw = logits.clone() if any(r.grammar is not None and r.logprobs is not None for r in rows) else logits
-        constrained.mask_logits(rows, trees, logits)   # p: the constrained target's, at every node
+        if masks is not None:                          # p: the constrained target's, at every node
+            constrained.mask_logits(masks.result(), trees, logits)
         verdicts = self._verify(trees, logits)
         self._logprobs(trees, raw, verdicts)
         t2 = time.perf_counter()
