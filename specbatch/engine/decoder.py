@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
