@@ -96,3 +96,47 @@ def test_default_pair_messages_path_matches_input_ids(pair, references):
     out = engine.generate(messages=[{"role": "user", "content": CHATS[0]}],
                           params=GenerationParams(max_new_tokens=16))
     assert out.token_ids == ref[:16]
+
+
+SCHEMA_PROMPTS = ["Describe a retired sailor as a JSON object.", "Describe a beekeeper as a JSON object.",
+                  "Describe a chess teacher as a JSON object."]
+
+
+@pytest.fixture(scope="module")
+def schema_references(pair):
+    """(prompt ids, HF generate's greedy continuation with the grammar mask as a logits processor)."""
+    from transformers import LogitsProcessorList
+
+    from specbatch.bench.structured import SCHEMA
+    from specbatch.engine.grammar import GrammarSpec
+    from tests.engine.test_structured import GrammarMask, matcher
+
+    target, _ = pair
+    spec, refs = GrammarSpec.json_schema(SCHEMA), []
+    for text in SCHEMA_PROMPTS:
+        ids = Engine(target).encode(messages=[{"role": "user", "content": text}])
+        inp = torch.tensor([ids])
+        with torch.inference_mode():
+            out = target.model.generate(
+                inp, attention_mask=torch.ones_like(inp), max_new_tokens=48, do_sample=False,
+                pad_token_id=target.tokenizer.pad_token_id or 0, eos_token_id=sorted(target.eos_token_ids),
+                logits_processor=LogitsProcessorList([GrammarMask(matcher(target, spec), len(ids))]))
+        refs.append((ids, out[0, len(ids):].tolist()))
+    return spec, refs
+
+
+@pytest.mark.parametrize("drafts", ["int8-draft+ngram", "grammar-only"])
+def test_default_pair_structured_greedy_exact_at_b1_and_b3(pair, schema_references, drafts):
+    """A JSON schema on the real pair: the loop (draft, n-gram, the grammar's forced runs; one row
+    and three rows) against HF generate with the same grammar mask."""
+    from specbatch.engine import EngineRequest
+
+    target, draft = pair
+    spec, refs = schema_references
+    engine = Engine(target, [] if drafts == "grammar-only" else [draft], ngram=drafts.endswith("ngram"))
+    params = GenerationParams(max_new_tokens=48, structured=spec)
+    for ids, ref in refs:
+        assert engine.generate(input_ids=ids, params=params).token_ids == ref
+    got = dict(engine.generate_many([EngineRequest(input_ids=ids, params=params) for ids, _ in refs], batch_size=3))
+    assert [got[i].token_ids for i in range(3)] == [ref for _, ref in refs]
+    assert sum(got[i].stats.grammar_accepted_tokens for i in range(3)) > 0
