@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     api_keys: str = Field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
     files_dir: str = Field(default_factory=_default_files_dir)  # the HTTP API's uploads and outputs
     max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
+    api_threads: Positive = 40            # `specbatch serve`: routes run at once (threads, DB connections)
+    api_public_docs: bool = False         # `specbatch serve`: /docs and /openapi.json without a key
 
     @field_validator("database_url")
     @classmethod
