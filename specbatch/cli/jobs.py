@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
 from specbatch.plural import plural
 from specbatch.redact import mask
+
+logger = logging.getLogger(__name__)
 
 JSON_HELP = "Print machine-readable JSON on stdout."
 
@@ -149,16 +152,27 @@ def _pending_queues(settings: Settings, job_id: str) -> list[str]:
         return [job.queue if r is None else queue_name(r[0], r[1], job.ngram) for r in routes] or [job.queue]
 
 
-def _warn_stranded(settings: Settings, job_id: str) -> None:
+def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
+    """On stderr: how many of the job's requests nothing holds (running on an expired lease, or
+    queued with no task in the broker) and that the live workers of their queues recover them."""
     from specbatch.jobs import store
+    from specbatch.worker.stranded import without_task
 
     with open_db(settings, readonly=True).begin() as s:
-        n = store.expired_leases(s, job_id)
-    if n:
-        warn(f"{plural(n, 'running request')} of job {job_id} {'has' if n == 1 else 'have'} an expired lease "
-             "(the worker holding them is gone): a live worker of their queue queues them again within "
-             f"SPECBATCH_LEASE_SWEEP_SECONDS ({settings.lease_sweep_seconds}s); `specbatch resume {job_id}` "
-             "does it now")
+        expired = store.expired_leases(s, job_id)
+        try:
+            lost = len(without_task(settings, s, queues, job_id) or {})
+        except Exception as e:      # the broker is down: the worker check above has said so
+            logger.debug("stranded check: %s", e)
+            lost = 0
+    if not expired and not lost:
+        return
+    parts = ([f"{plural(expired, 'running request')} on an expired lease (its worker is gone)"] if expired else []) + \
+        ([f"{plural(lost, 'queued request')} with no task in the broker (flushed or lost)"] if lost else [])
+    sweep = settings.lease_sweep_seconds
+    warn(f"job {job_id}: {plural(expired + lost, 'request')} stranded: {' and '.join(parts)}; being recovered: "
+         f"a live worker of their queue queues them again within {sweep}s (queued ones: {2 * sweep}s; "
+         f"SPECBATCH_LEASE_SWEEP_SECONDS); `specbatch resume {job_id}` does it now")
 
 
 @click.command()
@@ -183,9 +197,10 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     settings = get_settings()
     summary, finished = _refreshed_summary(settings, job_id)
     if not finished:
-        for queue in _pending_queues(settings, summary["id"]):
+        queues = _pending_queues(settings, summary["id"])
+        for queue in queues:
             _check_workers(settings, queue)
-        _warn_stranded(settings, summary["id"])
+        _warn_stranded(settings, summary["id"], queues)
     if watch and not finished and as_json:      # machine output: only the final summary
         while not finished:
             time.sleep(interval)
