@@ -333,7 +333,8 @@ def cancel(job_id: str, as_json: bool) -> None:
     """Cancel a job: pending requests are dropped, finished results are kept.
 
     Requests a worker is already generating are dropped at its next decoding step (the job is
-    "cancelling" until then; a result stored before is kept).
+    "cancelling" until then; a result stored before is kept). It waits up to 10 s for the workers
+    and says how many of their requests were dropped and how many finished first.
 
     \b
     Example:
@@ -342,26 +343,54 @@ def cancel(job_id: str, as_json: bool) -> None:
     from specbatch.db.models import JobStatus
     from specbatch.jobs import store
 
-    with open_db(get_settings()).begin() as s:
+    factory = open_db(get_settings())
+    with factory.begin() as s:
         before = store.get_job(s, job_id)
         was = JobStatus(before.status)
         pending_before = store.request_counts(s, [before.id])[before.id]["pending"]
         job = store.cancel_job(s, before.id)
         summary = store.job_dict(job)
+        held = store.running_ids(s, job.id)
     if as_json:
         echo_json(summary)
         return
     c = summary["request_counts"]
     if was.finished:
         click.echo(f"job {summary['id']} is already {was.value}; nothing to cancel")
-    elif summary["status"] == JobStatus.cancelled.value:
+        return
+    if not held:
         click.echo(f"job {summary['id']} cancelled: {plural(pending_before, 'pending request')} dropped, "
                    f"{plural(c['completed'], 'result')} kept")
-    else:
-        click.echo(f"job {summary['id']} is cancelling: {plural(pending_before, 'pending request')} dropped; "
-                   f"{plural(c['running'], 'running request')}: a worker drops {'it' if c['running'] == 1 else 'them'} "
-                   "at its next decoding step (a result stored before then is kept); `specbatch status` "
-                   "shows how many finished first")
+        return
+    # the workers see the cancel within a second (worker.cancel.CancelWatch) and drop their rows
+    # at the next decoding step: wait a little, then say what became of the rows they held
+    outcome = _await_held(factory, held)
+    dropped, done, left = outcome.get("cancelled", 0), outcome.get("completed", 0) + outcome.get("failed", 0), \
+        outcome.get("running", 0)
+    line = f"{plural(dropped, 'running request')} dropped at the next decoding step, {done} finished first"
+    if left:
+        line += (f", {left} still running: dropped at their worker's next step (or once their lease runs out, "
+                 "if that worker is gone); `specbatch status` shows the outcome")
+    state = "is cancelling" if left else "cancelled"
+    click.echo(f"job {summary['id']} {state}: {plural(pending_before, 'pending request')} dropped; {line}")
+
+
+CANCEL_WAIT = 10.0      # seconds `cancel` waits for the workers to drop the rows they hold
+
+
+def _await_held(factory: Any, held: list[int], wait: float = CANCEL_WAIT) -> dict[str, int]:
+    """{status: count} of ``held`` once none is running, or when ``wait`` seconds have passed."""
+    import time
+
+    from specbatch.jobs import store
+
+    deadline = time.monotonic() + wait
+    while True:
+        with factory.begin() as s:
+            outcome = store.statuses_of(s, held)
+        if not outcome.get("running") or time.monotonic() >= deadline:
+            return outcome
+        time.sleep(0.25)
 
 
 @click.command()
