@@ -161,7 +161,7 @@ def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
     with open_db(settings, readonly=True).begin() as s:
         expired = store.expired_leases(s, job_id)
         try:
-            lost = len(without_task(settings, s, queues, job_id) or {})
+            lost = len(without_task(settings, s, queues, job_id))
         except Exception as e:      # the broker is down: the worker check above has said so
             logger.debug("stranded check: %s", e)
             lost = 0

@@ -112,18 +112,15 @@ def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: s
 
 
 def without_task(settings: Settings, s: Any, queues: Collection[str], job_id: str | None = None
-                 ) -> dict[int, tuple[str, str]] | None:
-    """The stranded requests of ``queues`` as ``pending_in`` gives them; None when the broker cannot
-    tell (a queue with waiting tasks counts as holding its requests)."""
-    grace = timedelta(seconds=settings.lease_sweep_seconds)
-    candidates = pending_in(s, queues, grace, job_id)
-    out: dict[int, tuple[str, str]] = {}
-    for queue in {q for _, q in candidates.values()}:
-        held = broker_holds(settings, queue)
-        if held is None:
-            continue
-        out.update({rid: v for rid, v in candidates.items() if v[1] == queue and rid not in held})
-    return out
+                 ) -> dict[int, tuple[str, str]]:
+    """The stranded requests of ``queues`` as ``pending_in`` gives them. The broker is asked first:
+    a queue with waiting tasks (the usual case) costs no database read."""
+    held = {q: broker_holds(settings, q) for q in queues}
+    empty = [q for q, ids in held.items() if ids is not None]
+    if not empty:
+        return {}
+    candidates = pending_in(s, empty, timedelta(seconds=settings.lease_sweep_seconds), job_id)
+    return {rid: v for rid, v in candidates.items() if rid not in (held[v[1]] or ())}
 
 
 def mark_sent(s: Any, request_ids: Collection[int], seconds: int) -> list[int]:
@@ -151,7 +148,7 @@ class Requeuer:
 
         factory = session_factory(self.settings.database_url)
         with factory.begin() as s:
-            found = without_task(self.settings, s, self.queues) or {}
+            found = without_task(self.settings, s, self.queues)
         twice = {rid: v for rid, v in found.items() if rid in self._suspects}
         self._suspects = set(found) - set(twice)
         if not twice:
