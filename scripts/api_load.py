@@ -1,7 +1,7 @@
 """Load a running ``specbatch serve`` with concurrent list/retrieve clients (issue 32, item 7).
 
-    specbatch serve --port 8765 &                     # SQLite, or SPECBATCH_DATABASE_URL=postgresql://...
-    python scripts/api_load.py --url http://127.0.0.1:8765 --clients 200 --seconds 30
+    specbatch serve --port 8765 --workers 2 &         # SQLite, or SPECBATCH_DATABASE_URL=postgresql://...
+    python scripts/api_load.py --url http://127.0.0.1:8765 --clients 200 --seconds 30 --server-pid $!
 
 It uploads one small batch file and creates ``--batches`` batches from it (a batch needs the
 broker up; with none, only files are read), then runs ``--clients`` clients side by side, each
@@ -58,13 +58,25 @@ def loopback_only(url: str) -> None:
         sys.exit(f"refusing to load {host!r}: this script only targets a loopback address (127.0.0.1, ::1)")
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU time of process ``pid`` and its threads (Linux /proc); None elsewhere."""
+def _stat(pid: int) -> list[str] | None:
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` and its children (``serve --workers N``), threads
+    included (Linux /proc); None elsewhere."""
+    fields = _stat(pid)
+    if fields is None:
+        return None
+    ticks = int(fields[11]) + int(fields[12])
+    for entry in os.listdir("/proc"):
+        child = _stat(int(entry)) if entry.isdigit() else None
+        if child is not None and child[1] == str(pid):
+            ticks += int(child[11]) + int(child[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -77,6 +77,13 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+def app_from_env() -> FastAPI:
+    """The app of one ``specbatch serve --workers N`` process (uvicorn imports it by name)."""
+    from specbatch.config import get_settings
+
+    return create_app(get_settings())
+
+
 DOCS_ASSETS = "/docs-assets"
 OPENAPI_URL = "/openapi.json"
 

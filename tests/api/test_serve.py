@@ -116,3 +116,38 @@ def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> Non
                 limiter.release_on_behalf_of(h)
 
     assert anyio.run(probe) in (200, 503)      # an answer, whatever the broker says
+
+
+def test_serve_with_two_worker_processes_answers_and_stops(tmp_path: Path) -> None:
+    """--workers N: N processes on one socket (one Python process uses about one core), each
+    building its app from the environment; SIGTERM stops them all."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    from tests.worker.services import free_port, wait_for
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "SPECBATCH_BROKER_URL": "memory://", "SPECBATCH_API_KEYS": "k-two"}
+    proc = subprocess.Popen([sys.executable, "-c", "from specbatch.cli.main import main; main()", "serve",
+                             "--port", str(port), "--workers", "2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def files() -> object:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/files", headers={"Authorization": "Bearer k-two"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+    try:
+        assert wait_for(files, 60, "serve --workers 2 to answer") == {
+            "object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert "2 processes" in out and "Traceback" not in out, out
+    assert proc.returncode == 0, out
