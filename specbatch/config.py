@@ -77,6 +77,8 @@ class Settings(BaseSettings):
     api_keys: str = Field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
     files_dir: str = Field(default_factory=_default_files_dir)  # the HTTP API's uploads and outputs
     max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
+    api_threads: Positive = 40            # `specbatch serve`: routes run at once (threads, DB connections)
+    api_public_docs: bool = False         # `specbatch serve`: /docs and /openapi.json without a key
 
     @field_validator("database_url")
     @classmethod
@@ -84,6 +86,11 @@ class Settings(BaseSettings):
         url = normalize_database_url(url)
         check_database_url(url)
         return url
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url(cls, url: str) -> str:
+        return normalize_broker_url(url)
 
     @field_validator("batch_size", mode="before")
     @classmethod
@@ -150,6 +157,32 @@ def normalize_database_url(url: str) -> str:
     mean psycopg 3, the driver ``specbatch[postgres]`` installs; SQLAlchemy would pick psycopg2."""
     scheme, sep, rest = url.partition("://")
     return f"postgresql+psycopg://{rest}" if sep and scheme in ("postgres", "postgresql") else url
+
+
+def normalize_broker_url(url: str) -> str:
+    """A Redis URL's ``?password=`` (and ``?username=``), which redis-py reads, moved into the URL's
+    user part: kombu hands query parameters to its connection as keyword arguments and fails with
+    "got multiple values for keyword argument 'password'". Other URLs are returned unchanged."""
+    from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.query:
+        return url
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = {k: [v for name, v in query if name == k] for k in ("username", "password")}
+    if not any(given.values()):
+        return url
+    if any(len(v) > 1 for v in given.values()) or (given["password"] and parts.password is not None) or \
+            (given["username"] and parts.username):
+        raise ValueError("gives the Redis user or password twice (in the URL's user part and as a "
+                         "?username=/?password= parameter): keep one")
+    # the query's values are decoded, the user part's are not (urlsplit keeps them percent-encoded)
+    user = quote(given["username"][0], safe="") if given["username"] else (parts.username or "")
+    password = quote(given["password"][0], safe="") if given["password"] else parts.password
+    userinfo = user + (f":{password}" if password is not None else "")
+    netloc = f"{userinfo}@{parts.netloc.rpartition('@')[2]}"
+    rest = urlencode([(k, v) for k, v in query if k not in given])
+    return urlunsplit((parts.scheme, netloc, parts.path, rest, parts.fragment))
 
 
 def check_database_url(url: str) -> None:

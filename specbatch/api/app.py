@@ -1,7 +1,9 @@
 """The FastAPI app: ``create_app(settings)``; ``specbatch serve`` runs it under uvicorn.
 
-Routes are plain ``def`` where they touch the database (FastAPI runs them in its thread pool, so
-the event loop never waits on SQL); the upload is ``async`` because it streams the body.
+Routes are plain ``def`` where they touch the database (FastAPI runs them in its thread pool of
+``SPECBATCH_API_THREADS``, each thread with a kept connection, so the event loop never waits on
+SQL); the upload is ``async`` because it streams the body; the key and state dependencies and
+``/healthz`` are ``async`` so that they never queue for that pool.
 """
 
 from __future__ import annotations
@@ -33,12 +35,17 @@ def create_app(settings: Settings) -> FastAPI:
 
     if swept := sweep_incoming(settings):
         logger.warning("removed %d unfinished upload(s) left in %s/.incoming", swept, settings.files_dir)
-    factory = session_factory(settings.database_url)            # migrates the schema on first use
-    reader = session_factory(settings.database_url, readonly=True)
+    # routes are plain `def`s run in AnyIO's thread pool: one kept DB connection per thread, so
+    # a burst of requests neither waits for a connection nor opens one per request
+    factory = session_factory(settings.database_url, pool_size=settings.api_threads)   # migrates on first use
+    reader = session_factory(settings.database_url, readonly=True, pool_size=settings.api_threads)
     sb = AppState(settings, factory, reader, Finalizer(settings, factory, reader))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        import anyio.to_thread
+
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         yield
         sb.finalizer.close()
         sb.checks.shutdown(wait=False, cancel_futures=True)
@@ -46,10 +53,12 @@ def create_app(settings: Settings) -> FastAPI:
     # FastAPI's own /docs and /redoc load their scripts from a CDN (a blank page offline): /docs is
     # Swagger UI from the swagger-ui-py package instead, and ReDoc is off
     app = FastAPI(title="specbatch", summary="OpenAI-compatible Batch API over specbatch's job queue",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)
+                  lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.sb = sb
     errors.install(app)
-    _local_docs(app)
+    # the schema lists every route and parameter: behind the key like the API itself, unless the
+    # operator opens it (SPECBATCH_API_PUBLIC_DOCS=1, for a browser, which sends no bearer key)
+    _local_docs(app, [] if settings.api_public_docs else [Depends(require_key)])
 
     def body_limit(scope: Any) -> int:
         # JSON bodies are small; only the upload streams (and bounds per line) a large one
@@ -68,22 +77,35 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+def app_from_env() -> FastAPI:
+    """The app of one ``specbatch serve --workers N`` process (uvicorn imports it by name)."""
+    from specbatch.config import get_settings
+
+    return create_app(get_settings())
+
+
 DOCS_ASSETS = "/docs-assets"
+OPENAPI_URL = "/openapi.json"
 
 
-def _local_docs(app: FastAPI) -> None:
-    """``/docs``: Swagger UI served from the ``swagger-ui-py`` package's files (the ``api`` extra),
+def _local_docs(app: FastAPI, dependencies: list[Any]) -> None:
+    """``/docs`` and ``/openapi.json``, each behind ``dependencies`` (the key, unless the docs are
+    public). ``/docs``: Swagger UI served from the ``swagger-ui-py`` package's files (the ``api`` extra),
     so it works with no internet access (FastAPI, "Self-hosting JavaScript and CSS for docs").
     Swagger UI 5: FastAPI's schema is OpenAPI 3.1, which Swagger UI 4 (swagger-ui-bundle, the
     package used before) refuses with "Unable to render this definition"."""
     from fastapi.openapi.docs import get_swagger_ui_html
-    from fastapi.responses import HTMLResponse
+    from fastapi.responses import HTMLResponse, JSONResponse
     from fastapi.staticfiles import StaticFiles
     app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_static())), name="docs-assets")
 
-    @app.get("/docs", include_in_schema=False)
-    def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title="specbatch API",
+    @app.get(OPENAPI_URL, include_in_schema=False, dependencies=dependencies)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=dependencies)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url=OPENAPI_URL, title="specbatch API",
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")

@@ -94,7 +94,8 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
     try:
         with path.open("rb") as fp:
             parsed = intake.read_stream(fp, filename, defaults, sb.settings, options.model_map,
-                                        ContextCheck(sb.settings, pair.target, pair.drafts))
+                                        ContextCheck(sb.settings, pair.target, pair.drafts),
+                                        intake.vocab_lookup(sb.settings.cache_dir, pair.target))
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))

@@ -6,8 +6,11 @@ finalizer (FastAPI, "Bigger Applications": shared dependencies in their own modu
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -52,6 +55,26 @@ class Finalizer:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class Probe:
+    """``/healthz``'s last answer, reused for ``fresh`` seconds, and the round of checks in flight,
+    shared by every probe that arrives meanwhile (a burst of probes costs one round)."""
+
+    def __init__(self, fresh: float) -> None:
+        self.fresh = fresh
+        self.answer: dict[str, str] | None = None
+        self.at = 0.0
+        self.running: asyncio.Future[dict[str, str]] | None = None
+
+    async def get(self, check: Callable[[], Awaitable[dict[str, str]]]) -> dict[str, str]:
+        if self.answer is not None and time.monotonic() - self.at < self.fresh:
+            return self.answer
+        if self.running is None or self.running.done():
+            self.running = asyncio.ensure_future(check())
+        answer = await asyncio.shield(self.running)     # a client gone away does not stop the round
+        self.answer, self.at = answer, time.monotonic()
+        return answer
+
+
 @dataclass
 class AppState:
     settings: Settings
@@ -60,9 +83,11 @@ class AppState:
     finalizer: Finalizer
     checks: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
+    probe: Probe = field(default_factory=lambda: Probe(fresh=1.0))
 
 
-def app_state(request: Request) -> AppState:
+async def app_state(request: Request) -> AppState:
+    # async: FastAPI runs a sync dependency in the thread pool, a hop per request for a lookup
     return request.app.state.sb  # type: ignore[no-any-return]
 
 

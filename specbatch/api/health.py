@@ -1,10 +1,16 @@
 """``GET /healthz``: the database and the broker, each answered within a bounded time. No key
-needed (load balancers probe it); the answer names no URL or credential."""
+needed (load balancers probe it); the answer names no URL or credential.
+
+The route is ``async`` and never enters the routes' thread pool: under load that pool is full of
+list/retrieve calls and a probe queued behind them took over a second (issue 32). The checks run
+on their own small executor; probes arriving together share one round of checks, and an answer
+is reused for a second (``deps.Probe``), so a burst of probes costs the database one ``SELECT 1``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from fastapi import APIRouter
@@ -25,19 +31,25 @@ def _database(sb: AppState) -> None:
         s.execute(text("SELECT 1"))
 
 
+async def _check(sb: AppState, name: str, fn: Any, *args: Any) -> str:
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(sb.checks.submit(fn, *args)), TIMEOUT)
+        return "ok"
+    except TimeoutError:
+        return f"no answer within {TIMEOUT:.0f}s"
+    except Exception as e:
+        logger.warning("healthz: %s check failed (%s)", name, type(e).__name__)
+        return f"unreachable ({type(e).__name__})"
+
+
+async def _probe(sb: AppState) -> dict[str, str]:
+    database, broker = await asyncio.gather(_check(sb, "database", _database, sb),
+                                            _check(sb, "broker", check_broker, sb.settings, TIMEOUT - 1))
+    return {"database": database, "broker": broker}
+
+
 @router.get("/healthz")
-def healthz(sb: State) -> JSONResponse:
-    checks = {"database": sb.checks.submit(_database, sb),
-              "broker": sb.checks.submit(check_broker, sb.settings, TIMEOUT - 1)}
-    out: dict[str, Any] = {}
-    for name, fut in checks.items():
-        try:
-            fut.result(timeout=TIMEOUT)
-            out[name] = "ok"
-        except FutureTimeout:
-            out[name] = f"no answer within {TIMEOUT:.0f}s"
-        except Exception as e:
-            logger.warning("healthz: %s check failed (%s)", name, type(e).__name__)
-            out[name] = f"unreachable ({type(e).__name__})"
+async def healthz(sb: State) -> JSONResponse:
+    out = await sb.probe.get(lambda: _probe(sb))
     ok = all(v == "ok" for v in out.values())
     return JSONResponse({"status": "ok" if ok else "unavailable", **out}, status_code=200 if ok else 503)

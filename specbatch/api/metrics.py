@@ -32,14 +32,13 @@ from specbatch.config import Settings
 from specbatch.db.models import Job, JobStatus, RequestStatus, Result
 from specbatch.db.models import Request as RequestRow
 from specbatch.jobs.store import ACTIVE_JOB
+from specbatch.worker.stranded import queue_keys
 
 logger = logging.getLogger(__name__)
 
 router = APIRouter(tags=["metrics"])
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BROKER_TIMEOUT = 1.0
-KOMBU_PRIORITY_SEP = "\x06\x16"     # kombu's Redis transport keeps priority p > 0 in "queue\x06\x16p"
-KOMBU_PRIORITIES = (3, 6, 9)
 
 PER_POSITION_SQL = {
     "sqlite": "SELECT CAST(p.key AS INTEGER), SUM(p.value) FROM results, "
@@ -75,14 +74,14 @@ def queue_depths(settings: Settings, queues: list[str]) -> dict[str, int] | None
         with client.pipeline(transaction=False) as pipe:
             pipe.ping()          # answers even when no job is queued
             for q in queues:
-                for key in (q, *(f"{q}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITIES)):
+                for key in queue_keys(q):
                     pipe.llen(key)
             lengths = pipe.execute()[1:]
         client.close()
     except Exception as e:
         logger.warning("metrics: broker unreachable (%s)", type(e).__name__)
         return None
-    per = 1 + len(KOMBU_PRIORITIES)
+    per = len(queue_keys(""))
     return {q: int(sum(lengths[i * per:(i + 1) * per])) for i, q in enumerate(queues)}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
 from specbatch.plural import plural
 from specbatch.redact import mask
+
+logger = logging.getLogger(__name__)
 
 JSON_HELP = "Print machine-readable JSON on stdout."
 
@@ -153,16 +156,27 @@ def _pending_queues(settings: Settings, job_id: str) -> list[str]:
         return [job.queue if r is None else queue_name(r[0], r[1], job.ngram) for r in routes] or [job.queue]
 
 
-def _warn_stranded(settings: Settings, job_id: str) -> None:
+def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
+    """On stderr: how many of the job's requests nothing holds (running on an expired lease, or
+    queued with no task in the broker) and that the live workers of their queues recover them."""
     from specbatch.jobs import store
+    from specbatch.worker.stranded import without_task
 
     with open_db(settings, readonly=True).begin() as s:
-        n = store.expired_leases(s, job_id)
-    if n:
-        warn(f"{plural(n, 'running request')} of job {job_id} {'has' if n == 1 else 'have'} an expired lease "
-             "(the worker holding them is gone): a live worker of their queue queues them again within "
-             f"SPECBATCH_LEASE_SWEEP_SECONDS ({settings.lease_sweep_seconds}s); `specbatch resume {job_id}` "
-             "does it now")
+        expired = store.expired_leases(s, job_id)
+        try:
+            lost = len(without_task(settings, s, queues, job_id))
+        except Exception as e:      # the broker is down: the worker check above has said so
+            logger.debug("stranded check: %s", e)
+            lost = 0
+    if not expired and not lost:
+        return
+    parts = ([f"{plural(expired, 'running request')} on an expired lease (its worker is gone)"] if expired else []) + \
+        ([f"{plural(lost, 'queued request')} with no task in the broker (flushed or lost)"] if lost else [])
+    sweep = settings.lease_sweep_seconds
+    warn(f"job {job_id}: {plural(expired + lost, 'request')} stranded: {' and '.join(parts)}; being recovered: "
+         f"a live worker of their queue queues them again within {sweep}s (queued ones: {2 * sweep}s; "
+         f"SPECBATCH_LEASE_SWEEP_SECONDS); `specbatch resume {job_id}` does it now")
 
 
 @click.command()
@@ -187,9 +201,10 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     settings = get_settings()
     summary, finished = _refreshed_summary(settings, job_id)
     if not finished:
-        for queue in _pending_queues(settings, summary["id"]):
+        queues = _pending_queues(settings, summary["id"])
+        for queue in queues:
             _check_workers(settings, queue)
-        _warn_stranded(settings, summary["id"])
+        _warn_stranded(settings, summary["id"], queues)
     if watch and not finished and as_json:      # machine output: only the final summary
         while not finished:
             time.sleep(interval)
@@ -322,7 +337,8 @@ def cancel(job_id: str, as_json: bool) -> None:
     """Cancel a job: pending requests are dropped, finished results are kept.
 
     Requests a worker is already generating are dropped at its next decoding step (the job is
-    "cancelling" until then; a result stored before is kept).
+    "cancelling" until then; a result stored before is kept). It waits up to 10 s for the workers
+    and says how many of their requests were dropped and how many finished first.
 
     \b
     Example:
@@ -331,26 +347,54 @@ def cancel(job_id: str, as_json: bool) -> None:
     from specbatch.db.models import JobStatus
     from specbatch.jobs import store
 
-    with open_db(get_settings()).begin() as s:
+    factory = open_db(get_settings())
+    with factory.begin() as s:
         before = store.get_job(s, job_id)
         was = JobStatus(before.status)
         pending_before = store.request_counts(s, [before.id])[before.id]["pending"]
         job = store.cancel_job(s, before.id)
         summary = store.job_dict(job)
+        held = store.running_ids(s, job.id)
     if as_json:
         echo_json(summary)
         return
     c = summary["request_counts"]
     if was.finished:
         click.echo(f"job {summary['id']} is already {was.value}; nothing to cancel")
-    elif summary["status"] == JobStatus.cancelled.value:
+        return
+    if not held:
         click.echo(f"job {summary['id']} cancelled: {plural(pending_before, 'pending request')} dropped, "
                    f"{plural(c['completed'], 'result')} kept")
-    else:
-        click.echo(f"job {summary['id']} is cancelling: {plural(pending_before, 'pending request')} dropped; "
-                   f"{plural(c['running'], 'running request')}: a worker drops {'it' if c['running'] == 1 else 'them'} "
-                   "at its next decoding step (a result stored before then is kept); `specbatch status` "
-                   "shows how many finished first")
+        return
+    # the workers see the cancel within a second (worker.cancel.CancelWatch) and drop their rows
+    # at the next decoding step: wait a little, then say what became of the rows they held
+    outcome = _await_held(factory, held)
+    dropped, done, left = outcome.get("cancelled", 0), outcome.get("completed", 0) + outcome.get("failed", 0), \
+        outcome.get("running", 0)
+    line = f"{plural(dropped, 'running request')} dropped at the next decoding step, {done} finished first"
+    if left:
+        line += (f", {left} still running: dropped at their worker's next step (or once their lease runs out, "
+                 "if that worker is gone); `specbatch status` shows the outcome")
+    state = "is cancelling" if left else "cancelled"
+    click.echo(f"job {summary['id']} {state}: {plural(pending_before, 'pending request')} dropped; {line}")
+
+
+CANCEL_WAIT = 10.0      # seconds `cancel` waits for the workers to drop the rows they hold
+
+
+def _await_held(factory: Any, held: list[int], wait: float = CANCEL_WAIT) -> dict[str, int]:
+    """{status: count} of ``held`` once none is running, or when ``wait`` seconds have passed."""
+    import time
+
+    from specbatch.jobs import store
+
+    deadline = time.monotonic() + wait
+    while True:
+        with factory.begin() as s:
+            outcome = store.statuses_of(s, held)
+        if not outcome.get("running") or time.monotonic() >= deadline:
+            return outcome
+        time.sleep(0.25)
 
 
 @click.command()

@@ -93,16 +93,18 @@ def model_map_option(f: Any) -> Any:
 def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_map: tuple[str, ...],
                pair: tuple[str, list[str]] | None = None) -> Any:
     """The validated file ('-': standard input) with its warnings (intake.ParsedFile); with the
-    job's ``pair`` (target, drafts), a prompt too long for its pair's context is refused too."""
+    job's ``pair`` (target, drafts), a prompt too long for its pair's context is refused too, and
+    a logit_bias key outside a local target's vocabulary, each listed with the file's other errors."""
     from specbatch.jobs import intake
     from specbatch.jobs.context import ContextCheck
 
     routes = intake.parse_model_map(model_map, allow_remote=settings.allow_remote_models)
     limits = ContextCheck(settings, *pair) if pair is not None else None
+    vocab_of = intake.vocab_lookup(settings.cache_dir, pair[0]) if pair is not None else None
     if file == "-":
         return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes,
-                                  limits)
-    return intake.read_file(file, defaults, settings, routes, limits)
+                                  limits, vocab_of)
+    return intake.read_file(file, defaults, settings, routes, limits, vocab_of)
 
 
 def cache_option(f: Any) -> Any:
@@ -214,7 +216,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       specbatch submit batch.jsonl --model-map gpt-4o-mini=qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --wait
       cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
-    from specbatch.jobs import intake, store
+    from specbatch.jobs import store
     from specbatch.observability import tracing
     from specbatch.worker.enqueue import check_broker, enqueue_routes
     from specbatch.worker.queues import queue_name
@@ -227,10 +229,8 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     if fallback_draft and not drafts_:
         raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
-    parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))   # the file first: local
-    # a local model's logit_bias keys are checked now (others by the worker, per request)
-    intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
-                           lambda t: intake.local_vocab_size(t or target_))
+    # the file first: local, a local model's logit_bias keys too (others by the worker, per request)
+    parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
     check_broker(settings)  # broker down: fail before anything is written
     for line in parsed.warnings(target_):
         warn(line)
@@ -476,8 +476,10 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                               [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
         # logit_bias keys against the loaded target's vocabulary: still nothing written
         vocab = engine.target.vocab_size
+        # (for a target whose files told no size at intake, a GGUF not yet read, say)
+        local = intake.vocab_lookup(settings.cache_dir, target_)
         intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
-                               lambda t: vocab if t in (None, target_) else intake.local_vocab_size(t))
+                               lambda t: vocab if t in (None, target_) else local(t))
         job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
                                      queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
                                      metadata={"embedded": True}, cache=not no_cache)

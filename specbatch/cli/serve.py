@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
+import os
 import socket
 
 import click
@@ -26,10 +28,12 @@ def is_loopback(host: str) -> bool:
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Server processes sharing the port (one Python process uses about one core).")
 @click.option("--allow-remote-models", is_flag=True,
               help="Take specbatch_target/specbatch_draft names this machine cannot check (paths only "
                    "the workers hold); same as SPECBATCH_ALLOW_REMOTE_MODELS=1.")
-def serve(host: str, port: int, log_level: str, allow_remote_models: bool) -> None:
+def serve(host: str, port: int, log_level: str, workers: int, allow_remote_models: bool) -> None:
     """Serve OpenAI's Files and Batches API (plus /healthz and /metrics) over the job queue.
 
     Clients use the official `openai` package with base_url="http://HOST:PORT/v1" and one of the
@@ -40,6 +44,7 @@ def serve(host: str, port: int, log_level: str, allow_remote_models: bool) -> No
     Example:
       specbatch serve                                   # 127.0.0.1:8000, no key needed
       SPECBATCH_API_KEYS=k1,k2 specbatch serve --host 0.0.0.0 --port 8000
+      specbatch serve --workers 2                       # both cores of a 2-core machine
     """
     try:
         import uvicorn
@@ -61,11 +66,26 @@ def serve(host: str, port: int, log_level: str, allow_remote_models: bool) -> No
                                "(comma-separated) or bind 127.0.0.1")
     sock = bind(host, port)         # a busy port fails here, as one line, before anything is opened
     open_db(settings, create=True)      # a bad database URL fails here, as one line
-    app = create_app(settings)
+    app = create_app(settings) if workers == 1 else None
     click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
-               f"{'no authentication' if not keys else 'bearer keys required'})", err=True)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
-    uvicorn.Server(config).run(sockets=[sock])
+               f"{'no authentication' if not keys else 'bearer keys required'}"
+               f"{f'; {workers} processes' if workers > 1 else ''})", err=True)
+    if app is not None:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
+        uvicorn.Server(config).run(sockets=[sock])
+        return
+    # several processes: uvicorn starts each (spawned, so each builds its own app from the
+    # environment: the flag above travels as its variable) on the socket bound here
+    from uvicorn.supervisors import Multiprocess
+
+    if allow_remote_models:
+        os.environ["SPECBATCH_ALLOW_REMOTE_MODELS"] = "1"
+    config = uvicorn.Config("specbatch.api.app:app_from_env", factory=True, host=host, port=port,
+                            workers=workers, log_level=log_level, access_log=log_level == "debug")
+    # uvicorn before 0.30 takes the process body as target=; later ones build it themselves
+    takes_target = "target" in inspect.signature(Multiprocess).parameters
+    extra = {"target": uvicorn.Server(config).run} if takes_target else {}
+    Multiprocess(config, sockets=[sock], **extra).run()
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -77,17 +77,28 @@ def _check_sqlite_file(path: Path) -> None:
                                      "a SQLite database")
 
 
-def _create(url: str) -> Engine:
+POOL_OVERFLOW = 8       # connections past pool_size, opened and closed per use (health checks, exports)
+
+
+def _pool_args(pool_size: int | None) -> dict[str, int]:
+    # SQLAlchemy's default (5 kept + 10 overflow) is for a handful of threads; a server running
+    # N threads at once needs N kept connections, or it opens and closes one per request (for
+    # SQLite each open runs the PRAGMAs below) and threads past 15 wait for one
+    return {} if pool_size is None else {"pool_size": pool_size, "max_overflow": POOL_OVERFLOW}
+
+
+def _create(url: str, pool_size: int | None = None) -> Engine:
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(url, pool_pre_ping=True, **_pool_args(pool_size))
     path = sqlite_path(url)
     if path is None:    # in-memory: one shared connection, or the tables vanish
         engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
     else:
         _check_sqlite_file(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+                               **_pool_args(pool_size))
     event.listen(engine, "connect", _sqlite_connect)
     event.listen(engine, "begin", _sqlite_begin)
     return engine
@@ -133,12 +144,24 @@ def _needs_upgrade(engine: Engine) -> bool:
     return current != set(script.get_heads())
 
 
-def get_engine(url: str) -> Engine:
-    """The engine for ``url``, cached per process; the schema is migrated to head on first use."""
+def _pool_smaller(engine: Engine, pool_size: int | None) -> bool:
+    size = getattr(engine.pool, "size", None)       # StaticPool (in-memory SQLite) has none
+    return pool_size is not None and callable(size) and size() < pool_size
+
+
+def get_engine(url: str, pool_size: int | None = None) -> Engine:
+    """The engine for ``url``, cached per process; the schema is migrated to head on first use.
+    ``pool_size``: connections kept for that many threads at once (the API server's); an engine
+    cached with a smaller pool is replaced (its idle connections closed)."""
     with _lock:
         engine = _engines.get(url)
+        if engine is not None and _pool_smaller(engine, pool_size):
+            engine.dispose()
+            for key in [k for k in _factories if k[0] == url]:
+                del _factories[key]
+            engine = None
         if engine is None:
-            engine = _create(url)
+            engine = _create(url, pool_size)
             if _needs_upgrade(engine):
                 logger.info("migrating %s to the newest schema", mask(str(engine.url)))
                 _run_upgrade(engine)
@@ -146,15 +169,16 @@ def get_engine(url: str) -> Engine:
         return engine
 
 
-def session_factory(url: str, readonly: bool = False) -> sessionmaker:
+def session_factory(url: str, readonly: bool = False, pool_size: int | None = None) -> sessionmaker:
     """Use as ``with session_factory(url).begin() as s:`` (commits at the end, rolls back on error).
 
     ``readonly=True``: for long reads (export, status) that must not hold SQLite's write lock.
+    ``pool_size``: see ``get_engine``.
     """
     with _lock:
+        engine = get_engine(url, pool_size)     # a smaller pool: replaced, with its factories
         factory = _factories.get((url, readonly))
         if factory is None:
-            engine = get_engine(url)
             bind = engine.execution_options(specbatch_readonly=True) if readonly else engine
             factory = _factories[(url, readonly)] = sessionmaker(bind, expire_on_commit=False)
         return factory

@@ -94,6 +94,30 @@ def context_length(files: ModelFiles) -> int | None:
     return max_positions(config)
 
 
+def vocab_size(files: ModelFiles) -> int | None:
+    """The size of the model's logits (its vocabulary, padding included), or None. A GGUF file's
+    vocabulary is its token list unless its architecture states a size."""
+    if files.gguf_file is not None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(files.directory / files.gguf_file)
+        arch = _gguf_value(reader, "general.architecture")
+        value = _gguf_value(reader, f"{arch}.vocab_size") if arch else None
+        if isinstance(value, int) and value > 0:
+            return value
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        return len(tokens.data) if tokens is not None and tokens.data else None
+    try:
+        config = json.loads((files.directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for part in (config.get("text_config"), config) if isinstance(config, dict) else ():
+        value = part.get("vocab_size") if isinstance(part, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def max_positions(config: dict[str, Any]) -> int | None:
     """The context length in a config's dict (its text config first, as multimodal configs nest it)."""
     for part in (config.get("text_config"), config):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,6 +32,8 @@ from specbatch.jobs import openai_fields, structured
 from specbatch.jobs.context import ContextCheck
 from specbatch.jobs.openai_fields import json_type
 from specbatch.plural import plural
+
+logger = logging.getLogger(__name__)
 
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 # logit processors (specbatch.engine.processors): stored in a request's params only when given
@@ -551,7 +554,8 @@ def _not_jsonl(first: str) -> str | None:
 
 
 def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settings: Settings,
-                model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None) -> ParsedFile:
+                model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None,
+                vocab_of: Callable[[str | None], int | None] | None = None) -> ParsedFile:
     """Like read_file, reading an open binary stream; ``name`` is used in messages."""
     base = job_params(defaults)
     noop_fields: dict[str, int] = {}
@@ -618,6 +622,10 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             prefix = "body." if "body" in obj else ""
             err(line_no, prefix + ("prompt" if fields_["kind"] == "completion" else "messages"), why)
             continue
+        if vocab_of is not None and (bias_problems := _vocab_problems(fields_, vocab_of)):
+            for field, message in bias_problems:     # beside the file's other errors, not after them
+                err(line_no, field, message)
+            continue
         for k in fields_.pop("noop"):
             noop_fields[k] = noop_fields.get(k, 0) + 1
         if fields_["model"] is not None:
@@ -662,6 +670,17 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
     return ParsedFile(requests, noop_fields, models, model_map)
 
 
+def _vocab_problems(fields_: dict[str, Any], vocab_of: Callable[[str | None], int | None]
+                    ) -> list[tuple[str, str]]:
+    """[(field, why)] for the line's logit_bias keys outside its target's vocabulary (if known here)."""
+    bias = fields_["params"].get("logit_bias")
+    if not bias or (vocab := vocab_of(fields_.get("target"))) is None:
+        return []
+    _, problems = rules.check_logit_bias(bias, vocab)
+    prefix = ("body." if fields_.get("openai") else "") + "logit_bias"
+    return [(prefix + where, why) for where, why in problems]
+
+
 def check_token_ids(parsed: ParsedFile, name: str, vocab_of: Callable[[str | None], int | None]) -> None:
     """Once a target's vocabulary is known (``specbatch run`` loads the target before writing the
     job; ``submit`` reads a local model's config): every logit_bias key must be a token id below
@@ -680,17 +699,30 @@ def check_token_ids(parsed: ParsedFile, name: str, vocab_of: Callable[[str | Non
         raise IntakeError(errors)
 
 
-def local_vocab_size(model: str) -> int | None:
-    """A local model directory's vocabulary size (its config.json), without loading it; None when
-    the model is not a local directory (the worker checks then, failing the request)."""
-    path = Path(model).expanduser() / "config.json"
+def local_vocab_size(model: str, cache_dir: str) -> int | None:
+    """A model's vocabulary size from its files on this machine (a directory's config.json, a GGUF
+    file's metadata), without loading it; None when its files are not here (the worker checks
+    then, failing the request)."""
+    from specbatch.engine.model_files import local_files, vocab_size
+
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        files = local_files(model, cache_dir)
+        return vocab_size(files) if files is not None else None
+    except Exception as e:  # noqa: BLE001 - an unreadable file: the worker's check remains
+        logger.info("cannot read the vocabulary size of %s (%s); logit_bias keys not checked here", model, e)
         return None
-    config = config.get("text_config", config) if isinstance(config, dict) else {}
-    vocab = config.get("vocab_size") if isinstance(config, dict) else None
-    return vocab if _is_int(vocab) else None
+
+
+def vocab_lookup(cache_dir: str, target: str) -> Callable[[str | None], int | None]:
+    """``vocab_of`` for read_stream: each route target's local vocabulary size, read once."""
+    sizes: dict[str, int | None] = {}
+
+    def vocab_of(route_target: str | None) -> int | None:
+        name = route_target or target
+        if name not in sizes:
+            sizes[name] = local_vocab_size(name, cache_dir)
+        return sizes[name]
+    return vocab_of
 
 
 def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
@@ -705,10 +737,13 @@ def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Sett
 
 
 def read_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings,
-              model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None) -> ParsedFile:
+              model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None,
+              vocab_of: Callable[[str | None], int | None] | None = None) -> ParsedFile:
     """Every request of a JSONL prompt file with the job's warnings, or IntakeError listing every
     problem found. ``model_map`` (from parse_model_map) routes OpenAI lines by body.model;
-    ``limits`` refuses a line whose prompt and max_new_tokens exceed its pair's context."""
+    ``limits`` refuses a line whose prompt and max_new_tokens exceed its pair's context;
+    ``vocab_of(route target)`` (None: the job's target) a logit_bias key outside the vocabulary
+    (``vocab_lookup``; an unknown size is left to ``check_token_ids`` or the worker)."""
     name = str(path)
     p = Path(path)
     if not p.exists():
@@ -717,6 +752,6 @@ def read_file(path: str | Path, defaults: dict[str, Any] | None, settings: Setti
         raise IntakeError([InputError("is a directory, not a JSONL file", path=name)])
     try:
         with p.open("rb") as fp:
-            return read_stream(fp, name, defaults, settings, model_map, limits)
+            return read_stream(fp, name, defaults, settings, model_map, limits, vocab_of)
     except PermissionError as e:
         raise IntakeError([InputError(f"cannot read: {e.strerror}", path=name)]) from e

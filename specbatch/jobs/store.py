@@ -172,6 +172,19 @@ def cancel_job(s: Session, job_id: str) -> Job:
     job.status, job.cancel_requested_at = JobStatus.cancelling, now
     return refresh_job(s, job.id)
 
+def running_ids(s: Session, job_id: str) -> list[int]:
+    """The job's requests a worker holds now (running on a live lease)."""
+    return list(s.scalars(select(Request.id).where(Request.job_id == job_id, Request.status == RequestStatus.running)))
+
+
+def statuses_of(s: Session, request_ids: Sequence[int]) -> dict[str, int]:
+    """{status: how many of ``request_ids``}."""
+    if not request_ids:
+        return {}
+    return {RequestStatus(st).value: int(n) for st, n in s.execute(
+        select(Request.status, func.count()).where(Request.id.in_(list(request_ids))).group_by(Request.status))}
+
+
 def retry_failed(s: Session, job_id: str) -> list[int]:
     """Failed requests back to pending (attempts reset); returns their ids, for enqueueing."""
     job = get_job(s, job_id)

@@ -71,10 +71,15 @@ def sweep(settings: Settings, queues: Collection[str]) -> int:
 
 
 class Sweeper:
-    """A daemon thread that sweeps ``queues`` at once and then every ``settings.lease_sweep_seconds``."""
+    """A daemon thread that sweeps ``queues`` at once and then every ``settings.lease_sweep_seconds``:
+    expired leases, and requests queued in the database with no task in the broker
+    (``stranded.Requeuer``)."""
 
     def __init__(self, settings: Settings, queues: Collection[str]) -> None:
+        from specbatch.worker.stranded import Requeuer
+
         self.settings, self.queues = settings, tuple(queues)
+        self.requeuer = Requeuer(settings, self.queues)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="specbatch-lease-sweeper", daemon=True)
 
@@ -88,6 +93,7 @@ class Sweeper:
         while not self._stop.is_set():
             try:
                 sweep(self.settings, self.queues)
+                self.requeuer.sweep()
             except Exception as e:     # the database or broker is down: the breaker handles that; try later
                 logger.warning("lease sweep failed, trying again in %ss: %s", self.settings.lease_sweep_seconds,
                                mask(str(e).splitlines()[0] if str(e) else type(e).__name__))

@@ -58,3 +58,96 @@ def test_docs_are_served_from_local_files(tmp_path: Path) -> None:
         if schema["openapi"].startswith("3.1"):    # Swagger UI 5's OpenAPI 3.1 support
             assert b"isOAS31" in client.get("/docs-assets/swagger-ui-bundle.js").content
         assert client.get("/redoc").status_code == 404
+
+
+@pytest.mark.parametrize("public", [False, True])
+def test_docs_and_schema_need_the_key_unless_public(public: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schema lists every route: behind the key like the API (issue 32), unless the operator
+    sets SPECBATCH_API_PUBLIC_DOCS=1 (a browser opening /docs sends no bearer key)."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_API_KEYS", "acme:sk-docs")
+    monkeypatch.setenv("SPECBATCH_API_PUBLIC_DOCS", "1" if public else "0")
+    get_settings.cache_clear()
+    try:
+        with TestClient(create_app(get_settings())) as client:
+            for path in ("/docs", "/openapi.json"):
+                assert client.get(path).status_code == (200 if public else 401), path
+                assert client.get(path, headers={"Authorization": "Bearer wrong"}).status_code == \
+                    (200 if public else 401), path
+                assert client.get(path, headers={"Authorization": "Bearer sk-docs"}).status_code == 200, path
+            assert client.get("/openapi.json", headers={"Authorization": "Bearer sk-docs"}).json()["paths"]
+    finally:
+        get_settings.cache_clear()
+
+
+def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> None:
+    """Under load the routes' thread pool is full of list/retrieve calls; /healthz (and the key and
+    state lookups every route makes) must not queue behind them (issue 32: 1.1-1.4 s under load)."""
+    import anyio
+    import anyio.to_thread
+
+    try:
+        import httpx
+    except ImportError:
+        import httpx2 as httpx  # type: ignore[no-redef]
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+
+    async def probe() -> int:
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        holders = [object() for _ in range(int(limiter.total_tokens))]
+        for h in holders:                   # every thread of the pool taken
+            await limiter.acquire_on_behalf_of(h)
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                with anyio.fail_after(10):
+                    return (await c.get("/healthz")).status_code
+        finally:
+            for h in holders:
+                limiter.release_on_behalf_of(h)
+
+    assert anyio.run(probe) in (200, 503)      # an answer, whatever the broker says
+
+
+def test_serve_with_two_worker_processes_answers_and_stops(tmp_path: Path) -> None:
+    """--workers N: N processes on one socket (one Python process uses about one core), each
+    building its app from the environment; SIGTERM stops them all."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import urllib.request
+
+    from tests.worker.services import free_port, wait_for
+
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+           "SPECBATCH_BROKER_URL": "memory://", "SPECBATCH_API_KEYS": "k-two"}
+    proc = subprocess.Popen([sys.executable, "-c", "from specbatch.cli.main import main; main()", "serve",
+                             "--port", str(port), "--workers", "2"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def files() -> object:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/files", headers={"Authorization": "Bearer k-two"})
+        try:
+            with urllib.request.urlopen(req, timeout=2) as r:
+                return json.loads(r.read())
+        except OSError:
+            return None
+    try:
+        assert wait_for(files, 60, "serve --workers 2 to answer") == {
+            "object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert "2 processes" in out and "Traceback" not in out, out
+    assert proc.returncode == 0, out

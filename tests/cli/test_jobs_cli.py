@@ -447,7 +447,8 @@ def test_status_says_how_many_requests_a_dead_worker_left_with_expired_leases(db
                   .values(lease_expires_at=utcnow() - timedelta(seconds=5)))
     result = run("status", job_id)
     assert result.exit_code == 0, result.output
-    assert "2 running requests of job" in result.stderr and "expired lease" in result.stderr
+    assert "2 requests stranded: 2 running requests on an expired lease" in result.stderr
+    assert "being recovered" in result.stderr
     assert f"specbatch resume {job_id}" in result.stderr
     with db.session_factory(db_url).begin() as s:     # a live lease is not stranded
         store.claim_requests(s, ids[1:3], "w-live", 60, 3)

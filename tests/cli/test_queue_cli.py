@@ -149,3 +149,19 @@ def test_logit_bias_outside_the_targets_vocabulary_writes_nothing(tmp_path: Path
     assert "Traceback" not in result.output
     listed = CliRunner().invoke(cli, ["jobs", "--json"])
     assert listed.exit_code != 0 or json.loads(listed.stdout) == []
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
+def test_logit_bias_outside_the_vocabulary_is_listed_with_the_files_other_errors(
+        tmp_path: Path, tiny_models: Path, command: str) -> None:
+    """One pass lists every problem: a key outside a local target's vocabulary is found at intake,
+    not reported only once the file's other errors are fixed (issue 32)."""
+    path = tmp_path / "bias.jsonl"
+    lines = [{"custom_id": "bias", "prompt": "Hi", "logit_bias": {"9999": 5}},
+             {"custom_id": "cold", "prompt": "Hi", "temperature": -1}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = CliRunner().invoke(cli, [command, str(path), "--target", str(tiny_models / "llama")])
+    assert result.exit_code == 1, result.output
+    assert f"{path}:1: logit_bias.9999: token id 9999 is outside the target's vocabulary [0, 384)" in result.output
+    assert f"{path}:2: temperature" in result.output, result.output
+

@@ -221,3 +221,14 @@ def test_0008_gives_old_cache_hits_a_start(db_url):
         assert not generated.cached and generated.started_at is not None
     with db.get_engine(db_url).connect() as conn:
         assert conn.execute(text("SELECT started_at FROM results WHERE NOT cached")).scalar_one() == generated_start
+
+
+def test_a_server_sized_pool_keeps_a_connection_per_thread(db_url):
+    """SQLAlchemy keeps 5 connections by default; the API runs SPECBATCH_API_THREADS routes at once,
+    and with 5 kept it opened and closed a connection for most requests under load (issue 32)."""
+    db.session_factory(db_url)                               # cached with the default pool first
+    factory = db.session_factory(db_url, readonly=True, pool_size=24)
+    engine = db.get_engine(db_url)
+    assert factory.kw["bind"].pool is engine.pool and engine.pool.size() == 24
+    assert db.session_factory(db_url).kw["bind"] is engine    # the writer's factory rebuilt on it
+    assert db.get_engine(db_url, pool_size=8) is engine      # a smaller ask keeps the bigger pool

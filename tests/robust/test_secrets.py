@@ -135,6 +135,6 @@ def test_query_parameter_passwords_are_masked_by_every_command(pg_database: str,
         result = CliRunner().invoke(cli, args, env=env)
         outputs[" ".join(args)] = result.output
     assert "?password=***" in outputs["db upgrade"], outputs
-    assert "cannot reach the broker at redis://127.0.0.1:" in outputs[f"submit {prompts} --target org/x"]
+    assert "cannot reach the broker at redis://:***@127.0.0.1:" in outputs[f"submit {prompts} --target org/x"]
     leaked = {cmd: out for cmd, out in outputs.items() if SECRET in out}
     assert not leaked, leaked

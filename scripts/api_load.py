@@ -1,0 +1,206 @@
+"""Load a running ``specbatch serve`` with concurrent list/retrieve clients (issue 32, item 7).
+
+    specbatch serve --port 8765 --workers 2 &         # SQLite, or SPECBATCH_DATABASE_URL=postgresql://...
+    python scripts/api_load.py --url http://127.0.0.1:8765 --clients 200 --seconds 30 --server-pid $!
+
+It uploads one small batch file and creates ``--batches`` batches from it (a batch needs the
+broker up; with none, only files are read), then runs ``--clients`` clients side by side, each
+sending its next request as soon as the last one is answered (a closed loop: the worst case for
+latency): list batches, retrieve a batch, list files, retrieve a file, in turn. Beside them one
+probe asks ``/healthz`` every 250 ms. It stops after ``--seconds`` or ``--requests`` requests,
+whichever comes first, and prints req/s, p50/p99 latency, /healthz latency and errors, plus the
+load average (the machine may be shared: read the figures next to it).
+
+Loopback only: it refuses any other host (it is a load generator, not a tool to point at others).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+try:
+    import httpx
+except ImportError:          # this machine's venv carries the package under the name httpx2
+    import httpx2 as httpx  # type: ignore[no-redef]
+
+LINE = {"custom_id": "load-0", "method": "POST", "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}}
+
+
+@dataclass
+class Tally:
+    latencies: list[float] = field(default_factory=list)       # seconds, successful requests
+    health: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    sent: int = 0
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+def loopback_only(url: str) -> None:
+    host = urlsplit(url).hostname or ""
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError as e:
+        sys.exit(f"cannot resolve {host!r}: {e}")
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        sys.exit(f"refusing to load {host!r}: this script only targets a loopback address (127.0.0.1, ::1)")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` and its children (``serve --workers N``), threads
+    included (Linux /proc); None elsewhere."""
+    fields = _stat(pid)
+    if fields is None:
+        return None
+    ticks = int(fields[11]) + int(fields[12])
+    for entry in os.listdir("/proc"):
+        child = _stat(int(entry)) if entry.isdigit() else None
+        if child is not None and child[1] == str(pid):
+            ticks += int(child[11]) + int(child[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def seed(client: httpx.AsyncClient, batches: int) -> tuple[str, list[str]]:
+    body = (json.dumps(LINE) + "\n").encode()
+    r = await client.post("/v1/files", files={"file": ("load.jsonl", body)}, data={"purpose": "batch"})
+    r.raise_for_status()
+    file_id = r.json()["id"]
+    made: list[str] = []
+    for _ in range(batches):
+        r = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/chat/completions",
+                                                   "completion_window": "24h"}, timeout=120)
+        if r.status_code != 200:
+            print(f"note: creating a batch answered {r.status_code} ({r.text[:120]}); reading files only",
+                  file=sys.stderr)
+            break
+        made.append(r.json()["id"])
+    return file_id, made
+
+
+async def client_loop(client: httpx.AsyncClient, paths: list[str], tally: Tally, deadline: float,
+                      budget: list[int], offset: int) -> None:
+    i = offset
+    while time.monotonic() < deadline and budget[0] > 0:
+        budget[0] -= 1
+        path = paths[i % len(paths)]
+        i += 1
+        t0 = time.perf_counter()
+        try:
+            r = await client.get(path)
+        except httpx.HTTPError as e:
+            tally.error(type(e).__name__)
+            continue
+        finally:
+            tally.sent += 1
+        if r.status_code == 200:
+            tally.latencies.append(time.perf_counter() - t0)
+        else:
+            tally.error(f"HTTP {r.status_code}")
+
+
+async def health_probe(url: str, tally: Tally, stop: asyncio.Event) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                r = await probe.get("/healthz")
+                if r.status_code == 200:
+                    tally.health.append(time.perf_counter() - t0)
+                else:
+                    tally.error(f"/healthz HTTP {r.status_code}")
+            except httpx.HTTPError as e:
+                tally.error(f"/healthz {type(e).__name__}")
+            try:
+                await asyncio.wait_for(stop.wait(), 0.25)
+            except TimeoutError:
+                pass
+
+
+async def main(args: argparse.Namespace) -> dict[str, object]:
+    headers = {"Authorization": f"Bearer {args.key}"} if args.key else {}
+    limits = httpx.Limits(max_connections=args.clients + 10, max_keepalive_connections=args.clients + 10)
+    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
+        file_id, batch_ids = await seed(client, args.batches)
+        paths = ["/v1/files?limit=20", f"/v1/files/{file_id}"]
+        if batch_ids:
+            paths += ["/v1/batches?limit=20", *[f"/v1/batches/{b}" for b in batch_ids]]
+        tally, stop = Tally(), asyncio.Event()
+        load_before = os.getloadavg()
+        cpu_before = cpu_seconds(args.server_pid) if args.server_pid else None
+        probe = asyncio.create_task(health_probe(args.url, tally, stop))
+        t0 = time.monotonic()
+        deadline, budget = t0 + args.seconds, [args.requests]
+        await asyncio.gather(*(client_loop(client, paths, tally, deadline, budget, n) for n in range(args.clients)))
+        elapsed = time.monotonic() - t0
+        stop.set()
+        await probe
+    lat, health = tally.latencies, tally.health
+    cpu_after = cpu_seconds(args.server_pid) if args.server_pid else None
+    # the server's CPU per answered request: steadier than req/s on a shared machine
+    cpu_ms = (round(1000 * (cpu_after - cpu_before) / max(1, len(lat) + len(health)), 2)
+              if cpu_before is not None and cpu_after is not None else None)
+    return {
+        "url": args.url, "clients": args.clients, "seconds": round(elapsed, 1), "requests": tally.sent,
+        "ok": len(lat), "errors": tally.errors, "req_per_s": round(len(lat) / elapsed, 1),
+        "p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
+        "p99_ms": round(1000 * percentile(lat, 0.99), 1),
+        "max_ms": round(1000 * max(lat), 1) if lat else None,
+        "healthz_n": len(health), "healthz_p50_ms": round(1000 * statistics.median(health), 1) if health else None,
+        "healthz_max_ms": round(1000 * max(health), 1) if health else None,
+        "server_cpu_ms_per_req": cpu_ms,
+        "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+    }
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the server (loopback only)")
+    p.add_argument("--key", default=os.environ.get("SPECBATCH_LOAD_KEY", ""), help="bearer key, if the server needs one")
+    p.add_argument("--clients", type=int, default=200)
+    p.add_argument("--seconds", type=float, default=30.0, help="stop after this long (at most 600)")
+    p.add_argument("--requests", type=int, default=200_000, help="stop after this many requests")
+    p.add_argument("--batches", type=int, default=2, help="batches to create and retrieve (needs the broker)")
+    p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout, seconds")
+    p.add_argument("--server-pid", type=int, default=0, help="the server's pid: report its CPU per request")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    args = p.parse_args(argv)
+    if not 1 <= args.clients <= 1000 or not 0 < args.seconds <= 600 or args.requests < 1:
+        p.error("--clients 1..1000, --seconds up to 600, --requests at least 1")
+    loopback_only(args.url)
+    return args
+
+
+if __name__ == "__main__":
+    args = parse()
+    out = asyncio.run(main(args))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>16}: {v}")
