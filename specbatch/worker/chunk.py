@@ -307,7 +307,7 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
                 event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
             elif isinstance(out, GenerationOutput):      # (always, when there is no message)
                 report.completed.append(c.id)
-                report.new_tokens += len(out.token_ids)
+                report.new_tokens += sum(len(o.token_ids) for o in out.samples)
                 event = ResultEvent(c.id, c.job_id, output=out, claimed_ns=claimed_ns,
                                     generated_ns=generated_ns)
             if on_result is not None:
