@@ -41,12 +41,14 @@ def _column(table: str, spec: str) -> str:
 
 
 def _create_view(sample_index: bool) -> None:
-    result = ("sample_index", *RESULT) if sample_index else RESULT
     columns = [_column("q", c) for c in REQUEST] + [
         "COALESCE(r.target, q.target, j.target) AS target",
         "CASE WHEN r.target IS NOT NULL THEN r.drafts WHEN q.target IS NOT NULL THEN q.drafts "
         "ELSE j.drafts END AS drafts",
-    ] + [_column("r", c) for c in result]
+    ]
+    if sample_index:   # 0 on a request without a result, as in the CSV export
+        columns.append("COALESCE(r.sample_index, 0) AS sample_index")
+    columns += [_column("r", c) for c in RESULT]
     op.execute("CREATE VIEW specbatch_results AS\nSELECT\n    " + ",\n    ".join(columns)
                + "\nFROM requests q\nJOIN jobs j ON j.id = q.job_id\n"
                "LEFT JOIN results r ON r.request_id = q.id\n")
