@@ -9,7 +9,7 @@ Both at batch size N, sampled (temperature 0.8); line i is seeded as sample i is
 (tokens fed in forwards that cached a prompt), prefill seconds (those forwards' time, the fresh
 batch's first step included), decode tokens/s (new tokens / wall time), and the ratios. Usage:
 
-    python scripts/samples_bench.py [--n 8] [--rounds 3] [--max-new-tokens 32] [--threads 2]
+    python scripts/samples_bench.py [--n 8] [--rounds 2] [--max-new-tokens 24] [--threads 2]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from specbatch.engine.sampling import sample_seed
 PROMPT = ("Summarize the following notes in three sentences.\n\n" + " ".join(
     f"Note {i}: the queue worker claimed a chunk of requests, decoded them in one batch with a small "
     "draft model proposing tokens and the target verifying them, then wrote every result with its "
-    "acceptance statistics to the database before claiming the next chunk." for i in range(8)))
+    "acceptance statistics to the database before claiming the next chunk." for i in range(3)))
 PREFILL_FEED = 16     # a forward feeding a row more than this caches a prompt (a step feeds <= 1 + gamma)
 
 
@@ -62,8 +62,8 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--draft", default="smollm2-135m-int8")
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -96,6 +96,7 @@ def main() -> None:
             t["prefill_seconds"] += m.get("prefill_seconds", 0)
             if r == 0:
                 texts[name] = sorted(o.token_ids for o in outs)
+            print(f"  round {r} {name}: {wall:.2f} s, prefill {m.get('prefill_seconds', 0):.2f} s", flush=True)
     print(f"prompt {prompt_tokens} tokens, n={a.n}, {a.max_new_tokens} new tokens, {a.rounds} rounds, "
           f"{a.threads} threads, target {a.target}, draft {a.draft}")
     for name, t in totals.items():

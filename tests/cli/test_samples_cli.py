@@ -35,7 +35,7 @@ def ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_models: Path):
     path.write_text("".join(json.dumps(x) + "\n" for x in LINES))
     result = CliRunner().invoke(cli, ["run", str(path), "--target", str(tiny_models / "llama"),
                                       "--draft", str(tiny_models / "llama-partial"), "--json",
-                                      "--batch-size", "4"], catch_exceptions=False)
+                                      "--batch-size", "8"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout[result.stdout.index("{"):])
     yield summary
@@ -92,6 +92,9 @@ def test_csv_and_parquet_hold_one_row_per_sample(ran, tmp_path: Path):
         (r["custom_id"], int(r["sample_index"])) for r in rows]
     assert [r["params"]["n"] for r in table] == [3, 3, 3, 2, 2, 1]
     assert [r["text"] for r in table] == [r["text"] for r in rows]
+    # the worker sized the batch in rows (6 samples), not requests (3): all decoded together
+    sizes = {int(e["key"]) for r in table for e in r["stats"]["batch_size_seconds"]}
+    assert max(sizes) == 6, sizes
 
 
 def test_audit_checks_every_sample(ran):
