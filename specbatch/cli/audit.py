@@ -51,7 +51,8 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
 
     def show(v: Any) -> None:
         if not as_json:
-            click.echo(f"{'ok  ' if v.ok else 'FAIL'} {v.custom_id}: {v.check}: {v.detail}")
+            sample = f" sample {v.sample_index}" if v.sample_index else ""
+            click.echo(f"{'ok  ' if v.ok else 'FAIL'} {v.custom_id}{sample}: {v.check}: {v.detail}")
 
     verdicts = auditor.audit(items, engine_for, show)
     failed = [v for v in verdicts if not v.ok]

@@ -583,10 +583,11 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
 
         def on_progress(event: Any) -> None:
             if event.output is not None:
-                st = event.output.stats
-                agg["tokens"] += st.new_tokens
-                agg["drafted"] += st.drafted_tokens
-                agg["accepted"] += st.accepted_tokens
+                for sample in event.output.samples:   # (a request with n > 1: every sample)
+                    st = sample.stats
+                    agg["tokens"] += st.new_tokens
+                    agg["drafted"] += st.drafted_tokens
+                    agg["accepted"] += st.accepted_tokens
                 agg["cached"] += int(event.cached)
             else:
                 agg["failed"] += 1

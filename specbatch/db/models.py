@@ -1,7 +1,7 @@
-"""Tables: jobs, requests (one per prompt line), results (one per request).
+"""Tables: jobs, requests (one per prompt line), results (one per sample of a request: n).
 
 Every timestamp is timezone-aware UTC in Python; SQLite stores it as naive UTC text.
-The unique keys (job_id, custom_id) and (request_id) make every write idempotent.
+The unique keys (job_id, custom_id) and (request_id, sample_index) make every write idempotent.
 """
 
 from __future__ import annotations
@@ -177,15 +177,18 @@ class Request(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     job: Mapped[Job] = relationship(back_populates="requests", lazy="raise")
-    result: Mapped[Result | None] = relationship(back_populates="request", lazy="raise",
-                                                    passive_deletes=True)
+    results: Mapped[list[Result]] = relationship(back_populates="request", lazy="raise",
+                                                 passive_deletes=True)   # one per sample
 
 
 class Result(Base):
     __tablename__ = "results"
+    # one row per sample of a request (parameter n; migration 0011)
+    __table_args__ = (UniqueConstraint("request_id", "sample_index"),)
 
     id: Mapped[int] = mapped_column(IdType, primary_key=True, autoincrement=True)
-    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"), unique=True)
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id", ondelete="CASCADE"))
+    sample_index: Mapped[int] = mapped_column(Integer, default=0, server_default=sql_text("0"))
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     text: Mapped[str] = mapped_column(Text)
     token_ids: Mapped[list[int]] = mapped_column(JSONType)
@@ -235,7 +238,7 @@ class Result(Base):
     # per-token log-probabilities, packed (jobs/logprobs.py); NULL unless the request asked (0009)
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
 
-    request: Mapped[Request] = relationship(back_populates="result", lazy="raise")
+    request: Mapped[Request] = relationship(back_populates="results", lazy="raise")
 
 
 class ApiFile(Base):

@@ -10,7 +10,8 @@ tests/engine/test_backend.py drives the decoder through a toy backend that share
 
 A backend holds one batch of rows. Row b's *valid* tokens are the accepted sequence cached so
 far; the decoder feeds each row what it lacks plus its draft tree, then rejects the tree nodes off
-the accepted path. Rows leave (``select``) and join (``extend``) between steps.
+the accepted path. Rows leave (``select``), join (``extend``) and are copied (``fork``) between
+steps.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ class TargetBackend(Protocol):
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
+        ...
+
+    def fork(self, rows: list[int]) -> None:
+        """Row i becomes a copy of old row rows[i] (rows may repeat): the samples of one request
+        share the prompt cached once (parameter ``n``); later, rows reusing a cached prefix."""
         ...
 
     def extend(self, other: TargetBackend) -> None:

@@ -135,7 +135,7 @@ class BatchCache:
             self.compact()
 
     def select(self, rows: list[int]) -> None:
-        """Keep only these rows (finished rows leave the batch)."""
+        """Keep only these rows (finished rows leave the batch); a repeated row is copied."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
         if cache_length(self.cache):
             self.cache.batch_select_indices(idx)
@@ -143,6 +143,11 @@ class BatchCache:
             self.cache = DynamicCache()
         self.valid, self.n_valid = self.valid[idx], self.n_valid[idx]
         self._invalidate([])
+
+    def fork(self, rows: list[int]) -> None:
+        """Row i becomes a copy of old row rows[i] (rows may repeat): index_select copies the
+        KV of a repeated row, so the copies then advance independently."""
+        self.select(rows)
 
     def extend(self, other: TargetBackend) -> None:
         """Append other's rows (new requests joining), left-padding the shorter cache."""

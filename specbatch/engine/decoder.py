@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -79,6 +79,7 @@ class Decoder:
         self.default_gamma = default_gamma
         self.memory = memory
         self.rows: list[Row] = []
+        self.forks: dict[int, int] = {}     # run's: caller index -> the request whose prompt it has
         self.backend: BackendFactory = backend or (lambda n: BatchCache(target, n))
         self.cache: TargetBackend = self.backend(0)
         # drafters that read the target's hidden states (EAGLE-style) get them on the accepted path
@@ -88,18 +89,22 @@ class Decoder:
         # (their first proposal then feeds the backlog: a catch-up, not a measured step)
         self.drafts_behind = False
 
-    def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None
-            ) -> Iterator[tuple[int, GenerationOutput]]:
+    def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None,
+            *, forks: Mapping[int, int] | None = None) -> Iterator[tuple[int, GenerationOutput]]:
         """Yield (index, output) as each request finishes.
 
         ``on_start(indices)`` is called as requests join the batch, before any forward over them:
         a worker charges a request's attempt there, not when it only waits in the queue.
+
+        ``forks[i] = j``: request i has request j's prompt (samples of one request, parameter
+        ``n``); those that join the batch together cache the prompt once and fork from it.
 
         When the policy allows fewer rows than are active (the throughput autopilot lowering the
         batch size) the newest rows pause: they leave the caches with their state and resume
         later, their context cached again. A row joins only if the memory budget holds it.
         """
         waiting = deque(requests)
+        self.forks = dict(forks or {})
         paused: deque[Row] = deque()
         if self.memory is not None:
             self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
@@ -152,12 +157,18 @@ class Decoder:
     def _admit(self, joining: list[Request], resuming: Sequence[Row] = ()) -> None:
         t0 = time.perf_counter()
         new = [self._new_row(i, ids, p, t0) for i, ids, p in joining] + list(resuming)
-        prefill = bool(self.rows)
-        cache = self.backend(len(new))
-        feeds = [r.ids[:-1] for r in new]
+        # samples of one request joining together: one prefill, forked to their rows
+        src = _fork_sources([self.forks.get(i, i) for i, _, _ in joining] + [None] * len(resuming))
+        distinct = max(src, default=-1) + 1
+        shared = distinct < len(src)
+        prefill = bool(self.rows) or shared       # (a fresh batch would cache each row's prompt)
+        cache = self.backend(distinct)
+        feeds = [new[src.index(u)].ids[:-1] for u in range(distinct)]
         prefilled = prefill and any(feeds)        # (one-token prompts have nothing to cache yet)
         if prefilled:
             cache.forward(feeds, logits_to_keep=1)
+        if shared:
+            cache.fork(src)
         self.cache.extend(cache)
         # a draft caches the joining prompts only where the policy speculates now: where it
         # decodes plainly (a large CPU batch) that prefill would be wasted; if speculation comes
@@ -165,7 +176,7 @@ class Decoder:
         draft_prefill = prefill and self.policy.gamma_cap(len(self.rows) + len(new)) != 0
         draft_forwards = sum(d.admit(new, draft_prefill) for d in self.drafters)
         self.drafts_behind |= prefill and not draft_prefill
-        if prefilled:
+        if prefilled:   # (the samples of a request each count the prefill they share)
             seconds = time.perf_counter() - t0
             key = str(len(self.rows) + len(new))     # the prefill's time is the job's time too
             for r in new:
@@ -381,3 +392,21 @@ class Decoder:
             s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)
             yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated,
                                             r.finish or "length", s, r.logprobs)
+
+
+def _fork_sources(keys: Sequence[int | None]) -> list[int]:
+    """Per joining row, the index of the distinct prompt it takes its cache from (numbered in
+    order of first appearance): rows with the same key (a request's samples) share the first
+    one's; None (a resumed row, its own context) is always distinct."""
+    seen: dict[int, int] = {}
+    out: list[int] = []
+    n = 0
+    for k in keys:
+        if k is not None and k in seen:
+            out.append(seen[k])
+            continue
+        if k is not None:
+            seen[k] = n
+        out.append(n)
+        n += 1
+    return out

@@ -140,11 +140,18 @@ class ModelDrafter(Drafter):
     def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
         super().admit(rows, prefill)
         self.fed += [0] * len(rows)
-        joining = BatchCache(self.draft, len(rows))
         feeds = [r.ids[:-1] for r in rows]
         forwards = int(prefill and any(feeds))
-        if forwards:
-            joining.forward(feeds, logits_to_keep=1)
+        if not forwards:
+            self.cache.extend(BatchCache(self.draft, len(rows)))
+            return 0
+        # rows with the same ids (the samples of one request) cache them once and fork
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(f), len(first)) for f in feeds]
+        joining = BatchCache(self.draft, len(first))
+        joining.forward([list(f) for f in first], logits_to_keep=1)
+        if len(first) < len(rows):
+            joining.fork(src)
         self.cache.extend(joining)
         return forwards
 

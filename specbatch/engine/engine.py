@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_mod
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
 from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
+from specbatch.engine.sampling import sample_seed
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -52,6 +53,25 @@ def decodable_tokens(budgets: Sequence[int], context: int | None) -> int:
     (prompt + max_new_tokens exceeds it) and decodes nothing, so it must not make auto compile
     for a job that will not decode (one 100,000-token line counted as minutes of decoding)."""
     return sum(n for n in budgets if context is None or n < context)
+
+
+def sample_rows(requests: Sequence[Request]) -> tuple[list[Request], list[tuple[int, int]], dict[int, int]]:
+    """A request with ``n`` samples becomes n decoder rows (parameter ``n``): sample i seeded by
+    ``sample_seed(seed, i)`` when the request is seeded. Returns the rows (their index: the
+    position in this list), each row's (request index, sample index), and the forks (row ->
+    the row of its request's sample 0) that let the samples share one prefill."""
+    rows: list[Request] = []
+    owner: list[tuple[int, int]] = []
+    forks: dict[int, int] = {}
+    for i, ids, params in requests:
+        first = len(rows)
+        for k in range(params.n):
+            seed = params.seed if params.seed is None else sample_seed(params.seed, k)
+            rows.append((len(rows), ids, replace(params, seed=seed, n=1)))
+            owner.append((i, k))
+            if params.n > 1:
+                forks[first + k] = first
+    return rows, owner, forks
 
 
 class Engine:
@@ -197,12 +217,32 @@ class Engine:
                 yield i, e
                 continue
             valid.append((i, ids, params))
+        rows, owner, forks = sample_rows(valid)
         if policy is None:
-            policy = self._policy(size, valid)
+            policy = self._policy(size, rows)
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
                           memory=self._memory(), grammar_drafts=self.grammar_drafts)
+        started: set[int] = set()
+
+        def start(flat: list[int]) -> None:      # the caller hears of each request once
+            fresh = list(dict.fromkeys(owner[f][0] for f in flat if owner[f][0] not in started))
+            started.update(fresh)
+            if fresh and on_start is not None:
+                on_start(fresh)
+
+        samples: dict[int, dict[int, GenerationOutput]] = {}
+        wanted = {i: p.n for i, _, p in valid}
         with torch.inference_mode():
-            yield from decoder.run(valid, on_start)
+            for f, out in decoder.run(rows, start, forks=forks):
+                i, k = owner[f]
+                out.sample_index = k
+                got = samples.setdefault(i, {})
+                got[k] = out
+                if len(got) == wanted[i]:     # a request is done when all its samples are
+                    first, *rest = (got[j] for j in range(wanted[i]))
+                    first.siblings = rest
+                    del samples[i]
+                    yield i, first
 
     def score(self, tokens: Sequence[int], prompt: str | None = None,
               messages: list[dict[str, Any]] | None = None, *, input_ids: list[int] | None = None,

@@ -17,6 +17,7 @@ MAX_SEED = 2**63 - 1
 LOGIT_BIAS_LIMIT = 100.0      # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_TOP_LOGPROBS = 20         # chat's top_logprobs: 0..20 (completions' logprobs: 0..5)
 MAX_COMPLETION_LOGPROBS = 5
+MAX_N = 128                   # samples per request line (each one a row of the batch)
 
 
 def json_type(v: Any) -> str:
@@ -110,6 +111,7 @@ RULES: dict[str, Rule] = {
                  typed_range=False),
     "gamma": Rule(integer=True, lo=0, hi=64, nullable=True),
     "logprobs": Rule(integer=True, lo=0, hi=MAX_TOP_LOGPROBS, nullable=True),
+    "n": Rule(integer=True, lo=1, hi=MAX_N),
 }
 
 

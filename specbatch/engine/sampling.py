@@ -6,6 +6,7 @@ All functions are pure: tensors in, tensors or a Verdict out. Call under ``torch
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -74,3 +75,13 @@ def accept(p: torch.Tensor, q: torch.Tensor | None, x: int, generator: torch.Gen
         return True
     u = float(torch.rand((), generator=generator, device=p.device))
     return u * qx < px
+
+
+def sample_seed(seed: int, i: int) -> int:
+    """The seed of sample i of a request seeded with ``seed`` (parameter ``n``): sample 0 keeps
+    the seed itself (an n = 1 request draws as it always did); sample i > 0 a hash of (seed, i),
+    so each sample's draws depend on nothing but the request and its index (not the batch)."""
+    if i == 0:
+        return seed
+    digest = hashlib.sha256(f"specbatch-sample:{seed}:{i}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1      # [0, 2**63), what manual_seed takes

@@ -32,6 +32,8 @@ class GenerationParams:
     min_p: float = 0.0                  # drop tokens below min_p * the top token's probability
     logprobs: int | None = None         # return each token's log-probability and this many top
                                         # alternatives (the raw target's log-softmax); None: none
+    n: int = 1                          # samples of this request: n rows forked from one prefill,
+                                        # sample i seeded by sample_seed(seed, i) (engine.sampling)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):       # one stop string, not its characters
@@ -145,13 +147,22 @@ class TokenLogprob:
 
 @dataclass
 class GenerationOutput:
-    """What one request produced. ``token_ids`` are the new tokens only."""
+    """What one request produced. ``token_ids`` are the new tokens only.
+
+    A request with ``n`` > 1 yields sample 0 with samples 1..n-1 in ``siblings`` (each its own
+    row: own tokens, stats, logprobs); ``samples`` lists all n, in sample order."""
 
     text: str
     token_ids: list[int]
     finish_reason: str                  # "stop" (EOS or stop string) or "length"
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None   # per token of token_ids, when params.logprobs is set
+    sample_index: int = 0
+    siblings: list[GenerationOutput] = field(default_factory=list)
+
+    @property
+    def samples(self) -> list[GenerationOutput]:
+        return [self, *self.siblings]
 
     def to_dict(self) -> dict[str, Any]:
         d = {"text": self.text, "token_ids": list(self.token_ids),
@@ -159,4 +170,6 @@ class GenerationOutput:
         if self.logprobs is not None:
             d["logprobs"] = [{"token": t.token, "logprob": t.logprob, "top": [list(x) for x in t.top],
                               "bytes": list(t.raw)} for t in self.logprobs]
+        if self.siblings:
+            d["samples"] = [o.to_dict() for o in self.siblings]
         return d

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, TextIO, cast
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
@@ -211,7 +211,9 @@ class Usage:
 def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
     if not job_ids:
         return {}
-    rows = s.execute(select(Result.job_id, func.sum(Result.prompt_tokens), func.sum(Result.completion_tokens))
+    # a request's samples (parameter n) share its prompt: counted once, as OpenAI's usage does
+    prompt = func.sum(case((Result.sample_index == 0, Result.prompt_tokens), else_=0))
+    rows = s.execute(select(Result.job_id, prompt, func.sum(Result.completion_tokens))
                      .where(Result.job_id.in_(list(job_ids))).group_by(Result.job_id))
     return {j: Usage(int(p or 0), int(c or 0)) for j, p, c in rows}
 

@@ -38,9 +38,12 @@ logger = logging.getLogger(__name__)
 PARAM_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 # logit processors (specbatch.engine.processors): stored in a request's params only when given
 PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p")
+# samples per line (GenerationParams.n): stored in a request's params only when given
+SAMPLE_KEYS = ("n",)
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
-             "top_k", "seed", "stop", *PROCESSOR_KEYS, "logprobs", "top_logprobs", *structured.FIELDS)
+             "top_k", "seed", "stop", *PROCESSOR_KEYS, *SAMPLE_KEYS, "logprobs", "top_logprobs",
+             *structured.FIELDS)
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 ROLES = openai_fields.ROLES
@@ -418,7 +421,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params["logprobs"] = n_logprobs
     if fields_.get("top_logprobs") is not None and not has_messages and not prefix:
         problems.append(("top_logprobs", "a prompt line takes logprobs (0..5), as /v1/completions"))
-    for key in PROCESSOR_KEYS:
+    for key in (*PROCESSOR_KEYS, *SAMPLE_KEYS):
         if fields_.get(key) is None:
             continue
         if key == "logit_bias":

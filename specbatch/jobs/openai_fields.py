@@ -7,11 +7,11 @@ test_openai_intake.py fails when the package gains a field that is not sorted he
 
 Three kinds of field:
   - honoured: the generation parameters (penalties and ``logit_bias`` included, exact under
-    speculation: specbatch.engine.processors), ``logprobs``, the prompt, ``model`` (routing),
+    speculation: specbatch.engine.processors), ``n`` (samples sharing one prefill), ``logprobs``, the prompt, ``model`` (routing),
     ``metadata`` (kept) and ``response_format`` (structured outputs, specbatch.jobs.structured);
-  - no-op: accepted when its value cannot change the generated text (``n`` 1, ``store``,
+  - no-op: accepted when its value cannot change the generated text (``best_of`` 1, ``store``,
     ``service_tier``, ...); the job warns once, listing them;
-  - refused: a value specbatch cannot honour (``n`` > 1, tools, ...), reported
+  - refused: a value specbatch cannot honour (``best_of`` > 1, tools, ...), reported
     per line as ``FILE:LINE: body.FIELD: why``.
 A no-op field's check returns None when the value is accepted, else the reason it is refused.
 """
@@ -30,10 +30,10 @@ Check = Callable[[Any], "str | None"]
 # honoured by intake itself (see specbatch.jobs.intake): prompt/messages, parameters, model, metadata
 PROCESSOR_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
 CHAT_HONOURED = ("messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "seed",
-                 "stop", "metadata", *PROCESSOR_FIELDS, "logprobs", "top_logprobs",
+                 "stop", "metadata", *PROCESSOR_FIELDS, "logprobs", "top_logprobs", "n",
                  "response_format")   # response_format: specbatch.jobs.structured
 COMPLETION_HONOURED = ("prompt", "model", "max_tokens", "temperature", "top_p", "seed", "stop", *PROCESSOR_FIELDS,
-                       "logprobs")
+                       "logprobs", "n")
 # not OpenAI's, accepted on both URLs (vLLM has top_k, min_p, repetition_penalty, structured_outputs and
 # its older guided_json/_regex/_choice/_grammar; max_new_tokens is specbatch's own alias)
 EXTENSIONS = ("top_k", "max_new_tokens", "min_p", "repetition_penalty", "structured_outputs",
@@ -55,7 +55,7 @@ def _one(what: str) -> Check:
             return None
         if not (isinstance(v, int) and not isinstance(v, bool)):
             return f"must be 1, got {json_type(v)}"
-        return f"must be 1: {what} (got {v}); write one line per completion"
+        return f"must be 1: {what} (got {v})"
     return check
 
 
@@ -111,7 +111,6 @@ _OBJ = _any_of(dict, what="an object")
 _NO_TOOLS = "tool calling is not supported: specbatch generates plain text"
 
 CHAT_NOOP: dict[str, Check] = {
-    "n": _one("one completion per request line"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
     "tools": _empty(f"must be empty: {_NO_TOOLS}", list),
@@ -136,8 +135,10 @@ CHAT_NOOP: dict[str, Check] = {
 }
 
 COMPLETION_NOOP: dict[str, Check] = {
-    "n": _one("one completion per request line"),
-    "best_of": _one("specbatch generates one candidate per request"),
+    # best_of > 1 ranks candidates by mean log-probability and drops some: not implemented;
+    # n samples with logprobs give the same candidates to rank
+    "best_of": _one("specbatch returns every candidate it generates; ask for n samples with "
+                    "logprobs and rank them"),
     "stream": _false("batch output is not streamed"),
     "stream_options": _OBJ,
     "echo": _false("the output is the completion only, without the prompt"),

@@ -17,6 +17,7 @@ The output file takes the 200 lines, the error file every other line (OpenAI's s
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import groupby
 from typing import Any
 
 from sqlalchemy import select
@@ -33,11 +34,12 @@ FINISHED = ("completed", "failed", "cancelled")
 
 def iter_rows(s: Session, job_id: str, statuses: Sequence[str] | None = None
               ) -> Iterator[tuple[Job, Request, Result | None]]:
-    """(job, request, result or None) in input-line order, streamed in batches. Raises JobNotFound
-    now, not on the first ``next``."""
+    """(job, request, result or None) in input-line order, streamed in batches: one row per
+    sample of a request with ``n`` > 1, in sample order. Raises JobNotFound now, not on the
+    first ``next``."""
     job = get_job(s, job_id)
     stmt = (select(Request, Result).outerjoin(Result, Result.request_id == Request.id)
-            .where(Request.job_id == job.id).order_by(Request.line_no)
+            .where(Request.job_id == job.id).order_by(Request.line_no, Result.sample_index)
             .execution_options(yield_per=BATCH_ROWS))
     if statuses:
         bad = sorted(set(statuses) - set(REQUEST_STATUSES))
@@ -81,37 +83,53 @@ def _ids(job: Job, req: Request) -> tuple[str, str]:
     return f"batch_req_{job.id}_{req.id}", f"req_{job.id}_{req.id}"
 
 
-def success_body(job: Job, req: Request, res: Result) -> dict[str, Any]:
-    """The ``chat.completion`` / ``text_completion`` object (validates as openai's ChatCompletion /
-    Completion)."""
-    key = f"{job.id}-{req.id}"
-    usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-             "total_tokens": res.prompt_tokens + res.completion_tokens}
+def _choice(kind: str, res: Result) -> dict[str, Any]:
+    """One sample as a choice (its index: the sample's)."""
     lps = None if res.logprobs is None else logprobs.unpack(res.logprobs)
-    if req.kind == "chat":
-        body: dict[str, Any] = {
-            "id": f"chatcmpl-{key}", "object": "chat.completion",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text, "refusal": None},
-                         "logprobs": None if lps is None else logprobs.chat_logprobs(lps),
-                         "finish_reason": res.finish_reason}]}
-    else:
-        body = {"id": f"cmpl-{key}", "object": "text_completion",
-                "choices": [{"index": 0, "text": res.text,
-                             "logprobs": None if lps is None else logprobs.completion_logprobs(lps),
-                             "finish_reason": res.finish_reason}]}
-    body.update(created=int(res.finished_at.timestamp()), model=produced_by(job, req, res)[0],
-                system_fingerprint=None, usage=usage, specbatch=stats(job, req, res))
+    if kind == "chat":
+        return {"index": res.sample_index,
+                "message": {"role": "assistant", "content": res.text, "refusal": None},
+                "logprobs": None if lps is None else logprobs.chat_logprobs(lps),
+                "finish_reason": res.finish_reason}
+    return {"index": res.sample_index, "text": res.text,
+            "logprobs": None if lps is None else logprobs.completion_logprobs(lps),
+            "finish_reason": res.finish_reason}
+
+
+def success_body(job: Job, req: Request, results: Sequence[Result]) -> dict[str, Any]:
+    """The ``chat.completion`` / ``text_completion`` object (validates as openai's ChatCompletion /
+    Completion): one choice per sample (parameter ``n``); usage as OpenAI counts it, the prompt
+    once and every sample's completion tokens. ``specbatch``: sample 0's statistics, and with
+    n > 1 each sample's in ``samples``."""
+    res = results[0]
+    key = f"{job.id}-{req.id}"
+    completion = sum(r.completion_tokens for r in results)
+    usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": completion,
+             "total_tokens": res.prompt_tokens + completion}
+    chat = req.kind == "chat"
+    body: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
+                            "object": "chat.completion" if chat else "text_completion",
+                            "choices": [_choice(req.kind, r) for r in results]}
+    extra = stats(job, req, res)
+    if len(results) > 1:
+        extra["samples"] = [stats(job, req, r) for r in results]
+    body.update(created=int(max(r.finished_at for r in results).timestamp()), model=produced_by(job, req, res)[0],
+                system_fingerprint=None, usage=usage, specbatch=extra)
     return body
 
 
-def openai_line(job: Job, req: Request, res: Result | None, *, expired: bool = False) -> dict[str, Any]:
-    """One output or error line for the request (see the module docstring). ``expired``: the
-    batch's window ended, so a request that never finished is ``batch_expired``."""
+def openai_line(job: Job, req: Request, res: Result | Sequence[Result] | None, *,
+                expired: bool = False) -> dict[str, Any]:
+    """One output or error line for the request (see the module docstring); ``res``: its result,
+    or its samples' results in sample order. ``expired``: the batch's window ended, so a
+    request that never finished is ``batch_expired``."""
     line_id, request_id = _ids(job, req)
     status = RequestStatus(req.status)
     line: dict[str, Any] = {"id": line_id, "custom_id": req.custom_id, "response": None, "error": None}
-    if res is not None:
-        line["response"] = {"status_code": 200, "request_id": request_id, "body": success_body(job, req, res)}
+    results = [res] if isinstance(res, Result) else list(res or [])
+    if results:
+        line["response"] = {"status_code": 200, "request_id": request_id,
+                            "body": success_body(job, req, results)}
     elif status == RequestStatus.failed:
         server = req.error_type == SERVER_ERROR
         line["response"] = {
@@ -142,7 +160,17 @@ def openai_lines(s: Session, job_id: str, statuses: Sequence[str] | None = None,
     batch ``expired``); ``statuses`` picks others."""
     if not statuses:
         statuses = REQUEST_STATUSES if expired else FINISHED
-    return (openai_line(*row, expired=expired) for row in iter_rows(s, job_id, statuses))
+    return (openai_line(job, req, results, expired=expired) for job, req, results in by_request(
+        iter_rows(s, job_id, statuses)))
+
+
+def by_request(rows: Iterator[tuple[Job, Request, Result | None]]
+               ) -> Iterator[tuple[Job, Request, list[Result]]]:
+    """iter_rows' rows as (job, request, its results in sample order: empty when none)."""
+    for _, group in groupby(rows, key=lambda row: row[1].id):
+        first = list(group)
+        job, req = first[0][0], first[0][1]
+        yield job, req, [r for _, _, r in first if r is not None]
 
 
 def export_openai(s: Session, job_id: str, *, statuses: Sequence[str] | None = None,

@@ -66,8 +66,10 @@ def cacheable(params: GenerationParams) -> bool:
     cache seeded sampling, add the drafts' fingerprints, ngram and the engine's gamma to the key of
     sampled requests (``cache_key`` already covers temperature/top_p/top_k/seed), then return
     ``params.greedy or params.seed is not None`` here.
+
+    A request with ``n`` > 1 samples is not cached: a hit copies one results row.
     """
-    return params.greedy
+    return params.greedy and params.n == 1
 
 
 def cache_key(target: str, prompt_ids: Sequence[int], params: GenerationParams) -> str:

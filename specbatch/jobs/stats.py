@@ -54,7 +54,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
             Result.started_at, Result.finished_at, Result.latency_seconds, Result.pool_wins,
             Result.accepted_per_position, Result.speculation_disabled, Result.cached,
-            Result.batch_size_seconds, Result.draft_steps, Result.grammar_drafted_tokens,
+            Result.batch_size_seconds, Result.draft_steps, Result.sample_index, Result.grammar_drafted_tokens,
             Result.grammar_accepted_tokens)
     rows = s.execute(select(*cols).where(Result.job_id == job_id).order_by(Result.id)).all()
     generated = [r for r in rows if not r.cached]        # results-cache hits generated nothing
@@ -102,7 +102,8 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
 
     return {
         "results": len(rows),
-        "prompt_tokens": sum(r.prompt_tokens for r in rows),
+        # a request's samples share its prompt (parameter n): counted once, as OpenAI's usage does
+        "prompt_tokens": sum(r.prompt_tokens for r in rows if r.sample_index == 0),
         "tokens_generated": tokens,
         "cache_hits": len(rows) - len(generated),
         "tokens_from_cache": sum(r.completion_tokens for r in rows if r.cached),

@@ -374,14 +374,14 @@ def _finite(x: float) -> float:
 
 
 def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
-    """INSERT ... ON CONFLICT (request_id) DO NOTHING; True if a row was written."""
+    """INSERT ... ON CONFLICT (request_id, sample_index) DO NOTHING; True if a row was written."""
     dialect = s.get_bind().dialect.name
     if dialect in ("sqlite", "postgresql"):
         if dialect == "sqlite":
             from sqlalchemy.dialects.sqlite import insert
         else:
             from sqlalchemy.dialects.postgresql import insert
-        stmt = (insert(Result).values(**values).on_conflict_do_nothing(index_elements=["request_id"])
+        stmt = (insert(Result).values(**values).on_conflict_do_nothing(index_elements=["request_id", "sample_index"])
                 .returning(Result.id))
         return s.execute(stmt).first() is not None
     try:                                              # any other backend: a savepoint
@@ -395,8 +395,9 @@ def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
 def record_result(s: Session, request_id: int, output: GenerationOutput, worker: str,
                   models: dict[str, Any] | None = None, *, cache_key: str | None = None,
                   cache_target: str | None = None) -> bool:
-    """Store a request's output and mark it completed. Idempotent: False if a result existed
-    (the stored one is kept, the request still ends completed). ``models``: the ``target``,
+    """Store a request's output (one row per sample: ``output.samples``) and mark it completed.
+    Idempotent: False if a result existed (the stored one is kept, the request still ends
+    completed). ``models``: the ``target``,
     ``drafts`` and ``lossy`` flag of the engine that produced it (recorded with the result).
     ``cache_key``/``cache_target``: the results cache's key and target fingerprint
     (jobs.result_cache), for deterministic requests."""
@@ -405,11 +406,23 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         logger.warning("result for request %s dropped: no such request (job deleted?)", request_id)
         return False
     now = utcnow()
-    st = output.stats
     started = req.started_at if req.started_at is not None and req.started_at <= now else None
+    written = False
+    for sample in output.samples:
+        values = _result_values(req, sample, worker, models, started, now)
+        values.update(cache_key=cache_key, cache_target=cache_target)
+        written = _insert_ignoring_duplicates(s, values) or written
+    _complete(s, req, now)
+    return written
+
+
+def _result_values(req: Request, output: GenerationOutput, worker: str, models: dict[str, Any] | None,
+                   started: datetime | None, now: datetime) -> dict[str, Any]:
+    """One results row: a sample of the request's output."""
+    st = output.stats
     latency = (now - started).total_seconds() if started else _finite(st.wall_seconds)
-    values = {
-        "request_id": req.id, "job_id": req.job_id, "text": output.text.replace("\x00", "\ufffd"),  # PostgreSQL text cannot hold NUL
+    return {
+        "request_id": req.id, "sample_index": int(output.sample_index), "job_id": req.job_id, "text": output.text.replace("\x00", "\ufffd"),  # PostgreSQL text cannot hold NUL
         "token_ids": [int(t) for t in output.token_ids], "prompt_tokens": int(st.prompt_tokens),
         "completion_tokens": len(output.token_ids), "finish_reason": output.finish_reason,
         "verify_steps": st.verify_steps, "drafted_tokens": st.drafted_tokens,
@@ -429,20 +442,16 @@ def record_result(s: Session, request_id: int, output: GenerationOutput, worker:
         "started_at": started, "finished_at": now, "latency_seconds": latency,
         "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),
         "lossy": bool((models or {}).get("lossy", False)),
-        "cache_key": cache_key, "cache_target": cache_target,
         "logprobs": None if output.logprobs is None else logprobs.pack(output.logprobs),
     }
-    return _complete(s, req, values, now)
 
 
-def _complete(s: Session, req: Request, values: dict[str, Any], now: datetime) -> bool:
-    written = _insert_ignoring_duplicates(s, values)
+def _complete(s: Session, req: Request, now: datetime) -> None:
     if req.status != RequestStatus.completed:
         req.status, req.finished_at, req.lease_expires_at, req.error = (
             RequestStatus.completed, now, None, None)
         req.error_type = req.error_param = None
     s.flush()
-    return written
 
 
 def record_cached_result(s: Session, request_id: int, source: Result, worker: str) -> bool:
@@ -467,7 +476,9 @@ def record_cached_result(s: Session, request_id: int, source: Result, worker: st
         "cached": True, "cached_from": source.cached_from if source.cached else source.id,  # the generated row
         "logprobs": source.logprobs,    # the key holds the request's logprobs: the source's are the same
     }
-    return _complete(s, req, values, now)
+    written = _insert_ignoring_duplicates(s, values)
+    _complete(s, req, now)
+    return written
 
 
 def record_failure(s: Session, request_id: int, error: str, worker: str, *,

@@ -1,4 +1,5 @@
-"""One row per request for CSV (flat, nested data as JSON text) and Parquet (typed, nested).
+"""One row per request for CSV (flat, nested data as JSON text) and Parquet (typed, nested);
+a request with ``n`` > 1 samples has one row per sample (``sample_index`` 0..n-1).
 
 Log-probabilities are Parquet list columns (and in the JSONL export); CSV, like the
 specbatch_results view it mirrors, leaves them out.
@@ -21,7 +22,7 @@ from specbatch.jobs.logprobs import unpack as unpack_logprobs
 from specbatch.jobs.openai_output import produced_by, request_models
 
 FLAT_COLUMNS = (
-    "job_id", "request_id", "custom_id", "line_no", "kind", "status", "model", "target", "drafts",
+    "job_id", "request_id", "sample_index", "custom_id", "line_no", "kind", "status", "model", "target", "drafts",
     "prompt", "prompt_ids", "messages", "params", "metadata", "attempts", "error", "error_type", "text",
     "finish_reason", "prompt_tokens", "completion_tokens", "token_ids", *STATS_COLUMNS, "worker",
     "started_at", "finished_at", "latency_seconds", "lossy", "cached",
@@ -49,7 +50,8 @@ def _base(job: Job, req: Request) -> dict[str, Any]:
     return {"job_id": job.id, "request_id": req.id, "custom_id": req.custom_id, "line_no": req.line_no,
             "kind": req.kind, "status": RequestStatus(req.status).value, "model": req.model,
             "target": target, "drafts": drafts, "prompt": req.prompt, "prompt_ids": req.prompt_ids,
-            "attempts": req.attempts, "error": req.error, "error_type": req.error_type}
+            "attempts": req.attempts, "error": req.error, "error_type": req.error_type,
+            "sample_index": 0}
 
 
 def _produced(job: Job, req: Request, res: Result) -> dict[str, Any]:
@@ -64,6 +66,7 @@ def flat_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]:
     row: dict[str, Any] = dict.fromkeys(FLAT_COLUMNS)
     row.update(_base(job, req), messages=req.messages, params=req.params, metadata=req.meta)
     if res is not None:
+        row["sample_index"] = res.sample_index
         row.update({c: getattr(res, c) for c in STATS_COLUMNS})
         row.update(text=res.text, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
                    completion_tokens=res.completion_tokens, token_ids=list(res.token_ids), worker=res.worker,
@@ -108,7 +111,7 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
                        "presence_penalty": params.get("presence_penalty", 0.0),
                        "frequency_penalty": params.get("frequency_penalty", 0.0),
                        "repetition_penalty": params.get("repetition_penalty", 1.0),
-                       "min_p": params.get("min_p", 0.0),
+                       "min_p": params.get("min_p", 0.0), "n": params.get("n", 1),
                        "logit_bias": _entries(params.get("logit_bias") or {})},
                text=None, finish_reason=None, prompt_tokens=None, completion_tokens=None, token_ids=None,
                conversation=conversation(req, res), stats=None, worker=None, started_at=None,
@@ -117,7 +120,8 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
         stats = {c: getattr(res, c) for c in PARQUET_STATS}
         stats["pool_wins"] = _entries(res.pool_wins or {})
         stats["batch_size_seconds"] = _entries(res.batch_size_seconds or {})
-        row.update(text=res.text, finish_reason=res.finish_reason, prompt_tokens=res.prompt_tokens,
+        row.update(sample_index=res.sample_index, text=res.text, finish_reason=res.finish_reason,
+                   prompt_tokens=res.prompt_tokens,
                    completion_tokens=res.completion_tokens, token_ids=list(res.token_ids), stats=stats,
                    worker=res.worker, started_at=res.started_at, finished_at=res.finished_at,
                    latency_seconds=res.latency_seconds)
@@ -144,10 +148,10 @@ def parquet_schema() -> Any:
         ("batch_size_seconds", entries(f64))])
     params = pa.struct([("max_new_tokens", i64), ("temperature", f64), ("top_p", f64), ("top_k", i64),
                         ("seed", i64), ("stop", pa.list_(s)), ("presence_penalty", f64),
-                        ("frequency_penalty", f64), ("repetition_penalty", f64), ("min_p", f64),
+                        ("frequency_penalty", f64), ("repetition_penalty", f64), ("min_p", f64), ("n", i64),
                         ("logit_bias", entries(f64))])
     return pa.schema([
-        ("job_id", s), ("request_id", i64), ("custom_id", s), ("line_no", i64), ("kind", s), ("status", s),
+        ("job_id", s), ("request_id", i64), ("sample_index", i64), ("custom_id", s), ("line_no", i64), ("kind", s), ("status", s),
         ("model", s), ("target", s), ("drafts", pa.list_(s)), ("prompt", s), ("prompt_ids", pa.list_(i64)),
         ("messages", message), ("params", params), ("metadata", entries(s)), ("attempts", i64), ("error", s),
         ("error_type", s), ("text", s), ("finish_reason", s), ("prompt_tokens", i64),

@@ -276,7 +276,9 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
 
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
         requests = [_engine_request(c) for c in run]
-        size = batch if batch == "auto" else min(int(batch), len(run))
+        # rows, not requests: a request's n samples are n rows (decoded together, one prefill)
+        rows = sum(getattr(c.params, "n", 1) for c in run)
+        size = batch if batch == "auto" else min(int(batch), rows)
         def start(indices: list[int]) -> None:
             def write() -> None:
                 with sf.begin() as s:
@@ -307,7 +309,7 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
                 event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
             elif isinstance(out, GenerationOutput):      # (always, when there is no message)
                 report.completed.append(c.id)
-                report.new_tokens += len(out.token_ids)
+                report.new_tokens += sum(len(o.token_ids) for o in out.samples)
                 event = ResultEvent(c.id, c.job_id, output=out, claimed_ns=claimed_ns,
                                     generated_ns=generated_ns)
             if on_result is not None:

@@ -79,6 +79,31 @@ def test_batch_runs_to_completion_with_output_and_error_files(api: Api) -> None:
     assert c.files.retrieve(done.output_file_id).bytes == len(c.files.content(done.output_file_id).content)
 
 
+def test_n_samples_come_back_as_n_choices(api: Api) -> None:
+    """A line with n = 3 through the API and a worker: one request (the batch counts lines), three
+    choices that the official client's types parse, usage summed as OpenAI sums it."""
+    from openai.types.chat import ChatCompletion
+
+    c = api.client()
+    line = chat_line(0, 5, "Say something")
+    line["body"].update(n=3, temperature=1.0, seed=9)
+    b = c.batches.create(input_file_id=api.upload([line, chat_line(1, 4)]).id, endpoint="/v1/chat/completions",
+                         completion_window="24h", metadata=_pair(api))
+    done = _wait(api, b.id, ("completed",))
+    assert done.request_counts.model_dump() == {"total": 2, "completed": 2, "failed": 0}
+    out = [json.loads(x) for x in c.files.content(done.output_file_id).text.splitlines()]
+    bodies = [ChatCompletion.model_validate(x["response"]["body"]) for x in out]
+    assert [len(b.choices) for b in bodies] == [3, 1]
+    sampled = bodies[0]
+    assert [ch.index for ch in sampled.choices] == [0, 1, 2]
+    assert len({ch.message.content for ch in sampled.choices}) == 3          # seeded samples differ
+    assert sampled.usage is not None and bodies[1].usage is not None
+    assert sampled.usage.total_tokens == sampled.usage.prompt_tokens + sampled.usage.completion_tokens
+    # the batch's usage: every choice's tokens, each line's prompt once
+    assert done.usage.output_tokens == sum(b.usage.completion_tokens for b in bodies if b.usage)
+    assert done.usage.input_tokens == sum(b.usage.prompt_tokens for b in bodies if b.usage)
+
+
 def test_a_prompt_over_the_context_fails_the_batch_at_intake(api: Api) -> None:
     """The pair's context is checked when the batch is created (prompt + 600 tokens > 512): a failed
     batch naming the line, no job for a worker to fail later."""

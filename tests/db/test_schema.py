@@ -38,7 +38,9 @@ def test_tables_view_and_revision(db_url):
     assert db.current_revision(db_url) == head_revision()
     uniques = {tuple(u["column_names"]) for u in insp.get_unique_constraints("requests")}
     assert ("job_id", "custom_id") in uniques
-    assert ("request_id",) in {tuple(u["column_names"]) for u in insp.get_unique_constraints("results")}
+    # one results row per sample of a request (parameter n, migration 0011)
+    assert ("request_id", "sample_index") in {tuple(u["column_names"])
+                                              for u in insp.get_unique_constraints("results")}
 
 
 def test_upgrade_is_idempotent_and_downgrade_round_trips(db_url):

@@ -90,6 +90,10 @@ class ToyBackend:
         self.entries = [self.entries[i] for i in rows]
         self.starts = [self.starts[i] for i in rows]
 
+    def fork(self, rows):
+        self.entries = [[list(e) for e in self.entries[i]] for i in rows]
+        self.starts = [self.starts[i] for i in rows]
+
     def extend(self, other):
         assert isinstance(other, ToyBackend)
         self.entries += other.entries
@@ -142,6 +146,30 @@ def test_decoder_over_a_second_backend_matches_the_toy_target(toy_target, pool, 
     assert sum(b.forwards for b in made) > 0          # the toy backend did the scoring
     if pool != "none":
         assert sum(o.stats.accepted_tokens for o in out.values()) > 0
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_forked_rows_over_a_second_backend(toy_target, batch):
+    """Samples of one request (rows 0-3 fork from row 0, rows 5-6 from row 5): one prefill each
+    group, forked by the backend, and every row still the toy target's greedy text."""
+    made: list[ToyBackend] = []
+    sizes: list[int] = []
+
+    def factory(n: int) -> TargetBackend:
+        made.append(ToyBackend(n))
+        sizes.append(n)
+        return made[-1]
+
+    decoder = Decoder(toy_target, [NoisyOracle()], MeasuredPolicy(batch, {}), default_gamma=3, backend=factory)
+    params = GenerationParams(max_new_tokens=12, gamma=3, adaptive=False)
+    prompts = [PROMPTS[2]] * 4 + [PROMPTS[0]] + [PROMPTS[5]] * 2
+    forks = {0: 0, 1: 0, 2: 0, 3: 0, 5: 5, 6: 5}
+    with torch.inference_mode():
+        out = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)], forks=forks))
+    for i, p in enumerate(prompts):
+        assert out[i].token_ids == toy_greedy(p, 12), (batch, i)
+    if batch == 8:   # all joined at once: three distinct prompts prefilled in one forward, then forked
+        assert sizes[:2] == [0, 3] and made[1].forwards == 1
 
 
 class HiddenProbe(NgramDrafter):

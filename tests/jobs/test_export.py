@@ -280,7 +280,7 @@ def test_parquet_types(job, tmp_path):
     assert {params.field(i).name: params.field(i).type for i in range(params.num_fields)} == {
         "max_new_tokens": pa.int64(), "temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(),
         "seed": pa.int64(), "stop": pa.list_(pa.string()), "presence_penalty": pa.float64(),
-        "frequency_penalty": pa.float64(), "repetition_penalty": pa.float64(), "min_p": pa.float64(),
+        "frequency_penalty": pa.float64(), "repetition_penalty": pa.float64(), "min_p": pa.float64(), "n": pa.int64(),
         "logit_bias": pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))}
     stats = schema.field("stats").type
     types = {stats.field(i).name: stats.field(i).type for i in range(stats.num_fields)}

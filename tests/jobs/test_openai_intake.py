@@ -134,7 +134,6 @@ def test_the_guides_other_endpoints_are_refused_per_line():
 # ---------------------------------------------------------------- no-op fields: accepted, one warning
 
 NOOP = [
-    (CHAT, "n", 1),
     (CHAT, "stream", False), (CHAT, "stream_options", {"include_usage": True}), (CHAT, "store", True),
     (CHAT, "service_tier", "flex"), (CHAT, "user", "u-42"), (CHAT, "parallel_tool_calls", True),
     (CHAT, "safety_identifier", "h123"), (CHAT, "prompt_cache_key", "k"),
@@ -145,7 +144,7 @@ NOOP = [
     (CHAT, "reasoning_effort", None), (CHAT, "verbosity", "medium"), (CHAT, "web_search_options", None),
     (CHAT, "moderation", None), (CHAT, "metadata", {"k": "v"}),
     (COMPLETIONS, "echo", False), (COMPLETIONS, "best_of", 1),
-    (COMPLETIONS, "suffix", None), (COMPLETIONS, "n", 1), (COMPLETIONS, "stream", None),
+    (COMPLETIONS, "suffix", None), (COMPLETIONS, "stream", None),
     (COMPLETIONS, "user", "u"), (COMPLETIONS, "stream_options", None),
 ]
 
@@ -179,9 +178,10 @@ def test_the_issue_file_is_accepted_whole_with_one_warning():
 # ---------------------------------------------------------------- refused fields: per line, with why
 
 REFUSED = [
-    (CHAT, "n", 2, "must be 1: one completion per request line (got 2); write one line per completion"),
-    (COMPLETIONS, "best_of", 3, "must be 1: specbatch generates one candidate per request (got 3); write one "
-                                "line per completion"),
+    (CHAT, "n", 129, "must be in [1, 128], got 129"),
+    (COMPLETIONS, "n", 0, "must be in [1, 128], got 0"),
+    (COMPLETIONS, "best_of", 3, "must be 1: specbatch returns every candidate it generates; ask for n samples "
+                                "with logprobs and rank them (got 3)"),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}],
      "must be empty: tool calling is not supported: specbatch generates plain text"),
     (CHAT, "tool_choice", "required", "must be \"none\" or \"auto\": tool calling is not supported"),
@@ -199,7 +199,7 @@ REFUSED = [
     (CHAT, "moderation", {"model": "omni-moderation-latest"}, "must be null: specbatch does not run moderation"),
     (CHAT, "store", "yes", "must be a boolean, got a string"),
     (CHAT, "user", 5, "must be a string, got the number 5"),
-    (CHAT, "n", "2", "must be 1, got a string"),
+    (CHAT, "n", "2", "must be an integer in [1, 128], got a string"),
     (CHAT, "prompt", "Hi", "a field of /v1/completions requests, not of /v1/chat/completions"),
     (COMPLETIONS, "max_completion_tokens_x", 1, "unknown field; not part of the OpenAI request body"),
     (COMPLETIONS, "tools", [], "a field of /v1/chat/completions requests, not of /v1/completions"),
@@ -410,7 +410,7 @@ def test_the_example_openai_batch_file():
         ("request-3", "completion", "gpt-3.5-turbo-instruct"), ("request-4", "completion", "gpt-3.5-turbo-instruct")]
     assert got.requests[1].metadata == {"topic": "physics", "split": "train"}
     assert got.requests[3].prompt_ids == [504, 2062, 6715]
-    assert set(got.noop_fields) == {"store", "service_tier", "metadata", "echo", "n"}
+    assert set(got.noop_fields) == {"store", "service_tier", "metadata", "echo"}
     assert len(got.warnings("t")) == 2
 
 

@@ -1,49 +1,57 @@
 """results.grammar_drafted_tokens / grammar_accepted_tokens: structured outputs' forced tokens
 
 The grammar's forced run proposed as a draft chain and how much of it was accepted
-(docs/statistics.md). NULL on rows written before this migration; 0 for free text.
+(docs/statistics.md). NULL on rows written before this migration; 0 for free text. The
+specbatch_results view gains both columns (the CSV export's).
 
 Revision ID: 0014
-Revises: 0010
+Revises: 0011
 Create Date: 2026-12-02
 """
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import sqlalchemy as sa
 from alembic import op
 
 revision = "0014"
-down_revision = "0010"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 
 COLUMNS = ("grammar_drafted_tokens", "grammar_accepted_tokens")
 
+# the view as 0011 left it, self-contained (a migration must not change when the models or 0011 do)
+STATS = (
+    "verify_steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+    "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds", "verify_seconds",
+    "wall_seconds", "tokens_per_second", "pool_wins", "final_gamma", "speculation_disabled",
+)
+REQUEST = ("job_id", "id AS request_id", "custom_id", "line_no", "kind", "status", "prompt", "messages",
+           "params", "attempts", "error", "model", "prompt_ids", "metadata", "error_type", "error_param")
+RESULT = ("text", "finish_reason", "prompt_tokens", "completion_tokens", "token_ids", *STATS, "worker",
+          "started_at", "finished_at", "latency_seconds", "draft_steps", "accepted_at_position",
+          "batch_size_seconds", "lossy", "cached", "cached_from")
+JSON_NULLABLE = ("messages", "prompt_ids", "metadata", "accepted_at_position")
 
-def _view_0007() -> ModuleType:
-    """0007's view builder: the view is 0007's with these columns added (the CSV's columns)."""
-    path = Path(__file__).with_name("0007_results_view_columns.py")
-    spec = importlib.util.spec_from_file_location("specbatch_migration_0007", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+
+def _column(table: str, spec: str) -> str:
+    if spec in JSON_NULLABLE:
+        return f"NULLIF({table}.{spec}, 'null') AS {spec}"
+    return f"{table}.{spec}" if " AS " in spec else f"{table}.{spec} AS {spec}"
 
 
 def _create_view(extra: tuple[str, ...]) -> None:
-    v = _view_0007()
-    columns = [v._column("q", c) for c in (*v.REQUEST, *v.NEW_REQUEST)] + [
+    columns = [_column("q", c) for c in REQUEST] + [
         "COALESCE(r.target, q.target, j.target) AS target",
         "CASE WHEN r.target IS NOT NULL THEN r.drafts WHEN q.target IS NOT NULL THEN q.drafts "
         "ELSE j.drafts END AS drafts",
-    ] + [v._column("r", c) for c in (*v.RESULT, *v.NEW_RESULT, *extra)]
+        "COALESCE(r.sample_index, 0) AS sample_index",
+    ] + [_column("r", c) for c in (*RESULT, *extra)]
     op.execute("DROP VIEW IF EXISTS specbatch_results")
-    op.execute(v._view(columns, "JOIN jobs j ON j.id = q.job_id\n"))
+    op.execute("CREATE VIEW specbatch_results AS\nSELECT\n    " + ",\n    ".join(columns)
+               + "\nFROM requests q\nJOIN jobs j ON j.id = q.job_id\n"
+               "LEFT JOIN results r ON r.request_id = q.id\n")
 
 
 def upgrade() -> None:
