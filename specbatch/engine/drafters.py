@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from specbatch.engine.backend import PrefixKV, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
@@ -94,10 +95,17 @@ class Drafter:
         self.scores: list[Acceptance] = []
         self.last: list[Proposal | None] = []
 
-    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+    def prefix(self, tokens: Sequence[int]) -> PrefixKV | None:
+        """This drafter's state for a prompt prefix shared by rows (engine/prefix.py), computed
+        alone; None: it keeps none (its rows need nothing loaded)."""
+        return None
+
+    def admit(self, rows: Sequence[DraftRow], prefill: bool,
+              prefixes: Sequence[PrefixKV | None] | None = None) -> int:
         """Rows join the batch. ``prefill``: cache all of each row's ids but its last token now
         (rows joining a running batch); else the first proposal feeds them (a fresh batch).
-        Returns the model forwards made."""
+        ``prefixes[b]``: what this drafter's ``prefix`` gave for a prefix of row b's ids, loaded
+        first (rows sharing one are adjacent). Returns the model forwards made."""
         self.scores += [Acceptance() for _ in rows]
         self.last += [None] * len(rows)
         return 0
@@ -137,15 +145,22 @@ class ModelDrafter(Drafter):
         self.cache = BatchCache(draft)
         self.fed: list[int] = []              # per row: own draft tokens fed in the last proposal
 
-    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+    def prefix(self, tokens: Sequence[int]) -> PrefixKV:
+        alone = BatchCache(self.draft, 1)
+        alone.forward([list(tokens)], logits_to_keep=1)
+        return alone.export_prefix()
+
+    def admit(self, rows: Sequence[DraftRow], prefill: bool,
+              prefixes: Sequence[PrefixKV | None] | None = None) -> int:
         super().admit(rows, prefill)
         self.fed += [0] * len(rows)
-        joining = BatchCache(self.draft, len(rows))
-        feeds = [r.ids[:-1] for r in rows]
+        cache = joining(lambda n: BatchCache(self.draft, n), prefixes or [None] * len(rows))
+        feeds = [r.ids[int(m):-1] for r, m in zip(rows, cache.n_valid.tolist())]
         forwards = int(prefill and any(feeds))
         if forwards:
-            joining.forward(feeds, logits_to_keep=1)
-        self.cache.extend(joining)
+            cache.forward(feeds, logits_to_keep=1)
+        assert isinstance(cache, BatchCache)
+        self.cache.extend(cache)
         return forwards
 
     def retire(self, keep: list[int]) -> None:
@@ -254,7 +269,8 @@ class NgramDrafter(Drafter):
         super().__init__("ngram")
         self.rows: list[NgramIndex] = []
 
-    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+    def admit(self, rows: Sequence[DraftRow], prefill: bool,
+              prefixes: Sequence[PrefixKV | None] | None = None) -> int:
         self.rows += [NgramIndex() for _ in rows]
         return super().admit(rows, prefill)
 
