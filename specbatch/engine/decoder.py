@@ -106,6 +106,11 @@ class Decoder:
         if self.prefixes is not None:
             lengths = shared_prefixes([ids for _, ids, _ in waiting])
             self.shared = {i: n for (i, _, _), n in zip(waiting, lengths) if n}
+            # rows sharing a prefix join together (each group where its first request was)
+            groups: dict[object, list[Request]] = {}
+            for req, n in zip(waiting, lengths):
+                groups.setdefault(tuple(req[1][:n]) if n else req[0], []).append(req)
+            waiting = deque(r for g in groups.values() for r in g)
         paused: deque[Row] = deque()
         if self.memory is not None:
             self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline

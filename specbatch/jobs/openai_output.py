@@ -86,7 +86,9 @@ def success_body(job: Job, req: Request, res: Result) -> dict[str, Any]:
     Completion)."""
     key = f"{job.id}-{req.id}"
     usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
-             "total_tokens": res.prompt_tokens + res.completion_tokens}
+             "total_tokens": res.prompt_tokens + res.completion_tokens,
+             # read from the prefix cache, not prefilled (OpenAI's prompt caching field)
+             "prompt_tokens_details": {"cached_tokens": res.cached_prompt_tokens or 0}}
     lps = None if res.logprobs is None else logprobs.unpack(res.logprobs)
     if req.kind == "chat":
         body: dict[str, Any] = {
