@@ -161,9 +161,10 @@ class Decoder:
     #    batch cache theirs (all but the last token) in a forward of their own, then merge
     #    (resumed rows alike: their ids are prompt + what they generated so far)
     def _admit(self, arrivals: list[Request], resuming: Sequence[Row] = ()) -> None:
-        t0 = time.perf_counter()
-        new = [self._new_row(i, ids, p, t0) for i, ids, p in arrivals] + list(resuming)
+        now = time.perf_counter()
+        new = [self._new_row(i, ids, p, now) for i, ids, p in arrivals] + list(resuming)
         new, entries = self._prefixes(new, len(arrivals))
+        t0 = time.perf_counter()     # (a prefix computed just now is its computing row's: _prefixes)
         prefill = bool(self.rows)
         cache = joining(self.backend, [e.kv[0] if e is not None else None for e in entries])
         feeds = [r.ids[int(m):-1] for r, m in zip(new, cache.n_valid.tolist())]
@@ -208,6 +209,8 @@ class Decoder:
                 if entry is None:
                     entry = made[tuple(r.ids[:want])] = self._compute_prefix(r.ids[:want])
                     r.tally.prefill(entry.seconds, sum(k is not None for k in entry.kv[1:]))
+                    bs = r.tally.stats.batch_size_seconds     # a forward of one row
+                    bs["1"] = bs.get("1", 0.0) + entry.seconds
                     store.put(entry)
                     if self.memory is not None:
                         self.memory.reserved = store.nbytes

@@ -39,11 +39,13 @@ class PrefixEntry:
 
 
 def shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int = MIN_PREFIX_TOKENS) -> list[int]:
-    """Per prompt, the length of its longest prefix that another prompt starts with too, capped
-    one short of the prompt (its last token is fed by the step that scores it); 0 where that is
-    under ``min_tokens`` or where no other prompt would use the same prefix (a prompt sharing
-    20 tokens with a group that shares 40: its 20 would be computed for it alone). A token trie:
-    each node counts the prompts through it."""
+    """Per prompt, the length of the prefix it should read from the prefix cache: of its prefixes
+    that other prompts start with too (a token trie: each node counts the prompts through it), the
+    one that saves most, (prompts through it - 1) x its length, the longer on a tie; at least
+    ``min_tokens`` and one short of the prompt (its last token is fed by the step that scores it).
+    A system prompt shared by 48 questions is then one prefix, not one per pair of questions that
+    also share their first word. A prefix no other prompt would read is dropped: the prompt takes
+    the longest shorter one others read, or none (never a prefix computed for one request)."""
     root: dict[int, Any] = {}
     counts: dict[int, int] = {}          # id(node) -> prompts that pass through it
     for p in prompts:
@@ -53,13 +55,15 @@ def shared_prefixes(prompts: Sequence[Sequence[int]], min_tokens: int = MIN_PREF
             counts[id(node)] = counts.get(id(node), 0) + 1
     depths = []
     for p in prompts:
-        node, depth = root, 0
-        for t in p[: len(p) - 1]:
+        node, best, saved = root, 0, 0
+        for d, t in enumerate(p[: len(p) - 1], start=1):
             node = node[t]
-            if counts[id(node)] < 2:
+            c = counts[id(node)]
+            if c < 2:
                 break
-            depth += 1
-        depths.append(depth if depth >= min_tokens else 0)
+            if d >= min_tokens and (c - 1) * d >= saved:
+                best, saved = d, (c - 1) * d
+        depths.append(best)
     users: dict[tuple[int, ...], int] = {}
     for p, d in zip(prompts, depths):
         if d:

@@ -171,9 +171,10 @@ def test_shared_prompt_prefixes_load_through_the_seam(toy_target, batch):
         out = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)]))
     for i, p in enumerate(prompts):
         assert out[i].token_ids == toy_greedy(p, 12), (batch, i)
-    assert [out[i].stats.cached_prompt_tokens for i in range(len(prompts))] == [0, 20, 0, 20, 0]
+    # four prompts share 18 tokens, three of them 20: the 18 serve more (the first computes them)
+    assert [out[i].stats.cached_prompt_tokens for i in range(len(prompts))] == [0, 18, 0, 18, 18]
     # the prefix was fed once (computed alone), not once per row that starts with it
-    assert sum(f[:20] == shared for b in made for f in b.feeds) == 1
+    assert sum(f[:18] == shared[:18] for b in made for f in b.feeds) == 1
 
 
 class HiddenProbe(NgramDrafter):

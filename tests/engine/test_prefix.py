@@ -113,6 +113,11 @@ def test_shared_prefixes_come_from_the_token_trie():
     # a prompt that is another's prefix: its last token stays to be fed; one prompt: nothing shared
     assert shared_prefixes([p[:40], p]) == [39, 39]
     assert shared_prefixes([p]) == [0]
+    # 48 questions after one system prompt: one prefix for all, though some questions also share
+    # their first words (each pair's longer prefix would be one more forward, for one reader)
+    system = list(range(600))
+    questions = [[1000 + i % 3, 2000 + i] for i in range(48)]
+    assert shared_prefixes([system + q for q in questions]) == [600] * 48
 
 
 def entry(tokens: tuple[int, ...], nbytes: int) -> PrefixEntry:
