@@ -15,6 +15,7 @@ from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.backend import PrefixKV
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.decoder import Decoder
+from specbatch.engine.drafters import ModelDrafter
 from specbatch.engine.policy import MeasuredPolicy
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from tests.tiny import CORPUS
@@ -156,3 +157,36 @@ def test_an_engine_keeps_prefixes_within_its_store_budget_across_calls(load):
     # a later call reads a stored prefix even for a request no other request of it shares
     out = dict(engine.generate_many([EngineRequest(input_ids=groups[2] + [5, 6], params=params)]))
     assert out[0].stats.cached_prompt_tokens == 64
+
+
+class Shrinking(MeasuredPolicy):
+    """4 rows for the first steps, then 2: the newest rows pause and resume later."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.steps = 0
+
+    def max_rows(self, waiting: int = 0) -> int:
+        return 4 if self.steps < 3 else 2
+
+    def observe(self, report) -> None:
+        self.steps += 1
+        super().observe(report)
+
+
+def test_paused_rows_resume_from_the_stored_prefix(load):
+    target, draft = load("llama"), load("llama-partial")
+    prefix = corpus_ids(target, 50)
+    prompts = [prefix + [60 + i] + corpus_ids(target, 3, skip=300 + 7 * i) for i in range(6)]
+    params = GenerationParams(max_new_tokens=10, gamma=2, adaptive=False)
+    outs = {}
+    for on in (True, False):
+        CountingCache.feeds = []
+        decoder = Decoder(target, [ModelDrafter(draft, target.vocab_size)], Shrinking(),
+                          backend=lambda n: CountingCache(target, n), prefixes=PrefixStore(10**9) if on else None)
+        with torch.inference_mode():
+            outs[on] = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)]))
+        if on:   # resumed rows read the prefix again rather than feed it
+            assert sum(f[:50] == prefix for f in CountingCache.feeds) == 1
+    assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
+    assert sorted(o.stats.cached_prompt_tokens for o in outs[True].values()) == [0] + [50] * 5
