@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers
     local_workers: Positive = 1           # worker processes started together on this machine
     compile: Literal["auto", "on", "off"] = "auto"   # compiled forward (docs/COMPILE.md)
+    prefix_cache: bool = True             # shared prompt prefixes computed once (engine/prefix.py)
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = Field(default=5555, ge=1, le=65535)

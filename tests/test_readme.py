@@ -55,6 +55,11 @@ COVERAGE: dict[str, str] = {
     "specbatch cache stats": "tests/cli/test_cache_cli.py::test_cache_commands",
     "specbatch cache clear --target smollm2-135m": "tests/cli/test_cache_cli.py::test_cache_commands",
     "specbatch cache clear": "tests/cli/test_cache_cli.py::test_cache_commands",
+    # prefix cache
+    "specbatch run examples/prompts.jsonl --no-prefix-cache":
+        "tests/cli/test_cache_cli.py::test_prefix_cache_on_and_off_through_run_status_and_export",
+    "specbatch bench --shared-prefix 600 --threads 1":
+        "tests/bench/test_bench_job.py::test_bench_shared_prefix_runs_the_prefix_cache_on_and_off",
     # cluster setup
     "redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --appendonly yes": THIS + "test_cluster_setup",
     "createdb -h 127.0.0.1 -U postgres specbatch": THIS + "test_cluster_setup",

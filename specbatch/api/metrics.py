@@ -9,6 +9,8 @@ metrics use the same names):
     specbatch_spec_decode_num_draft_tokens_total             drafted tokens
     specbatch_spec_decode_num_accepted_tokens_total          accepted draft tokens
     specbatch_spec_decode_num_accepted_tokens_per_pos_total  accepted draft tokens at position {position}
+    specbatch_prompt_tokens_total                            prompt tokens of stored results
+    specbatch_prefix_cache_hit_tokens_total                  ... of those, read from the prefix cache
 
 plus the gauges specbatch_jobs{status}, specbatch_requests{status}, specbatch_queue_depth{queue}
 (messages waiting in Redis) and specbatch_broker_up.
@@ -95,10 +97,12 @@ class DatabaseCollector(Collector):
         with self.reader.begin() as s:
             jobs = dict(s.execute(select(Job.status, func.count()).group_by(Job.status)).all())
             requests = dict(s.execute(select(RequestRow.status, func.count()).group_by(RequestRow.status)).all())
-            tokens, drafts, drafted, accepted = s.execute(select(
+            tokens, drafts, drafted, accepted, prompt, prefix_hits = s.execute(select(
                 func.coalesce(func.sum(Result.completion_tokens), 0), func.coalesce(func.sum(Result.draft_steps), 0),
                 func.coalesce(func.sum(Result.drafted_tokens), 0),
-                func.coalesce(func.sum(Result.accepted_tokens), 0))).one()
+                func.coalesce(func.sum(Result.accepted_tokens), 0),
+                func.coalesce(func.sum(Result.prompt_tokens), 0),
+                func.coalesce(func.sum(Result.cached_prompt_tokens), 0))).one()
             per_position = accepted_per_position(s)
             queues = sorted(set(s.scalars(select(Job.queue).where(Job.status.in_(
                 [*ACTIVE_JOB, JobStatus.cancelling])).distinct())))
@@ -110,6 +114,9 @@ class DatabaseCollector(Collector):
             ("specbatch_spec_decode_num_drafts", "Verify steps that drafted at least one token.", drafts),
             ("specbatch_spec_decode_num_draft_tokens", "Drafted tokens.", drafted),
             ("specbatch_spec_decode_num_accepted_tokens", "Accepted draft tokens.", accepted),
+            ("specbatch_prompt_tokens", "Prompt tokens of stored results.", prompt),
+            ("specbatch_prefix_cache_hit_tokens", "Prompt tokens read from the prefix cache, not prefilled.",
+             prefix_hits),
         ):
             yield CounterMetricFamily(name, doc, value=int(value))
         per_pos = CounterMetricFamily("specbatch_spec_decode_num_accepted_tokens_per_pos",

@@ -5,6 +5,9 @@ Configurations (``plan``):
   ours[B=b,spec|plain]      ``generate_many`` at a fixed B, with the draft or the target alone;
   hf-generate[B=b]          Hugging Face ``generate`` on left-padded batches of b, greedy;
   hf-assisted[B=1]          Hugging Face assisted generation with the draft, one prompt at a time.
+With ``shared_prefix`` (a generated file whose requests share one long system prompt,
+bench/shared_prefix.py) the plan is instead: ours-auto with the prefix cache, ours-auto without it
+(``ours-auto[no-prefix-cache]``) and hf-generate at each B.
 Every configuration decodes every prompt of the file (greedy; each line's max_tokens, or
 ``--max-new-tokens``) from a fresh engine, so nothing one learned helps another. Repeats run the
 configurations in a rotated order (A B C, B C A, ...): drift on a shared machine hits all alike.
@@ -28,6 +31,8 @@ from specbatch.engine.loading import LoadedModel
 Progress = Callable[[str, int, int], None]
 FULL_SIZES = (1, 4, 8, 16, 32)
 QUICK_SIZES = (1, 4, 16)
+SHARED_PREFIX_SIZES = (8,)        # hf-generate beside the prefix cache on / off: the CPU's usual best
+NO_PREFIX = "ours-auto[no-prefix-cache]"
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class JobBenchOptions:
     dtype: str = "float32"
     cache_dir: str | None = None
     quick: bool = False
+    shared_prefix: int | None = None       # the generated file's system prompt, tokens (plan above)
+    prefix_cache: bool = True              # off: every one of ours prefills whole prompts
 
     @classmethod
     def quick_defaults(cls, **overrides: Any) -> JobBenchOptions:
@@ -59,13 +66,18 @@ class JobConfig:
     kind: str                     # ours | hf-generate | hf-assisted
     batch_size: int | str         # "auto" for ours-auto
     speculative: bool | str       # "auto": the autopilot decides
+    prefix_cache: bool = True     # shared prompt prefixes computed once (engine/prefix.py)
 
 
-def plan(sizes: tuple[int, ...]) -> list[JobConfig]:
-    out = [JobConfig("ours-auto", "ours", "auto", "auto")]
+def plan(sizes: tuple[int, ...], shared_prefix: bool = False, prefix_cache: bool = True) -> list[JobConfig]:
+    if shared_prefix:
+        return [JobConfig("ours-auto", "ours", "auto", "auto"),
+                JobConfig(NO_PREFIX, "ours", "auto", "auto", prefix_cache=False),
+                *(JobConfig(f"hf-generate[B={b}]", "hf-generate", b, False) for b in sizes)]
+    out = [JobConfig("ours-auto", "ours", "auto", "auto", prefix_cache)]
     for b in sizes:
-        out.append(JobConfig(f"ours[B={b},spec]", "ours", b, True))
-        out.append(JobConfig(f"ours[B={b},plain]", "ours", b, False))
+        out.append(JobConfig(f"ours[B={b},spec]", "ours", b, True, prefix_cache))
+        out.append(JobConfig(f"ours[B={b},plain]", "ours", b, False, prefix_cache))
         out.append(JobConfig(f"hf-generate[B={b}]", "hf-generate", b, False))
     if 1 in sizes:   # (--batch-sizes without 1 narrows B=1 away, assisted generation included)
         out.append(JobConfig("hf-assisted[B=1]", "hf-assisted", 1, True))
@@ -78,20 +90,24 @@ def _sync(device: torch.device) -> None:
 
 
 def _ours(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[list[int]],
-          limits: list[int]) -> tuple[list[list[int]], float, dict[str, Any] | None]:
+          limits: list[int]) -> tuple[list[list[int]], float, dict[str, Any] | None, int]:
+    """(outputs, seconds, the autopilot's report, prompt tokens read from the prefix cache)."""
     from specbatch.engine import Engine, EngineRequest, GenerationParams
 
-    engine = Engine(target, [draft] if cfg.speculative else [], batch_size=cfg.batch_size)
+    engine = Engine(target, [draft] if cfg.speculative else [], batch_size=cfg.batch_size,
+                    prefix_cache=cfg.prefix_cache)
     reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n)) for x, n in zip(ids, limits)]
     outs: list[list[int]] = [[] for _ in ids]
+    cached = 0
     _sync(target.device)
     t0 = time.perf_counter()
     for i, out in engine.generate_many(reqs):
         if isinstance(out, Exception):
             raise RuntimeError(f"prompt {i}: {out}")
         outs[i] = list(out.token_ids)
+        cached += out.stats.cached_prompt_tokens
     _sync(target.device)
-    return outs, time.perf_counter() - t0, engine.batch_report()
+    return outs, time.perf_counter() - t0, engine.batch_report(), cached
 
 
 def _hf(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[list[int]],
@@ -122,14 +138,15 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
     ids = [x for x, _ in requests]
     limits = [opts.max_new_tokens or n for _, n in requests]
     eos = target.eos_token_ids
-    configs = plan(opts.batch_sizes)
+    configs = plan(opts.batch_sizes, opts.shared_prefix is not None, opts.prefix_cache)
 
     def clean(outs: list[list[int]]) -> list[list[int]]:
         return [cut_at_eos(o, eos)[:n] for o, n in zip(outs, limits)]
 
     _ours(target, draft, JobConfig("warm-up", "ours", 2, True), ids[:2], [4, 4])   # untimed
 
-    acc: dict[str, dict[str, Any]] = {c.name: {"tokens": 0, "seconds": 0.0, "outputs": []} for c in configs}
+    acc: dict[str, dict[str, Any]] = {c.name: {"tokens": 0, "seconds": 0.0, "outputs": [], "cached": 0}
+                                      for c in configs}
     reports: dict[str, Any] = {}
     total = len(configs) * opts.repeats
     for r in range(opts.repeats):
@@ -137,7 +154,8 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
         for i, cfg in enumerate(order):
             say(f"repeat {r + 1}/{opts.repeats}: {cfg.name}", r * len(configs) + i, total)
             if cfg.kind == "ours":
-                outs, seconds, report = _ours(target, draft, cfg, ids, limits)
+                outs, seconds, report, cached = _ours(target, draft, cfg, ids, limits)
+                acc[cfg.name]["cached"] += cached
                 if report is not None:
                     reports[f"{cfg.name}#{r + 1}"] = report
             else:
@@ -166,7 +184,8 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
         rows.append({"name": c.name, "batch_size": c.batch_size, "speculative": c.speculative,
                      "tokens_per_second": tps, "identical": not a["mismatch"],
                      "kind": c.kind, "seconds": a["seconds"], "new_tokens": a["tokens"],
-                     "mismatched_prompts": a["mismatch"]})
+                     "mismatched_prompts": a["mismatch"], "prefix_cache": c.prefix_cache,
+                     "cached_prompt_tokens": a["cached"] // opts.repeats})
     fixed = [r for r in rows if r["kind"] == "ours" and r["batch_size"] != "auto" and r["tokens_per_second"]]
     best = max(fixed, key=lambda r: r["tokens_per_second"]) if fixed else None
     hf = [r for r in rows if r["kind"] == "hf-generate" and r["tokens_per_second"]]
@@ -176,10 +195,24 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
         row["ratio_vs_best_fixed"] = tps / best["tokens_per_second"] if tps and best else None
         row["ratio_vs_best_hf_generate"] = tps / best_hf["tokens_per_second"] if tps and best_hf else None
     return {"job": rows, "best_fixed": best["name"] if best else None,
+            "prefix_cache": _prefix_cache(acc, rows, sum(len(x) for x in ids)) if NO_PREFIX in acc else None,
             "best_hf_generate": best_hf["name"] if best_hf else None,
             "file": opts.file, "prompts": len(ids), "max_new_tokens": opts.max_new_tokens,
             "repeats": opts.repeats, "target": opts.target, "draft": opts.draft,
             "threads": torch.get_num_threads(), "device": str(target.device), "autopilot": reports}
+
+
+def _prefix_cache(acc: dict[str, dict[str, Any]], rows: list[dict[str, Any]], prompt_tokens: int
+                  ) -> dict[str, Any]:
+    """ours-auto with the prefix cache against ours-auto without it: the ratio of tokens/s, whether
+    every output of every repeat is the same, and the share of prompt tokens read, not prefilled."""
+    tps = {r["name"]: r["tokens_per_second"] for r in rows}
+    on, off = tps.get("ours-auto"), tps.get(NO_PREFIX)
+    cached = next(r["cached_prompt_tokens"] for r in rows if r["name"] == "ours-auto")
+    return {"ratio": on / off if on and off else None,
+            "identical": acc["ours-auto"]["outputs"] == acc[NO_PREFIX]["outputs"],
+            "cached_prompt_tokens": cached, "prompt_tokens": prompt_tokens,
+            "cached_share": cached / prompt_tokens if prompt_tokens else None}
 
 
 PUBLIC_KEYS = ("name", "batch_size", "speculative", "tokens_per_second", "ratio_vs_best_fixed", "identical")
@@ -188,7 +221,10 @@ PUBLIC_KEYS = ("name", "batch_size", "speculative", "tokens_per_second", "ratio_
 def public(result: dict[str, Any]) -> dict[str, Any]:
     """The ``--json`` shape: {"job": [{name, batch_size, speculative, tokens_per_second,
     ratio_vs_best_fixed, identical}], "best_fixed": NAME}."""
-    return {"job": [{k: r[k] for k in PUBLIC_KEYS} for r in result["job"]], "best_fixed": result["best_fixed"]}
+    out = {"job": [{k: r[k] for k in PUBLIC_KEYS} for r in result["job"]], "best_fixed": result["best_fixed"]}
+    if result.get("prefix_cache") is not None:
+        out["prefix_cache"] = result["prefix_cache"]
+    return out
 
 
 def markdown(result: dict[str, Any], command: str | None = None) -> str:
@@ -208,6 +244,11 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
                      f"| {f(r['ratio_vs_best_fixed'])} | {f(r['ratio_vs_best_hf_generate'])} "
                      f"| {'yes' if r['identical'] else 'NO'} |")
     lines += ["", f"best fixed: {result['best_fixed']}; best HF generate: {result['best_hf_generate']}."]
+    if (pc := result.get("prefix_cache")) is not None:
+        lines.append(f"prefix cache: ours-auto on / off = {f(pc['ratio'])}x tokens/s; outputs on vs off "
+                     f"{'identical' if pc['identical'] else 'DIFFERENT'}; {pc['cached_prompt_tokens']} of "
+                     f"{pc['prompt_tokens']} prompt tokens ({f(pc['cached_share'] and 100 * pc['cached_share'], '.0f')}%) "
+                     "read from the cache, not prefilled.")
     for name, rep in result["autopilot"].items():
         if name.startswith("ours-auto"):
             shares = ", ".join(f"B={k} {v:.0%}" for k, v in rep["batch_size_share"].items())

@@ -64,9 +64,15 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--structured", is_flag=True,
               help="Instead: a JSON-schema job, grammar drafting on vs off and vs plain constrained decoding, "
                    "at the autopilot's choice and at each --batch-sizes [auto,1,4,16; quick auto,1,8].")
+@click.option("--shared-prefix", type=click.IntRange(min=16), default=None, metavar="TOKENS",
+              help="Job mode on a generated file (written to --out): 48 chat requests sharing one system "
+                   "prompt of about TOKENS tokens, a short question each, 32-64 new tokens; ours-auto with "
+                   "the prefix cache vs without it, interleaved, and HF generate at --batch-sizes [8].")
+@click.option("--no-prefix-cache", is_flag=True,
+              help="Job mode: ours prefills every prompt whole (no shared prefixes computed once).")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
           throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_,
-          job_file, structured) -> None:
+          job_file, structured, shared_prefix, no_prefix_cache) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
@@ -75,6 +81,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
       specbatch bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-int8 --ngram --batch-sizes 1,4,8,16
       specbatch bench --job examples/prompts.jsonl --quick --threads 1
       specbatch bench --structured --quick --threads 1
+      specbatch bench --shared-prefix 600 --threads 1
     """
     from specbatch.bench.harness import BenchOptions, run_bench
     from specbatch.bench.report import markdown, write_all
@@ -95,12 +102,19 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
             raise click.BadParameter("--structured takes one draft", param_hint="--draft")
         return _structured(settings, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
                            max_new_tokens, repeats, device, dtype, quick, out_dir, as_json)
-    if job_file is not None:
+    if shared_prefix is not None and (job_file is not None or no_prefix_cache):
+        raise click.UsageError("--shared-prefix generates its own file and runs the prefix cache on and off: "
+                               "drop --job / --no-prefix-cache")
+    if job_file is not None or shared_prefix is not None:
         from specbatch.cli.bench_job import bench_job
 
         bench_job(settings, job_file, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
-                  max_new_tokens, repeats, out_dir, as_json, device, dtype, quick)
+                  max_new_tokens, repeats, out_dir, as_json, device, dtype, quick,
+                  shared_prefix=shared_prefix, prefix_cache=not no_prefix_cache)
         return
+    if no_prefix_cache:
+        raise click.UsageError("--no-prefix-cache is for job mode (--job FILE): the other modes' prompts "
+                               "share no prefix")
     given = {
         "target": target or settings.default_target,
         "drafts": tuple(drafts) if drafts else (settings.default_draft,),

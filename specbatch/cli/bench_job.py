@@ -13,11 +13,20 @@ from specbatch.cli.common import echo_json, warn
 from specbatch.config import Settings
 
 
-def bench_job(settings: Settings, file: str, target: str | None, drafts: tuple[str, ...],
+def bench_job(settings: Settings, file: str | None, target: str | None, drafts: tuple[str, ...],
               sizes: tuple[int, ...] | None, num_prompts: int | None, max_new_tokens: int | None,
               repeats: int | None, out_dir: str, as_json: bool, device: str | None, dtype: str | None,
-              quick: bool) -> None:
-    from specbatch.bench.job import JobBenchOptions, markdown, public, run_job_bench, write_files
+              quick: bool, *, shared_prefix: int | None = None, prefix_cache: bool = True) -> None:
+    """``file`` None: ``shared_prefix`` tokens, a generated file (specbatch/bench/shared_prefix.py)."""
+    from specbatch.bench import shared_prefix as sp
+    from specbatch.bench.job import (
+        SHARED_PREFIX_SIZES,
+        JobBenchOptions,
+        markdown,
+        public,
+        run_job_bench,
+        write_files,
+    )
     from specbatch.engine import Engine
     from specbatch.engine.loading import load_model
     from specbatch.errors import IntakeError
@@ -29,20 +38,28 @@ def bench_job(settings: Settings, file: str, target: str | None, drafts: tuple[s
                         ("--repeats", repeats)):
         if value is not None and value < 1:
             raise click.BadParameter("must be >= 1", param_hint=name)
+    kw = {"device": device or settings.device, "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None}
+    tgt = None
+    if file is None:        # (a file given is read before any model loads: a bad one costs nothing)
+        assert shared_prefix is not None
+        tgt = load_model(target or settings.default_target, **kw)
+        file = str(sp.write(Path(out_dir) / f"shared-prefix-{shared_prefix}.jsonl",
+                            sp.requests(tgt.tokenizer, shared_prefix)))
+        sizes = sizes or SHARED_PREFIX_SIZES
     given: dict[str, Any] = {
         "file": file, "target": target or settings.default_target,
         "draft": drafts[0] if drafts else settings.default_draft, "batch_sizes": sizes,
         "max_new_tokens": max_new_tokens, "num_prompts": num_prompts, "repeats": repeats,
         "device": device or settings.device, "dtype": dtype or settings.dtype,
-        "cache_dir": settings.cache_dir or None}
+        "cache_dir": settings.cache_dir or None, "shared_prefix": shared_prefix, "prefix_cache": prefix_cache}
     opts = JobBenchOptions.quick_defaults(**given) if quick else \
         JobBenchOptions(**{k: v for k, v in given.items() if v is not None})
     try:
         parsed = intake.parse_file(file, None, settings)
     except IntakeError as e:
         raise click.ClickException(str(e)) from e
-    kw = {"device": opts.device, "dtype": opts.dtype, "cache_dir": opts.cache_dir}
-    tgt, drf = load_model(opts.target, **kw), load_model(opts.draft, **kw)
+    tgt = tgt or load_model(opts.target, **kw)
+    drf = load_model(opts.draft, **kw)
     enc = Engine(tgt)
     requests = [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
 
@@ -59,6 +76,8 @@ def bench_job(settings: Settings, file: str, target: str | None, drafts: tuple[s
         click.echo(markdown(result, command))
         click.echo(f"wrote {', '.join(files.values())}", err=True)
     bad_ours = [r["name"] for r in result["job"] if not r["identical"] and r["kind"] == "ours"]
+    if result.get("prefix_cache") is not None and not result["prefix_cache"]["identical"]:
+        bad_ours.append("ours-auto with the prefix cache against without it")
     for r in result["job"]:
         if not r["identical"] and r["kind"] != "ours":
             warn(f"{r['name']} differs from the target alone on prompts {r['mismatched_prompts'][:5]}")

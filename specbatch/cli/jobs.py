@@ -110,6 +110,12 @@ def _status_view(d: dict[str, Any]) -> Any:
         if st.get("cache_hits"):
             info.add_row("cache hits", f"{plural(st['cache_hits'], 'result')} copied, "
                                        f"{plural(st['tokens_from_cache'], 'token')} not generated")
+        pc = st.get("prefix_cache") or {}
+        if pc.get("cached_prompt_tokens"):
+            info.add_row("prefix cache", f"{plural(pc['cached_prompt_tokens'], 'prompt token')} read, not "
+                                         f"prefilled ({num(pc['share'], '{:.0%}')} of prompt tokens, "
+                                         f"{plural(pc['requests'], 'request')}, ~{pc['prefill_seconds_saved_sum']:.1f} s "
+                                         "of prefill saved)")
         info.add_row("throughput", f"{num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
         info.add_row("latency", f"p50 {num(lat['p50'], '{:.2f}')} s, p95 {num(lat['p95'], '{:.2f}')} s")
@@ -420,7 +426,7 @@ def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         jid, queue, ngram = job.id, job.queue, job.ngram
         embedded = bool((job.meta or {}).get("embedded"))
-        routes = store.request_routes(s, jid, ids)
+        routes = store.request_routes(s, jid, ids, by_prefix=True)
     if ids and embedded:
         # no worker consumes a `run` job's queue: the rows are pending again, and resume's
         # in-process path (run --resume) finishes them here

@@ -293,7 +293,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
         released = release_dead_embedded(s, job_id)
         leased = store.leased_requests(s, job_id)
         ids = sorted(set(store.resumable_request_ids(s, job_id)) | {rid for rid, _, _ in leased})
-        routes = store.request_routes(s, job_id, ids)
+        routes = store.request_routes(s, job_id, ids, by_prefix=True)
     if in_process or embedded:
         ctx.invoke(run, resume_job=job_id, as_json=as_json)
         return
@@ -329,8 +329,8 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
 def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str | None, dtype: str | None,
-           batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
-           compile_: str | None, hostname: str | None, loglevel: str, pool: str,
+           batch_size: int | str | None, max_memory: int | None, threads: int | None, no_prefix_cache: bool,
+           no_speculation: bool, compile_: str | None, hostname: str | None, loglevel: str, pool: str,
            metrics_port: int | None) -> None:
     """Run a Celery worker that holds one model pair and consumes that pair's queue.
 
@@ -347,7 +347,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     from specbatch.worker.runner import run_worker
 
     settings = get_settings()
-    tp = resolve_throughput(settings, batch_size, max_memory, threads)
+    tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
     plain = no_draft(drafts, no_speculation)
     target_, drafts_ = resolve_pair(settings, target, () if plain else drafts, check=False)
     if plain:
@@ -355,7 +355,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
-                                  compile=compile_ or settings.compile, hostname=hostname,
+                                  prefix_cache=tp.prefix_cache, compile=compile_ or settings.compile,
+                                  hostname=hostname,
                                   loglevel=loglevel, pool=pool,
                                   metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
     if load_error:
@@ -409,8 +410,9 @@ EXIT_INTERRUPTED = 130
 def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
         max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
         seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
-        batch_size: int | str | None, max_memory: int | None, threads: int | None, no_speculation: bool,
-        compile_: str | None, resume_job: str | None, no_cache: bool, as_json: bool) -> None:
+        batch_size: int | str | None, max_memory: int | None, threads: int | None, no_prefix_cache: bool,
+        no_speculation: bool, compile_: str | None, resume_job: str | None, no_cache: bool,
+        as_json: bool) -> None:
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -438,7 +440,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
-    tp = resolve_throughput(settings, batch_size, max_memory, threads)
+    tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
     plain = no_draft(drafts, no_speculation)
     if plain:
         drafts, ngram = ("none",), False
@@ -473,7 +475,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         # route that cannot load later fails its own requests, with the reason)
         engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
                               compile_ or settings.compile, tp.max_memory,
-                              [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
+                              [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests],
+                              prefix_cache=tp.prefix_cache)
         # logit_bias keys against the loaded target's vocabulary: still nothing written
         vocab = engine.target.vocab_size
         # (for a target whose files told no size at intake, a GGUF not yet read, say)
@@ -497,7 +500,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                     try:
                         engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
                                               device, dtype, batch, compile_ or settings.compile, tp.max_memory,
-                                              _token_budgets(settings, job_id, ids))
+                                              _token_budgets(settings, job_id, ids), prefix_cache=tp.prefix_cache)
                     except SpecBatchError as e:
                         if resume_job is not None and len(routes) == 1:
                             raise
@@ -540,7 +543,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
 
 def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
                  device: str | None, dtype: str | None, batch: int | str, compile_mode: str = "off",
-                 max_memory: int | None = None, expected_new_tokens: list[int] | None = None) -> Any:
+                 max_memory: int | None = None, expected_new_tokens: list[int] | None = None, *,
+                 prefix_cache: bool = True) -> Any:
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
@@ -549,7 +553,8 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
             engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
                                  dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
                                  batch_size=batch, compile=compile_mode, max_memory=max_memory,
-                                 expected_new_tokens=expected_new_tokens, notify=compile_notice)
+                                 expected_new_tokens=expected_new_tokens, notify=compile_notice,
+                                 prefix_cache=prefix_cache)
         except SpecBatchError:
             raise
         except Exception as e:   # a loader bug must still be one line, and leave no job behind

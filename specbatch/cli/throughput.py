@@ -72,10 +72,17 @@ def threads_option(f: Any) -> Any:
                              "/ SPECBATCH_LOCAL_WORKERS].")(f)
 
 
+def prefix_cache_option(f: Any) -> Any:
+    return click.option("--no-prefix-cache", is_flag=True,
+                        help="Prefill every prompt whole: do not compute prompt prefixes that requests "
+                             "share once (to measure what that saves) [SPECBATCH_PREFIX_CACHE=0].")(f)
+
+
 def throughput_options(f: Any) -> Any:
     f = click.option("--no-speculation", is_flag=True,
                      help="Plain decoding with the target alone (same as --draft none).")(f)
     f = threads_option(f)
+    f = prefix_cache_option(f)
     f = click.option("--max-memory", type=BytesType(), default=None,
                      help="Memory budget for KV caches and activations, e.g. 8GiB or 512MB "
                           "[SPECBATCH_MAX_MEMORY; default: half the free RAM, 80% of free GPU memory].")(f)
@@ -90,17 +97,18 @@ class Throughput:
     batch_size: int | str
     max_memory: int | None
     threads: int | None
+    prefix_cache: bool = True
 
 
 def resolve_throughput(settings: Settings, batch_size: int | str | None, max_memory: int | None,
-                       threads: int | None) -> Throughput:
+                       threads: int | None, no_prefix_cache: bool = False) -> Throughput:
     """Options over settings (which validated their own values)."""
     from specbatch.engine.memory import parse_bytes
 
     if max_memory is None and settings.max_memory:
         max_memory = parse_bytes(settings.max_memory)
     return Throughput(settings.batch_size if batch_size is None else batch_size, max_memory,
-                      threads or settings.threads or None)
+                      threads or settings.threads or None, settings.prefix_cache and not no_prefix_cache)
 
 
 def no_draft(drafts: tuple[str, ...], no_speculation: bool) -> bool:

@@ -11,15 +11,26 @@ tests/engine/test_backend.py drives the decoder through a toy backend that share
 A backend holds one batch of rows. Row b's *valid* tokens are the accepted sequence cached so
 far; the decoder feeds each row what it lacks plus its draft tree, then rejects the tree nodes off
 the accepted path. Rows leave (``select``), join (``extend``) and are copied (``fork``) between
-steps.
+steps. A row may join with a shared prompt prefix already cached (``load_prefix``, its KV from
+``export_prefix``): then only the rest of its prompt is fed (engine/prefix.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class PrefixKV:
+    """A prefix's cached state in a backend's own form (``data``), for ``load_prefix``."""
+
+    n_tokens: int
+    nbytes: int      # what keeping it costs (the prefix store's budget counts it)
+    data: Any
 
 
 class TargetBackend(Protocol):
@@ -64,6 +75,36 @@ class TargetBackend(Protocol):
         """Append ``other``'s rows (a backend of the same kind, built by the same factory)."""
         ...
 
+    def export_prefix(self) -> PrefixKV:
+        """One row that fed exactly one chain and kept all of it (a prefix computed alone):
+        its cached state, to load into other backends built by the same factory."""
+        ...
+
+    def load_prefix(self, kv: PrefixKV) -> None:
+        """A fresh backend (nothing cached yet): every row starts with ``kv``'s tokens as its
+        valid tokens (a copy per row is allowed), positions 0 .. n_tokens - 1."""
+        ...
+
 
 BackendFactory = Callable[[int], TargetBackend]
 """n_rows -> an empty backend for that many rows (nothing cached yet)."""
+
+
+def joining(factory: BackendFactory, prefixes: Sequence[PrefixKV | None]) -> TargetBackend:
+    """A backend for rows about to join: row b starts with ``prefixes[b]`` cached (None: with
+    nothing). Rows that share one prefix must be adjacent: each run of them is one load."""
+    runs: list[tuple[PrefixKV | None, int]] = []
+    for kv in prefixes:
+        if runs and runs[-1][0] is kv:
+            runs[-1] = (kv, runs[-1][1] + 1)
+        else:
+            runs.append((kv, 1))
+    if len(runs) <= 1 and (not runs or runs[0][0] is None):
+        return factory(len(prefixes))
+    out = factory(0)
+    for kv, n in runs:
+        part = factory(n)
+        if kv is not None:
+            part.load_prefix(kv)
+        out.extend(part)
+    return out

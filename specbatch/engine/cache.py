@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from specbatch.engine.backend import TargetBackend
+from specbatch.engine.backend import PrefixKV, TargetBackend
 from specbatch.engine.hf_cache import cache_length, kv_layers
 from specbatch.engine.loading import LoadedModel
 
@@ -174,6 +174,24 @@ class BatchCache:
             self.cache = DynamicCache()
         self.valid = torch.cat([_left_pad_mask(self.valid, width), _left_pad_mask(other.valid, width)])
         self.n_valid = torch.cat([self.n_valid, other.n_valid])
+
+    def export_prefix(self) -> PrefixKV:
+        """This one dense row's KV: per layer (keys, values), each (1, H, L, D)."""
+        assert self.n_rows == 1 and self._dense(), "a prefix is one row computed alone"
+        layers = [(layer.keys, layer.values) for layer in kv_layers(self.cache)]
+        nbytes = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in layers)
+        return PrefixKV(int(self.n_valid[0]), nbytes, layers)
+
+    def load_prefix(self, kv: PrefixKV) -> None:
+        """Every row of this fresh backend starts with ``kv``: copied per row, since the
+        ``DynamicCache`` keeps one (B, H, L, D) tensor per layer and rows write their own tails."""
+        assert not self.valid.shape[1], "a prefix loads into a backend with nothing cached"
+        n = self.n_rows
+        self.cache = DynamicCache()
+        for i, (k, v) in enumerate(kv.data):
+            self.cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)   # (a cat: a copy)
+        self.valid = torch.ones(n, kv.n_tokens, dtype=torch.bool, device=self.model.device)
+        self.n_valid = torch.full((n,), kv.n_tokens, dtype=torch.long, device=self.model.device)
 
     def holes(self) -> float:
         total = self.valid.numel()

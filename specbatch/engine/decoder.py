@@ -6,6 +6,8 @@ node sees its row's valid cache and its own ancestors). Each row then accepts it
 tokens; rejected nodes become holes in the batch KV caches (``BatchCache``), so no row waits for
 another and rollback is per row. Finished rows leave the batch and waiting requests join it.
 Greedy rows equal the target's own greedy decoding; sampled rows keep the target's distribution.
+Prompt prefixes that requests share are computed once and copied into each joining row, which
+then prefills only the rest of its prompt (engine/prefix.py).
 
 Call ``Decoder.run`` under ``torch.inference_mode()``.
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specbatch.engine import constrained
-from specbatch.engine.backend import BackendFactory, TargetBackend
+from specbatch.engine.backend import BackendFactory, TargetBackend, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.drafters import Drafter, Proposal, common_prefix
 from specbatch.engine.gamma import GammaController
@@ -30,6 +32,7 @@ from specbatch.engine.grammar import Matcher, vocab_for
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
+from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Verdict, Warp
 from specbatch.engine.stopping import StopCheck
@@ -71,9 +74,12 @@ class Decoder:
 
     def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
                  default_gamma: int = 4, memory: MemoryBudget | None = None,
-                 backend: BackendFactory | None = None, grammar_drafts: bool = True) -> None:
+                 backend: BackendFactory | None = None, grammar_drafts: bool = True,
+                 prefixes: PrefixStore | None = None) -> None:
         """``target`` gives the tokenizer, stop ids and device; ``backend`` runs it (default: the
-        transformers model itself over a ``BatchCache``; see engine/backend.py)."""
+        transformers model itself over a ``BatchCache``; see engine/backend.py). ``prefixes``:
+        where shared prompt prefixes are kept across decodes (None: every row prefills its whole
+        prompt)."""
         self.target, self.drafters, self.policy = target, list(drafters), policy
         self.grammar_drafts = grammar_drafts   # structured rows: the grammar's forced tokens as a draft chain
         self.default_gamma = default_gamma
@@ -88,6 +94,9 @@ class Decoder:
         # the draft models' caches lag the rows: rows joined, or steps ran, without drafting
         # (their first proposal then feeds the backlog: a catch-up, not a measured step)
         self.drafts_behind = False
+        self.prefixes = prefixes
+        self.pool = (target.name, *(d.name for d in self.drafters))   # a stored prefix's owner
+        self.shared: dict[int, int] = {}    # request index -> length of a prefix others share
 
     def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None,
             *, forks: Mapping[int, int] | None = None) -> Iterator[tuple[int, GenerationOutput]]:
@@ -105,6 +114,14 @@ class Decoder:
         """
         waiting = deque(requests)
         self.forks = dict(forks or {})
+        if self.prefixes is not None:
+            lengths = shared_prefixes([ids for _, ids, _ in waiting])
+            self.shared = {i: n for (i, _, _), n in zip(waiting, lengths) if n}
+            # rows sharing a prefix join together (each group where its first request was)
+            groups: dict[object, list[Request]] = {}
+            for req, n in zip(waiting, lengths):
+                groups.setdefault(tuple(req[1][:n]) if n else req[0], []).append(req)
+            waiting = deque(r for g in groups.values() for r in g)
         paused: deque[Row] = deque()
         if self.memory is not None:
             self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
@@ -154,16 +171,20 @@ class Decoder:
     # -- admission: a fresh batch caches its prompts in its first step; rows joining a running
     #    batch cache theirs (all but the last token) in a forward of their own, then merge
     #    (resumed rows alike: their ids are prompt + what they generated so far)
-    def _admit(self, joining: list[Request], resuming: Sequence[Row] = ()) -> None:
-        t0 = time.perf_counter()
-        new = [self._new_row(i, ids, p, t0) for i, ids, p in joining] + list(resuming)
-        # samples of one request joining together: one prefill, forked to their rows
-        src = _fork_sources([self.forks.get(i, i) for i, _, _ in joining] + [None] * len(resuming))
-        distinct = max(src, default=-1) + 1
-        shared = distinct < len(src)
+    def _admit(self, arrivals: list[Request], resuming: Sequence[Row] = ()) -> None:
+        now = time.perf_counter()
+        new = [self._new_row(i, ids, p, now) for i, ids, p in arrivals] + list(resuming)
+        new, entries = self._prefixes(new, len(arrivals))
+        t0 = time.perf_counter()     # (a prefix computed just now is its computing row's: _prefixes)
+        # samples of one request joining together: one prefill (after their shared prefix, if
+        # one is stored), forked to their rows
+        resumed = {id(r) for r in resuming}
+        src = _fork_sources([None if id(r) in resumed else self.forks.get(r.index, r.index) for r in new])
+        reps = [src.index(u) for u in range(max(src, default=-1) + 1)]
+        shared = len(reps) < len(src)
         prefill = bool(self.rows) or shared       # (a fresh batch would cache each row's prompt)
-        cache = self.backend(distinct)
-        feeds = [new[src.index(u)].ids[:-1] for u in range(distinct)]
+        cache = joining(self.backend, [None if (e := entries[b]) is None else e.kv[0] for b in reps])
+        feeds = [new[b].ids[int(m):-1] for b, m in zip(reps, cache.n_valid.tolist())]
         prefilled = prefill and any(feeds)        # (one-token prompts have nothing to cache yet)
         if prefilled:
             cache.forward(feeds, logits_to_keep=1)
@@ -174,7 +195,9 @@ class Decoder:
         # decodes plainly (a large CPU batch) that prefill would be wasted; if speculation comes
         # back later, the draft's first proposal catches the rows up
         draft_prefill = prefill and self.policy.gamma_cap(len(self.rows) + len(new)) != 0
-        draft_forwards = sum(d.admit(new, draft_prefill) for d in self.drafters)
+        draft_forwards = sum(d.admit(new, draft_prefill, [e.kv[j + 1] if e is not None else None
+                                                          for e in entries])
+                             for j, d in enumerate(self.drafters))
         self.drafts_behind |= prefill and not draft_prefill
         if prefilled:   # (the samples of a request each count the prefill they share)
             seconds = time.perf_counter() - t0
@@ -184,6 +207,48 @@ class Decoder:
                 bs = r.tally.stats.batch_size_seconds
                 bs[key] = bs.get(key, 0.0) + seconds / len(new)
         self.rows.extend(new)
+
+    def _prefixes(self, new: list[Row], n_joining: int) -> tuple[list[Row], list[PrefixEntry | None]]:
+        """Each row's longest stored prefix, or the prefix it shares with other requests of
+        this decode, computed now; rows sharing one made adjacent (``joining`` loads each run
+        once). The first ``n_joining`` rows are new: their statistics count what was cached."""
+        store = self.prefixes
+        if store is None:
+            return new, [None] * len(new)
+        made: dict[tuple[int, ...], PrefixEntry] = {}
+        found: list[PrefixEntry | None] = []
+        for b, r in enumerate(new):
+            limit = len(r.ids) - 1           # the last token is fed by the step that scores it
+            entry = store.longest(r.ids, self.pool, limit)
+            want = self.shared.pop(r.index, 0) if b < n_joining else 0
+            cached = entry is not None
+            if want and (entry is None or len(entry.tokens) < want):
+                entry = made.get(tuple(r.ids[:want]))
+                cached = entry is not None
+                if entry is None:
+                    entry = made[tuple(r.ids[:want])] = self._compute_prefix(r.ids[:want])
+                    r.tally.prefill(entry.seconds, sum(k is not None for k in entry.kv[1:]))
+                    bs = r.tally.stats.batch_size_seconds     # a forward of one row
+                    bs["1"] = bs.get("1", 0.0) + entry.seconds
+                    store.put(entry)
+                    if self.memory is not None:
+                        self.memory.reserved = store.nbytes
+            if entry is not None and cached and b < n_joining:
+                r.tally.cached(len(entry.tokens), entry.seconds)
+            found.append(entry)
+        groups: dict[int, list[int]] = {}
+        for b, e in enumerate(found):
+            groups.setdefault(id(e), []).append(b)
+        order = [b for bs in groups.values() for b in bs]
+        return [new[b] for b in order], [found[b] for b in order]
+
+    def _compute_prefix(self, tokens: list[int]) -> PrefixEntry:
+        """A prefix's KV for the target and every drafter, each computed alone in one forward."""
+        t0 = time.perf_counter()
+        alone = self.backend(1)
+        alone.forward([tokens], logits_to_keep=1)
+        kv = (alone.export_prefix(), *(d.prefix(tokens) for d in self.drafters))
+        return PrefixEntry(tuple(tokens), kv, self.pool, time.perf_counter() - t0)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
         warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p, params.min_p)

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from specbatch.engine.backend import PrefixKV, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
@@ -94,10 +95,17 @@ class Drafter:
         self.scores: list[Acceptance] = []
         self.last: list[Proposal | None] = []
 
-    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+    def prefix(self, tokens: Sequence[int]) -> PrefixKV | None:
+        """This drafter's state for a prompt prefix shared by rows (engine/prefix.py), computed
+        alone; None: it keeps none (its rows need nothing loaded)."""
+        return None
+
+    def admit(self, rows: Sequence[DraftRow], prefill: bool,
+              prefixes: Sequence[PrefixKV | None] | None = None) -> int:
         """Rows join the batch. ``prefill``: cache all of each row's ids but its last token now
         (rows joining a running batch); else the first proposal feeds them (a fresh batch).
-        Returns the model forwards made."""
+        ``prefixes[b]``: what this drafter's ``prefix`` gave for a prefix of row b's ids, loaded
+        first (rows sharing one are adjacent). Returns the model forwards made."""
         self.scores += [Acceptance() for _ in rows]
         self.last += [None] * len(rows)
         return 0
@@ -137,22 +145,32 @@ class ModelDrafter(Drafter):
         self.cache = BatchCache(draft)
         self.fed: list[int] = []              # per row: own draft tokens fed in the last proposal
 
-    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+    def prefix(self, tokens: Sequence[int]) -> PrefixKV:
+        alone = BatchCache(self.draft, 1)
+        alone.forward([list(tokens)], logits_to_keep=1)
+        return alone.export_prefix()
+
+    def admit(self, rows: Sequence[DraftRow], prefill: bool,
+              prefixes: Sequence[PrefixKV | None] | None = None) -> int:
         super().admit(rows, prefill)
         self.fed += [0] * len(rows)
-        feeds = [r.ids[:-1] for r in rows]
-        forwards = int(prefill and any(feeds))
-        if not forwards:
+        prefixes = list(prefixes or [None] * len(rows))
+        if not prefill and all(p is None for p in prefixes):
             self.cache.extend(BatchCache(self.draft, len(rows)))
             return 0
-        # rows with the same ids (the samples of one request) cache them once and fork
-        first: dict[tuple[int, ...], int] = {}
-        src = [first.setdefault(tuple(f), len(first)) for f in feeds]
-        joining = BatchCache(self.draft, len(first))
-        joining.forward([list(f) for f in first], logits_to_keep=1)
-        if len(first) < len(rows):
-            joining.fork(src)
-        self.cache.extend(joining)
+        # rows with the same ids and prefix (the samples of one request) cache them once and fork
+        first: dict[tuple[tuple[int, ...], int], int] = {}
+        src = [first.setdefault((tuple(r.ids), id(p)), len(first)) for r, p in zip(rows, prefixes)]
+        reps = [src.index(u) for u in range(len(first))]
+        cache = joining(lambda n: BatchCache(self.draft, n), [prefixes[b] for b in reps])
+        feeds = [rows[b].ids[int(m):-1] for b, m in zip(reps, cache.n_valid.tolist())]
+        forwards = int(prefill and any(feeds))
+        if forwards:
+            cache.forward(feeds, logits_to_keep=1)
+        assert isinstance(cache, BatchCache)
+        if len(reps) < len(rows):
+            cache.fork(src)
+        self.cache.extend(cache)
         return forwards
 
     def retire(self, keep: list[int]) -> None:
@@ -261,7 +279,8 @@ class NgramDrafter(Drafter):
         super().__init__("ngram")
         self.rows: list[NgramIndex] = []
 
-    def admit(self, rows: Sequence[DraftRow], prefill: bool) -> int:
+    def admit(self, rows: Sequence[DraftRow], prefill: bool,
+              prefixes: Sequence[PrefixKV | None] | None = None) -> int:
         self.rows += [NgramIndex() for _ in rows]
         return super().admit(rows, prefill)
 

@@ -22,6 +22,7 @@ from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_mod
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
 from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
+from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
@@ -29,6 +30,7 @@ from specbatch.errors import RequestError, SpecBatchError
 logger = logging.getLogger(__name__)
 
 AUTO_MAX_BATCH = 256     # the autopilot's ceiling, below whatever the memory budget allows
+PREFIX_SHARE = 0.25      # of the memory budget, the most shared prompt prefixes may hold
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,7 @@ class Engine:
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
                  ngram: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
-                 max_memory: int | None = None) -> None:
+                 max_memory: int | None = None, prefix_cache: bool = True) -> None:
         for d in drafts:
             check_same_tokenizer(target, d)
         self.target = target
@@ -96,12 +98,15 @@ class Engine:
         self.background: BackgroundCompile | None = None  # a compile still warming up (workers)
         # structured outputs: the grammar's forced tokens are proposed as drafts (off: to measure)
         self.grammar_drafts = True
+        # shared prompt prefixes computed once, kept across calls (engine/prefix.py); off: to measure
+        self.prefix_cache = prefix_cache
+        self.prefixes: PrefixStore | None = None
 
     @classmethod
     def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
-             max_memory: int | None = None, compile: str = "off",
+             max_memory: int | None = None, compile: str = "off", prefix_cache: bool = True,
              expected_new_tokens: int | Sequence[int] | None = None,
              notify: Callable[[str], None] | None = None,
              background: Callable[[str], None] | bool = False) -> Engine:
@@ -116,7 +121,7 @@ class Engine:
               "trust_remote_code": trust_remote_code}
         t = load_model(target, **kw)
         engine = cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
-                     batch_size=batch_size, max_memory=max_memory)
+                     batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
         cache = cache_dir or get_settings().cache_dir
@@ -221,7 +226,8 @@ class Engine:
         if policy is None:
             policy = self._policy(size, rows)
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
-                          memory=self._memory(), grammar_drafts=self.grammar_drafts)
+                          memory=self._memory(), grammar_drafts=self.grammar_drafts,
+                          prefixes=self._prefix_store())
         started: set[int] = set()
 
         def start(flat: list[int]) -> None:      # the caller hears of each request once
@@ -285,6 +291,17 @@ class Engine:
             shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
             self.memory = MemoryBudget(budget, shapes)
         return self.memory
+
+    def _prefix_store(self) -> PrefixStore | None:
+        """The worker's shared prompt prefixes, within a share of the memory budget (which
+        then leaves the rows what the store holds: ``MemoryBudget.reserved``)."""
+        if not self.prefix_cache:
+            return None
+        memory = self._memory()
+        if self.prefixes is None:
+            self.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
+        memory.reserved = self.prefixes.nbytes
+        return self.prefixes
 
     def _policy(self, size: BatchSize, valid: list[Request]) -> Policy:
         if size != AUTO:

@@ -103,6 +103,7 @@ class MemoryBudget:
     shapes: tuple[ModelShape, ...]
     scale: float = 1.0              # measured / estimated, once a measurement ran ahead
     baseline: int | None = None     # process memory before the first step
+    reserved: int = 0               # held outside the rows: the prefix cache (engine/prefix.py)
 
     def row_bytes(self, columns: int, gamma: int) -> float:
         """Estimated bytes one row needs with ``columns`` tokens of context and draft length gamma."""
@@ -114,10 +115,15 @@ class MemoryBudget:
     def max_rows(self, columns: int, gamma: int) -> int:
         """Rows that fit when every row may grow to ``columns`` tokens (at least 1: a request too
         long for the budget still runs, alone)."""
-        return max(1, int(self.budget // max(self.row_bytes(columns, gamma), 1.0)))
+        return max(1, int(self.rows_budget // max(self.row_bytes(columns, gamma), 1.0)))
 
     def fits(self, rows: int, columns: int, gamma: int) -> bool:
-        return rows <= 1 or rows * self.row_bytes(columns, gamma) <= self.budget
+        return rows <= 1 or rows * self.row_bytes(columns, gamma) <= self.rows_budget
+
+    @property
+    def rows_budget(self) -> int:
+        """What the rows may use: the budget less what is reserved beside them."""
+        return max(0, self.budget - self.reserved)
 
     def check(self, measured: int | None, rows: int, columns: int, gamma: int) -> None:
         """After a step: process memory now (None: cannot measure); recalibrate when it runs ahead."""
@@ -128,7 +134,7 @@ class MemoryBudget:
             return
         if rows <= 0:
             return
-        used = measured - self.baseline - SLACK
+        used = measured - self.baseline - SLACK - self.reserved
         estimate = rows * self.row_bytes(columns, gamma)
         if used > estimate > 0:
             self.scale *= used / estimate

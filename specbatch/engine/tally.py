@@ -27,6 +27,11 @@ class Tally:
         s.draft_forwards += draft_forwards
         s.verify_seconds += seconds
 
+    def cached(self, tokens: int, seconds_saved: float) -> None:
+        """The request's first ``tokens`` prompt tokens came from the prefix cache (engine/prefix.py)."""
+        self.stats.cached_prompt_tokens = tokens
+        self.stats.prefill_seconds_saved = seconds_saved
+
     def step(self, drafted: int, n_accepted: int, winner: int, winner_name: str, *,
              draft_forwards: int, draft_seconds: float, verify_seconds: float) -> None:
         """One verify step: drafted = the depth of the row's draft tree (its draft length)."""

@@ -201,11 +201,13 @@ def _ts(t: datetime | None) -> int | None:
 class Usage:
     input_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int = 0      # input tokens read from the prefix cache (engine/prefix.py)
 
     def as_openai(self) -> dict[str, Any]:
         return {"input_tokens": self.input_tokens, "output_tokens": self.output_tokens,
                 "total_tokens": self.input_tokens + self.output_tokens,
-                "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens_details": {"reasoning_tokens": 0}}
 
 
 def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
@@ -213,9 +215,10 @@ def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
         return {}
     # a request's samples (parameter n) share its prompt: counted once, as OpenAI's usage does
     prompt = func.sum(case((Result.sample_index == 0, Result.prompt_tokens), else_=0))
-    rows = s.execute(select(Result.job_id, prompt, func.sum(Result.completion_tokens))
+    cached = func.sum(case((Result.sample_index == 0, Result.cached_prompt_tokens), else_=0))
+    rows = s.execute(select(Result.job_id, prompt, func.sum(Result.completion_tokens), cached)
                      .where(Result.job_id.in_(list(job_ids))).group_by(Result.job_id))
-    return {j: Usage(int(p or 0), int(c or 0)) for j, p, c in rows}
+    return {j: Usage(int(p or 0), int(c or 0), int(k or 0)) for j, p, c, k in rows}
 
 
 def batch_objects(s: Session, batches: Sequence[ApiBatch],

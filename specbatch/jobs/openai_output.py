@@ -105,7 +105,9 @@ def success_body(job: Job, req: Request, results: Sequence[Result]) -> dict[str,
     key = f"{job.id}-{req.id}"
     completion = sum(r.completion_tokens for r in results)
     usage = {"prompt_tokens": res.prompt_tokens, "completion_tokens": completion,
-             "total_tokens": res.prompt_tokens + completion}
+             "total_tokens": res.prompt_tokens + completion,
+             # read from the prefix cache, not prefilled (OpenAI's prompt caching field)
+             "prompt_tokens_details": {"cached_tokens": res.cached_prompt_tokens or 0}}
     chat = req.kind == "chat"
     body: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{key}",
                             "object": "chat.completion" if chat else "text_completion",

@@ -46,9 +46,20 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+def _prefix_cache(rows: list[Any]) -> dict[str, Any]:
+    """Prompt tokens of generated results read from the prefix cache, their share and the
+    prefill seconds that saved (engine/prefix.py)."""
+    prompt = sum(r.prompt_tokens for r in rows)
+    cached = sum(r.cached_prompt_tokens or 0 for r in rows)
+    return {"cached_prompt_tokens": cached, "share": _ratio(cached, prompt),
+            "requests": sum(1 for r in rows if r.cached_prompt_tokens),
+            "prefill_seconds_saved_sum": sum(r.prefill_seconds_saved or 0.0 for r in rows)}
+
+
 def job_stats(s: Session, job_id: str) -> dict[str, Any]:
     """Aggregate statistics over the job's results (see the module docstring)."""
-    cols = (Result.worker, Result.prompt_tokens, Result.completion_tokens, Result.verify_steps,
+    cols = (Result.worker, Result.prompt_tokens, Result.cached_prompt_tokens, Result.prefill_seconds_saved,
+            Result.completion_tokens, Result.verify_steps,
             Result.drafted_tokens, Result.accepted_tokens, Result.acceptance_rate,
             Result.mean_acceptance_length, Result.target_forwards, Result.draft_forwards,
             Result.draft_seconds, Result.verify_seconds, Result.wall_seconds, Result.tokens_per_second,
@@ -104,6 +115,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
         "results": len(rows),
         # a request's samples share its prompt (parameter n): counted once, as OpenAI's usage does
         "prompt_tokens": sum(r.prompt_tokens for r in rows if r.sample_index == 0),
+        "prefix_cache": _prefix_cache([r for r in generated if r.sample_index == 0]),   # a prompt once
         "tokens_generated": tokens,
         "cache_hits": len(rows) - len(generated),
         "tokens_from_cache": sum(r.completion_tokens for r in rows if r.cached),

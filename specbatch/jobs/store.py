@@ -29,6 +29,7 @@ from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import JobNotFound, SpecBatchError
 from specbatch.jobs import logprobs
 from specbatch.jobs.intake import ParsedRequest, params_from_dict
+from specbatch.jobs.prefix_order import prefix_ordered
 from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
@@ -226,11 +227,12 @@ def expired_leases(s: Session, job_id: str) -> int:
 Route = tuple[str, tuple[str, ...]]     # (target, drafts): the models a request runs on
 
 
-def request_routes(s: Session, job_id: str, request_ids: Sequence[int] | None = None
-                   ) -> dict[Route | None, list[int]]:
+def request_routes(s: Session, job_id: str, request_ids: Sequence[int] | None = None, *,
+                   by_prefix: bool = False) -> dict[Route | None, list[int]]:
     """The job's requests (or ``request_ids`` of them) grouped by the pair they run on: None for the
     job's own pair (its ``queue``), else the (target, drafts) --model-map routed their body.model
-    to. Ids ascending within a route."""
+    to. Ids ascending within a route; ``by_prefix``: in chunking order instead, requests sharing a
+    prompt prefix adjacent (jobs/prefix_order.py)."""
     job = get_job(s, job_id)
     stmt = select(Request.id, Request.target, Request.drafts).where(Request.job_id == job.id)
     if request_ids is not None:
@@ -238,6 +240,8 @@ def request_routes(s: Session, job_id: str, request_ids: Sequence[int] | None = 
     out: dict[Route | None, list[int]] = {}
     for rid, target, drafts in s.execute(stmt.order_by(Request.id)):
         out.setdefault(None if target is None else (target, tuple(drafts or ())), []).append(rid)
+    if by_prefix:
+        out = {route: prefix_ordered(s, ids) for route, ids in out.items()}
     return out
 
 
@@ -424,6 +428,8 @@ def _result_values(req: Request, output: GenerationOutput, worker: str, models: 
     return {
         "request_id": req.id, "sample_index": int(output.sample_index), "job_id": req.job_id, "text": output.text.replace("\x00", "\ufffd"),  # PostgreSQL text cannot hold NUL
         "token_ids": [int(t) for t in output.token_ids], "prompt_tokens": int(st.prompt_tokens),
+        "cached_prompt_tokens": int(st.cached_prompt_tokens),
+        "prefill_seconds_saved": _finite(st.prefill_seconds_saved),
         "completion_tokens": len(output.token_ids), "finish_reason": output.finish_reason,
         "verify_steps": st.verify_steps, "drafted_tokens": st.drafted_tokens,
         "accepted_tokens": st.accepted_tokens, "acceptance_rate": _finite(st.acceptance_rate),

@@ -8,6 +8,8 @@ a ``specbatch_`` prefix, so its dashboards translate by renaming:
   specbatch_spec_decode_num_accepted_tokens_total        draft tokens accepted
   specbatch_spec_decode_num_accepted_tokens_per_pos_total{position}  accepted at draft position j
   (acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts)
+  specbatch_prompt_tokens_total                          prompt tokens of finished requests
+  specbatch_prefix_cache_hit_tokens_total                ... of those, read from the prefix cache
 
 With ``--compile``: ``specbatch_compiled_forward_calls_total{model}`` counts forwards through a
 warmed compiled graph and ``specbatch_compiled_forward_misses_total{model}`` those that matched none
@@ -68,6 +70,9 @@ class WorkerMetrics:
         self.generation_tokens = counter("specbatch_generation_tokens", "Tokens generated (results written).")
         self.requests = counter("specbatch_requests", "Requests finished by this worker, by outcome "
                                 "(completed: a result stored; failed: the request's own error).", ("outcome",))
+        self.prompt_tokens = counter("specbatch_prompt_tokens", "Prompt tokens of finished requests.")
+        self.prefix_hit_tokens = counter("specbatch_prefix_cache_hit_tokens",
+                                         "Prompt tokens read from the prefix cache, not prefilled.")
         self.num_drafts = counter("specbatch_spec_decode_num_drafts",
                                   "Verify steps that drafted at least one token.")
         self.num_draft_tokens = counter("specbatch_spec_decode_num_draft_tokens", "Draft tokens proposed.")
@@ -106,6 +111,8 @@ class WorkerMetrics:
         lv, st = self.labels, output.stats
         self.requests.labels(**lv, outcome="completed").inc()
         self.generation_tokens.labels(**lv).inc(len(output.token_ids))
+        self.prompt_tokens.labels(**lv).inc(st.prompt_tokens)
+        self.prefix_hit_tokens.labels(**lv).inc(st.cached_prompt_tokens)
         self.num_drafts.labels(**lv).inc(st.draft_steps)
         self.num_draft_tokens.labels(**lv).inc(st.drafted_tokens)
         self.num_accepted_tokens.labels(**lv).inc(st.accepted_tokens)

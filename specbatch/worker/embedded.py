@@ -41,6 +41,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     """
     from specbatch.db import session_factory
     from specbatch.jobs import store
+    from specbatch.jobs.prefix_order import prefix_ordered
 
     sf = session_factory(settings.database_url)
     keep = None if only is None else set(only)
@@ -51,7 +52,8 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
             release_dead_embedded(s, job_id)
             store.set_interrupted(s, job_id, False)
             ids = store.resumable_request_ids(s, job_id)
-        return ids if keep is None else [i for i in ids if i in keep]
+            # chunked so that requests sharing a prompt prefix decode together
+            return prefix_ordered(s, ids if keep is None else [i for i in ids if i in keep])
 
     observer = Observer()   # the request spans, when tracing is on (no metrics port here)
 

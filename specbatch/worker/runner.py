@@ -173,14 +173,14 @@ def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = 
 def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), ngram: bool = False,
                device: str | None = None, dtype: str | None = None, batch_size: int | str | None = None,
                max_memory: int | None = None, threads: int | None = None, compile: str | None = None,
-               hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
+               prefix_cache: bool | None = None, hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
                imports: Sequence[str] = (), extra_argv: Sequence[str] = (),
                metrics_port: int = 0) -> tuple[int, str | None]:
     """Run a worker until it stops; returns (exit status, the model loading error if any).
 
     ``imports``: extra modules the pool child imports (tests use it to inject faults).
     ``metrics_port``: serve Prometheus ``/metrics`` there (``specbatch.observability.metrics``).
-    ``device``, ``dtype``, ``batch_size``, ``compile``: None takes the settings' value.
+    ``device``, ``dtype``, ``batch_size``, ``compile``, ``prefix_cache``: None takes the settings' value.
     """
     from celery.utils.nodenames import default_nodename, host_format
 
@@ -196,7 +196,8 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
         specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram,
                           "device": device or settings.device, "dtype": dtype or settings.dtype,
                           "batch_size": batch_size or settings.batch_size, "max_memory": max_memory,
-                          "threads": threads, "compile": compile or settings.compile},
+                          "threads": threads, "compile": compile or settings.compile,
+                          "prefix_cache": settings.prefix_cache if prefix_cache is None else prefix_cache},
         specbatch_ready_file=ready if pool == "prefork" else None,
         specbatch_observe={"worker": host_format(default_nodename(hostname)), "metrics": server is not None},
         imports=list(imports),

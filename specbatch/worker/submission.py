@@ -86,7 +86,7 @@ def store_job(s: Session, parsed: ParsedFile, *, pair: Pair, defaults: dict[str,
     job = store.create_job(s, target=pair.target, drafts=pair.drafts, ngram=pair.ngram, params=defaults,
                            requests=parsed.requests, queue=pair.queue, source=source, metadata=metadata,
                            cache=cache)
-    return job.id, store.request_routes(s, job.id, store.resumable_request_ids(s, job.id))
+    return job.id, store.request_routes(s, job.id, store.resumable_request_ids(s, job.id), by_prefix=True)
 
 
 def submit_job(settings: Settings, factory: sessionmaker, parsed: ParsedFile, *, pair: Pair,

@@ -54,7 +54,7 @@ def engine_spec(conf: Any) -> dict[str, Any]:
     s = get_settings()
     return {"target": s.default_target, "drafts": [s.default_draft], "ngram": False,
             "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size, "compile": s.compile,
-            "threads": s.threads or None}
+            "threads": s.threads or None, "prefix_cache": s.prefix_cache}
 
 
 def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = None) -> Engine:
@@ -67,7 +67,7 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
     return Engine.load(spec["target"], drafts=list(spec.get("drafts") or ()), ngram=bool(spec.get("ngram")),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
                        cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
-                       max_memory=spec.get("max_memory"),
+                       max_memory=spec.get("max_memory"), prefix_cache=bool(spec.get("prefix_cache", True)),
                        # a worker compiles in the background (auto: it is long-lived), eager meanwhile
                        compile=spec.get("compile") or "off", background=on_state or True)
 

@@ -62,3 +62,31 @@ def test_bench_job_rejects_a_bad_file(tiny_models: Path, tmp_path: Path):
     res = CliRunner().invoke(cli, ["bench", "--job", str(bad), "--target", str(tiny_models / "llama"),
                                    "--draft", str(tiny_models / "llama-partial")])
     assert res.exit_code == 1 and "bad.jsonl" in res.output and "Traceback" not in res.output
+
+
+def test_bench_shared_prefix_runs_the_prefix_cache_on_and_off(tiny_models: Path, tmp_path: Path):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["bench", "--shared-prefix", "60", "--target", str(tiny_models / "llama"),
+                                   "--draft", str(tiny_models / "llama-partial"), "--num-prompts", "6",
+                                   "--max-new-tokens", "5", "--batch-sizes", "3", "--threads", "1",
+                                   "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert [r["name"] for r in data["job"]] == ["ours-auto", "ours-auto[no-prefix-cache]", "hf-generate[B=3]"]
+    assert all(r["identical"] for r in data["job"])
+    pc = data["prefix_cache"]
+    assert pc["identical"] and pc["ratio"] > 0
+    # five of the six requests read the shared system prompt (the first computes it)
+    assert pc["cached_prompt_tokens"] >= 5 * 60 and 0 < pc["cached_share"] < 1
+    lines = [json.loads(x) for x in (out / "shared-prefix-60.jsonl").read_text().splitlines()]
+    assert len(lines) == 48 and len({x["messages"][0]["content"] for x in lines}) == 1
+    assert len({x["messages"][1]["content"] for x in lines}) == 48
+    assert all(32 <= x["max_tokens"] <= 64 for x in lines)
+    assert "prefix cache: ours-auto on / off = " in (out / "job-report.md").read_text()
+
+
+def test_shared_prefix_is_a_mode_of_its_own(tiny_models: Path, tmp_path: Path):
+    res = CliRunner().invoke(cli, ["bench", "--shared-prefix", "60", "--no-prefix-cache"])
+    assert res.exit_code == 2 and "drop --job / --no-prefix-cache" in res.output
+    res = CliRunner().invoke(cli, ["bench", "--no-prefix-cache", "--quick"])
+    assert res.exit_code == 2 and "job mode" in res.output

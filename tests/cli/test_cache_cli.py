@@ -74,3 +74,31 @@ def test_help_lists_no_cache_on_run_and_submit() -> None:
     for command in ("run", "submit"):
         assert "--no-cache" in sb(command, "--help")
     assert "stats" in sb("cache", "--help") and "--target" in sb("cache", "clear", "--help")
+
+
+def test_prefix_cache_on_and_off_through_run_status_and_export(tmp_path: Path, tiny_models: Path) -> None:
+    # the README's `--no-prefix-cache` command, on a copy of the tiny target named like the default one
+    target = tmp_path / "smollm2-135m"
+    shutil.copytree(tiny_models / "llama", target)
+    prompts = tmp_path / "prompts.jsonl"
+    system = "You answer questions about the dishwasher manual. " * 3
+    rows = [{"custom_id": f"q{i}", "messages": [{"role": "system", "content": system},
+                                                {"role": "user", "content": q}], "max_tokens": 6}
+            for i, q in enumerate(["How do I clean it?", "What is E15?", "Where do cups go?"])]
+    rows.append({"custom_id": "other", "prompt": "def fibonacci(n):", "max_tokens": 6})
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pair = ["--target", str(target), "--draft", str(tiny_models / "llama-partial"), "--no-cache"]
+
+    on = sb("run", str(prompts), *pair, "--json")
+    off = sb("run", str(prompts), *pair, "--no-prefix-cache", "--json")
+    pc = on["stats"]["prefix_cache"]
+    assert pc["requests"] == 2 and pc["cached_prompt_tokens"] > 0          # the first computes it
+    assert off["stats"]["prefix_cache"]["cached_prompt_tokens"] == 0
+    texts = {}
+    for job in (on, off):
+        lines = [json.loads(x) for x in sb("export", job["id"]).splitlines()]
+        texts[job["id"]] = [x["response"]["body"]["choices"][0] for x in lines]
+        cached = [x["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for x in lines]
+        assert (sum(c > 0 for c in cached) == 2) == (job is on) and cached[3] == 0
+    assert texts[on["id"]] == texts[off["id"]]
+    assert "prefix cache" in sb("status", on["id"]) and "prefix cache" not in sb("status", off["id"])

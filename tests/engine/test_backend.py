@@ -13,11 +13,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from specbatch.engine.backend import TargetBackend
+from specbatch.engine.backend import PrefixKV, TargetBackend
 from specbatch.engine.decoder import Decoder
 from specbatch.engine.drafters import Drafter, NgramDrafter, Proposal
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.policy import MeasuredPolicy
+from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.types import GenerationParams
 
 V = 16
@@ -46,6 +47,7 @@ class ToyBackend:
         self.starts: list[int] = [0] * n_rows      # first entry of each row's last feed
         self.last_hidden: torch.Tensor | None = None
         self.forwards = 0
+        self.feeds: list[list[int]] = []
 
     @property
     def n_rows(self) -> int:
@@ -57,6 +59,7 @@ class ToyBackend:
 
     def forward(self, feeds, logits_to_keep, parents=None, *, hidden=False):
         self.forwards += 1
+        self.feeds += [list(f) for f in feeds]
         out = torch.zeros(len(feeds), logits_to_keep, V)
         for b, feed in enumerate(feeds):
             valid = [t for t, v in self.entries[b] if v]
@@ -98,6 +101,13 @@ class ToyBackend:
         assert isinstance(other, ToyBackend)
         self.entries += other.entries
         self.starts += other.starts
+
+    def export_prefix(self):
+        tokens = [t for t, v in self.entries[0] if v]
+        return PrefixKV(len(tokens), 8 * len(tokens), tokens)
+
+    def load_prefix(self, kv):
+        self.entries = [[[t, 1] for t in kv.data] for _ in self.entries]
 
 
 class NoisyOracle(Drafter):
@@ -170,6 +180,29 @@ def test_forked_rows_over_a_second_backend(toy_target, batch):
         assert out[i].token_ids == toy_greedy(p, 12), (batch, i)
     if batch == 8:   # all joined at once: three distinct prompts prefilled in one forward, then forked
         assert sizes[:2] == [0, 3] and made[1].forwards == 1
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_shared_prompt_prefixes_load_through_the_seam(toy_target, batch):
+    made: list[ToyBackend] = []
+
+    def factory(n: int) -> TargetBackend:
+        made.append(ToyBackend(n))
+        return made[-1]
+
+    shared = [(3 * i) % V for i in range(20)]
+    prompts = [shared + [1, 2], shared + [5], [4, 4, 4], shared + [7, 8, 9], shared[:18] + [0]]
+    decoder = Decoder(toy_target, [NoisyOracle(), NgramDrafter()], MeasuredPolicy(batch, {}),
+                      default_gamma=3, backend=factory, prefixes=PrefixStore(10**6))
+    params = GenerationParams(max_new_tokens=12, gamma=3, adaptive=False)
+    with torch.inference_mode():
+        out = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)]))
+    for i, p in enumerate(prompts):
+        assert out[i].token_ids == toy_greedy(p, 12), (batch, i)
+    # four prompts share 18 tokens, three of them 20: the 18 serve more (the first computes them)
+    assert [out[i].stats.cached_prompt_tokens for i in range(len(prompts))] == [0, 18, 0, 18, 18]
+    # the prefix was fed once (computed alone), not once per row that starts with it
+    assert sum(f[:18] == shared[:18] for b in made for f in b.feeds) == 1
 
 
 class HiddenProbe(NgramDrafter):

@@ -24,7 +24,8 @@ DESIGN_FIELDS = {"drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_a
                  "verify_seconds", "wall_seconds", "tokens_per_second"}
 EXTRA_FIELDS = {"prompt_tokens", "new_tokens", "verify_steps", "pool_wins", "step_winners",
                 "final_gamma", "speculation_disabled", "draft_steps", "accepted_at_position",
-                "first_token_seconds", "batch_size_seconds", "grammar_drafted_tokens", "grammar_accepted_tokens"}
+                "first_token_seconds", "batch_size_seconds", "grammar_drafted_tokens", "grammar_accepted_tokens",
+                "cached_prompt_tokens", "prefill_seconds_saved"}
 PROMPT = "Once upon a time there was"
 
 

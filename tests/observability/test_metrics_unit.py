@@ -145,3 +145,13 @@ def test_a_taken_metrics_port_is_one_clear_line(monkeypatch: pytest.MonkeyPatch)
     assert result.exit_code == 1, result.output
     assert result.output.strip().splitlines() == [
         f"Error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; choose another --metrics-port"]
+
+
+def test_prompt_tokens_read_from_the_prefix_cache_are_counted() -> None:
+    m = WorkerMetrics(LABELS)
+    computed, read = _output(2, [0], [0], wall=0.1, first=0.1), _output(2, [0], [0], wall=0.1, first=0.1)
+    read.stats.prompt_tokens, read.stats.cached_prompt_tokens = 40, 32
+    m.observe_completed(computed)
+    m.observe_completed(read)
+    assert m.registry.get_sample_value("specbatch_prompt_tokens_total", LABELS) == 43
+    assert m.registry.get_sample_value("specbatch_prefix_cache_hit_tokens_total", LABELS) == 32

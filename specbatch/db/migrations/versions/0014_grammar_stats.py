@@ -5,7 +5,7 @@ The grammar's forced run proposed as a draft chain and how much of it was accept
 specbatch_results view gains both columns (the CSV export's).
 
 Revision ID: 0014
-Revises: 0011
+Revises: 0013
 Create Date: 2026-12-02
 """
 
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0014"
-down_revision = "0011"
+down_revision = "0013"
 branch_labels = None
 depends_on = None
 

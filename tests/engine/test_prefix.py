@@ -1,0 +1,192 @@
+"""Shared prompt prefixes (engine/prefix.py): computed once, copied into each row, outputs unchanged.
+
+Greedy outputs with the prefix cache on equal those with it off (and the target's own greedy
+decoding) for rows that share a prefix and rows that do not, mixed, at 1 and 8 rows, with a draft
+model, n-gram and a pool; the target's prefill tokens show the prefix computed once; the store
+keeps its byte budget, least recently used out.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.backend import PrefixKV
+from specbatch.engine.cache import BatchCache
+from specbatch.engine.decoder import Decoder
+from specbatch.engine.drafters import ModelDrafter
+from specbatch.engine.policy import MeasuredPolicy
+from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
+from tests.tiny import CORPUS
+
+
+def corpus_ids(target, n: int, skip: int = 0) -> list[int]:
+    """n token ids of the tiny corpus (real text: the tiny models' drafts agree on some of it)."""
+    ids = target.tokenizer("".join(CORPUS)).input_ids[skip:]
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def mixed_prompts(target) -> list[list[int]]:
+    """Two groups sharing a 40- and a 60-token prefix, one prompt sharing only 20 tokens with the
+    first group, two sharing nothing, one that is the first group's prefix plus a single token."""
+    a, b = corpus_ids(target, 40), corpus_ids(target, 60, skip=200)
+    # (each question starts with its own token: the groups share exactly 40 and 60 tokens)
+    q = [[50 + i] + corpus_ids(target, n, skip=400 + 17 * i) for i, n in enumerate([3, 7, 5, 9, 4, 6, 8])]
+    return [a + q[0], b + q[1], a + q[2], corpus_ids(target, 30, skip=600), a + q[3], b + q[4],
+            a[:20] + q[5], corpus_ids(target, 12, skip=700), a + q[6][:1]]
+
+
+LENGTHS = [8, 20, 5, 12, 16, 3, 10, 7, 9]
+SETUPS = {"draft": (["llama-partial"], False), "ngram": ([], True), "pool": (["llama-partial"], True)}
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(load, setup, batch):
+    target = load("llama")
+    names, ngram = SETUPS[setup]
+    prompts = mixed_prompts(target)
+    reqs = [EngineRequest(input_ids=p, params=GenerationParams(max_new_tokens=n, gamma=3, adaptive=False))
+            for p, n in zip(prompts, LENGTHS)]
+    out = {}
+    for on in (True, False):
+        engine = Engine(target, [load(n) for n in names], ngram=ngram, prefix_cache=on)
+        out[on] = dict(engine.generate_many(reqs, batch_size=batch))
+    for i, (p, n) in enumerate(zip(prompts, LENGTHS)):
+        assert out[True][i].token_ids == out[False][i].token_ids, (setup, batch, i)
+        with torch.inference_mode():
+            ref = target.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                        max_new_tokens=n, do_sample=False, pad_token_id=0)
+        assert out[True][i].token_ids == ref[0, len(p):].tolist()[: len(out[True][i].token_ids)]
+    cached = [out[True][i].stats.cached_prompt_tokens for i in range(len(prompts))]
+    # the first row of each shared prefix computes it; the others read it (B=1: one admission
+    # per row, so every later row of a group hits the store; B=8: the same admission)
+    # five rows start with a (one computes it), two with b; the rest share nothing worth it
+    assert sorted(cached) == [0] * 5 + [40] * 3 + [60]
+    assert cached[3] == cached[6] == cached[7] == 0
+    assert all(out[False][i].stats.cached_prompt_tokens == 0 for i in range(len(prompts)))
+    assert all(out[True][i].stats.prefill_seconds_saved > 0 for i, c in enumerate(cached) if c)
+
+
+class CountingCache(BatchCache):
+    """The target's cache, recording every feed it scores."""
+
+    feeds: list[list[int]] = []
+
+    def forward(self, feeds, logits_to_keep, parents=None, *, hidden=False):
+        CountingCache.feeds += [list(f) for f in feeds]
+        return super().forward(feeds, logits_to_keep, parents, hidden=hidden)
+
+
+@pytest.mark.parametrize("batch", [4, 16])
+def test_a_prefix_shared_by_16_requests_is_prefilled_once(load, batch):
+    target = load("llama")
+    prefix = corpus_ids(target, 300)
+    prompts = [prefix + [50 + i] + corpus_ids(target, 4, skip=320 + 9 * i) for i in range(16)]
+    params = GenerationParams(max_new_tokens=4, adaptive=False)
+    fed: dict[bool, list[list[int]]] = {}
+    outs = {}
+    for on in (True, False):
+        CountingCache.feeds = []
+        decoder = Decoder(target, [], MeasuredPolicy(batch, {}), backend=lambda n: CountingCache(target, n),
+                          prefixes=PrefixStore(10**9) if on else None)
+        with torch.inference_mode():
+            outs[on] = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)]))
+        fed[on] = CountingCache.feeds
+    assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
+    starts = {on: sum(f[:300] == prefix for f in feeds) for on, feeds in fed.items()}
+    assert starts == {True: 1, False: 16}
+    tokens = {on: sum(len(f) for f in feeds) for on, feeds in fed.items()}
+    assert tokens[False] - tokens[True] == 15 * 300
+    assert sorted(o.stats.cached_prompt_tokens for o in outs[True].values()) == [0] + [300] * 15
+
+
+def test_shared_prefixes_come_from_the_token_trie():
+    p = list(range(100))
+    prompts = [p + [1000], p + [1001, 5], p[:50] + [7] * 30, p[:50] + [8] * 30, list(range(200, 260)),
+               p[:10] + [9] * 40, p[:10] + [6] * 40, p[:30] + [4] * 9, p + [1000]]
+    # (10 shared: under the minimum; p[:30] + ...: its 30 would serve it alone, the others go
+    # deeper, so it uses the 10 where that counts)
+    assert shared_prefixes(prompts) == [100, 100, 50, 50, 0, 0, 0, 0, 100]
+    assert shared_prefixes(prompts, min_tokens=5) == [100, 100, 50, 50, 0, 10, 10, 10, 100]
+    # a prompt that is another's prefix: its last token stays to be fed; one prompt: nothing shared
+    assert shared_prefixes([p[:40], p]) == [39, 39]
+    assert shared_prefixes([p]) == [0]
+    # 48 questions after one system prompt: one prefix for all, though some questions also share
+    # their first words (each pair's longer prefix would be one more forward, for one reader)
+    system = list(range(600))
+    questions = [[1000 + i % 3, 2000 + i] for i in range(48)]
+    assert shared_prefixes([system + q for q in questions]) == [600] * 48
+
+
+def entry(tokens: tuple[int, ...], nbytes: int) -> PrefixEntry:
+    return PrefixEntry(tokens, (PrefixKV(len(tokens), nbytes, None),), ("t",), 0.1)
+
+
+def test_the_prefix_store_keeps_its_byte_budget_least_recently_used_out():
+    store = PrefixStore(budget=250)
+    a, b, c = (1,) * 20, (2,) * 20, (3,) * 30
+    assert store.put(entry(a, 100)) and store.put(entry(b, 100))
+    assert store.longest(list(a) + [5], ("t",), limit=21) is not None   # a: used, now the newest
+    assert store.longest(list(a) + [5], ("other",), limit=21) is None   # another pool's: not it
+    assert store.longest(list(a), ("t",), limit=19) is None             # the last token stays to feed
+    assert store.put(entry(c, 100))
+    assert set(store.entries) == {a, c} and store.nbytes == 200 and store.evictions == 1
+    assert not store.put(entry((4,) * 20, 300))                          # alone over the budget
+    assert set(store.entries) == {a, c}
+    assert store.put(entry(a[:16], 250)) and set(store.entries) == {a[:16]} and store.nbytes == 250
+
+
+def test_an_engine_keeps_prefixes_within_its_store_budget_across_calls(load):
+    target = load("llama")
+    engine = Engine(target, ngram=True)
+    groups = [corpus_ids(target, 64, skip=64 * g) for g in range(3)]
+    per_entry = 64 * 2 * 2 * 16 * 2 * 4              # layers x kv heads x head dim x (K, V) x fp32
+    engine.prefixes = PrefixStore(budget=2 * per_entry)   # room for two of the three prefixes
+    params = GenerationParams(max_new_tokens=3, adaptive=False)
+    for g in groups:
+        reqs = [EngineRequest(input_ids=g + corpus_ids(target, 4, skip=300 + 5 * i), params=params)
+                for i in range(3)]
+        list(engine.generate_many(reqs, batch_size=3))
+        assert engine.prefixes.nbytes <= engine.prefixes.budget
+        assert engine.memory is not None and engine.memory.reserved == engine.prefixes.nbytes
+    assert set(engine.prefixes.entries) == {tuple(groups[1]), tuple(groups[2])}
+    assert engine.prefixes.evictions == 1
+    # a later call reads a stored prefix even for a request no other request of it shares
+    out = dict(engine.generate_many([EngineRequest(input_ids=groups[2] + [5, 6], params=params)]))
+    assert out[0].stats.cached_prompt_tokens == 64
+
+
+class Shrinking(MeasuredPolicy):
+    """4 rows for the first steps, then 2: the newest rows pause and resume later."""
+
+    def __init__(self) -> None:
+        super().__init__(4)
+        self.steps = 0
+
+    def max_rows(self, waiting: int = 0) -> int:
+        return 4 if self.steps < 3 else 2
+
+    def observe(self, report) -> None:
+        self.steps += 1
+        super().observe(report)
+
+
+def test_paused_rows_resume_from_the_stored_prefix(load):
+    target, draft = load("llama"), load("llama-partial")
+    prefix = corpus_ids(target, 50)
+    prompts = [prefix + [60 + i] + corpus_ids(target, 3, skip=300 + 7 * i) for i in range(6)]
+    params = GenerationParams(max_new_tokens=10, gamma=2, adaptive=False)
+    outs = {}
+    for on in (True, False):
+        CountingCache.feeds = []
+        decoder = Decoder(target, [ModelDrafter(draft, target.vocab_size)], Shrinking(),
+                          backend=lambda n: CountingCache(target, n), prefixes=PrefixStore(10**9) if on else None)
+        with torch.inference_mode():
+            outs[on] = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)]))
+        if on:   # resumed rows read the prefix again rather than feed it
+            assert sum(f[:50] == prefix for f in CountingCache.feeds) == 1
+    assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
+    assert sorted(o.stats.cached_prompt_tokens for o in outs[True].values()) == [0] + [50] * 5
