@@ -12,6 +12,7 @@ share nothing keep their order, so a job without shared prefixes is chunked exac
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,12 +37,7 @@ def prompt_text(prompt: str | None, messages: list[dict[str, Any]] | None, promp
 
 
 def _shared(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return len(os.path.commonprefix([a, b]))
 
 
 def group_by_prefix(ids: Sequence[int], texts: Sequence[str], min_chars: int = MIN_SHARED_CHARS) -> list[int]:
