@@ -99,8 +99,9 @@ class ParsedFile:
 def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = False
                     ) -> dict[str, Route] | None:
     """``NAME=TARGET[,DRAFT...]`` options into {NAME: (TARGET, [DRAFT, ...])}; None for no option.
-    A NAME without drafts uses none (plain decoding, plus the job's --ngram). A model that is no
-    model on this machine (``known_models.name_problem``) is refused unless ``allow_remote``."""
+    A NAME without drafts uses none (plain decoding, plus the job's drafters that load no model:
+    --ngram). A model that is no model on this machine (``known_models.name_problem``) is refused
+    unless ``allow_remote``."""
     if not specs:
         return None
     out: dict[str, Route] = {}

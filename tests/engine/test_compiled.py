@@ -18,6 +18,7 @@ import torch
 from specbatch.config import Settings
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine import compiled as C
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from tests.engine.test_sampling_distribution import WARP, chi2_pvalue, empirical, exact_joint, tv
 
@@ -464,8 +465,8 @@ def test_greedy_through_compiled_target_is_lossless_for_every_setup(compiled_pai
 def _lossless_for_every_setup(target, draft):
     alone = Engine(target)
     refs = {p: _greedy(alone, p) for p in PROMPTS}
-    setups = {"draft": Engine(target, [draft]), "ngram": Engine(target, ngram=True),
-              "pool": Engine(target, [draft], ngram=True)}
+    setups = {"draft": Engine(target, [draft]), "ngram": Engine(target, [NGRAM]),
+              "pool": Engine(target, [draft, NGRAM])}
     for name, engine in setups.items():
         for gamma in (1, 4):
             for p in PROMPTS:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, GenerationParams, loading
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import KNOWN_MODELS, known_model_status, load_model
 from specbatch.errors import ModelLoadError
 
@@ -227,7 +228,7 @@ def test_gguf_changed_file_gets_a_new_cache_entry(tiny_models, tmp_path):
 def test_gguf_target_with_directory_draft(load, gguf_file, tmp_path):
     """A GGUF-loaded target and a directory draft share a tokenizer; output is the target's greedy."""
     target = load_model(str(gguf_file), cache_dir=tmp_path / "cache")
-    engine = Engine(target, [load("llama-partial")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), NGRAM])
     ref = Engine(load("llama")).generate(prompt="def fibonacci(n):", params=GenerationParams(max_new_tokens=24))
     out = engine.generate(prompt="def fibonacci(n):", params=GenerationParams(max_new_tokens=24))
     assert out.token_ids == ref.token_ids
