@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from specbatch.config import get_settings
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
 from specbatch.engine.background import BackgroundCompile
 from specbatch.engine.chat import encode
@@ -107,7 +106,9 @@ class Engine:
                      batch_size=batch_size, max_memory=max_memory)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
-        cache = cache_dir or get_settings().cache_dir
+        cache = str(cache_dir or "")
+        if resolve_mode(compile) != "off" and not cache:
+            raise ValueError(f"compile={compile!r} needs cache_dir: the compiled graphs and their records live there")
         if background is not False and resolve_mode(compile) != "off":
             engine.compile_plan = CompilePlan(resolve_mode(compile), False,
                                               "compiling in the background, decoding eagerly until then")

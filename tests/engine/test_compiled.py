@@ -546,7 +546,7 @@ def test_the_cli_says_what_compiling_bought_on_this_machine(capsys):
     assert "m: eager / compiled step time here (rows x tokens): 1x1 1.30x, 1x4 0.90x; 1x4 stay eager" in err
 
 
-def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch):
+def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch, tmp_path):
     """A budget at or past the target's context fails at once and decodes nothing: it must not
     count as minutes of decoding that compiling would repay."""
     import specbatch.engine.engine as E
@@ -557,6 +557,6 @@ def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch)
     target = str(tiny_models / "llama")
     context = E.Engine.load(target).target.max_positions
     assert context == 512
-    E.Engine.load(target, compile="auto", expected_new_tokens=[100_000, 5, context, 7])
-    E.Engine.load(target, compile="auto", expected_new_tokens=100_000)     # a total: as given
+    E.Engine.load(target, compile="auto", expected_new_tokens=[100_000, 5, context, 7], cache_dir=str(tmp_path))
+    E.Engine.load(target, compile="auto", expected_new_tokens=100_000, cache_dir=str(tmp_path))   # a total: as given
     assert seen[-2:] == [12, 100_000]

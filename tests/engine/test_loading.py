@@ -314,3 +314,10 @@ def test_misspelt_known_name_lists_the_known_names(tmp_path):
     msg = str(info.value)
     assert "smollm2-135m-typo" in msg and all(name in msg for name in KNOWN)
 
+
+
+def test_a_known_model_needs_the_callers_cache_dir():
+    """The engine reads no settings: a known name's GGUF weights are assembled and dequantized under
+    the cache_dir its caller passes (the CLI and workers pass SPECBATCH_CACHE_DIR)."""
+    with pytest.raises(ModelLoadError, match="without a cache directory"):
+        load_model("smollm2-135m")
