@@ -8,7 +8,7 @@ Three line forms (docs/FORMATS.md):
 
 The third is an OpenAI batch line; what each of its body fields does is in
 specbatch.jobs.openai_fields. ``read_file`` / ``read_stream`` return every request with the
-job's warnings (``parse_file`` / ``parse_stream``: the requests only) or raise one IntakeError
+job's warnings (``parse_file``: the requests only) or raise one IntakeError
 listing every problem as ``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF
 line ends are fine.
 """
@@ -693,12 +693,6 @@ def local_vocab_size(model: str) -> int | None:
     config = config.get("text_config", config) if isinstance(config, dict) else {}
     vocab = config.get("vocab_size") if isinstance(config, dict) else None
     return vocab if _is_int(vocab) else None
-
-
-def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
-                 settings: Settings) -> list[ParsedRequest]:
-    """The requests of read_stream (no model map, no warnings)."""
-    return read_stream(fp, name, defaults, settings).requests
 
 
 def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings) -> list[ParsedRequest]:

@@ -85,7 +85,7 @@ def test_a_jobs_plain_decision_holds_for_seeded_rows_but_not_for_an_explicit_fix
     from specbatch.engine.autopilot import Autopilot, AutopilotPolicy
 
     assert AutopilotPolicy(limit=8, pilot=Autopilot(speculation=False)).plain(8)
-    assert not AutopilotPolicy(limit=8, pilot=Autopilot(fixed=8)).plain(8)
+    assert not AutopilotPolicy(limit=8, pilot=Autopilot()).plain(8)
     assert not MeasuredPolicy(limit=8).plain(8)
 
 
