@@ -395,7 +395,7 @@ def test_cluster_setup(tmp_path: Path, tiny_models: Path, pg_server: str,  # noq
                 argv = [sys.executable, "-c", "from specbatch.cli.main import main; main()", *shlex.split(cmd)[1:]]
                 worker = Proc(argv, env, tmp_path / "worker.log")
                 procs.append(worker)
-                _wait_consuming(worker, queue_name(target, [draft], False))
+                _wait_consuming(worker, queue_name(target, [draft]))
             elif "flower" in cmd:
                 port = flower_port if cmd.startswith("SPECBATCH_FLOWER_PASSWORD") else celery_flower_port
                 flower = Proc(["bash", "-c", "exec env " + cmd], env, tmp_path / f"flower-{port}.log")

@@ -154,4 +154,5 @@ def batch_stats(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
         summary = store.job_summary(s, batch.job_id)
     return {"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
             "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
+            "drafters": summary["drafters"],
             "request_counts": summary["request_counts"], "stats": summary["stats"]}

@@ -84,7 +84,7 @@ class JobOptions:
 def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
     """The pair, job defaults and model map the reserved keys choose; no model key: the default pair.
 
-    ``specbatch_target``, ``specbatch_draft`` (comma-separated: a draft pool), ``specbatch_ngram``
+    ``specbatch_target``, ``specbatch_draft`` (comma-separated: a draft pool, drafter specs as --draft), ``specbatch_ngram``
     (true/false), ``specbatch_model_map`` (``NAME=TARGET[,DRAFT...]``, ``;``-separated: lines whose
     body.model is NAME run on that pair, as ``--model-map``); ``specbatch_max_tokens``,
     ``specbatch_temperature``, ``specbatch_top_p``, ``specbatch_top_k``, ``specbatch_seed``,
@@ -97,7 +97,8 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
     target = metadata.get("specbatch_target", "").strip() or None
     drafts = [d.strip() for d in metadata.get("specbatch_draft", "").split(",") if d.strip()]
     try:
-        pair = Pair.resolve(settings, target, drafts, _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram"))
+        ngram = _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram")    # sugar, as --ngram
+        pair = Pair.resolve(settings, target, drafts, ["ngram"] if ngram else [])
     except ModelLoadError as e:    # no model by that name: the batch would wait for a worker forever
         key = "specbatch_target" if target is not None and name_problem(target) else "specbatch_draft"
         raise InputError(str(e), field=f"metadata.{key}") from e

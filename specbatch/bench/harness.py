@@ -35,6 +35,7 @@ from specbatch.bench.runners import (
     HFRunner,
     RunOutput,
 )
+from specbatch.engine.drafter_specs import DrafterSpec
 from specbatch.engine.loading import LoadedModel, load_model
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,11 @@ logger = logging.getLogger(__name__)
 NGRAM = "ngram"
 COMPILED_TARGET = "target[compiled]"
 Progress = Callable[[str, int, int], None]   # (what, done, total)
+
+
+def _drafter(drafts: dict[str, LoadedModel], name: str) -> LoadedModel | DrafterSpec:
+    """A pool member: a loaded draft model by its name, else a drafter spec ("ngram")."""
+    return drafts[name] if name in drafts else DrafterSpec.parse(name)
 
 
 @dataclass(frozen=True)
@@ -283,8 +289,7 @@ def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str,
             runners[cfg.name] = HFRunner(target, prompt_lookup_num_tokens=opts.prompt_lookup_num_tokens)
         else:
             if cfg.name not in engines:  # one engine per configuration: its cost model is its own
-                models = [drafts[d] for d in cfg.drafters if d != NGRAM]
-                engines[cfg.name] = Engine(target, models, ngram=NGRAM in cfg.drafters)
+                engines[cfg.name] = Engine(target, [_drafter(drafts, d) for d in cfg.drafters])
             runners[cfg.name] = EngineRunner(engines[cfg.name], gamma=cfg.gamma, adaptive=cfg.adaptive)
     return runners, engines
 
@@ -493,8 +498,7 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     n = opts.max_new_tokens
     hf = HFRunner(target)
     first = drafter_names[0] if drafter_names else None
-    models = [drafts[first]] if first and first != NGRAM else []
-    engine = Engine(target, models, ngram=first == NGRAM)
+    engine = Engine(target, [_drafter(drafts, first)] if first else [])
     spec = EngineRunner(engine)
     compiled = target.compiled is not None
     # compiled: plain batched decoding through the compiled forward too (ours must equal it

@@ -72,7 +72,7 @@ def _new_job(settings: Any, rows: list[Any], params: dict[str, Any], path: Path)
     parsed = intake.parse_file(path, params, settings)
     with session_factory(settings.database_url).begin() as s:
         # cache=False: every run must decode the same work (a results-cache hit would time nothing)
-        job = store.create_job(s, target="bench", drafts=[], ngram=False, params=params, requests=parsed,
+        job = store.create_job(s, target="bench", drafts=[], params=params, requests=parsed,
                                queue="bench", cache=False)
         return list(store.resumable_request_ids(s, job.id))
 
@@ -90,7 +90,8 @@ def run_telemetry_cost(opts: TelemetryOptions, progress: Progress | None = None)
     from specbatch.observability.worker import Observer
     from specbatch.worker.chunk import process_chunk
 
-    engine = Engine.load(opts.target, drafts=list(opts.drafts), ngram=opts.ngram, device=opts.device,
+    pool = [*opts.drafts, *(["ngram"] if opts.ngram else [])]
+    engine = Engine.load(opts.target, pool, device=opts.device,
                          dtype=opts.dtype, cache_dir=opts.cache_dir)
     rows = select(load_prompts(opts.prompts), opts.num_prompts)
     params = {"max_new_tokens": opts.max_new_tokens}
@@ -100,7 +101,7 @@ def run_telemetry_cost(opts: TelemetryOptions, progress: Progress | None = None)
     # the worker's multiprocess mode (mmap value files), as a `specbatch worker --metrics-port` child
     metrics_dir = tempfile.TemporaryDirectory(prefix="specbatch-bench-metrics-")
     prepare_multiprocess(metrics_dir.name)
-    metrics = WorkerMetrics(pair_labels(opts.target, opts.drafts, opts.ngram, "bench"))
+    metrics = WorkerMetrics(pair_labels(opts.target, engine.drafter_names, "bench"))
     times: dict[str, list[float]] = {"off": [], "on": []}
     hook = {"off": 0.0, "on": 0.0, "flush": 0.0}   # seconds inside the on_result hook / the final flush
     tokens: dict[str, list[int]] = {"off": [], "on": []}

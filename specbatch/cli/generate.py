@@ -23,9 +23,10 @@ from specbatch.plural import plural
 
 @click.command()
 @click.option("--target", metavar="MODEL", help="Target model: known name, directory, .gguf file or HF id.")
-@click.option("--draft", "drafts", multiple=True, metavar="MODEL",
-              help="Draft model (repeat for a pool); 'none': the target alone.")
-@click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool.")
+@click.option("--draft", "drafts", multiple=True, metavar="DRAFTER",
+              help="Drafter: a draft model (name, directory, .gguf file, HF id, or model:NAME) or ngram; "
+                   "repeat for a pool; 'none': the target alone.")
+@click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool (--draft ngram).")
 @click.option("--prompt", help="Prompt text, tokenized as is.")
 @click.option("--message", "messages", multiple=True, metavar="TEXT",
               help="A user message (chat template applied); repeat for several turns.")
@@ -61,12 +62,12 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
         raise click.UsageError("give exactly one of --prompt or --message")
     if no_draft(drafts, False):   # the target alone, as on run ('none' with other drafts: usage error)
         ngram = False
-    target, drafts = resolve_pair(settings, target, drafts)
+    target, drafts = resolve_pair(settings, target, drafts, ngram)
     configure_threads(threads or settings.threads or None, settings.local_workers)
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop=tuple(stop), gamma=gamma,
                               adaptive=not fixed_gamma).validate()
-    engine = Engine.load(target, drafts, ngram=ngram,
+    engine = Engine.load(target, drafts,
                          device=device or settings.device, dtype=dtype or settings.dtype,
                          cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
                          batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row

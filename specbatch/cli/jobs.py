@@ -154,12 +154,12 @@ def _refreshed_summary(settings: Settings, job_id: str) -> tuple[dict[str, Any],
 def _pending_queues(settings: Settings, job_id: str) -> list[str]:
     """The queues the job's unfinished requests wait on (several with --model-map)."""
     from specbatch.jobs import store
-    from specbatch.worker.queues import queue_name
+    from specbatch.worker.queues import route_queue
 
     with open_db(settings, readonly=True).begin() as s:
         job = store.get_job(s, job_id)
         routes = store.request_routes(s, job.id, store.resumable_request_ids(s, job.id))
-        return [job.queue if r is None else queue_name(r[0], r[1], job.ngram) for r in routes] or [job.queue]
+        return [route_queue(r, job.queue, job.drafts or []) for r in routes] or [job.queue]
 
 
 def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
@@ -424,7 +424,7 @@ def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
     with open_db(settings).begin() as s:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
-        jid, queue, ngram = job.id, job.queue, job.ngram
+        jid, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
         embedded = bool((job.meta or {}).get("embedded"))
         routes = store.request_routes(s, jid, ids, by_prefix=True)
     if ids and embedded:
@@ -444,7 +444,7 @@ def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
         from specbatch.worker.enqueue import enqueue_routes
 
         try:
-            report["tasks"] = sum(enqueue_routes(settings, jid, routes, queue, ngram).values())
+            report["tasks"] = sum(enqueue_routes(settings, jid, routes, queue, job_drafters).values())
         except BrokerUnavailable as e:
             raise click.ClickException(f"the broker is unreachable ({e}): {plural(len(ids), 'failed request')} "
                                        f"of job {jid} {'was' if len(ids) == 1 else 'were'} not queued; "

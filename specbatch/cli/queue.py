@@ -37,9 +37,10 @@ if TYPE_CHECKING:
 
 def model_options(f: Any) -> Any:
     """--target / --draft / --ngram (no model option at all: the default pair from settings)."""
-    f = click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter.")(f)
-    f = click.option("--draft", "drafts", multiple=True, metavar="MODEL",
-                     help="Draft model (repeat for a draft pool).")(f)
+    f = click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter (--draft ngram).")(f)
+    f = click.option("--draft", "drafts", multiple=True, metavar="DRAFTER",
+                     help="Drafter: a draft model (name, directory, .gguf file, HF id, or model:NAME) or "
+                          "ngram; repeat for a pool.")(f)
     f = click.option("--target", metavar="MODEL",
                      help="Target model: known name, directory, .gguf file or HF id.")(f)
     return f
@@ -61,18 +62,19 @@ def sampling_options(f: Any) -> Any:
     return f
 
 
-def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...], *,
+def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...], ngram: bool = False, *,
                  check: bool = True) -> tuple[str, list[str]]:
-    """The pair the options name (the default pair without any); ``check``: refuse a name that is
-    no model here (``known_models.name_problem``; a worker's own load says so in its own words)."""
-    from specbatch.worker.submission import Pair, check_names
+    """The target and pool the options name (the default pair without any; ``ngram``: --ngram,
+    the n-gram drafter added to it), the pool as drafter spec strings (``Pair.drafts``); ``check``:
+    refuse a name that is no model here (``known_models.name_problem``; a worker's own load says
+    so in its own words)."""
+    from specbatch.worker.submission import Pair
 
+    added = ["ngram"] if ngram else []
     if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
-        if check:
-            check_names([target or settings.default_target], settings)
-        return target or settings.default_target, []
-
-    pair = Pair.resolve(settings, target, drafts, check=check)
+        drafts = ()
+        target = target or settings.default_target
+    pair = Pair.resolve(settings, target, drafts, added, check=check)
     return pair.target, pair.drafts
 
 
@@ -113,19 +115,20 @@ def cache_option(f: Any) -> Any:
                              "(the new results still fill it).")(f)
 
 
-def _create_job(settings: Settings, file: str, target: str, drafts: list[str], ngram: bool,
+def _create_job(settings: Settings, file: str, target: str, drafts: list[str],
                 defaults: dict[str, Any], queue: str, model_map: tuple[str, ...] = (), *,
                 parsed: Any = None, metadata: dict[str, Any] | None = None, cache: bool = True
                 ) -> tuple[str, dict[Any, list[int]]]:
     """Validate (unless ``parsed`` already is) and store the file as a job; returns its id and its
     pending request ids per pair."""
+    from specbatch.engine.drafter_specs import parse_drafters
     from specbatch.worker.submission import Pair, store_job
 
     if parsed is None:
         parsed = _read_file(settings, file, defaults, model_map, (target, drafts))
         for line in parsed.warnings(target):
             warn(line)
-    pair = Pair(target, drafts, ngram)
+    pair = Pair(target, parse_drafters(drafts))
     assert pair.queue == queue, (pair.queue, queue)
     with open_db(settings, create=True).begin() as s:
         return store_job(s, parsed, pair=pair, defaults=defaults,
@@ -216,6 +219,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
       specbatch submit batch.jsonl --model-map gpt-4o-mini=qwen2.5-coder-1.5b,qwen2.5-coder-0.5b --wait
       cat prompts.jsonl | specbatch submit - --max-new-tokens 256 --temperature 0.7 --seed 1 --json
     """
+    from specbatch.engine.drafter_specs import model_names, parse_drafters
     from specbatch.jobs import store
     from specbatch.observability import tracing
     from specbatch.worker.enqueue import check_broker, enqueue_routes
@@ -224,9 +228,9 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     settings = get_settings()
     if allow_remote_models:
         settings = settings.model_copy(update={"allow_remote_models": True})
-    target_, drafts_ = resolve_pair(settings, target, drafts)
-    queue = queue_name(target_, drafts_, ngram)
-    if fallback_draft and not drafts_:
+    target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
+    queue = queue_name(target_, drafts_)
+    if fallback_draft and not model_names(parse_drafters(drafts_)):
         raise click.UsageError("--fallback-draft needs a --draft model to fall back to")
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     # the file first: local, a local model's logit_bias keys too (others by the worker, per request)
@@ -237,12 +241,12 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
     with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
         with tracing.span("intake"):
-            job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults, queue, model_map,
+            job_id, routes = _create_job(settings, file, target_, drafts_, defaults, queue, model_map,
                                          parsed=parsed,
                                          metadata={"fallback_draft": True} if fallback_draft else None,
                                          cache=not no_cache)
         tracing.set_attributes({"specbatch.job.id": job_id})
-        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+        sent = enqueue_routes(settings, job_id, routes, queue, drafts_)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     queues = ", ".join(sent) or queue
     if not as_json:
@@ -288,7 +292,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
     factory = open_db(settings)
     with factory.begin() as s:
         job = store.get_job(s, job_id)
-        job_id, queue, ngram = job.id, job.queue, job.ngram
+        job_id, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
         embedded = bool((job.meta or {}).get("embedded"))
         released = release_dead_embedded(s, job_id)
         leased = store.leased_requests(s, job_id)
@@ -299,7 +303,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
         return
     tracing.configure("specbatch")
     with tracing.span("resume", {"specbatch.job.id": job_id}):
-        sent = enqueue_routes(settings, job_id, routes, queue, ngram)
+        sent = enqueue_routes(settings, job_id, routes, queue, job_drafters)
     n, tasks = sum(len(v) for v in routes.values()), sum(sent.values())
     until = max((t for _, _, t in leased), default=None)
     if as_json:
@@ -349,10 +353,9 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
     plain = no_draft(drafts, no_speculation)
-    target_, drafts_ = resolve_pair(settings, target, () if plain else drafts, check=False)
-    if plain:
-        drafts_, ngram = [], False
-    code, load_error = run_worker(settings, target=target_, drafts=drafts_, ngram=ngram,
+    target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
+                                    check=False)
+    code, load_error = run_worker(settings, target=target_, drafts=drafts_,
                                   device=device or settings.device, dtype=dtype or settings.dtype,
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
                                   prefix_cache=tp.prefix_cache, compile=compile_ or settings.compile,
@@ -437,7 +440,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     from specbatch.jobs import intake, store
     from specbatch.observability import tracing
     from specbatch.worker.interrupt import stop_on_signals
-    from specbatch.worker.queues import queue_name
+    from specbatch.worker.queues import queue_name, route_drafters
 
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
@@ -457,7 +460,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
             raise click.UsageError("a resumed job runs on its own models; drop --target/--draft/--model-map")
         with open_db(settings).begin() as s:
             job = store.get_job(s, resume_job)
-            job_id, target_, drafts_, ngram = job.id, job.target, list(job.drafts or []), job.ngram
+            job_id, target_, drafts_ = job.id, job.target, list(job.drafts or [])
             routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id)
                                           + [rid for rid, _, _ in store.leased_requests(s, job_id)])
             if not routes:
@@ -466,14 +469,14 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     else:
         if file is None:
             raise click.UsageError("missing FILE (or --resume JOB)")
-        target_, drafts_ = resolve_pair(settings, target, drafts)
+        target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
         # a bad file: nothing loaded or written
         parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
         for line in parsed.warnings(target_):
             warn(line)
         # the models before the job: a pair that cannot load leaves no job behind (a --model-map
         # route that cannot load later fails its own requests, with the reason)
-        engine = _load_engine(console, settings, target_, drafts_, ngram, device, dtype, batch,
+        engine = _load_engine(console, settings, target_, drafts_, device, dtype, batch,
                               compile_ or settings.compile, tp.max_memory,
                               [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests],
                               prefix_cache=tp.prefix_cache)
@@ -483,8 +486,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         local = intake.vocab_lookup(settings.cache_dir, target_)
         intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
                                lambda t: vocab if t in (None, target_) else local(t))
-        job_id, routes = _create_job(settings, file, target_, drafts_, ngram, defaults,
-                                     queue_name(target_, drafts_, ngram), model_map, parsed=parsed,
+        job_id, routes = _create_job(settings, file, target_, drafts_, defaults,
+                                     queue_name(target_, drafts_), model_map, parsed=parsed,
                                      metadata={"embedded": True}, cache=not no_cache)
 
     def on_first() -> None:
@@ -494,11 +497,12 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     with stop_on_signals(on_first) as stop_request:
         try:
             for route, ids in routes.items():     # one pair loaded at a time
-                route_target, route_drafts = route if route is not None else (target_, tuple(drafts_))
-                if engine is None or (route_target, list(route_drafts)) != (target_, list(drafts_)):
+                route_target, route_pool = (route[0], route_drafters(route[1], drafts_)) if route is not None \
+                    else (target_, drafts_)
+                if engine is None or (route_target, route_pool) != (target_, drafts_):
                     del engine
                     try:
-                        engine = _load_engine(console, settings, route_target, list(route_drafts), ngram,
+                        engine = _load_engine(console, settings, route_target, route_pool,
                                               device, dtype, batch, compile_ or settings.compile, tp.max_memory,
                                               _token_budgets(settings, job_id, ids), prefix_cache=tp.prefix_cache)
                     except SpecBatchError as e:
@@ -541,7 +545,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         sys.exit(EXIT_PARTIAL)
 
 
-def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str], ngram: bool,
+def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str],
                  device: str | None, dtype: str | None, batch: int | str, compile_mode: str = "off",
                  max_memory: int | None = None, expected_new_tokens: list[int] | None = None, *,
                  prefix_cache: bool = True) -> Any:
@@ -550,7 +554,7 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
 
     with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
         try:
-            engine = Engine.load(target, drafts=drafts, ngram=ngram, device=device or settings.device,
+            engine = Engine.load(target, drafts, device=device or settings.device,
                                  dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
                                  batch_size=batch, compile=compile_mode, max_memory=max_memory,
                                  expected_new_tokens=expected_new_tokens, notify=compile_notice,

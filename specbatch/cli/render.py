@@ -14,7 +14,8 @@ def num(x: float | None, fmt: str = "{:.3f}") -> str:
 
 
 def models(d: dict[str, Any]) -> str:
-    drafts = list(d["drafts"]) + (["ngram"] if d.get("ngram") else [])
+    """A job's target <- its pool (``drafters``), or a --model-map route's (``drafts``)."""
+    drafts = d.get("drafters", d["drafts"])
     return d["target"] + (f" <- {', '.join(drafts)}" if drafts else "")
 
 

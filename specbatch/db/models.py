@@ -115,8 +115,8 @@ class Job(Base):
     status: Mapped[JobStatus] = mapped_column(_enum(JobStatus, "job_status"), default=JobStatus.queued,
                                               index=True)
     target: Mapped[str] = mapped_column(String(512))
+    # the pool, one drafter spec string each (engine/drafter_specs.py: "DIR", "ngram", ...)
     drafts: Mapped[list[str]] = mapped_column(JSONType, default=list)
-    ngram: Mapped[bool] = mapped_column(Boolean, default=False)
     queue: Mapped[str] = mapped_column(String(255))
     params: Mapped[dict[str, Any]] = mapped_column(JSONType, default=dict)   # the job's defaults
     source: Mapped[str | None] = mapped_column(Text)                      # the prompt file

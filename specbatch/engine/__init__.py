@@ -1,7 +1,7 @@
 """Lossless speculative decoding. Imports torch and transformers only (never db, celery, click).
 
     from specbatch.engine import Engine, GenerationParams
-    engine = Engine.load("smollm2-135m", drafts=["smollm2-135m-int8"])
+    engine = Engine.load("smollm2-135m", ["smollm2-135m-int8", "ngram"])
     out = engine.generate(prompt="Write a haiku", params=GenerationParams(max_new_tokens=32))
     out.text, out.token_ids, out.finish_reason, out.stats.acceptance_rate
 """

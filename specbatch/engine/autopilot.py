@@ -83,13 +83,11 @@ class _Rate:
 class Autopilot:
     """Decides batch size and speculation from measured throughput; see the module docstring.
 
-    ``fixed``: a fixed batch size (no search over sizes); ``speculation``: False forces plain
-    decoding; ``cap``: the most rows the memory budget allows (``specbatch.engine.memory``).
-    With a fixed size ``speculate`` returns None: the gamma controller decides as before.
+    ``speculation``: False forces plain decoding; ``cap``: the most rows the memory budget allows
+    (``specbatch.engine.memory``). A fixed batch size has no autopilot (``MeasuredPolicy``).
     """
 
     cap: int = 64
-    fixed: int | None = None
     speculation: bool = True
     start: int = 8                  # rows at first (the prior the worker and the compile plan use too); half is tried too
     start_max: int = 32             # ... or up to this many, when that much work waits at the first step
@@ -121,19 +119,12 @@ class Autopilot:
 
     def __post_init__(self) -> None:
         self.cap = max(1, self.cap)
-        if self.fixed is not None:
-            self.kept = (self.fixed, self.speculation)
-        else:
-            size = bucket(max(1, self.start))
-            while size > 1 and size > self.cap:
-                size //= 2
-            self.kept = (size, self.speculation)
+        size = bucket(max(1, self.start))
+        while size > 1 and size > self.cap:
+            size //= 2
+        self.kept = (size, self.speculation)
 
     # -- questions the decode loop asks
-
-    @property
-    def auto(self) -> bool:
-        return self.fixed is None
 
     @property
     def current(self) -> Config:
@@ -141,20 +132,16 @@ class Autopilot:
 
     def rows_allowed(self, waiting: int = 0) -> int:
         """How many rows may be active now (before admitting ``waiting`` more requests)."""
-        if not self.auto:
-            return self.kept[0]
         if not self.opened:
             self._open(waiting)
         if self.trial is None and self.steps > 0:
             self._maybe_start_trial(waiting)
         return min(self.current[0], self.cap)
 
-    def speculate(self, rows: int) -> bool | None:
-        """Whether the step at ``rows`` active rows drafts; None: leave it to the gamma controller."""
+    def speculate(self, rows: int) -> bool:
+        """Whether the step at ``rows`` active rows drafts."""
         if not self.speculation:
             return False
-        if not self.auto:
-            return None
         size = bucket(rows)
         if size == self.current[0]:
             return self.current[1]
@@ -183,8 +170,6 @@ class Autopilot:
         self.speculated_steps += int(drafted > 0)
         self.seconds_by_size[size] = self.seconds_by_size.get(size, 0.0) + seconds
         self.rates.setdefault(config, _Rate()).add(tokens, seconds, self.steps, self.decay)
-        if not self.auto:
-            return
         if self.trial is not None:
             self.pending_trial_steps += 1
             if config == self.trial:
@@ -285,24 +270,15 @@ class Autopilot:
 
     def planned_rows(self, prior: int = 8) -> int:
         """The batch size decoding runs at: the kept size once measured, else ``prior``."""
-        if not self.auto:
-            return self.kept[0]
         r = self.rates.get(self.kept)
         return self.kept[0] if r is not None and r.samples else min(prior, self.cap)
-
-    def expected_seconds(self, new_tokens: int) -> float | None:
-        """Decode time of ``new_tokens`` more tokens at the kept configuration's measured rate
-        (None before it is measured): ``compile_pays(expected_seconds, compile_seconds, cached,
-        speedup)`` weighs compiling against this."""
-        r = self.rates.get(self.kept)
-        return new_tokens / r.value if r is not None and r.value > 0 else None
 
     # -- what the job statistics record
 
     def summary(self) -> dict[str, object]:
         total = sum(self.seconds_by_size.values())
         return {
-            "batch_size": "auto" if self.auto else self.fixed,
+            "batch_size": "auto",
             "chosen": {"batch_size": self.kept[0], "speculative": self.kept[1]},
             "batch_size_seconds": {str(k): v for k, v in sorted(self.seconds_by_size.items())},
             "batch_size_share": {str(k): v / total for k, v in sorted(self.seconds_by_size.items())}
@@ -340,5 +316,4 @@ class AutopilotPolicy(MeasuredPolicy):
         else:
             self.pilot.observe(report.rows, report.drafted, report.emitted,
                                report.draft_seconds + report.verify_seconds,
-                               speculating=self.pilot.speculate(report.rows) is not False
-                               if self.pilot.auto else None)
+                               speculating=self.pilot.speculate(report.rows) is not False)

@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from specbatch.config import get_settings
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
 from specbatch.engine.background import BackgroundCompile
 from specbatch.engine.chat import encode
 from specbatch.engine.compiled import CompilePlan, resolve_mode
 from specbatch.engine.compiled import prepare as prepare_compiled
 from specbatch.engine.decoder import Decoder, Request
-from specbatch.engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
+from specbatch.engine.drafters import Drafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
@@ -79,14 +79,20 @@ def sample_rows(requests: Sequence[Request]) -> tuple[list[Request], list[tuple[
 class Engine:
     """Holds the loaded target and draft models and the step costs measured with them."""
 
-    def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel] = (), *,
-                 ngram: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
-                 max_memory: int | None = None, prefix_cache: bool = True) -> None:
-        for d in drafts:
+    def __init__(self, target: LoadedModel, drafters: Sequence[LoadedModel | DrafterSpec] = (), *,
+                 gamma: int = 4, batch_size: BatchSize = AUTO, max_memory: int | None = None,
+                 prefix_cache: bool = True) -> None:
+        """``drafters``: the pool, a loaded model for each draft model (``model:``), a spec for each
+        drafter that loads none (``DrafterSpec.parse("ngram")``)."""
+        if unloaded := [str(d) for d in drafters if isinstance(d, DrafterSpec) and d.loads_model]:
+            raise ValueError(f"drafters {unloaded} load a model: pass the loaded model (Engine.load does)")
+        # the models in the specs' order (one per name), then the specs, normalized
+        self.drafts = list({d.name: d for d in drafters if isinstance(d, LoadedModel)}.values())
+        self.specs = parse_drafters(DrafterSpec(MODEL, d.name) if isinstance(d, LoadedModel) else d
+                                    for d in drafters)
+        for d in self.drafts:
             check_same_tokenizer(target, d)
         self.target = target
-        self.drafts = list(drafts)
-        self.ngram = ngram
         self.gamma = gamma
         self.batch_size = check_batch_size(batch_size)
         self.max_memory = max_memory  # bytes for KV caches + activations; None: a share of free memory
@@ -103,28 +109,32 @@ class Engine:
         self.prefixes: PrefixStore | None = None
 
     @classmethod
-    def load(cls, target: str, drafts: Sequence[str] = (), *, ngram: bool = False,
+    def load(cls, target: str, drafters: Sequence[str | DrafterSpec] = (), *,
              device: str = "cpu", dtype: str = "float32", cache_dir: str | None = None,
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
              max_memory: int | None = None, compile: str = "off", prefix_cache: bool = True,
              expected_new_tokens: int | Sequence[int] | None = None,
              notify: Callable[[str], None] | None = None,
              background: Callable[[str], None] | bool = False) -> Engine:
-        """Load the models; ``compile`` (auto / on / off) compiles them before returning
-        (``expected_new_tokens``: the job's size, for auto, as a total or one budget per request;
-        None means a long-lived worker; ``notify``: told before each model compiles, see
+        """Load the target and the pool's draft models (``drafters``: spec strings or specs,
+        ``specbatch.engine.drafter_specs``; ModelLoadError for one not available); ``compile``
+        (auto / on / off) compiles them before returning (``expected_new_tokens``: the job's size,
+        for auto, as a total or one budget per request; None means a long-lived worker; ``notify``: told before each model compiles, see
         ``compiled.prepare``). With batch_size "auto" the compile decision plans for
         ``planned_batch_size()`` rows. ``background`` (a worker): return eager at once and
         compile in a thread instead (``specbatch.engine.background``; a callable hears its state),
         switching to the compiled forward between batches once it is warmed up and faster."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
+        specs = parse_drafters(drafters)
         t = load_model(target, **kw)
-        engine = cls(t, [load_model(d, **kw) for d in drafts], ngram=ngram, gamma=gamma,
+        engine = cls(t, [load_model(s.arg, **kw) if s.loads_model else s for s in specs], gamma=gamma,
                      batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
-        cache = cache_dir or get_settings().cache_dir
+        cache = str(cache_dir or "")
+        if resolve_mode(compile) != "off" and not cache:
+            raise ValueError(f"compile={compile!r} needs cache_dir: the compiled graphs and their records live there")
         if background is not False and resolve_mode(compile) != "off":
             engine.compile_plan = CompilePlan(resolve_mode(compile), False,
                                               "compiling in the background, decoding eagerly until then")
@@ -158,15 +168,13 @@ class Engine:
 
     @property
     def drafter_names(self) -> list[str]:
-        return [d.name for d in self.drafts] + (["ngram"] if self.ngram else [])
+        return names(self.specs)
 
     def new_drafters(self) -> list[Drafter]:
-        """A fresh pool for one decode: its members keep per-row state for that batch."""
-        vocab = self.target.vocab_size
-        pool: list[Drafter] = [ModelDrafter(d, vocab) for d in self.drafts]
-        if self.ngram:
-            pool.append(NgramDrafter())
-        return pool
+        """A fresh pool for one decode, built by the registry: its members keep per-row state for
+        that batch."""
+        models = iter(self.drafts)
+        return [s.build(next(models) if s.loads_model else None, self.target.vocab_size) for s in self.specs]
 
     def encode(self, prompt: str | None = None, messages: list[dict[str, Any]] | None = None) -> list[int]:
         """A prompt is tokenized as is; messages go through the target's chat template."""
@@ -280,7 +288,7 @@ class Engine:
 
     @property
     def speculates(self) -> bool:
-        return bool(self.drafts) or self.ngram
+        return bool(self.specs)
 
     def _memory(self) -> MemoryBudget:
         if self.memory is None:

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from specbatch.config import get_settings
 from specbatch.engine.compiled import CompiledForward
 from specbatch.engine.hf_cache import cache_kwarg
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
@@ -228,24 +227,33 @@ def _quantize_int8(model: Any, device: torch.device) -> Any:
         return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
 
 
+def _cache(cache_dir: str | os.PathLike[str] | None, name: str) -> Path:
+    if not cache_dir:
+        raise ModelLoadError(f"cannot load {name!r} without a cache directory (its GGUF weights are "
+                             "assembled and dequantized there): pass cache_dir")
+    return Path(cache_dir)
+
+
 def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
                cache_dir: str | os.PathLike[str] | None = None,
                trust_remote_code: bool = False) -> LoadedModel:
-    """Load a causal LM by known name, directory, ``.gguf`` file, or Hugging Face id."""
+    """Load a causal LM by known name, directory, ``.gguf`` file, or Hugging Face id. A known name
+    or a ``.gguf`` file is dequantized once under ``cache_dir`` (the caller's settings: the CLI and
+    workers pass SPECBATCH_CACHE_DIR); a directory or hub id needs none."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
     dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
-    cache = Path(cache_dir or get_settings().cache_dir)
     known = KNOWN_MODELS.get(name)
     int8 = bool(known and known.int8)
     path = Path(os.path.expanduser(name))
     if problem := name_problem(name):     # the same answer submit and the HTTP API give
         raise ModelLoadError(problem)
     if known is not None:
+        cache = _cache(cache_dir, name)
         source = _dequantize_to_cache(_known_gguf(known, cache), cache)
     elif path.suffix == ".gguf" and path.is_file():
-        source = _dequantize_to_cache(path, cache)
+        source = _dequantize_to_cache(path, _cache(cache_dir, name))
     elif path.is_dir():
         source = path
     else:
@@ -277,7 +285,7 @@ def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None
     known = KNOWN_MODELS.get(name)
     path = Path(os.path.expanduser(name))
     if known is not None:
-        path = _known_gguf(known, Path(cache_dir or get_settings().cache_dir))
+        path = _known_gguf(known, _cache(cache_dir, name))
     try:
         with _no_progress_bars():
             if path.suffix == ".gguf":

@@ -4,7 +4,7 @@ Estimate, per row of the batch (``MemoryBudget.row_bytes``):
   KV cache: for every model (target and draft) ``layers x kv_heads x head_dim x 2 (K and V) x
   dtype bytes`` per cached column, times the columns a row may occupy: prompt + max_new_tokens +
   the draft length, doubled because rejected drafts leave holes until the cache is compacted at
-  half holes (``specbatch.engine.batch.COMPACT_HOLES``);
+  half holes (``BatchCache.compact_share`` in ``specbatch.engine.cache``);
   activations: the logits of one verify step (draft length + 1 positions x vocab x 4 bytes, once
   more for their softmax) plus the hidden states of the widest layer over those positions.
 The check: after each step the process's memory (``torch.cuda.memory_allocated`` on CUDA, the

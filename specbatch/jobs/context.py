@@ -16,6 +16,7 @@ from typing import Any
 
 from specbatch.config import Settings
 from specbatch.engine.chat import encode
+from specbatch.engine.drafter_specs import model_names, parse_drafters
 from specbatch.engine.model_files import (
     ModelFiles,
     context_length,
@@ -46,8 +47,9 @@ class ContextCheck:
     """
 
     def __init__(self, settings: Settings, target: str, drafts: Sequence[str]) -> None:
+        """``drafts``: the pool's drafter specs (only its draft models have a context)."""
         self.cache_dir = settings.cache_dir
-        self.target, self.drafts = target, list(drafts)
+        self.target, self.drafts = target, model_names(parse_drafters(drafts))
         self._contexts: dict[str, int | None] = {}
         self._by_files: dict[ModelFiles, int | None] = {}
         self._tokenizers: dict[str, Any] = {}

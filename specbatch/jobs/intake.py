@@ -8,7 +8,7 @@ Three line forms (docs/FORMATS.md):
 
 The third is an OpenAI batch line; what each of its body fields does is in
 specbatch.jobs.openai_fields. ``read_file`` / ``read_stream`` return every request with the
-job's warnings (``parse_file`` / ``parse_stream``: the requests only) or raise one IntakeError
+job's warnings (``parse_file``: the requests only) or raise one IntakeError
 listing every problem as ``FILE:LINE: field: what is wrong``. Blank lines, a UTF-8 BOM and CRLF
 line ends are fine.
 """
@@ -104,8 +104,9 @@ class ParsedFile:
 def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = False
                     ) -> dict[str, Route] | None:
     """``NAME=TARGET[,DRAFT...]`` options into {NAME: (TARGET, [DRAFT, ...])}; None for no option.
-    A NAME without drafts uses none (plain decoding, plus the job's --ngram). A model that is no
-    model on this machine (``known_models.name_problem``) is refused unless ``allow_remote``."""
+    A NAME without drafts uses none (plain decoding, plus the job's drafters that load no model:
+    --ngram). A model that is no model on this machine (``known_models.name_problem``) is refused
+    unless ``allow_remote``."""
     if not specs:
         return None
     out: dict[str, Route] = {}
@@ -726,12 +727,6 @@ def vocab_lookup(cache_dir: str, target: str) -> Callable[[str | None], int | No
             sizes[name] = local_vocab_size(name, cache_dir)
         return sizes[name]
     return vocab_of
-
-
-def parse_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None,
-                 settings: Settings) -> list[ParsedRequest]:
-    """The requests of read_stream (no model map, no warnings)."""
-    return read_stream(fp, name, defaults, settings).requests
 
 
 def parse_file(path: str | Path, defaults: dict[str, Any] | None, settings: Settings) -> list[ParsedRequest]:

@@ -24,6 +24,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from specbatch.db.models import REQUEST_STATUSES, STATS_COLUMNS, Job, Request, RequestStatus, Result
+from specbatch.engine.drafter_specs import model_names, parse_drafters, pool_fields
 from specbatch.jobs import logprobs
 from specbatch.jobs.store import INVALID_REQUEST, SERVER_ERROR, get_job
 
@@ -50,17 +51,17 @@ def iter_rows(s: Session, job_id: str, statuses: Sequence[str] | None = None
 
 
 def request_models(job: Job, req: Request) -> tuple[str, list[str]]:
-    """The (target, drafts) the request ran on: --model-map's route, else the job's pair."""
+    """The (target, draft models) the request ran on: --model-map's route, else the job's pair."""
     if req.target is not None:
         return req.target, list(req.drafts or [])
-    return job.target, list(job.drafts or [])
+    return job.target, model_names(parse_drafters(job.drafts or []))
 
 
 def produced_by(job: Job, req: Request, res: Result) -> tuple[str, list[str]]:
     """The (target, drafts) that produced ``res``, as the result recorded them (a --fallback-draft
     result: the draft alone, ``lossy``); results older than that record: the request's pair."""
     if res.target is not None:
-        return res.target, [d for d in (res.drafts or []) if d != "ngram"]
+        return res.target, model_names(parse_drafters(res.drafts or []))
     return request_models(job, req)
 
 
@@ -69,7 +70,7 @@ def stats(job: Job, req: Request, res: Result) -> dict[str, Any]:
     generated it and how speculation went."""
     target, drafts = produced_by(job, req, res)
     out: dict[str, Any] = {"model": req.model, "metadata": req.meta, "target": target, "drafts": drafts,
-                           "ngram": job.ngram, "lossy": bool(res.lossy)}
+                           "ngram": pool_fields(job.drafts or [])["ngram"], "lossy": bool(res.lossy)}
     out.update({c: getattr(res, c) for c in STATS_COLUMNS})
     # cached_from: the generated results row a cache hit copies, as in the specbatch_results view
     out.update(worker=res.worker, latency_seconds=res.latency_seconds, cached=res.cached,

@@ -63,7 +63,7 @@ def cacheable(params: GenerationParams) -> bool:
     A seeded sample follows the drafts' proposals (the draws consumed per step depend on what was
     drafted and accepted), so it is a fair sample but not a function of (target, prompt,
     parameters), while this cache's key, like the issue's, leaves the drafts out on purpose. To
-    cache seeded sampling, add the drafts' fingerprints, ngram and the engine's gamma to the key of
+    cache seeded sampling, add the drafters (model fingerprints) and the engine's gamma to the key of
     sampled requests (``cache_key`` already covers temperature/top_p/top_k/seed), then return
     ``params.greedy or params.seed is not None`` here.
 

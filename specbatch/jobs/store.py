@@ -25,6 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from specbatch.db.models import Job, JobStatus, Request, RequestStatus, Result, utcnow
+from specbatch.engine.drafter_specs import model_names, parse_drafters, pool_fields
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import JobNotFound, SpecBatchError
 from specbatch.jobs import logprobs
@@ -63,15 +64,16 @@ def new_job_id() -> str:
 # ---------------------------------------------------------------- jobs
 
 
-def create_job(s: Session, *, target: str, drafts: list[str], ngram: bool, params: dict[str, Any],
+def create_job(s: Session, *, target: str, drafts: list[str], params: dict[str, Any],
                requests: list[ParsedRequest], queue: str, source: str | None = None,
                metadata: dict[str, Any] | None = None, cache: bool = True) -> Job:
-    """A queued job with one pending request row per parsed line (one bulk insert).
+    """A queued job with one pending request row per parsed line (one bulk insert). ``drafts``:
+    the pool's drafter specs as strings (``Pair.drafts``).
 
     ``cache=False`` (``--no-cache``): its requests never take a result from the results cache."""
     now = utcnow()
     job = Job(id=new_job_id(), status=JobStatus.queued, target=target, drafts=list(drafts),
-              ngram=ngram, queue=queue, params=dict(params), source=source, meta=dict(metadata or {}),
+              queue=queue, params=dict(params), source=source, meta=dict(metadata or {}),
               cache=cache,
               total=len(requests), pending=len(requests), created_at=now, updated_at=now)
     s.add(job)
@@ -515,7 +517,7 @@ def job_dict(job: Job, counts: dict[str, int] | None = None) -> dict[str, Any]:
         status = "interrupted"   # a `specbatch run` stopped early; `specbatch run --resume` ends it
     return {
         "id": job.id, "status": status, "target": job.target,
-        "drafts": list(job.drafts or []), "ngram": job.ngram, "queue": job.queue,
+        **pool_fields(job.drafts or []), "queue": job.queue,
         "params": dict(job.params or {}), "source": job.source, "metadata": dict(job.meta or {}),
         "created_at": _iso(job.created_at), "started_at": _iso(job.started_at),
         "finished_at": _iso(job.finished_at), "cancel_requested_at": _iso(job.cancel_requested_at),
@@ -568,5 +570,6 @@ def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:
         target, drafts = s.execute(select(Request.target, Request.drafts)
                                    .where(Request.job_id == job.id, same).limit(1)).one()
         out.append({"model": model, "target": target or job.target,
-                    "drafts": list((drafts or []) if target else (job.drafts or [])), "requests": n})
+                    "drafts": list(drafts or []) if target else model_names(parse_drafters(job.drafts or [])),
+                    "requests": n})
     return out

@@ -47,10 +47,10 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 10.0, 20.0, 40.0, 80.0)
 
 
-def pair_labels(target: str, drafts: Sequence[str], ngram: bool, worker: str) -> dict[str, str]:
-    """The label values of a worker holding ``target`` + ``drafts`` (+ the n-gram drafter)."""
-    names = [*drafts, *(["ngram"] if ngram else [])]
-    return {"target": target, "drafts": ",".join(names), "worker": worker}
+def pair_labels(target: str, drafters: Sequence[str], worker: str) -> dict[str, str]:
+    """The label values of a worker holding ``target`` + ``drafters`` (the pool's spec strings, in
+    ``drafter_specs.parse_drafters``' order)."""
+    return {"target": target, "drafts": ",".join(drafters), "worker": worker}
 
 
 class WorkerMetrics:

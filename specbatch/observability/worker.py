@@ -50,7 +50,7 @@ class Observer:
             self.metrics.set_decoding(batch_size=batch_size, speculation=speculation)
 
 
-def start(*, target: str, drafts: Sequence[str] = (), ngram: bool = False, worker: str, metrics: bool,
+def start(*, target: str, drafters: Sequence[str] = (), worker: str, metrics: bool,
           batch_size: int | None = 1, service: str = "specbatch-worker") -> Observer:
     """The observer of this process (made once): tracing per OTEL_*, metrics if ``metrics``."""
     if "observer" in _current:
@@ -60,9 +60,9 @@ def start(*, target: str, drafts: Sequence[str] = (), ngram: bool = False, worke
     if metrics:
         from specbatch.observability.metrics import WorkerMetrics, pair_labels
 
-        wm = WorkerMetrics(pair_labels(target, drafts, ngram, worker))
+        wm = WorkerMetrics(pair_labels(target, drafters, worker))
     obs = _current["observer"] = Observer(wm)
-    obs.set_decoding(batch_size=batch_size, speculation=bool(drafts) or ngram)
+    obs.set_decoding(batch_size=batch_size, speculation=bool(drafters))
     return obs
 
 

@@ -68,15 +68,15 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
 
 
 def enqueue_routes(settings: Settings, job_id: str, routes: dict[Any, list[int]], job_queue: str,
-                   ngram: bool) -> dict[str, int]:
+                   job_drafters: Sequence[str]) -> dict[str, int]:
     """Send each route's requests (store.request_routes: None -> the job's ``job_queue``,
-    (target, drafts) -> that pair's queue) as tasks; returns {queue: tasks sent}. Raises
-    BrokerUnavailable like enqueue_requests."""
-    from specbatch.worker.queues import queue_name
+    (target, drafts) -> that pair's queue, ``queues.route_queue``) as tasks; returns {queue: tasks
+    sent}. Raises BrokerUnavailable like enqueue_requests."""
+    from specbatch.worker.queues import route_queue
 
     sent: dict[str, int] = {}
     for route, ids in routes.items():
         if ids:
-            queue = job_queue if route is None else queue_name(route[0], route[1], ngram)
+            queue = route_queue(route, job_queue, job_drafters)
             sent[queue] = sent.get(queue, 0) + enqueue_requests(settings, job_id, ids, queue)
     return sent

@@ -1,7 +1,7 @@
 """Which models a worker holds, and whether a task's job may run on them.
 
 Every task is checked before its requests are claimed: the job must be in this worker's
-database, the ids must be that job's, and the job's target/drafts/ngram must be the ones this
+database, the ids must be that job's, and the job's target and drafters must be the ones this
 worker loaded (compared as queue names, which canonicalise local paths). A task that fails the
 check is refused, loudly, and goes back to the queue for a worker that fits.
 """
@@ -14,8 +14,9 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from specbatch.engine.drafter_specs import names, parse_drafters
 from specbatch.redact import mask
-from specbatch.worker.queues import queue_name
+from specbatch.worker.queues import queue_name, route_drafters
 
 
 def engine_models(engine: Any) -> dict[str, Any]:
@@ -45,8 +46,8 @@ def allows_fallback(s: Session, job_id: str) -> bool:
     return bool(job is not None and (job.meta or {}).get("fallback_draft"))
 
 
-def spec_label(target: str, drafts: Sequence[str], ngram: bool) -> str:
-    return f"{target} + {', '.join([*drafts, *(['ngram'] if ngram else [])]) or 'no draft'}"
+def spec_label(target: str, drafters: Sequence[str]) -> str:
+    return f"{target} + {', '.join(names(parse_drafters(drafters))) or 'no draft'}"
 
 
 def refusal(s: Session, job_id: str, request_ids: Sequence[int], spec: dict[str, Any],
@@ -64,11 +65,12 @@ def refusal(s: Session, job_id: str, request_ids: Sequence[int], spec: dict[str,
     if len(rows) != len(ids):
         return (f"requests {ids} are not all job {job_id}'s in this worker's database "
                 f"{mask(database_url)} (another database?)")
-    held = queue_name(spec["target"], list(spec.get("drafts") or []), bool(spec.get("ngram")))
+    held = queue_name(spec["target"], spec.get("drafts") or [])
+    job_drafters = list(job.drafts or [])
     for _, target, drafts in rows:   # a --model-map line runs on its own pair, else the job's
-        want_target, want_drafts = (target, list(drafts or [])) if target is not None else \
-            (job.target, list(job.drafts or []))
-        if queue_name(want_target, want_drafts, bool(job.ngram)) != held:
-            return (f"job {job_id} runs on {spec_label(want_target, want_drafts, job.ngram)}; this worker "
-                    f"holds {spec_label(spec['target'], spec.get('drafts') or [], bool(spec.get('ngram')))}")
+        want_target, want = (target, route_drafters(drafts or [], job_drafters)) if target is not None \
+            else (job.target, job_drafters)
+        if queue_name(want_target, want) != held:
+            return (f"job {job_id} runs on {spec_label(want_target, want)}; this worker "
+                    f"holds {spec_label(spec['target'], spec.get('drafts') or [])}")
     return None

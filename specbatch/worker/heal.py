@@ -31,17 +31,17 @@ def take_back_expired(s: Any, queues: Collection[str]) -> dict[tuple[str, str], 
     """Turn the running requests of ``queues`` whose lease expired back to pending, in the caller's
     transaction; returns {(job id, queue): request ids} of those this call took."""
     from specbatch.db.models import Job, JobStatus, Request, RequestStatus, utcnow
-    from specbatch.worker.queues import queue_name
+    from specbatch.worker.queues import route_queue
 
     now = utcnow()
     expired = (Request.status == RequestStatus.running) & Request.lease_expires_at.is_not(None) & \
         (Request.lease_expires_at <= now)
-    rows = s.execute(select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.ngram)
+    rows = s.execute(select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.drafts)
                      .join(Job, Job.id == Request.job_id)
                      .where(expired, Job.status.in_([JobStatus.queued, JobStatus.running]))).all()
     mine: dict[int, tuple[str, str]] = {}
-    for rid, job_id, target, drafts, job_queue, ngram in rows:
-        queue = job_queue if target is None else queue_name(target, list(drafts or []), bool(ngram))
+    for rid, job_id, target, drafts, job_queue, job_drafters in rows:
+        queue = route_queue(None if target is None else (target, drafts or []), job_queue, job_drafters or [])
         if queue in queues:
             mine[rid] = (job_id, queue)
     if not mine:

@@ -40,6 +40,7 @@ from typing import Any
 from celery import bootsteps
 
 from specbatch.config import Settings
+from specbatch.engine.drafter_specs import names, parse_drafters
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
 from specbatch.worker.monitor import STATE_KEY
@@ -170,7 +171,7 @@ def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = 
     return argv + list(extra)
 
 
-def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), ngram: bool = False,
+def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
                device: str | None = None, dtype: str | None = None, batch_size: int | str | None = None,
                max_memory: int | None = None, threads: int | None = None, compile: str | None = None,
                prefix_cache: bool | None = None, hostname: str | None = None, loglevel: str = "INFO", pool: str = "prefork",
@@ -178,13 +179,15 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
                metrics_port: int = 0) -> tuple[int, str | None]:
     """Run a worker until it stops; returns (exit status, the model loading error if any).
 
+    ``drafts``: the pool's drafter specs as strings (``drafter_specs``; ``Pair.drafts``).
     ``imports``: extra modules the pool child imports (tests use it to inject faults).
     ``metrics_port``: serve Prometheus ``/metrics`` there (``specbatch.observability.metrics``).
     ``device``, ``dtype``, ``batch_size``, ``compile``, ``prefix_cache``: None takes the settings' value.
     """
     from celery.utils.nodenames import default_nodename, host_format
 
-    queue = queue_name(target, drafts, ngram)
+    drafts = names(parse_drafters(drafts))
+    queue = queue_name(target, drafts)
     hostname = hostname or f"specbatch-{os.getpid()}@%h"
     metrics_dir, server = _serve_metrics(settings, metrics_port)
     app = create_app(settings)
@@ -193,7 +196,7 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (), n
     app.conf.update(
         specbatch_state_file=str(own / "state") if pool == "prefork" else None,
         specbatch_state=STARTING if pool == "prefork" else "ready",
-        specbatch_engine={"target": target, "drafts": list(drafts), "ngram": ngram,
+        specbatch_engine={"target": target, "drafts": drafts,
                           "device": device or settings.device, "dtype": dtype or settings.dtype,
                           "batch_size": batch_size or settings.batch_size, "max_memory": max_memory,
                           "threads": threads, "compile": compile or settings.compile,

@@ -91,10 +91,10 @@ def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: s
     given) created over ``older_than`` ago, not marked as sent within it, in jobs that run on the
     queue (not stopping, not in-process)."""
     from specbatch.db.models import Job, JobStatus, Request, RequestStatus, utcnow
-    from specbatch.worker.queues import queue_name
+    from specbatch.worker.queues import route_queue
 
     now = utcnow()
-    stmt = (select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.ngram, Job.meta)
+    stmt = (select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.drafts, Job.meta)
             .join(Job, Job.id == Request.job_id)
             .where(Request.status == RequestStatus.pending, Request.created_at <= now - older_than,
                    or_(Request.lease_expires_at.is_(None), Request.lease_expires_at <= now),
@@ -102,10 +102,11 @@ def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: s
     if job_id is not None:
         stmt = stmt.where(Request.job_id == job_id)
     out: dict[int, tuple[str, str]] = {}
-    for rid, jid, target, drafts, job_queue, ngram, meta in s.execute(stmt):
+    for rid, jid, target, drafts, job_queue, job_drafters, meta in s.execute(stmt):
         if (meta or {}).get("embedded"):
             continue            # `specbatch run` holds it in its own process: no broker involved
-        queue = job_queue if target is None else queue_name(target, list(drafts or []), bool(ngram))
+        queue = route_queue(None if target is None else (target, list(drafts or [])), job_queue,
+                            list(job_drafters or []))
         if queue in queues:
             out[rid] = (jid, queue)
     return out

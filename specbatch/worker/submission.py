@@ -3,7 +3,7 @@
     parsed = intake.read_file(path, defaults, settings, model_map)      # or intake.read_stream(...)
     with factory.begin() as s:
         job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=path)
-    enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    enqueue_routes(settings, job_id, routes, pair.queue, pair.drafts)
     # or both at once: submit_job(settings, factory, parsed, pair=pair, defaults=defaults, source=path)
 
 The job and its request rows are written in one transaction; tasks are sent after it commits (a
@@ -13,13 +13,14 @@ nobody will run. (The CLI calls the two steps itself, each in its own trace span
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
+from specbatch.engine.drafter_specs import DrafterSpec, model_names, names, parse_drafters
 from specbatch.engine.known_models import name_problem
 from specbatch.errors import ModelLoadError
 from specbatch.jobs import store
@@ -30,28 +31,34 @@ from specbatch.worker.queues import queue_name
 
 @dataclass(frozen=True)
 class Pair:
-    """The models a job runs on; its queue follows from them."""
+    """The models a job runs on (``drafters``: its pool, ``drafter_specs.parse_drafters``); its
+    queue follows from them."""
 
     target: str
-    drafts: list[str] = field(default_factory=list)
-    ngram: bool = False
+    drafters: tuple[DrafterSpec, ...] = ()
+
+    @property
+    def drafts(self) -> list[str]:
+        """The pool as the database, the queue and a worker's engine spec hold it."""
+        return names(self.drafters)
 
     @property
     def queue(self) -> str:
-        return queue_name(self.target, self.drafts, self.ngram)
+        return queue_name(self.target, self.drafters)
 
     @classmethod
-    def resolve(cls, settings: Settings, target: str | None, drafts: list[str] | tuple[str, ...],
-                ngram: bool = False, *, check: bool = True) -> Pair:
+    def resolve(cls, settings: Settings, target: str | None, drafts: Sequence[str],
+                add: Sequence[str] = (), *, check: bool = True) -> Pair:
         """No model given: the default pair from settings. A target alone runs without a draft.
-        A name that is no model here (neither known, nor a model path on this machine, nor a
-        Hugging Face id) is refused, before a job waits for a worker that never comes
-        (ModelLoadError, the message ``run`` gives), unless ``settings.allow_remote_models`` or
-        ``check=False`` (a worker, whose own load refuses such a name)."""
-        pair = (cls(settings.default_target, [settings.default_draft], ngram) if target is None and not drafts
-                else cls(target or settings.default_target, list(drafts), ngram))
+        ``add``: drafters added to whichever pool that is (``--ngram``). A drafter spec that is
+        not available, or a name that is no model here (neither known, nor a model path on this
+        machine, nor a Hugging Face id), is refused before a job waits for a worker that never
+        comes (ModelLoadError, the message ``run`` gives); a name, unless
+        ``settings.allow_remote_models`` or ``check=False`` (a worker, whose own load refuses it)."""
+        pool = [settings.default_draft] if target is None and not drafts else list(drafts)
+        pair = cls(target or settings.default_target, parse_drafters([*pool, *add]))
         if check:
-            check_names([pair.target, *pair.drafts], settings)
+            check_names([pair.target, *model_names(pair.drafters)], settings)
         return pair
 
 
@@ -83,7 +90,7 @@ def store_job(s: Session, parsed: ParsedFile, *, pair: Pair, defaults: dict[str,
               metadata: dict[str, Any] | None = None, cache: bool = True) -> tuple[str, Routes]:
     """Write the job and its pending requests in the caller's transaction; (job id, ids per route).
     ``cache=False``: ``--no-cache`` (the job never takes results from the results cache)."""
-    job = store.create_job(s, target=pair.target, drafts=pair.drafts, ngram=pair.ngram, params=defaults,
+    job = store.create_job(s, target=pair.target, drafts=pair.drafts, params=defaults,
                            requests=parsed.requests, queue=pair.queue, source=source, metadata=metadata,
                            cache=cache)
     return job.id, store.request_routes(s, job.id, store.resumable_request_ids(s, job.id), by_prefix=True)
@@ -100,5 +107,5 @@ def submit_job(settings: Settings, factory: sessionmaker, parsed: ParsedFile, *,
                                    cache=cache)
         if with_job is not None:
             with_job(s, job_id)
-    sent = enqueue.enqueue_routes(settings, job_id, routes, pair.queue, pair.ngram)
+    sent = enqueue.enqueue_routes(settings, job_id, routes, pair.queue, pair.drafts)
     return Submission(job_id=job_id, routes=routes, sent=sent)

@@ -52,7 +52,7 @@ def engine_spec(conf: Any) -> dict[str, Any]:
     if spec:
         return dict(spec)
     s = get_settings()
-    return {"target": s.default_target, "drafts": [s.default_draft], "ngram": False,
+    return {"target": s.default_target, "drafts": [s.default_draft],
             "device": s.device, "dtype": s.dtype, "batch_size": s.batch_size, "compile": s.compile,
             "threads": s.threads or None, "prefix_cache": s.prefix_cache}
 
@@ -64,7 +64,7 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
     from specbatch.engine.threads import configure_threads
 
     configure_threads(spec.get("threads"), get_settings().local_workers)   # before the first forward
-    return Engine.load(spec["target"], drafts=list(spec.get("drafts") or ()), ngram=bool(spec.get("ngram")),
+    return Engine.load(spec["target"], list(spec.get("drafts") or ()),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
                        cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
                        max_memory=spec.get("max_memory"), prefix_cache=bool(spec.get("prefix_cache", True)),
@@ -97,7 +97,7 @@ def _observe_compile(observer: observe.Observer, engine: Any) -> None:
 def get_observer(conf: Any) -> observe.Observer:
     """This process's metrics/traces hook (``specbatch_observe`` from ``specbatch worker``)."""
     spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
-    return observe.start(target=spec["target"], drafts=spec.get("drafts") or (), ngram=bool(spec.get("ngram")),
+    return observe.start(target=spec["target"], drafters=spec.get("drafts") or (),
                          worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
                          batch_size=_rows_now(spec.get("batch_size")))
 

@@ -66,7 +66,7 @@ def test_upload_create_and_read_back(api: Api) -> None:
 
     target, draft = str(api.models / "llama"), str(api.models / "llama-partial")
     from specbatch.worker.queues import queue_name
-    queue = queue_name(target, [draft], False)
+    queue = queue_name(target, [draft])
     waiting = api.redis.client().llen(queue)       # Redis is shared by the module's servers
     before = _jobs(api)
     b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
@@ -325,7 +325,7 @@ def test_model_map_metadata_routes_lines_by_body_model(api: Api) -> None:
         (str(api.models / "gpt2"), [str(api.models / "gpt2-partial")])
     rows = [{**chat_line(i), "body": {**chat_line(i)["body"], "model": "small" if i % 2 else "big"}} for i in range(4)]
     mapping = f"small={llama[0]},{llama[1][0]}; big={gpt2[0]},{gpt2[1][0]}"
-    queues = [queue_name(t, d, False) for t, d in (llama, gpt2)]
+    queues = [queue_name(t, d) for t, d in (llama, gpt2)]
     waiting = [api.redis.client().llen(q) for q in queues]
     b = c.batches.create(input_file_id=api.upload(rows).id, endpoint="/v1/chat/completions",
                          completion_window="24h", metadata={"specbatch_model_map": mapping})

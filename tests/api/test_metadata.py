@@ -14,7 +14,7 @@ SETTINGS = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "org/tgt", "SPECBATCH_
 
 def test_no_model_key_is_the_default_pair_and_no_defaults() -> None:
     o = job_options({"team": "x"}, SETTINGS)
-    assert (o.pair.target, o.pair.drafts, o.pair.ngram, o.defaults, o.model_map) == ("org/tgt", ["org/drf"], False, {}, None)
+    assert (o.pair.target, o.pair.drafts, o.defaults, o.model_map) == ("org/tgt", ["org/drf"], {}, None)
 
 
 def test_pair_keys() -> None:
@@ -22,8 +22,13 @@ def test_pair_keys() -> None:
     assert (pair.target, pair.drafts) == ("org/big", [])             # a target alone runs without a draft
     pair = job_options({"specbatch_target": "org/big", "specbatch_draft": "org/a, org/b", "specbatch_ngram": "true"},
                        SETTINGS).pair
-    assert (pair.target, pair.drafts, pair.ngram) == ("org/big", ["org/a", "org/b"], True)
+    assert (pair.target, pair.drafts) == ("org/big", ["org/a", "org/b", "ngram"])
     assert pair.queue != job_options({"specbatch_target": "org/big"}, SETTINGS).pair.queue
+    # a drafter spec in specbatch_draft is the same pool as the flag
+    assert job_options({"specbatch_target": "org/big", "specbatch_draft": "org/a,ngram,org/b"}, SETTINGS).pair == pair
+    with pytest.raises(InputError, match="not available yet") as e:
+        job_options({"specbatch_target": "org/big", "specbatch_draft": "eagle:org/heads"}, SETTINGS)
+    assert e.value.field == "metadata.specbatch_draft"
     o = job_options({"specbatch_model_map": "gpt-4o=org/big,org/small; mini=org/tiny"}, SETTINGS)
     assert o.model_map == {"gpt-4o": ("org/big", ["org/small"]), "mini": ("org/tiny", [])}
 

@@ -13,6 +13,7 @@ from specbatch.cli.main import cli
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import Request, Result
 from specbatch.engine import Engine
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from specbatch.jobs import intake, store
 
@@ -38,9 +39,9 @@ def job(tmp_path, monkeypatch, tiny_models):
     path.write_text("".join(json.dumps(x) + "\n" for x in LINES))
     parsed = intake.read_file(path, {}, Settings(database_url=url))
     target = str(tiny_models / "llama")
-    engine = Engine(load_model(target), [load_model(str(tiny_models / "llama-partial"))], ngram=True)
+    engine = Engine(load_model(target), [load_model(str(tiny_models / "llama-partial")), NGRAM])
     with db.session_factory(url).begin() as s:
-        job_id = store.create_job(s, target=target, drafts=["llama-partial"], ngram=True, params={},
+        job_id = store.create_job(s, target=target, drafts=["llama-partial", "ngram"], params={},
                                   requests=parsed.requests, queue="q").id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids, "w", 60, 3)

@@ -58,7 +58,7 @@ def make_job(url: str, results: int = 2, failures: int = 1, pending: int = 1) ->
     n = results + failures + pending
     reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(n)]
     with db.session_factory(url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                   queue="sb.q1").id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids[: results + failures], "w1", 60, 3)
@@ -195,7 +195,7 @@ def test_status_words_a_count_of_one_in_the_singular(db_url, no_worker_check):
             ParsedRequest(2, "b", "completion", "p", None, PARAMS, model="m-b"),
             ParsedRequest(3, "c", "completion", "p", None, PARAMS, model="m-b")]
     with db.session_factory(db_url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                   queue="sb.q1").id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids[:2], "w1", 60, 3)
@@ -215,7 +215,7 @@ def test_status_names_the_pair_once_where_body_model_names_the_target(db_url, no
     reqs = [ParsedRequest(1, "a", "completion", "p", None, PARAMS, model="tgt"),
             ParsedRequest(2, "b", "completion", "p", None, PARAMS, model="alias")]
     with db.session_factory(db_url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                   queue="sb.q1").id
     out = " ".join(run("status", job_id).stdout.split())
     assert out.count("tgt <- d1") == 2, out            # the job's pair, and the alias routed to it
@@ -412,7 +412,7 @@ def test_submit_of_a_bad_file_writes_nothing(db_url, tmp_path, monkeypatch):
 def test_status_shows_the_users_text_as_text_not_markup(db_url, no_worker_check):
     reqs = [ParsedRequest(1, "[/q1]", "completion", "p", None, PARAMS, model="[bold]m")]
     with db.session_factory(db_url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                   queue="sb.q1", source="data[train].jsonl").id
         (rid,) = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, [rid], "w1", 60, 3)

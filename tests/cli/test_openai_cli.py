@@ -124,7 +124,7 @@ def test_stdin_intake_errors_name_stdin() -> None:
 def _job(url: str, n: int = 3) -> tuple[str, list[int]]:
     reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(n)]
     with db.session_factory(url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=[], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=[], params={}, requests=reqs,
                                   queue="q").id
         return job_id, store.resumable_request_ids(s, job_id)
 

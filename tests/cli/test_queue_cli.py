@@ -165,3 +165,25 @@ def test_logit_bias_outside_the_vocabulary_is_listed_with_the_files_other_errors
     assert f"{path}:1: logit_bias.9999: token id 9999 is outside the target's vocabulary [0, 384)" in result.output
     assert f"{path}:2: temperature" in result.output, result.output
 
+
+def test_draft_ngram_and_the_ngram_flag_are_one_pool(tmp_path: Path, tiny_models: Path) -> None:
+    """--ngram adds the n-gram drafter to the pool; --draft ngram names it: the same job pool and
+    queue either way, in the order parse_drafters gives."""
+    prompts, target, draft = _prompts(tmp_path, n=1, max_tokens=4), str(tiny_models / "llama"), \
+        str(tiny_models / "llama-partial")
+    jobs = []
+    for args in (["--draft", draft, "--ngram"], ["--draft", "ngram", "--draft", draft]):
+        result = CliRunner().invoke(cli, ["run", str(prompts), "--target", target, *args, "--json"])
+        assert result.exit_code == 0, result.output
+        jobs.append(json.loads(result.stdout[result.stdout.index("{"):]))
+    assert [(j["drafters"], j["drafts"], j["ngram"], j["queue"]) for j in jobs] == \
+        [([draft, "ngram"], [draft], True, jobs[0]["queue"])] * 2
+    assert jobs[0]["queue"].startswith("specbatch.llama+llama-partial+ngram.")
+
+
+def test_a_drafter_not_available_is_refused_in_one_line(tmp_path: Path, tiny_models: Path) -> None:
+    result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path, n=1)), "--target", str(tiny_models / "llama"),
+                                      "--draft", "eagle:/heads"])
+    assert result.exit_code == 1, result.output
+    assert "drafter 'eagle:/heads': EAGLE heads" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "specbatch.db").exists() or _no_jobs()

@@ -21,7 +21,7 @@ def test_four_processes_write_results_at_once(db_url):
     reqs = [ParsedRequest(line_no=i + 1, custom_id=f"c{i}", kind="completion", prompt="p", messages=None,
                           params=PARAMS) for i in range(n)]
     with db.session_factory(db_url).begin() as s:
-        job_id = store.create_job(s, target="t", drafts=["d"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="t", drafts=["d"], params={}, requests=reqs,
                                   queue="q").id
         ids = store.resumable_request_ids(s, job_id)
     db.forget_engines()                       # nothing inherited; each child opens its own

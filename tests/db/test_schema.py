@@ -65,26 +65,26 @@ def test_view_has_every_csv_column(db_url):
 def test_unique_custom_id_per_job(db_url):
     factory = db.session_factory(db_url)
     with factory.begin() as s:
-        job = store.create_job(s, target="t", drafts=[], ngram=True, params={}, requests=[_req(1, "a")],
+        job = store.create_job(s, target="t", drafts=["ngram"], params={}, requests=[_req(1, "a")],
                                queue="q")
         job_id = job.id
     with pytest.raises(IntegrityError), factory.begin() as s:
         s.add(Request(job_id=job_id, custom_id="a", line_no=2, kind="completion", prompt="x", params={}))
     with factory.begin() as s:    # another job may reuse the custom_id
-        store.create_job(s, target="t", drafts=[], ngram=True, params={}, requests=[_req(1, "a")], queue="q")
+        store.create_job(s, target="t", drafts=["ngram"], params={}, requests=[_req(1, "a")], queue="q")
 
 
 def test_datetimes_come_back_aware_utc(db_url):
     t = datetime(2024, 5, 1, 12, 0, 0, 123456, tzinfo=timezone(timedelta(hours=2)))
     factory = db.session_factory(db_url)
     with factory.begin() as s:
-        s.add(Job(id="tzjob", status=JobStatus.queued, target="t", drafts=[], ngram=False, queue="q",
+        s.add(Job(id="tzjob", status=JobStatus.queued, target="t", drafts=[], queue="q",
                   params={}, meta={}, created_at=t, updated_at=t))
     with factory.begin() as s:
         got = s.get(Job, "tzjob").created_at
     assert got == t and got.tzinfo is not None and got.utcoffset() == timedelta(0)
     with pytest.raises(Exception, match="naive"), factory.begin() as s:
-        s.add(Job(id="naive", status=JobStatus.queued, target="t", drafts=[], ngram=False, queue="q",
+        s.add(Job(id="naive", status=JobStatus.queued, target="t", drafts=[], queue="q",
                   params={}, meta={}, created_at=datetime(2024, 1, 1), updated_at=t))
 
 
@@ -93,7 +93,7 @@ def test_view_joins_requests_and_results_in_plain_sql(db_url):
 
     factory = db.session_factory(db_url)
     with factory.begin() as s:
-        job = store.create_job(s, target="t", drafts=["d"], ngram=False, params={},
+        job = store.create_job(s, target="t", drafts=["d"], params={},
                                requests=[_req(1), _req(2)], queue="q")
         job_id = job.id
         ids = store.resumable_request_ids(s, job_id)
@@ -143,7 +143,7 @@ def test_in_memory_sqlite_keeps_its_tables():
     try:
         factory = db.session_factory("sqlite://")
         with factory.begin() as s:
-            store.create_job(s, target="t", drafts=[], ngram=True, params={}, requests=[_req(1)], queue="q")
+            store.create_job(s, target="t", drafts=["ngram"], params={}, requests=[_req(1)], queue="q")
         with factory.begin() as s:
             assert len(store.list_jobs(s)) == 1
     finally:
@@ -186,7 +186,7 @@ def test_0005_adds_the_results_cache_to_existing_rows(db_url):
     factory = db.session_factory(db_url)
     with factory.begin() as s:
         assert s.get(Job, "old").cache is True
-        job = store.create_job(s, target="t", drafts=[], ngram=False, params={}, requests=[_req(1)], queue="q")
+        job = store.create_job(s, target="t", drafts=[], params={}, requests=[_req(1)], queue="q")
         ids = store.resumable_request_ids(s, job.id)
         store.claim_requests(s, ids, "w", 60, 3)
         store.record_result(s, ids[0], GenerationOutput("hi", [5], "stop", GenerationStats()), "w")
@@ -203,7 +203,7 @@ def test_0008_gives_old_cache_hits_a_start(db_url):
 
     factory = db.session_factory(db_url)
     with factory.begin() as s:
-        job = store.create_job(s, target="t", drafts=[], ngram=False, params={}, requests=[_req(1), _req(2)],
+        job = store.create_job(s, target="t", drafts=[], params={}, requests=[_req(1), _req(2)],
                                queue="q")
         ids = store.resumable_request_ids(s, job.id)
         store.claim_requests(s, ids, "w", 60, 3)
@@ -234,3 +234,38 @@ def test_a_server_sized_pool_keeps_a_connection_per_thread(db_url):
     assert factory.kw["bind"].pool is engine.pool and engine.pool.size() == 24
     assert db.session_factory(db_url).kw["bind"] is engine    # the writer's factory rebuilt on it
     assert db.get_engine(db_url, pool_size=8) is engine      # a smaller ask keeps the bigger pool
+
+
+def test_0015_folds_the_ngram_flag_into_the_pool(db_url):
+    """Jobs written before 0015 (drafts + the ngram flag) read back as the same pool, on the same
+    queue; downgrading splits the flag back out."""
+    from specbatch.engine.drafter_specs import pool_fields
+    from specbatch.worker.queues import queue_name
+
+    db.downgrade(db_url, "0014")
+    with db.get_engine(db_url).begin() as conn:
+        for job_id, drafts, ngram in (("flag", '["d1"]', "true"), ("plain", '["d1"]', "false"),
+                                      ("alone", '[]', "true")):
+            conn.execute(text(
+                "INSERT INTO jobs (id, status, target, drafts, ngram, queue, params, metadata, cache, total, "
+                "pending, running, completed, failed, cancelled, created_at, updated_at) VALUES "
+                f"('{job_id}', 'queued', 't', '{drafts}', {ngram}, 'q', '{{}}', '{{}}', true, 0, 0, 0, 0, 0, "
+                "0, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+    db.forget_engines()
+    db.upgrade(db_url)
+    assert db.current_revision(db_url) == head_revision()
+    assert "ngram" not in {c["name"] for c in inspect(db.get_engine(db_url)).get_columns("jobs")}
+    with db.session_factory(db_url).begin() as s:
+        pools = {j: s.get(Job, j).drafts for j in ("flag", "plain", "alone")}
+        assert pools == {"flag": ["d1", "ngram"], "plain": ["d1"], "alone": ["ngram"]}
+        assert queue_name("t", pools["flag"]) == queue_name("t", ["ngram", "d1"])
+        assert store.job_dict(s.get(Job, "flag"))["ngram"] is True
+        assert pool_fields(pools["plain"]) == {"drafts": ["d1"], "ngram": False, "drafters": ["d1"]}
+    db.forget_engines()
+    db.downgrade(db_url, "0014")
+    with db.get_engine(db_url).connect() as conn:
+        rows = conn.execute(text("SELECT id, drafts, ngram FROM jobs ORDER BY id")).all()
+    assert [(i, json.loads(d) if isinstance(d, str) else d, bool(n)) for i, d, n in rows] == [
+        ("alone", [], True), ("flag", ["d1"], True), ("plain", ["d1"], False)]
+    db.forget_engines()
+    db.upgrade(db_url)

@@ -8,6 +8,7 @@ import pytest
 from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.autopilot import check_batch_size
 from specbatch.engine.decoder import Decoder
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.memory import SLACK, MemoryBudget, ModelShape, parse_bytes
 from specbatch.engine.policy import MeasuredPolicy, StepReport
 from tests.engine.test_batch import LENGTHS, PROMPTS
@@ -45,7 +46,7 @@ class Recording(MeasuredPolicy):
 @pytest.mark.parametrize("drafts,ngram", [(["llama-partial"], False), ([], True), ([], False)])
 def test_auto_outputs_equal_the_target_alone(load, drafts, ngram):
     target = load("llama")
-    engine = Engine(target, [load(d) for d in drafts], ngram=ngram, batch_size="auto")
+    engine = Engine(target, [load(d) for d in drafts] + [NGRAM] * ngram, batch_size="auto")
     reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
     got = dict(engine.generate_many(reqs))
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
@@ -59,7 +60,7 @@ def test_auto_outputs_equal_the_target_alone(load, drafts, ngram):
 
 def test_paused_rows_resume_with_the_same_text(load):
     target = load("llama")
-    engine = Engine(target, [load("llama-partial")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), NGRAM])
     reqs = [(i, engine.encode(p), GenerationParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS))]
     pilot = Swinging()
     import torch
@@ -222,7 +223,7 @@ def test_erratic_batching_and_speculation_decisions_never_change_the_text(load, 
 
     rng = random.Random(seed)
     target = load("llama")
-    engine = Engine(target, [load("llama-partial")], ngram=rng.random() < 0.5)
+    engine = Engine(target, [load("llama-partial")] + [NGRAM] * (rng.random() < 0.5))
     n = rng.randint(8, 24)
     cases = [(f"word {i} and", rng.randint(1, 40), rng.choice([None, 2, 8])) for i in range(n)]
     reqs = [(i, engine.encode(p), GenerationParams(max_new_tokens=m, gamma=g)) for i, (p, m, g) in enumerate(cases)]

@@ -126,12 +126,6 @@ def test_no_speculation_forces_plain():
     assert pilot.speculate(1) is False
 
 
-def test_fixed_size_is_kept_and_speculation_left_to_the_gamma_controller():
-    pilot = Autopilot(cap=64, fixed=4)
-    simulate(pilot, cpu_like, requests=200)
-    assert pilot.rows_allowed(100) == 4
-    assert pilot.speculate(4) is None
-    assert pilot.history == []
 
 
 def test_summary_records_the_choice():
@@ -145,13 +139,11 @@ def test_summary_records_the_choice():
     assert 0 < s["speculated_step_share"] < 0.5
 
 
-def test_compile_seam_plans_rows_and_expected_time():
+def test_compile_seam_plans_rows():
     pilot = Autopilot(cap=64)
-    assert pilot.planned_rows() == 8 and pilot.expected_seconds(100) is None
+    assert pilot.planned_rows() == 8
     simulate(pilot, cpu_like)
     assert pilot.planned_rows() == 16
-    assert pilot.expected_seconds(640) == pytest.approx(640 / 64, rel=0.05)
-    assert Autopilot(fixed=4).planned_rows() == 4
 
 
 def test_the_first_batch_takes_the_waiting_work_up_to_start_max_and_the_cap():

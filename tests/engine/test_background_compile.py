@@ -54,7 +54,7 @@ def test_decodes_eagerly_at_once_then_switches_between_batches_token_identical(
         tiny_models, tmp_path, dynamo_only, gated, monkeypatch):
     monkeypatch.setattr("specbatch.engine.engine.default_budget", lambda device: 8 * 2**30)
     states: list[str] = []
-    engine = Engine.load(str(tiny_models / "llama"), drafts=[str(tiny_models / "llama-partial")],
+    engine = Engine.load(str(tiny_models / "llama"), [str(tiny_models / "llama-partial")],
                          compile="on", background=states.append, batch_size=1, cache_dir=str(tmp_path))
     reference = Engine(load_model(str(tiny_models / "llama")), batch_size=1)   # the target alone, eager
     assert engine.compile_plan is not None and not engine.compile_plan.enabled

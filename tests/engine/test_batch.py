@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.errors import RequestError
 from tests.engine.test_greedy_exact import target_greedy
 from tests.engine.test_sampling_distribution import PROMPT, WARP, chi2_pvalue, exact_joint, tv
@@ -40,7 +41,7 @@ def _batch_cases():
 def test_batched_rows_match_target_alone(load, arch, setup, batch_size):
     names, ngram = SETUPS[setup]
     target = load(arch)
-    engine = Engine(target, [load(n.format(a=arch)) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n.format(a=arch)) for n in names] + [NGRAM] * ngram)
     for gamma in (1, 4):
         reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n, gamma=gamma, adaptive=False))
                 for p, n in zip(PROMPTS, LENGTHS)]
@@ -58,7 +59,7 @@ def test_batched_eos_and_stop_strings_in_different_rows(load):
     ref0 = target_greedy(target, PROMPTS[0], 40)
     eos = next(t for i, t in enumerate(ref0) if i >= 3 and t not in ref0[:i])
     patched = dataclasses.replace(target, eos_token_ids=frozenset({eos}))
-    engine = Engine(patched, [load("llama-partial")], ngram=True)
+    engine = Engine(patched, [load("llama-partial"), NGRAM])
     ref2 = target_greedy(target, PROMPTS[2], 40)
     text2 = target.tokenizer.decode(ref2, skip_special_tokens=True)
     stop = text2[10:14]
@@ -87,7 +88,7 @@ def test_bad_request_in_a_batch_fails_alone(load):
 @pytest.mark.parametrize("ngram", [False, True])
 def test_batched_sampling_keeps_target_distribution(load, ngram):
     target = load("llama")
-    engine = Engine(target, [load("llama-partial")], ngram=ngram)
+    engine = Engine(target, [load("llama-partial")] + [NGRAM] * ngram)
     params = dict(max_new_tokens=2, temperature=WARP.temperature, top_k=WARP.top_k, gamma=3, adaptive=False)
 
     def draw(n, seed0):

@@ -18,6 +18,7 @@ import torch
 from specbatch.config import Settings
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine import compiled as C
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from tests.engine.test_sampling_distribution import WARP, chi2_pvalue, empirical, exact_joint, tv
 
@@ -464,8 +465,8 @@ def test_greedy_through_compiled_target_is_lossless_for_every_setup(compiled_pai
 def _lossless_for_every_setup(target, draft):
     alone = Engine(target)
     refs = {p: _greedy(alone, p) for p in PROMPTS}
-    setups = {"draft": Engine(target, [draft]), "ngram": Engine(target, ngram=True),
-              "pool": Engine(target, [draft], ngram=True)}
+    setups = {"draft": Engine(target, [draft]), "ngram": Engine(target, [NGRAM]),
+              "pool": Engine(target, [draft, NGRAM])}
     for name, engine in setups.items():
         for gamma in (1, 4):
             for p in PROMPTS:
@@ -545,7 +546,7 @@ def test_the_cli_says_what_compiling_bought_on_this_machine(capsys):
     assert "m: eager / compiled step time here (rows x tokens): 1x1 1.30x, 1x4 0.90x; 1x4 stay eager" in err
 
 
-def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch):
+def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch, tmp_path):
     """A budget at or past the target's context fails at once and decodes nothing: it must not
     count as minutes of decoding that compiling would repay."""
     import specbatch.engine.engine as E
@@ -556,6 +557,6 @@ def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch)
     target = str(tiny_models / "llama")
     context = E.Engine.load(target).target.max_positions
     assert context == 512
-    E.Engine.load(target, compile="auto", expected_new_tokens=[100_000, 5, context, 7])
-    E.Engine.load(target, compile="auto", expected_new_tokens=100_000)     # a total: as given
+    E.Engine.load(target, compile="auto", expected_new_tokens=[100_000, 5, context, 7], cache_dir=str(tmp_path))
+    E.Engine.load(target, compile="auto", expected_new_tokens=100_000, cache_dir=str(tmp_path))   # a total: as given
     assert seen[-2:] == [12, 100_000]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from specbatch.errors import DeviceError, ModelLoadError, RequestError, SpecBatchError
 from tests.tiny import build_tokenizer
@@ -114,7 +115,7 @@ def test_exactly_full_context_is_allowed(load, arch):
     """prompt + max_new_tokens == context is the largest valid request (gpt2's position table ends
     there: one position more would be an IndexError inside torch)."""
     target = load(arch)
-    engine = Engine(target, [load(f"{arch}-same")], ngram=True)
+    engine = Engine(target, [load(f"{arch}-same"), NGRAM])
     ids = [5, 6, 7] * 166 + [5, 6]              # 500 tokens, n-gram proposals everywhere
     out = engine.generate(input_ids=ids, params=GenerationParams(max_new_tokens=12, gamma=8,
                                                                  adaptive=False))

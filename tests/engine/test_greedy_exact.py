@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 
 PROMPTS = ["Write a haiku about", "def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The"]
 
@@ -54,7 +55,7 @@ def _greedy_cases():
 def test_matches_target_greedy(load, arch, drafts, gamma):
     names, ngram = DRAFTS[drafts]
     target = load(arch)
-    engine = Engine(target, [load(n.format(arch=arch)) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n.format(arch=arch)) for n in names] + [NGRAM] * ngram)
     for prompt in PROMPTS[:2] if gamma == 4 else PROMPTS[1:]:
         for n in (1, 7, 64):
             ref = target_greedy(target, prompt, n)
@@ -74,7 +75,7 @@ def test_matches_target_greedy(load, arch, drafts, gamma):
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_adaptive_gamma_stays_exact(load, arch):
     target = load(arch)
-    engine = Engine(target, [load(f"{arch}-partial")], ngram=True)
+    engine = Engine(target, [load(f"{arch}-partial"), NGRAM])
     for prompt in PROMPTS:
         ref = target_greedy(target, prompt, 64)
         assert engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=64)).token_ids == ref
@@ -97,7 +98,7 @@ def test_eos_inside_draft(load, arch, drafts):
     prompt = PROMPTS[0]
     eos, ref = _eos_inside_draft(target, prompt)
     patched = dataclasses.replace(target, eos_token_ids=frozenset({eos}))
-    engine = Engine(patched, [load(n.format(arch=arch)) for n in names], ngram=ngram)
+    engine = Engine(patched, [load(n.format(arch=arch)) for n in names] + [NGRAM] * ngram)
     out = engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=40, gamma=8, adaptive=False))
     expected = target_greedy(target, prompt, 40, eos_token_id=eos)
     assert out.token_ids == expected
@@ -118,7 +119,7 @@ def test_stop_string_straddling_a_draft(load, arch, drafts):
     a, b = tok.decode(ref[:6], skip_special_tokens=True), tok.decode(ref[:7], skip_special_tokens=True)
     stop = a[-2:] + b[len(a):len(a) + 2]
     assert stop in full
-    engine = Engine(target, [load(n.format(arch=arch)) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n.format(arch=arch)) for n in names] + [NGRAM] * ngram)
     out = engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=40, gamma=8, adaptive=False,
                                                                  stop=(stop,)))
     assert out.finish_reason == "stop"

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, GenerationParams, loading
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import KNOWN_MODELS, known_model_status, load_model
 from specbatch.errors import ModelLoadError
 
@@ -227,7 +228,7 @@ def test_gguf_changed_file_gets_a_new_cache_entry(tiny_models, tmp_path):
 def test_gguf_target_with_directory_draft(load, gguf_file, tmp_path):
     """A GGUF-loaded target and a directory draft share a tokenizer; output is the target's greedy."""
     target = load_model(str(gguf_file), cache_dir=tmp_path / "cache")
-    engine = Engine(target, [load("llama-partial")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), NGRAM])
     ref = Engine(load("llama")).generate(prompt="def fibonacci(n):", params=GenerationParams(max_new_tokens=24))
     out = engine.generate(prompt="def fibonacci(n):", params=GenerationParams(max_new_tokens=24))
     assert out.token_ids == ref.token_ids
@@ -313,3 +314,10 @@ def test_misspelt_known_name_lists_the_known_names(tmp_path):
     msg = str(info.value)
     assert "smollm2-135m-typo" in msg and all(name in msg for name in KNOWN)
 
+
+
+def test_a_known_model_needs_the_callers_cache_dir():
+    """The engine reads no settings: a known name's GGUF weights are assembled and dequantized under
+    the cache_dir its caller passes (the CLI and workers pass SPECBATCH_CACHE_DIR)."""
+    with pytest.raises(ModelLoadError, match="without a cache directory"):
+        load_model("smollm2-135m")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 
 PROMPTS = ["def fibonacci(n):\n    if n < 2:", "Write a haiku about", "The quick brown fox jumps over the lazy dog. The",
            "Once upon a time there was a little robot", "SELECT id, status FROM jobs WHERE", "A",
@@ -40,7 +41,7 @@ def check(out, ref_tokens, ref_lp, k: int) -> None:
 def test_logprobs_equal_the_target_alone_batch_1(load, drafts):
     names, ngram = DRAFTS[drafts]
     target = load("llama")
-    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram)
     for prompt in PROMPTS[:2]:
         tokens, lp = hf_logprobs(target, prompt, 16)
         out = engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=16, logprobs=5, gamma=4,
@@ -52,7 +53,7 @@ def test_logprobs_equal_the_target_alone_batch_1(load, drafts):
 def test_logprobs_equal_the_target_alone_batch_8(load, drafts):
     names, ngram = DRAFTS[drafts]
     target = load("llama")
-    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram)
     lengths = [5, 16, 9, 12, 3, 16, 7, 11]
     reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n, logprobs=i % 3 * 10,
                                                             gamma=1 + i % 4, adaptive=False))
@@ -71,7 +72,7 @@ def test_sampled_tokens_get_the_raw_target_logprob(load):
     """Sampled with processors, the logprob is still the raw model's (as OpenAI's): computed
     here from the target alone on the sampled sequence."""
     target = load("llama")
-    engine = Engine(target, [load("llama-partial")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), NGRAM])
     params = GenerationParams(max_new_tokens=12, temperature=1.3, top_k=20, seed=3, logprobs=2,
                               presence_penalty=1.0, logit_bias=((7, 3.0),))
     out = engine.generate(prompt=PROMPTS[0], params=params)

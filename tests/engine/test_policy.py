@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.policy import MeasuredPolicy, StepReport, bucket
 from tests.engine.test_batch import LENGTHS, PROMPTS
@@ -41,7 +42,7 @@ class Recording:
 
 def test_a_policy_bounds_rows_caps_gamma_and_sees_every_step(load):
     target = load("llama")
-    engine = Engine(target, [load("llama-partial")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), NGRAM])
     reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
     for cap in (0, 2):
         policy = Recording(limit=2, cap=cap)
@@ -84,7 +85,7 @@ def test_a_jobs_plain_decision_holds_for_seeded_rows_but_not_for_an_explicit_fix
     from specbatch.engine.autopilot import Autopilot, AutopilotPolicy
 
     assert AutopilotPolicy(limit=8, pilot=Autopilot(speculation=False)).plain(8)
-    assert not AutopilotPolicy(limit=8, pilot=Autopilot(fixed=8)).plain(8)
+    assert not AutopilotPolicy(limit=8, pilot=Autopilot()).plain(8)
     assert not MeasuredPolicy(limit=8).plain(8)
 
 

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.cache import BatchCache
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.drafters import Proposal
 from specbatch.engine.tree import build_tree
 from tests.engine.test_batch import LENGTHS, PROMPTS
@@ -39,7 +40,7 @@ def _pool_cases():
 def test_pool_in_a_batch_matches_target_alone(load, arch, pool, batch_size):
     names, ngram = POOLS[pool]
     target = load(arch)
-    engine = Engine(target, [load(n.format(a=arch)) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n.format(a=arch)) for n in names] + [NGRAM] * ngram)
     reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n, gamma=4, adaptive=False))
             for p, n in zip(PROMPTS, LENGTHS)]
     got = dict(engine.generate_many(reqs, batch_size=batch_size))
@@ -96,7 +97,7 @@ SAMPLED = dict(max_new_tokens=24, temperature=0.9, top_k=20, top_p=0.95, gamma=3
 @pytest.mark.parametrize("pool", ["partial", "2 models + ngram"])
 def test_seeded_sample_alone_equals_in_a_batch(load, pool):
     names, ngram = ({"partial": (["llama-partial"], False)} | POOLS)[pool]
-    engine = Engine(load("llama"), [load(n.format(a="llama")) for n in names], ngram=ngram)
+    engine = Engine(load("llama"), [load(n.format(a="llama")) for n in names] + [NGRAM] * ngram)
     seeds = [3, 17, 42]
     alone = {s: engine.generate(prompt=PROMPTS[0], params=GenerationParams(seed=s, **SAMPLED)).token_ids
              for s in seeds}

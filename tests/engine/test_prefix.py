@@ -15,6 +15,7 @@ from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.backend import PrefixKV
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.decoder import Decoder
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.drafters import ModelDrafter
 from specbatch.engine.policy import MeasuredPolicy
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
@@ -52,7 +53,7 @@ def test_greedy_outputs_are_identical_with_the_prefix_cache_on_and_off(load, set
             for p, n in zip(prompts, LENGTHS)]
     out = {}
     for on in (True, False):
-        engine = Engine(target, [load(n) for n in names], ngram=ngram, prefix_cache=on)
+        engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram, prefix_cache=on)
         out[on] = dict(engine.generate_many(reqs, batch_size=batch))
     for i, (p, n) in enumerate(zip(prompts, LENGTHS)):
         assert out[True][i].token_ids == out[False][i].token_ids, (setup, batch, i)
@@ -141,7 +142,7 @@ def test_the_prefix_store_keeps_its_byte_budget_least_recently_used_out():
 
 def test_an_engine_keeps_prefixes_within_its_store_budget_across_calls(load):
     target = load("llama")
-    engine = Engine(target, ngram=True)
+    engine = Engine(target, [NGRAM])
     groups = [corpus_ids(target, 64, skip=64 * g) for g in range(3)]
     per_entry = 64 * 2 * 2 * 16 * 2 * 4              # layers x kv heads x head dim x (K, V) x fp32
     engine.prefixes = PrefixStore(budget=2 * per_entry)   # room for two of the three prefixes

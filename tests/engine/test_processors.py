@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.drafters import Proposal
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Warp
@@ -84,7 +85,7 @@ def _params(kind: str, n: int = 20, gamma: int = 4) -> GenerationParams:
 def check_greedy(load, drafts: str, kind: str, prompts: list[str]) -> None:
     names, ngram = DRAFTS[drafts]
     target = load("llama")
-    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram)
     refs = {p: hf_greedy(target, p, _params(kind)) for p in prompts}
     assert any(refs[p] != hf_greedy(target, p, GenerationParams(max_new_tokens=20)) for p in prompts), \
         "the processors change nothing here: the test would prove nothing"
@@ -118,7 +119,7 @@ def test_greedy_matrix_matches_hf(load, drafts, kind):
 def test_batch_of_eight_with_mixed_processors(load, drafts):
     names, ngram = DRAFTS[drafts]
     target = load("llama")
-    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram)
     kinds = [*PARAMS, "plain", "bias"]
     reqs = [EngineRequest(prompt=PROMPTS[i % len(PROMPTS)], params=GenerationParams(
                 max_new_tokens=6 + 3 * i, gamma=1 + i % 4, adaptive=False, **PARAMS.get(kind, {})))

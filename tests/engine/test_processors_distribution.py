@@ -18,6 +18,7 @@ from transformers import LogitsProcessorList, MinPLogitsWarper, TemperatureLogit
 
 import specbatch.engine.tree as tree_mod
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from tests.engine.test_processors import hf_processors
 from tests.engine.test_sampling_distribution import PROMPT, chi2_pvalue, tv
 
@@ -60,7 +61,7 @@ def empirical(engine, params: dict, n: int, seed0: int = 0) -> collections.Count
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_processed_distribution_matches_target(load, kind):
     target = load("llama")
-    engine = Engine(target, [load("llama-partial"), load("llama-random")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), load("llama-random"), NGRAM])
     params = {**BASE, **KINDS[kind]}
     joint = exact_joint(target, GenerationParams(**params))
     plain = exact_joint(target, GenerationParams(**BASE))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specbatch.engine import Engine, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 
 pytestmark = [
@@ -75,7 +76,7 @@ def test_default_pair_loads_with_one_tokenizer(pair, real_cache_dir):
 @pytest.mark.parametrize("ngram", [False, True], ids=["int8-draft", "int8-draft+ngram"])
 def test_default_pair_greedy_exact(pair, references, ngram):
     target, draft = pair
-    engine = Engine(target, [draft], ngram=ngram)
+    engine = Engine(target, [draft] + [NGRAM] * ngram)
     accepted = drafted = 0
     for (ids, ref), text in zip(references, CHATS):
         out = engine.generate(input_ids=ids, params=GenerationParams(max_new_tokens=N))
@@ -133,7 +134,7 @@ def test_default_pair_structured_greedy_exact_at_b1_and_b3(pair, schema_referenc
 
     target, draft = pair
     spec, refs = schema_references
-    engine = Engine(target, [] if drafts == "grammar-only" else [draft], ngram=drafts.endswith("ngram"))
+    engine = Engine(target, [] if drafts == "grammar-only" else [draft, NGRAM])
     params = GenerationParams(max_new_tokens=48, structured=spec)
     for ids, ref in refs:
         assert engine.generate(input_ids=ids, params=params).token_ids == ref

@@ -15,6 +15,7 @@ import pytest
 import specbatch.engine.engine as engine_mod
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.cache import BatchCache
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.engine import EngineRequest
 from specbatch.engine.policy import MeasuredPolicy
 from specbatch.engine.sampling import sample_seed
@@ -28,7 +29,7 @@ PROMPTS = ["Write a haiku about", "def fibonacci(n):"]
                                                         (["llama-partial"], True, 3), (["llama-partial"], False, 1)])
 def test_greedy_samples_are_copies_of_the_target_alone(load, drafts, ngram, batch):
     target = load("llama")
-    engine = Engine(target, [load(d) for d in drafts], ngram=ngram)
+    engine = Engine(target, [load(d) for d in drafts] + [NGRAM] * ngram)
     reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=24, n=4)) for p in PROMPTS]
     got = dict(engine.generate_many(reqs, batch_size=batch))
     for i, prompt in enumerate(PROMPTS):

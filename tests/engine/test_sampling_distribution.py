@@ -17,6 +17,7 @@ from scipy.stats import chisquare
 import specbatch.engine.sampling as sampling
 import specbatch.engine.tree as tree_mod
 from specbatch.engine import Engine, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.sampling import Warp
 
 PROMPT = "The quick brown fox"
@@ -67,7 +68,7 @@ POOLS = {
 def test_distribution_matches_target(load, pool):
     names, ngram = POOLS[pool]
     target = load("llama")
-    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram)
     joint = exact_joint(target)
     small = empirical(engine, 100)
     large = small + empirical(engine, 700, seed0=10_000)

@@ -15,6 +15,7 @@ import torch
 
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.decoder import Decoder
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.drafters import Drafter, Proposal
 from specbatch.engine.gamma import CostModel, GammaController, expected_tokens
 from specbatch.engine.policy import MeasuredPolicy
@@ -154,7 +155,7 @@ SETUPS = {"same": (["llama-same"], False), "partial": (["llama-partial"], False)
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_invariants(load, setup, adaptive):
     names, ngram = SETUPS[setup]
-    engine = Engine(load("llama"), [load(n) for n in names], ngram=ngram)
+    engine = Engine(load("llama"), [load(n) for n in names] + [NGRAM] * ngram)
     for prompt, n, stop in (("Write a haiku about", 48, ()), ("def fibonacci(n):", 33, ()),
                             ("The quick brown fox", 40, ("fox",)), ("SELECT id", 1, ())):
         out = engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=n, gamma=4,

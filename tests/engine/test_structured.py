@@ -19,6 +19,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 import specbatch.engine.tree as tree_mod
 from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.constrained import drafters_part, forced_cap
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.drafters import Proposal
 from specbatch.engine.gamma import GammaController
 from specbatch.engine.grammar import GrammarSpec, Matcher, vocab_for
@@ -87,7 +88,7 @@ DRAFTS = {
 def test_greedy_matches_the_masked_target(load, drafts, kind):
     names, ngram = DRAFTS[drafts]
     target = load("llama")
-    engine = Engine(target, [load(n) for n in names], ngram=ngram)
+    engine = Engine(target, [load(n) for n in names] + [NGRAM] * ngram)
     spec = SPECS[kind]
     for prompt in PROMPTS[:2]:
         for n in (1, 40):
@@ -102,7 +103,7 @@ def test_greedy_matches_the_masked_target(load, drafts, kind):
 
 def test_greedy_batch_of_eight_rows_each_with_its_own_grammar(load):
     target = load("llama")
-    engine = Engine(target, [load("llama-partial")], ngram=True)
+    engine = Engine(target, [load("llama-partial"), NGRAM])
     cases = [(p, s) for p in PROMPTS for s in (None, *SPECS.values())][:8]
     reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=30, gamma=4, adaptive=False,
                                                             structured=s)) for p, s in cases]
@@ -227,7 +228,7 @@ def chi2_pvalue(counts: collections.Counter, joint: dict) -> float:
 def test_sampling_follows_the_masked_target(load, pool):
     target = load("llama")
     drafts = [load("llama-partial")] + ([load("llama-random")] if pool == "pool" else [])
-    engine = Engine(target, drafts, ngram=pool == "pool")
+    engine = Engine(target, drafts + [NGRAM] * (pool == "pool"))
     joint = exact_joint(target)
     assert len(joint) > 4
     counts = empirical(engine, 800)

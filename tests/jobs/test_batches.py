@@ -28,7 +28,7 @@ def _setup(db_url: str, tmp_path: Path, n: int = 3) -> tuple[Settings, str, list
     reqs = [ParsedRequest(line_no=i + 1, custom_id=f"c{i}", kind="chat", prompt=None,
                           messages=[{"role": "user", "content": "hi"}], params=PARAMS) for i in range(n)]
     with db.session_factory(db_url).begin() as s:
-        job = store.create_job(s, target="t", drafts=["d"], ngram=False, params={}, requests=reqs, queue="q")
+        job = store.create_job(s, target="t", drafts=["d"], params={}, requests=reqs, queue="q")
         batch_id = batches.new_batch_id()
         batches.create_batch(s, batch_id=batch_id, input_file_id=files.new_file_id(), endpoint="/v1/chat/completions",
                              completion_window="24h", metadata={"k": "v"}, job_id=job.id)

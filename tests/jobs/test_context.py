@@ -105,7 +105,7 @@ def test_a_prompt_over_the_context_is_refused_per_line_with_the_engines_count(tm
                                                       (5, "body.prompt")]
     assert all(x.path == str(path) for x in errors)
 
-    engine = Engine.load(llama, drafts=[partial])
+    engine = Engine.load(llama, [partial])
     for err, req in zip(errors, [dict(prompt=long_text), dict(prompt="short"), dict(messages=[chat])],
                         strict=False):
         max_new = 600 if req.get("prompt") == "short" else 8

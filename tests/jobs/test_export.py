@@ -106,7 +106,7 @@ def job(db_url, tmp_path) -> tuple[str, str, list[int]]:
     parsed = intake.read_file(path, {}, Settings(database_url=db_url),
                               intake.parse_model_map(["gpt-4o-mini=tgt-chat,d-chat", "babbage-002=tgt"], allow_remote=True))
     with db.session_factory(db_url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={},
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={},
                                   requests=parsed.requests, queue="q").id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids[:4], "w1", 60, 3)
@@ -385,7 +385,7 @@ def test_export_refuses_to_overwrite_without_force(job, tmp_path):
 def test_job_summary_lists_where_each_model_runs(job, tmp_path):
     url, job_id, _ = job
     with db.session_factory(url).begin() as s:
-        store.create_job(s, target="other-job", drafts=[], ngram=False, params={}, queue="q2", requests=[
+        store.create_job(s, target="other-job", drafts=[], params={}, queue="q2", requests=[
             intake.ParsedRequest(1, "x", "completion", "p", None, {}, model="gpt-4o-mini")])  # not counted
         routes = store.job_summary(s, job_id)["models"]
     assert routes == [

@@ -22,7 +22,7 @@ def submit(settings: Settings, path: Path | str, defaults: dict | None = None) -
     """What `specbatch submit` does with the store: validate everything, then write in one transaction."""
     parsed = intake.parse_file(path, defaults or {}, settings)
     with db.session_factory(settings.database_url).begin() as s:
-        return store.create_job(s, target="t", drafts=["d"], ngram=False, params=intake.job_params(defaults),
+        return store.create_job(s, target="t", drafts=["d"], params=intake.job_params(defaults),
                                 requests=parsed, queue="q", source=str(path)).id
 
 

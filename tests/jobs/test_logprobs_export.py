@@ -12,6 +12,7 @@ import pytest
 from specbatch import db
 from specbatch.config import Settings
 from specbatch.engine import Engine
+from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from specbatch.engine.types import TokenLogprob
 from specbatch.jobs import export, intake, logprobs, store
@@ -32,11 +33,11 @@ def job(db_url, tmp_path, tiny_models):
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in FILE))
     parsed = intake.read_file(path, {}, Settings(database_url=db_url))
-    engine = Engine(load_model(str(tiny_models / "llama")), [load_model(str(tiny_models / "llama-partial"))],
-                    ngram=True)
+    engine = Engine(load_model(str(tiny_models / "llama")),
+                    [load_model(str(tiny_models / "llama-partial")), NGRAM])
     outs = {}
     with db.session_factory(db_url).begin() as s:
-        job_id = store.create_job(s, target="t", drafts=["d"], ngram=True, params={}, requests=parsed.requests,
+        job_id = store.create_job(s, target="t", drafts=["d", "ngram"], params={}, requests=parsed.requests,
                                   queue="q").id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids, "w", 60, 3)

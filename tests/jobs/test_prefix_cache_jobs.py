@@ -27,7 +27,7 @@ def _job(url: str, prompts: list[str]) -> tuple[str, list[int]]:
     reqs = [ParsedRequest(line_no=i + 1, custom_id=f"c{i}", kind="completion", prompt=p, messages=None,
                           params=PARAMS) for i, p in enumerate(prompts)]
     with db.session_factory(url).begin() as s:
-        job = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                queue="q")
         return job.id, store.resumable_request_ids(s, job.id)
 

@@ -107,7 +107,7 @@ def make_job(settings: Settings, lines: list[dict], target: str = "llama", cache
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     parsed = intake.parse_file(path, {}, settings)
     with db.session_factory(settings.database_url).begin() as s:
-        job = store.create_job(s, target=target, drafts=["d"], ngram=False, params={}, requests=parsed,
+        job = store.create_job(s, target=target, drafts=["d"], params={}, requests=parsed,
                                queue="q", cache=cache)
         return job.id, list(store.resumable_request_ids(s, job.id))
 

@@ -21,7 +21,7 @@ def make_job(url: str, n: int = 4, **kw) -> tuple[str, list[int]]:
     reqs = [ParsedRequest(line_no=i + 1, custom_id=f"c{i}", kind="completion", prompt=f"prompt {i}",
                           messages=None, params=PARAMS) for i in range(n)]
     with db.session_factory(url).begin() as s:
-        job = store.create_job(s, target=kw.get("target", "tgt"), drafts=["d1"], ngram=True,
+        job = store.create_job(s, target=kw.get("target", "tgt"), drafts=["d1", "ngram"],
                                params={"max_new_tokens": 8}, requests=reqs, queue="q", source="p.jsonl",
                                metadata={"who": "test"})
         return job.id, store.resumable_request_ids(s, job.id)
@@ -51,8 +51,8 @@ def test_create_job_and_get_it_back(db_url):
     job_id, ids = make_job(db_url, 3)
     with db.session_factory(db_url).begin() as s:
         job = store.get_job(s, job_id)
-        assert (job.status, job.total, job.pending, job.target, job.drafts, job.ngram, job.queue) == (
-            JobStatus.queued, 3, 3, "tgt", ["d1"], True, "q")
+        assert (job.status, job.total, job.pending, job.target, job.drafts, job.queue) == (
+            JobStatus.queued, 3, 3, "tgt", ["d1", "ngram"], "q")
         assert job.meta == {"who": "test"} and job.source == "p.jsonl"
         assert store.get_job(s, job_id[:6]).id == job_id                  # unique prefix
         with pytest.raises(JobNotFound, match="no job 'zzzz'; "):

@@ -12,7 +12,7 @@ from specbatch.engine.types import GenerationOutput, GenerationStats
 from specbatch.observability.metrics import WorkerMetrics, pair_labels
 from tests.worker.services import REPO
 
-LABELS = pair_labels("t", ["d1", "d2"], True, "w0@host")
+LABELS = pair_labels("t", ["d1", "d2", "ngram"], "w0@host")
 
 
 def _output(tokens: int, drafted: list[int], accepted: list[int], wall: float, first: float,

@@ -44,7 +44,7 @@ def inprocess_worker(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     app = create_app(cluster.settings)
     app.conf.update(task_default_queue=cluster.queue(), specbatch_observe={"worker": "obs@test"},
                     specbatch_engine={"target": str(cluster.models / "llama"),
-                                      "drafts": [str(cluster.models / "llama-partial")], "ngram": False,
+                                      "drafts": [str(cluster.models / "llama-partial")],
                                       "device": "cpu", "dtype": "float32", "batch_size": 1})
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=30) as w:
         yield w

@@ -35,7 +35,7 @@ def test_resume_reports_leased_requests_and_the_full_job_id(tmp_path: Path,
         prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(4)))
         parsed = intake.parse_file(prompts, {}, get_settings())
         with session_factory(url).begin() as s:
-            job = store.create_job(s, target="t", drafts=["d"], ngram=False, params={}, requests=parsed,
+            job = store.create_job(s, target="t", drafts=["d"], params={}, requests=parsed,
                                    queue="specbatch.test.q")
             job_id = job.id
             ids = store.resumable_request_ids(s, job_id)

@@ -63,7 +63,7 @@ class Cluster:
     def queue(self, target: str = "llama", draft: str = "llama-partial") -> str:
         from specbatch.worker.queues import queue_name
 
-        return queue_name(str(self.models / target), [str(self.models / draft)], False)
+        return queue_name(str(self.models / target), [str(self.models / draft)])
 
     def wait_consuming(self, proc: Proc, target: str = "llama", draft: str = "llama-partial") -> None:
         from specbatch.worker.monitor import active_queues
@@ -101,7 +101,7 @@ class Cluster:
         parsed = intake.parse_file(self.prompts(rows), {}, s_)
         with session_factory(s_.database_url).begin() as s:
             job = store.create_job(s, target=str(self.models / target), drafts=[str(self.models / draft)],
-                                   ngram=False, params={}, requests=parsed, queue=self.queue(target, draft))
+                                   params={}, requests=parsed, queue=self.queue(target, draft))
             return job.id, list(store.resumable_request_ids(s, job.id))
 
     def submit(self, rows: list[dict[str, Any]], target: str = "llama",

@@ -29,7 +29,7 @@ def test_queue_name_is_derived_from_the_pair(tmp_path) -> None:  # noqa: ANN001
     a = queue_name(str(tmp_path / "m"), ["smollm2-135m-int8"])
     assert a == queue_name(str(tmp_path / "m") + "/", ["smollm2-135m-int8"])
     assert a != queue_name(str(tmp_path / "m"), ["other"])
-    assert a != queue_name(str(tmp_path / "m"), ["smollm2-135m-int8"], ngram=True)
+    assert a != queue_name(str(tmp_path / "m"), ["smollm2-135m-int8", "ngram"])
     assert a.startswith("specbatch.m+smollm2-135m-int8.")
 
 

@@ -30,7 +30,7 @@ def _job(tmp_path, n):
     path.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "hi"}) + "\n" for i in range(n)))
     parsed = intake.parse_file(path, {}, settings)
     with session_factory(settings.database_url).begin() as s:
-        job = store.create_job(s, target="t", drafts=["d"], ngram=False, params={}, requests=parsed, queue="q")
+        job = store.create_job(s, target="t", drafts=["d"], params={}, requests=parsed, queue="q")
         return settings, job.id, list(store.resumable_request_ids(s, job.id))
 
 

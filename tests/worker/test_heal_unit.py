@@ -21,7 +21,7 @@ PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "se
 def _job(url: str, queue: str, n: int = 4) -> list[int]:
     reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(n)]
     with session_factory(url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                   queue=queue).id
         ids = store.resumable_request_ids(s, job_id)
         store.claim_requests(s, ids, "w-dead", 60, 3)

@@ -24,7 +24,7 @@ PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "se
 def _job(url: str, queue: str, n: int = 3, meta: dict | None = None, age: float = 120) -> tuple[str, list[int]]:
     reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(n)]
     with session_factory(url).begin() as s:
-        job_id = store.create_job(s, target="tgt", drafts=["d1"], ngram=False, params={}, requests=reqs,
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
                                   queue=queue).id
         if meta:
             s.execute(update(Job).where(Job.id == job_id).values(meta=meta))
