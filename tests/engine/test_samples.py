@@ -138,3 +138,29 @@ def test_the_prompt_is_prefilled_once_for_n_rows(load, fed, running):
         # forwards with a feed longer than a step's (1 pending token + gamma 2): prompt prefills
         prefills = [f for f in fed[name] if max(f) > 3]
         assert sum(sum(f) for f in prefills) == length - 1, name   # the prompt but its last token, once
+
+
+LONG = ("You are a careful assistant. Answer briefly and plainly, in one line, and never repeat the "
+        "question. Here is the question: ")
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_samples_of_requests_sharing_a_stored_prefix(load, batch):
+    """n samples and the prefix cache together: the requests share a long prompt prefix (computed
+    once, stored), each request's samples load it, prefill the rest once and fork; greedy and
+    seeded samples are the same with the prefix cache off."""
+    target, draft = load("llama"), load("llama-partial")
+    prompts = [LONG + "what is a queue?", LONG + "what is a worker?", "def fibonacci(n):"]
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(n=3, **kw)) for p in prompts
+            for kw in (dict(max_new_tokens=12), dict(SAMPLED, seed=5))]
+    runs = {}
+    for on in (True, False):
+        engine = Engine(target, [draft, NGRAM], prefix_cache=on)
+        got = dict(engine.generate_many(reqs, batch_size=batch))
+        runs[on] = [[o.token_ids for o in got[i].samples] for i in range(len(reqs))]
+        cached = [o.stats.cached_prompt_tokens for i in range(len(reqs)) for o in got[i].samples]
+        assert any(cached) == on
+    assert runs[True] == runs[False]
+    for i, prompt in enumerate(prompts):
+        ref = target_greedy(target, prompt, 12)
+        assert [t[:len(ref)] for t in runs[True][2 * i]] == [ref] * 3
