@@ -30,6 +30,7 @@ from specbatch.engine.grammar import Matcher
 from specbatch.engine.tree import TokenTree
 
 GRAMMAR = "grammar"     # the pool name of the grammar's forced-token chain (stats: pool_wins)
+FORCED_MARGIN = 1.05    # a forced run longer than the drafts must promise this many times the rate
 
 
 class GrammarRow(Protocol):
@@ -77,15 +78,15 @@ def forced_cap(runs: Sequence[int], depth: int, step_cost: Callable[[int], float
     longest = max(runs, default=0)
     if longest <= depth:
         return longest
-    best, best_rate = longest, -1.0
+    rates = {}
     for cap in sorted({depth, *(f for f in runs if f > depth)}):
         cost = step_cost(1 + cap)
         if cost is None or cost <= 0:
             return longest
-        rate = (len(runs) + sum(min(f, cap) for f in runs)) / cost
-        if rate > best_rate:
-            best, best_rate = cap, rate
-    return best
+        rates[cap] = (len(runs) + sum(min(f, cap) for f in runs)) / cost
+    best = max(rates, key=rates.__getitem__)
+    # (past the drafts' depth only for a clear gain: the costs are measured, and noisy)
+    return best if rates[best] >= FORCED_MARGIN * rates[depth] else depth
 
 
 def drafters_part(proposals: Sequence[Proposal | None], forced: Proposal | None,

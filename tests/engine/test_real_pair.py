@@ -141,3 +141,37 @@ def test_default_pair_structured_greedy_exact_at_b1_and_b3(pair, schema_referenc
     got = dict(engine.generate_many([EngineRequest(input_ids=ids, params=params) for ids, _ in refs], batch_size=3))
     assert [got[i].token_ids for i in range(3)] == [ref for _, ref in refs]
     assert sum(got[i].stats.grammar_accepted_tokens for i in range(3)) > 0
+
+
+def test_default_pair_processors_and_logprobs_match_hf(pair, references):
+    """Penalties, logit_bias, min_p and repetition_penalty on the real pair (draft + n-gram, one row
+    and three): token-identical to HF generate with the same processors; logprobs within 1e-4 of
+    HF's output_logits log-softmax for the same tokens."""
+    from specbatch.engine import EngineRequest
+    from tests.engine.test_processors import hf_processors
+
+    target, draft = pair
+    engine = Engine(target, [draft, NGRAM])
+    params = GenerationParams(max_new_tokens=32, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.9,
+                              logit_bias={"13": -100, "28": 2.5}, min_p=0.05, logprobs=5)
+    refs = []
+    for ids, _ in references[:3]:
+        inp = torch.tensor([ids])
+        with torch.inference_mode():
+            out = target.model.generate(inp, attention_mask=torch.ones_like(inp), max_new_tokens=32, do_sample=False,
+                                        eos_token_id=sorted(target.eos_token_ids), output_logits=True,
+                                        return_dict_in_generate=True, pad_token_id=target.tokenizer.pad_token_id or 0,
+                                        logits_processor=hf_processors(params, len(ids)))
+        refs.append((ids, out.sequences[0, len(ids):].tolist(), torch.cat(out.logits).float().log_softmax(-1)))
+    assert any(tokens != plain[:len(tokens)] for (_, plain), (_, tokens, _) in zip(references, refs)), \
+        "the processors change nothing here: the test would prove nothing"
+    alone = [engine.generate(input_ids=ids, params=params) for ids, _, _ in refs]
+    batched = dict(engine.generate_many([EngineRequest(input_ids=ids, params=params) for ids, _, _ in refs],
+                                        batch_size=3))
+    for out in [*alone, *(batched[i] for i in range(3))]:
+        ids, tokens, lp = next(r for r in refs if r[1] == out.token_ids)
+        assert out.logprobs is not None and [t.token for t in out.logprobs] == tokens
+        for j, t in enumerate(out.logprobs):     # the raw target's log-softmax (docs/FORMATS.md)
+            assert t.logprob == pytest.approx(float(lp[j, t.token]), abs=1e-4)
+    assert [o.token_ids for o in alone] == [t for _, t, _ in refs]
+    assert [batched[i].token_ids for i in range(3)] == [t for _, t, _ in refs]

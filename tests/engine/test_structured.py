@@ -174,6 +174,9 @@ def test_forced_cap_weighs_the_padded_step_against_the_tokens_it_brings():
     assert forced_cap([6, 0], 0, lambda n: None) == 6               # not measured: no cap, so it is measured
     assert forced_cap([3, 0], 4, linear) == 3                        # within the drafts' depth: free
     assert forced_cap([0, 0], 0, linear) == 0
+    slight = lambda n: 1.0 + 0.45 * (n - 1)    # noqa: E731 - a run of 1 on one of 2 rows: 3 tokens per 1.45
+    assert forced_cap([1, 0], 0, slight) == 0                        # 2.07 against 2 a step: 3.4% is noise
+    assert forced_cap([1, 1], 0, slight) == 1                        # 2.76 against 2: a clear gain
 
 
 def test_drafters_part_counts_only_past_the_forced_run():
