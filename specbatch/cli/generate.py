@@ -26,7 +26,8 @@ from specbatch.plural import plural
 @click.option("--draft", "drafts", multiple=True, metavar="DRAFTER",
               help="Drafter: a draft model (name, directory, .gguf file, HF id, or model:NAME) or ngram; "
                    "repeat for a pool; 'none': the target alone.")
-@click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool (--draft ngram).")
+@click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool (--draft ngram names it, "
+                                                 "in place of the default draft).")
 @click.option("--prompt", help="Prompt text, tokenized as is.")
 @click.option("--message", "messages", multiple=True, metavar="TEXT",
               help="A user message (chat template applied); repeat for several turns.")

@@ -114,8 +114,8 @@ def _status_view(d: dict[str, Any]) -> Any:
         if pc.get("cached_prompt_tokens"):
             info.add_row("prefix cache", f"{plural(pc['cached_prompt_tokens'], 'prompt token')} read, not "
                                          f"prefilled ({num(pc['share'], '{:.0%}')} of prompt tokens, "
-                                         f"{plural(pc['requests'], 'request')}, ~{pc['prefill_seconds_saved_sum']:.1f} s "
-                                         "of prefill saved)")
+                                         f"{plural(pc['requests'], 'request')}; prefill seconds saved, summed over "
+                                         f"requests: {pc['prefill_seconds_saved_sum']:.1f})")
         info.add_row("throughput", f"{num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
         info.add_row("latency", f"p50 {num(lat['p50'], '{:.2f}')} s, p95 {num(lat['p95'], '{:.2f}')} s")

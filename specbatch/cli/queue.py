@@ -37,7 +37,8 @@ if TYPE_CHECKING:
 
 def model_options(f: Any) -> Any:
     """--target / --draft / --ngram (no model option at all: the default pair from settings)."""
-    f = click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter (--draft ngram).")(f)
+    f = click.option("--ngram", is_flag=True, help="Add the prompt-lookup (n-gram) drafter to the pool (--draft ngram names it, "
+                                                                   "in place of the default draft).")(f)
     f = click.option("--draft", "drafts", multiple=True, metavar="DRAFTER",
                      help="Drafter: a draft model (name, directory, .gguf file, HF id, or model:NAME) or "
                           "ngram; repeat for a pool.")(f)

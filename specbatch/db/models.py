@@ -289,7 +289,7 @@ STATS_COLUMNS = (
     "verify_steps", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_acceptance_length",
     "accepted_per_position", "target_forwards", "draft_forwards", "draft_seconds", "verify_seconds",
     "wall_seconds", "tokens_per_second", "pool_wins", "final_gamma", "speculation_disabled",
-    "grammar_drafted_tokens", "grammar_accepted_tokens",
+    "grammar_drafted_tokens", "grammar_accepted_tokens", "cached_prompt_tokens", "prefill_seconds_saved",
 )
 
 # The plain-SQL view for sqlite3 / psql users; created by the migrations (0001, columns in 0007).

@@ -56,7 +56,14 @@ def parse(fields: dict[str, Any], prefix: str) -> tuple[dict[str, Any] | None, P
 
 def _compiles(spec: GrammarSpec, field: str) -> Problems:
     problem = spec_problem(spec)
-    return [] if problem is None else [(field, f"the grammar library refuses it: {problem}")]
+    return [] if problem is None else [(field, f"the grammar library refuses it: {_one_line(problem)}")]
+
+
+def _one_line(message: str) -> str:
+    """The library's message without its source echo and caret lines: one problem, one line."""
+    kept = [line.strip() for line in message.splitlines()
+            if line.strip() and not line.startswith(" ") and line.strip() != "^"]
+    return " ".join(kept) or message.strip()
 
 
 def _response_format(v: Any, field: str) -> tuple[GrammarSpec | None, Problems]:

@@ -144,7 +144,8 @@ def parquet_schema() -> Any:
         ("target_forwards", i64), ("draft_forwards", i64), ("draft_seconds", f64), ("verify_seconds", f64),
         ("wall_seconds", f64), ("tokens_per_second", f64), ("pool_wins", entries(i64)), ("final_gamma", i64),
         ("speculation_disabled", pa.bool_()), ("grammar_drafted_tokens", i64),
-        ("grammar_accepted_tokens", i64), ("draft_steps", i64), ("accepted_at_position", pa.list_(i64)),
+        ("grammar_accepted_tokens", i64), ("cached_prompt_tokens", i64),
+        ("prefill_seconds_saved", f64), ("draft_steps", i64), ("accepted_at_position", pa.list_(i64)),
         ("batch_size_seconds", entries(f64))])
     params = pa.struct([("max_new_tokens", i64), ("temperature", f64), ("top_p", f64), ("top_k", i64),
                         ("seed", i64), ("stop", pa.list_(s)), ("presence_penalty", f64),

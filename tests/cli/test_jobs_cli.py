@@ -313,7 +313,7 @@ def test_export_format_follows_the_output_extension(db_url, tmp_path):
     result = run("export", job_id, "-o", str(csv_out), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["format"] == "csv"
-    assert csv_out.read_text().startswith("job_id,request_id,custom_id,")
+    assert csv_out.read_text().startswith("job_id,request_id,sample_index,custom_id,")
 
     # --force over a real parquet file keeps it parquet (it used to become JSONL)
     pq_out = tmp_path / "answers.parquet"

@@ -133,6 +133,7 @@ def test_schema_key_order_is_kept():
 def test_bad_constraints_are_refused_per_line(fields, want):
     errors = refused(chat(), chat(**fields) .replace('"r1"', '"r2"'))
     assert len(errors) == 1 and errors[0].startswith("batch.jsonl:2: " + want), errors
+    assert "\n" not in errors[0]      # one problem, one line (the library's caret diagram left out)
 
 
 def test_every_problem_of_a_file_is_listed_and_nothing_parsed():

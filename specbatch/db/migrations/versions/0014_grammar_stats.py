@@ -2,7 +2,8 @@
 
 The grammar's forced run proposed as a draft chain and how much of it was accepted
 (docs/statistics.md). NULL on rows written before this migration; 0 for free text. The
-specbatch_results view gains both columns (the CSV export's).
+specbatch_results view gains both, and 0013's cached_prompt_tokens / prefill_seconds_saved (the
+CSV export's columns).
 
 Revision ID: 0014
 Revises: 0013
@@ -20,6 +21,7 @@ branch_labels = None
 depends_on = None
 
 COLUMNS = ("grammar_drafted_tokens", "grammar_accepted_tokens")
+FROM_0013 = ("cached_prompt_tokens", "prefill_seconds_saved")
 
 # the view as 0011 left it, self-contained (a migration must not change when the models or 0011 do)
 STATS = (
@@ -58,7 +60,7 @@ def upgrade() -> None:
     # plain ADD COLUMNs: a batch copy of the table would break the specbatch_results view on SQLite
     for name in COLUMNS:
         op.add_column("results", sa.Column(name, sa.Integer(), nullable=True))
-    _create_view(COLUMNS)
+    _create_view((*COLUMNS, *FROM_0013))
 
 
 def downgrade() -> None:
