@@ -63,7 +63,9 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
         # a support check (sampled, no logprobs stored) is weaker than a match: say how many
         weak = sum(v.ok and v.check == "support" for v in verdicts)
         exact = len(verdicts) - len(failed) - weak
-        click.echo(f"{plural(len(verdicts), 'request')} audited: {exact} match the target alone"
+        # (a request with n samples is n results: each sample is audited)
+        what = "result" if any(v.sample_index for v in verdicts) else "request"
+        click.echo(f"{plural(len(verdicts), what)} audited: {exact} match the target alone"
                    + (f", {weak} sampled without stored logprobs only possible under it (send "
                       "logprobs to compare exactly)" if weak else "")
                    + f", {len(failed)} do not", err=True)
