@@ -1,7 +1,7 @@
 """Greedy outputs of two code trees on one prompt file, compared by custom_id (a refactor's check).
 
-    /work/venv/bin/python scripts/compare_outputs.py                      # d4e52c9 vs this worktree
-    /work/venv/bin/python scripts/compare_outputs.py --base main -- --batch-size 1 --ngram
+    python scripts/compare_outputs.py                      # d4e52c9 vs this worktree
+    python scripts/compare_outputs.py --base main -- --batch-size 1 --ngram
 
 The base tree is ``git archive BASE`` unpacked in a temporary directory; the other is this
 worktree as it is (uncommitted changes included). Each runs ``specbatch run PROMPTS --json
