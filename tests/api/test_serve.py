@@ -89,11 +89,7 @@ def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> Non
     state lookups every route makes) must not queue behind them (issue 32: 1.1-1.4 s under load)."""
     import anyio
     import anyio.to_thread
-
-    try:
-        import httpx
-    except ImportError:
-        import httpx2 as httpx  # type: ignore[no-redef]
+    import httpx
 
     from specbatch.api.app import create_app
     from specbatch.config import Settings
