@@ -329,8 +329,10 @@ class Decoder:
                 r.tally.stats.grammar_accepted_tokens += common_prefix(f.tokens, v.tokens[:v.n_accepted])
             r.tally.step(t.depth, v.n_accepted, v.winner, winner, draft_forwards=forwards,
                          draft_seconds=t1 - t0, verify_seconds=t2 - t1)
-            r.ctl.observe(*constrained.drafters_part([props[b] for props in proposals], forced[b],
-                                                      v.tokens[:v.n_accepted]))
+            # (free text: the tree is the drafters' own; a forced run is not theirs to learn from)
+            r.ctl.observe(*(constrained.drafters_part([props[b] for props in proposals], forced[b],
+                                                       v.tokens[:v.n_accepted])
+                            if forced[b] is not None else (t.depth, v.n_accepted)))
             self._accept(r, v)
         seconds, key = time.perf_counter() - t0, str(n)
         for r in rows:   # each row's share of the step's time, by rows in the step (job statistics)
