@@ -6,7 +6,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 def cache_kwarg(model: Any) -> str:
@@ -26,3 +28,80 @@ def kv_layers(cache: DynamicCache) -> list[Any]:
 
 def cache_length(cache: DynamicCache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that writes new columns in place into a buffer with spare columns.
+
+    ``DynamicLayer.update`` concatenates: every step copies the whole cache of every layer, which
+    for 32 rows of 300 tokens is most of what a decode step moves through memory. Here a step
+    writes its own columns only and the buffer grows by a quarter when full (each column is copied
+    a few times in all, not once per step). Readers see ``keys`` / ``values`` as views of the
+    first ``n`` columns: the same values in the same order, so attention computes the same sums.
+    """
+
+    # columns in use, kept apart for keys and values: callers replace the two one after the other
+    _nk = _nv = 0
+
+    @property                     # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        return _used(self._k, self._nk)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        # a whole new tensor (from transformers or BatchCache's joins and compaction): no spare room
+        self._k, self._nk = value, _width(value)
+
+    @property                     # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        return _used(self._v, self._nv)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v, self._nv = value, _width(value)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, new = self._nk, key_states.shape[-2]
+        assert self._k is not None and self._v is not None and self._nv == n, "initialized above"
+        if self._k.dim() < 4 or n + new > self._k.shape[-2]:
+            self._k, self._v = _regrow(self._k, key_states, n, new), _regrow(self._v, value_states, n, new)
+        self._k[:, :, n: n + new] = key_states
+        self._v[:, :, n: n + new] = value_states
+        self._nk = self._nv = n + new
+        return self._k[:, :, : n + new], self._v[:, :, : n + new]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.is_initialized:
+            self._nk = self._nv = max(0, self._nk + tokens_to_remove)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            assert self._k is not None and self._v is not None
+            self._k, self._v = self._k[indices], self._v[indices]
+
+
+def _width(t: torch.Tensor | None) -> int:
+    return t.shape[-2] if t is not None and t.dim() == 4 else 0
+
+
+def _used(buf: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return buf if buf is None or buf.dim() < 4 else buf[:, :, :n]
+
+
+def _regrow(buf: torch.Tensor, like: torch.Tensor, n: int, new: int) -> torch.Tensor:
+    """A buffer for n + new columns and a quarter more (at least 32), holding buf's first n."""
+    cols = n + new + max(32, (n + new) // 4)
+    out = like.new_empty(like.shape[0], like.shape[1], cols, like.shape[3])
+    if n:
+        out[:, :, :n] = buf[:, :, :n]
+    return out
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache whose layers grow in place (``GrowingLayer``)."""
+    cache = DynamicCache()
+    Cache.__init__(cache, layer_class_to_replicate=GrowingLayer)
+    return cache

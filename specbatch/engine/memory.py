@@ -4,7 +4,9 @@ Estimate, per row of the batch (``MemoryBudget.row_bytes``):
   KV cache: for every model (target and draft) ``layers x kv_heads x head_dim x 2 (K and V) x
   dtype bytes`` per cached column, times the columns a row may occupy: prompt + max_new_tokens +
   the draft length, doubled because rejected drafts leave holes until the cache is compacted at
-  half holes (``BatchCache.compact_share`` in ``specbatch.engine.cache``);
+  half holes (``BatchCache.compact_share`` in ``specbatch.engine.cache``), and a quarter more
+  for the spare columns a layer keeps to write new tokens in place (``GrowingLayer`` in
+  ``specbatch.engine.hf_cache``);
   activations: the logits of one verify step (draft length + 1 positions x vocab x 4 bytes, once
   more for their softmax) plus the hidden states of the widest layer over those positions.
 The check: after each step the process's memory (``torch.cuda.memory_allocated`` on CUDA, the
@@ -26,6 +28,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 CPU_SHARE = 0.5
 GPU_SHARE = 0.8
 HOLES_FACTOR = 2.0
+SPARE_FACTOR = 1.25     # hf_cache._regrow: a full layer grows by a quarter
 MAX_DRAFT = 12          # GammaController.max_gamma: the widest draft a step verifies
 SLACK = 256 * 1024**2   # allocator caches and workspaces that do not grow with the rows
 
@@ -107,7 +110,7 @@ class MemoryBudget:
 
     def row_bytes(self, columns: int, gamma: int) -> float:
         """Estimated bytes one row needs with ``columns`` tokens of context and draft length gamma."""
-        kv = sum(s.kv_bytes_per_token for s in self.shapes) * columns * HOLES_FACTOR
+        kv = sum(s.kv_bytes_per_token for s in self.shapes) * columns * HOLES_FACTOR * SPARE_FACTOR
         positions = gamma + 1
         acts = max(s.vocab * 4 * 2 + s.hidden * s.dtype_bytes * 4 for s in self.shapes) * positions
         return (kv + acts) * self.scale
