@@ -26,3 +26,15 @@ def kv_layers(cache: DynamicCache) -> list[Any]:
 
 def cache_length(cache: DynamicCache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
+
+
+def contiguous_layers(cache: Any) -> None:
+    """Make each layer's keys and values contiguous, in place. A crop (rollback) leaves them as
+    views whose strides still reflect the longer length; compiled graphs assume contiguous cache
+    tensors, and a view would recompile them."""
+    for layer in getattr(cache, "layers", ()):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is not None and not keys.is_contiguous():
+            layer.keys = keys.contiguous()
+        if values is not None and not values.is_contiguous():
+            layer.values = values.contiguous()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specbatch.engine.compiled import CompiledForward
+from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.hf_cache import cache_kwarg
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
@@ -47,7 +47,7 @@ class LoadedModel:
     max_positions: int | None
     load_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
-    compiled: CompiledForward | None = None     # set by compiled.install
+    compiled: CompiledForward | None = None     # set by compile.forward.install
 
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         """One forward with a KV cache (the cache keyword was renamed within transformers 5.x).
