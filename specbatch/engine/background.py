@@ -23,7 +23,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -32,6 +31,7 @@ from specbatch.engine.compile.forward import compilable
 from specbatch.engine.compile.prepare import prepare
 from specbatch.engine.compile.record import CompileReport
 from specbatch.engine.compile.warmup import Cancelled, warm_shapes
+from specbatch.engine.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class BackgroundCompile:
     "compiled", "eager: ..."); ``on_state`` hears each change (from the compiling thread).
     """
 
-    def __init__(self, target: Any, drafts: Sequence[Any], *, mode: str, batch_size: int,
+    def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel], *, mode: str, batch_size: int,
                  cache_dir: str, on_state: Callable[[str], None] | None = None) -> None:
         self.models = [target, *drafts]
         # the same modules and tokenizers, their own compiled slot: what prepare installs lands here

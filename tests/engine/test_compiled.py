@@ -152,6 +152,24 @@ def test_cpu_gets_cpp_gemm_and_a_warm_up_under_other_options_is_not_cached(tmp_p
                            tmp_path)
 
 
+def test_compiling_leaves_the_environment_alone_unless_the_edge_points_the_caches(tiny_models, tmp_path,
+                                                                                monkeypatch):
+    """Torch reads inductor's cache location from TORCHINDUCTOR_CACHE_DIR only; prepare must not
+    write it behind its caller's back: the CLI and the worker ask for it (use_compile_cache)."""
+    from specbatch.cli.compile_text import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: R.CompileReport(model=lm.name, enabled=True))
+    _no_comparison(monkeypatch)
+    plan = P.prepare(load_model(str(tiny_models / "llama")), [], mode="on", batch_size=1, cache_dir=tmp_path)
+    ours = str(I.inductor_cache_dir(tmp_path))
+    assert plan.enabled and os.environ.get("TORCHINDUCTOR_CACHE_DIR") != ours   # (torch may write its default)
+    use_compile_cache(Settings.from_env({"SPECBATCH_CACHE_DIR": str(tmp_path)}), "off")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != ours    # off compiles nothing: nothing to point
+    use_compile_cache(Settings.from_env({"SPECBATCH_CACHE_DIR": str(tmp_path)}), "auto")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours
+
+
 @pytest.mark.parametrize("command", ["run", "worker", "generate", "bench"])
 def test_compile_option_on_every_decoding_command(command):
     from click.testing import CliRunner

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,14 +87,14 @@ class CompilePlan:
                 "seconds": round(self.seconds, 2), "models": [r.to_dict() for r in self.models]}
 
 
-def weight_bytes(model: Any) -> int:
+def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the model's parameters and buffers, a tied tensor counted once."""
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
     return sum(storages.values())
 
 
-def compile_memory_estimate(models: list[tuple[ModelHandle, Shapes]], frozen: bool = True) -> int:
+def compile_memory_estimate(models: Sequence[tuple[ModelHandle, Shapes]], frozen: bool = True) -> int:
     """Bytes compiling ``models`` (each with the shapes it warms) adds on CPU."""
     if not frozen:
         return MEMORY_FIXED

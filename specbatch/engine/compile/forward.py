@@ -161,7 +161,7 @@ def causal_mask(rows: int, width: int, n_cached: int, dtype: torch.dtype,
     return mask[None, None].expand(rows, 1, width, n_cached + width)
 
 
-def compilable(model: Any) -> str | None:
+def compilable(model: torch.nn.Module) -> str | None:
     """None when the model can be compiled here, else why not."""
     if any("quantized" in type(m).__module__ for m in model.modules()):
         return "dynamically quantized (int8) layers are not compiled"
