@@ -205,16 +205,16 @@ class Decision:
     variants: dict[int, bool | None] = field(default_factory=dict)   # id(model) -> variant
 
 
-def decide(models: list[tuple[ModelHandle, Shapes]], mode: str, batch_size: int,
+def decide(target: ModelHandle, models: list[tuple[ModelHandle, Shapes]], mode: str, batch_size: int,
            cache_dir: str | os.PathLike[str], expected_new_tokens: int | None = None) -> Decision:
-    """auto / on for ``models`` (the target first, each with the graphs it would warm).
+    """auto / on for ``models`` (those of ``target`` and its drafts that can be compiled, each with
+    the graphs it would warm).
 
     auto compiles only where the compiled forward measured faster than eager: on this machine at
     its last warm-up (``recorded_speedup``), else on this device type (``expected_speedup``); then
     with ``expected_new_tokens`` None (a worker: it serves until stopped) it compiles, and with a
     token count (``run``, ``generate``) only when ``compile_pays``. On CPU the frozen graphs'
     weight copies must fit the memory budget, else they are compiled not frozen."""
-    target = models[0][0]
     frozen, not_frozen = True, ""
     if torch.device(target.device).type == "cpu":   # measured there only (CUDA: not yet)
         from specbatch.engine.memory import default_budget, format_bytes

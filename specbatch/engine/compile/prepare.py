@@ -43,7 +43,7 @@ def prepare(target: ModelHandle, drafts: Sequence[ModelHandle], *, mode: str, ba
     models = [(m, warmup.warm_shapes(batch_size)) for m in (target, *drafts) if compilable(m.model) is None]
     if not models:
         return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
-    chosen = decision.decide(models, mode, batch_size, cache_dir, expected_new_tokens)
+    chosen = decision.decide(target, models, mode, batch_size, cache_dir, expected_new_tokens)
     plan, variants = chosen.plan, chosen.variants
     if not plan.enabled:
         return plan

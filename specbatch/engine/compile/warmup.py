@@ -48,8 +48,6 @@ def warm_up(lm: ModelHandle, shapes: Iterable[tuple[int, int, int]], cache_dir: 
 
     ``progress`` hears "MODEL graph i/n" before each graph; it may raise ``Cancelled`` to stop
     (between graphs: dynamo cannot be interrupted inside one), which propagates."""
-    from transformers import DynamicCache
-
     report = CompileReport(model=lm.name)
     compiled = lm.compiled
     if compiled is None:
@@ -66,10 +64,7 @@ def warm_up(lm: ModelHandle, shapes: Iterable[tuple[int, int, int]], cache_dir: 
             for i, (rows, width, keep) in enumerate(shapes, 1):
                 if progress is not None:
                     progress(f"{lm.name} graph {i}/{len(shapes)}")
-                cache = DynamicCache()
-                prefix = torch.zeros(rows, 4, dtype=torch.long, device=lm.device)
-                lm.forward(prefix, cache, logits_to_keep=1)      # eager prefill
-                ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
+                cache, ids = _primed(lm, rows, width)
                 t = time.perf_counter()
                 lm.forward(ids, cache, logits_to_keep=keep)
                 report.graphs[shape_key(rows, width, keep)] = time.perf_counter() - t
@@ -87,6 +82,16 @@ def warm_up(lm: ModelHandle, shapes: Iterable[tuple[int, int, int]], cache_dir: 
     if report.enabled:
         report.first_start_seconds = write_marker(record, report)
     return report
+
+
+def _primed(lm: ModelHandle, rows: int, width: int) -> tuple[Any, torch.Tensor]:
+    """A cache of ``rows`` rows after a 4-token eager prefill, and the (rows, width) step to time
+    on it. Call under inference mode."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    lm.forward(torch.zeros(rows, 4, dtype=torch.long, device=lm.device), cache, logits_to_keep=1)
+    return cache, torch.zeros(rows, width, dtype=torch.long, device=lm.device)
 
 
 def measure_speedup(lm: ModelHandle, cache: Any, ids: torch.Tensor, keep: int,
@@ -164,8 +169,6 @@ def _time_frozen_against_not(lm: ModelHandle, shapes: tuple[tuple[int, int, int]
                              forwards: dict[bool, CompiledForward], rounds: int) -> dict[str, float] | None:
     """Not-frozen / frozen step time per shape, or None where a step did not run through the
     graphs it was to time (a failure or a miss would time eager code; nothing is decided then)."""
-    from transformers import DynamicCache
-
     def through(f: CompiledForward, ids: torch.Tensor, cache: Any, keep: int) -> Callable[[], Any]:
         def step() -> Any:
             lm.compiled = f
@@ -176,9 +179,7 @@ def _time_frozen_against_not(lm: ModelHandle, shapes: tuple[tuple[int, int, int]
     try:
         with torch.inference_mode():
             for rows, width, keep in shapes:
-                cache = DynamicCache()
-                lm.forward(torch.zeros(rows, 4, dtype=torch.long, device=lm.device), cache, logits_to_keep=1)
-                ids = torch.zeros(rows, width, dtype=torch.long, device=lm.device)
+                cache, ids = _primed(lm, rows, width)
                 best = time_steps({"frozen": through(forwards[True], ids, cache, keep),
                                    "not frozen": through(forwards[False], ids, cache, keep)},
                                   cache, width, rounds)
