@@ -37,7 +37,7 @@ def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
     """Prefill ``prefix`` once; returns a function timing one forward of k tokens after it.
 
     ``model``: a transformers model (eager) or a LoadedModel (its ``forward``: compiled if
-    installed, see specbatch.engine.compiled).
+    installed, see specbatch.engine.compile).
     """
     from specbatch.engine.hf_cache import cache_kwarg
     from specbatch.engine.loading import LoadedModel

@@ -307,7 +307,7 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
     compile_plan = None
     if opts.compile == "auto":   # a bench is short: compile only when the on-disk cache holds it
         from specbatch.config import get_settings
-        from specbatch.engine.compiled import is_cached
+        from specbatch.engine.compile.record import is_cached
 
         cache_dir = opts.cache_dir or get_settings().cache_dir
         # either variant: frozen, or not frozen (where frozen did not fit, or measured no faster)
@@ -319,12 +319,14 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
                    "graphs; --compile on compiles anyway")
     if opts.compile == "on":
         from specbatch.config import get_settings
-        from specbatch.engine.compiled import prepare
+        from specbatch.engine.compile.inductor import use_cache_dir
+        from specbatch.engine.compile.prepare import prepare
 
         say("compiling the forward (minutes on a small CPU)", 0, 1)
+        cache_dir = opts.cache_dir or get_settings().cache_dir
+        use_cache_dir(cache_dir)   # kernels and autotuning shared with later starts
         compile_plan = prepare(target, list(drafts.values()), mode="on",
-                               batch_size=max(opts.batch_sizes, default=1),
-                               cache_dir=opts.cache_dir or get_settings().cache_dir)
+                               batch_size=max(opts.batch_sizes, default=1), cache_dir=cache_dir)
     drafter_names = list(drafts) + ([NGRAM] if opts.ngram else [])
     configs = plan_configs(opts, drafter_names)
     encoder = Engine(target)
@@ -430,7 +432,7 @@ def _compile_summary(plan: Any, opts: BenchOptions) -> dict[str, Any] | None:
     time (kept beside the cache) per model."""
     if plan is None:
         return None
-    from specbatch.engine.compiled import forward_counts
+    from specbatch.engine.compile.forward import forward_counts
 
     out: dict[str, Any] = plan.to_dict()
     out["this_start_cached"] = all(r.cached for r in plan.models)

@@ -68,14 +68,13 @@ def _greedy_config(lm: LoadedModel, max_new_tokens: int, **extra: Any) -> Any:
 
 
 def _inductor_defaults(compiles: bool) -> Any:
-    """Inductor as HF users get it while HF compiles: ``configure_inductor`` set freezing and
-    max-autotune process-wide for our compiled forward, which would not be HF's own path."""
+    """Inductor as HF users get it while HF compiles (``configure_inductor`` set freezing and
+    max-autotune process-wide for our compiled forward, which would not be HF's own path)."""
     if not compiles:
         return contextlib.nullcontext()
-    import torch._inductor.config as ic
+    from specbatch.engine.compile.inductor import defaults
 
-    # a CUDA CompiledForward also turns CUDA graphs off for dynamic graphs, which HF's reduce-overhead uses
-    return ic.patch({"freezing": False, "max_autotune": False, "triton.cudagraph_skip_dynamic_graphs": False})
+    return defaults()
 
 
 class HFRunner:

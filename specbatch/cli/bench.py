@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from specbatch.cli.common import compile_notice, echo_json, warn
+from specbatch.cli.common import echo_json, warn
+from specbatch.cli.compile_text import compile_notice
 from specbatch.cli.throughput import device_options
 from specbatch.config import get_settings
 

@@ -10,12 +10,11 @@ from specbatch.cli.common import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    compile_notice,
     compile_option,
     echo_json,
     nonempty_stops,
-    report_compile,
 )
+from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
 from specbatch.cli.throughput import device_options, no_draft, threads_option
 from specbatch.config import get_settings
 from specbatch.plural import plural
@@ -65,6 +64,7 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
         ngram = False
     target, drafts = resolve_pair(settings, target, drafts, ngram)
     configure_threads(threads or settings.threads or None, settings.local_workers)
+    use_compile_cache(settings, compile_ or settings.compile)
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop=tuple(stop), gamma=gamma,
                               adaptive=not fixed_gamma).validate()
@@ -72,7 +72,7 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
                          device=device or settings.device, dtype=dtype or settings.dtype,
                          cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
                          batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row
-                         notify=compile_notice)
+                         notify=compiling_notice)
     report_compile(engine.compile_plan, say_eager=compile_ is not None)   # asked: auto says why
     msgs = [{"role": "user", "content": m} for m in messages] if messages else None
     out = engine.generate(prompt=prompt, messages=msgs, params=params)

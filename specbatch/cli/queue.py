@@ -17,14 +17,13 @@ from specbatch.cli.common import (
     TOP_K,
     TOP_P,
     check_queue_workers,
-    compile_notice,
     compile_option,
     echo_json,
     nonempty_stops,
     open_db,
-    report_compile,
     warn,
 )
+from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
 from specbatch.cli.throughput import device_options, no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
@@ -553,12 +552,13 @@ def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str
     from specbatch.engine import Engine
     from specbatch.errors import ModelLoadError
 
+    use_compile_cache(settings, compile_mode)
     with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
         try:
             engine = Engine.load(target, drafts, device=device or settings.device,
                                  dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
                                  batch_size=batch, compile=compile_mode, max_memory=max_memory,
-                                 expected_new_tokens=expected_new_tokens, notify=compile_notice,
+                                 expected_new_tokens=expected_new_tokens, notify=compiling_notice,
                                  prefix_cache=prefix_cache)
         except SpecBatchError:
             raise

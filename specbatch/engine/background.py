@@ -1,7 +1,7 @@
 """Compiling in the background: decode eagerly at once, switch to the compiled forward once it is
 warmed up here and measured faster.
 
-A worker is long-lived, so auto compiles (``compiled.prepare``), but on a small CPU that is
+A worker is long-lived, so auto compiles (``compile.prepare``), but on a small CPU that is
 minutes per graph (docs/COMPILE.md); doing it before consuming left a worker invisible and idle
 for half an hour. Here ``prepare`` runs in a daemon thread on *shadow* copies of the loaded
 models: they share the modules' weights, but their ``compiled`` slot is their own, so the models
@@ -23,19 +23,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from specbatch.engine.compiled import (
-    Cancelled,
-    CompilePlan,
-    CompileReport,
-    compilable,
-    compile_memory_estimate,
-    prepare,
-    warm_shapes,
-)
+from specbatch.engine.compile.decision import CompilePlan, compile_memory_estimate
+from specbatch.engine.compile.forward import compilable
+from specbatch.engine.compile.prepare import prepare
+from specbatch.engine.compile.record import CompileReport
+from specbatch.engine.compile.warmup import Cancelled, warm_shapes
+from specbatch.engine.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +42,7 @@ class BackgroundCompile:
     "compiled", "eager: ..."); ``on_state`` hears each change (from the compiling thread).
     """
 
-    def __init__(self, target: Any, drafts: Sequence[Any], *, mode: str, batch_size: int,
+    def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel], *, mode: str, batch_size: int,
                  cache_dir: str, on_state: Callable[[str], None] | None = None) -> None:
         self.models = [target, *drafts]
         # the same modules and tokenizers, their own compiled slot: what prepare installs lands here

@@ -12,8 +12,9 @@ import torch
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
 from specbatch.engine.background import BackgroundCompile
 from specbatch.engine.chat import encode
-from specbatch.engine.compiled import CompilePlan, resolve_mode
-from specbatch.engine.compiled import prepare as prepare_compiled
+from specbatch.engine.compile.decision import CompilePlan, resolve_mode
+from specbatch.engine.compile.prepare import CompileNotice
+from specbatch.engine.compile.prepare import prepare as prepare_compiled
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
@@ -114,13 +115,13 @@ class Engine:
              trust_remote_code: bool = False, gamma: int = 4, batch_size: BatchSize = AUTO,
              max_memory: int | None = None, compile: str = "off", prefix_cache: bool = True,
              expected_new_tokens: int | Sequence[int] | None = None,
-             notify: Callable[[str], None] | None = None,
+             notify: Callable[[CompileNotice], None] | None = None,
              background: Callable[[str], None] | bool = False) -> Engine:
         """Load the target and the pool's draft models (``drafters``: spec strings or specs,
         ``specbatch.engine.drafter_specs``; ModelLoadError for one not available); ``compile``
         (auto / on / off) compiles them before returning (``expected_new_tokens``: the job's size,
         for auto, as a total or one budget per request; None means a long-lived worker; ``notify``: told before each model compiles, see
-        ``compiled.prepare``). With batch_size "auto" the compile decision plans for
+        ``compile.prepare``). With batch_size "auto" the compile decision plans for
         ``planned_batch_size()`` rows. ``background`` (a worker): return eager at once and
         compile in a thread instead (``specbatch.engine.background``; a callable hears its state),
         switching to the compiled forward between batches once it is warmed up and faster."""

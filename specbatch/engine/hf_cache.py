@@ -100,8 +100,23 @@ def _regrow(buf: torch.Tensor, like: torch.Tensor, n: int, new: int) -> torch.Te
     return out
 
 
-def new_cache() -> DynamicCache:
-    """An empty cache whose layers grow in place (``GrowingLayer``)."""
+def new_cache(grow: bool = True) -> DynamicCache:
+    """An empty cache whose layers grow in place (``GrowingLayer``); ``grow=False``: transformers'
+    concatenating layers, for a compiled forward, whose graphs assume contiguous cache tensors
+    (``contiguous_layers``) and would copy a growing layer's views every step."""
     cache = DynamicCache()
-    Cache.__init__(cache, layer_class_to_replicate=GrowingLayer)
+    if grow:
+        Cache.__init__(cache, layer_class_to_replicate=GrowingLayer)
     return cache
+
+
+def contiguous_layers(cache: Any) -> None:
+    """Make each layer's keys and values contiguous, in place. A crop (rollback) leaves them as
+    views whose strides still reflect the longer length; compiled graphs assume contiguous cache
+    tensors, and a view would recompile them."""
+    for layer in getattr(cache, "layers", ()):
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is not None and not keys.is_contiguous():
+            layer.keys = keys.contiguous()
+        if values is not None and not values.is_contiguous():
+            layer.values = values.contiguous()

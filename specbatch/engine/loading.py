@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from specbatch.engine.compiled import CompiledForward
-from specbatch.engine.hf_cache import cache_kwarg
+from specbatch.engine.compile.forward import CompiledForward
+from specbatch.engine.hf_cache import cache_kwarg, cache_length
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
 from specbatch.errors import DeviceError, ModelLoadError
@@ -47,7 +47,7 @@ class LoadedModel:
     max_positions: int | None
     load_seconds: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
-    compiled: CompiledForward | None = None     # set by compiled.install
+    compiled: CompiledForward | None = None     # set by compile.forward.install
 
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         """One forward with a KV cache (the cache keyword was renamed within transformers 5.x).
@@ -58,7 +58,7 @@ class LoadedModel:
         kwarg = cache_kwarg(self.model)
         compiled = self.compiled
         if compiled is not None:
-            n_cached = int(cache.get_seq_length()) if cache is not None else 0
+            n_cached = cache_length(cache)
             if compiled.eligible(input_ids, n_cached):
                 try:
                     return compiled(input_ids, cache, kwarg, n_cached, **kwargs)

@@ -87,7 +87,7 @@ class WorkerMetrics:
         self.tpot = Histogram("specbatch_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1).", LABELS,
                               buckets=TPOT_BUCKETS, registry=reg)
-        # the compiled forward (specbatch.engine.compiled): steps after warm-up, and those that
+        # the compiled forward (specbatch.engine.compile): steps after warm-up, and those that
         # matched no warmed graph and ran eagerly (no faster); fed as deltas of its own counts
         self.compiled_calls = counter("specbatch_compiled_forward_calls",
                                       "Forwards through a warmed compiled model, by model.", ("model",))
@@ -127,7 +127,7 @@ class WorkerMetrics:
             self.speculation.labels(**lv).set(int(st.draft_steps > 0 and not st.speculation_disabled))
 
     def observe_compiled(self, counts: dict[str, tuple[int, int]]) -> None:
-        """``counts``: ``specbatch.engine.compiled.forward_counts()`` (totals; the growth is added)."""
+        """``counts``: ``specbatch.engine.compile.forward.forward_counts()`` (totals; the growth is added)."""
         for model, (calls, misses) in counts.items():
             seen_calls, seen_misses = self._compiled_seen.get(model, (0, 0))
             if calls > seen_calls:
@@ -138,7 +138,7 @@ class WorkerMetrics:
 
     def observe_compile_plan(self, plan: Any) -> None:
         """``plan``: the engine's ``CompilePlan`` (None or disabled: nothing to show)."""
-        from specbatch.engine.compiled import rows_x_tokens
+        from specbatch.engine.compile.forward import rows_x_tokens
 
         if plan is None or not plan.enabled:
             return

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from specbatch.engine.compiled import forward_counts
+from specbatch.engine.compile.forward import forward_counts
 from specbatch.observability import tracing
 
 logger = logging.getLogger(__name__)

@@ -61,9 +61,12 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
     """Load the engine for ``spec`` (tests wrap this to inject faults); it compiles in the
     background (``on_state`` hears how far), so the worker consumes eagerly at once."""
     from specbatch.engine import Engine
+    from specbatch.engine.compile.inductor import use_cache_dir
     from specbatch.engine.threads import configure_threads
 
     configure_threads(spec.get("threads"), get_settings().local_workers)   # before the first forward
+    if get_settings().cache_dir and (spec.get("compile") or "off") != "off":   # caches shared across starts
+        use_cache_dir(get_settings().cache_dir)
     return Engine.load(spec["target"], list(spec.get("drafts") or ()),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
                        cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",

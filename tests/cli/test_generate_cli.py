@@ -250,7 +250,8 @@ def test_generate_plans_its_compile_for_one_row(tiny_models, monkeypatch):
     """One prompt decodes at batch 1, so a compiled forward warms only the single-row graphs
     (planning for the autopilot's 8-row prior warmed two batched graphs nothing used)."""
     import specbatch.engine.engine as engine_mod
-    from specbatch.engine.compiled import CompilePlan, warm_shapes
+    from specbatch.engine.compile.decision import CompilePlan
+    from specbatch.engine.compile.warmup import warm_shapes
 
     planned: list[int] = []
 
@@ -268,21 +269,23 @@ def test_the_cli_says_before_compiling_that_it_compiles_and_about_how_long(tiny_
                                                                           monkeypatch, capsys):
     """Minutes of compiling must not be a silent wait: prepare tells ``notify`` before each model
     compiles, and the CLI's notifier prints it (the CLI logs at WARNING, so a log line would not)."""
-    import specbatch.engine.compiled as C
-    from specbatch.cli.common import compile_notice
+    from specbatch.cli.compile_text import compiling_notice
+    from specbatch.engine.compile import prepare as P
+    from specbatch.engine.compile import record as R
+    from specbatch.engine.compile import warmup as W
     from specbatch.engine.loading import load_model
 
     order: list[str] = []
-    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir, **_: order.append("warm") or
-                        C.CompileReport(model=lm.name, enabled=True))
-    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report, **_: report)
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: order.append("warm") or
+                        R.CompileReport(model=lm.name, enabled=True))
+    monkeypatch.setattr(W, "compare_not_frozen", lambda lm, shapes, cache_dir, report, **_: report)
     target = load_model(str(tiny_models / "llama"))
 
-    def notify(message: str) -> None:
+    def notify(notice: P.CompileNotice) -> None:
         order.append("notice")
-        compile_notice(message)
+        compiling_notice(notice)
 
-    C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path, notify=notify)
+    P.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path, notify=notify)
     assert order == ["notice", "warm"]
     err = capsys.readouterr().err
     # a first start here compiles them frozen and not, and keeps freezing only where it pays (docs/COMPILE.md)
@@ -387,15 +390,16 @@ def test_compile_auto_says_once_why_it_decodes_eagerly(tiny_models, monkeypatch)
     ("no model can be compiled (int8 layers)", "no model can be compiled (int8 layers)"),
 ])
 def test_the_eager_line_reads_well_for_every_reason(reason, said):
-    from specbatch.cli.common import eager_reason
+    from specbatch.cli.compile_text import eager_reason
 
     assert eager_reason(reason) == said
 
 
 def test_a_compile_failure_is_not_said_twice(capsys):
     """A failure to compile was already a warning: no eager line on top of it."""
-    from specbatch.cli.common import report_compile
-    from specbatch.engine.compiled import CompilePlan, CompileReport
+    from specbatch.cli.compile_text import report_compile
+    from specbatch.engine.compile.decision import CompilePlan
+    from specbatch.engine.compile.record import CompileReport
 
     report_compile(CompilePlan("auto", False, "compiling failed, eager instead: no C++ compiler",
                                [CompileReport(model="m", enabled=False, error="no C++ compiler")]))

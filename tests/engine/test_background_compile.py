@@ -10,7 +10,8 @@ import torch
 
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine import background as B
-from specbatch.engine import compiled as C
+from specbatch.engine.compile import decision as D
+from specbatch.engine.compile import warmup as W
 from specbatch.engine.loading import load_model
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The", "Write a haiku about",
@@ -32,8 +33,8 @@ def dynamo_only(monkeypatch):
     def cheap(model, dynamic=None, mode=None, options=None):  # noqa: ANN001, ANN202
         return real(model, dynamic=dynamic, backend="eager")
 
-    monkeypatch.setattr(C.torch, "compile", cheap)
-    monkeypatch.setattr(C, "recorded_frozen", lambda *a, **k: True)   # one variant: no comparison
+    monkeypatch.setattr(torch, "compile", cheap)
+    monkeypatch.setattr(D, "recorded_frozen", lambda *a, **k: True)   # one variant: no comparison
 
 
 @pytest.fixture
@@ -80,7 +81,7 @@ def test_decodes_eagerly_at_once_then_switches_between_batches_token_identical(
 
 def test_auto_switches_to_nothing_that_measured_no_faster_here(tiny_models, tmp_path, dynamo_only,
                                                                monkeypatch):
-    monkeypatch.setattr(C, "measure_speedup", lambda *a, **k: 0.9)
+    monkeypatch.setattr(W, "measure_speedup", lambda *a, **k: 0.9)
     states: list[str] = []
     engine = Engine.load(str(tiny_models / "llama"), compile="auto", background=states.append, batch_size=1,
                          cache_dir=str(tmp_path))
@@ -111,7 +112,7 @@ def test_off_does_not_start_a_background_compile(tiny_models, tmp_path):
 def test_inductor_in_the_background_while_decoding_eagerly_then_switched(tiny_models, tmp_path, monkeypatch):
     """The real compiler on another thread while this one decodes: every eager output meanwhile
     and every compiled one after the switch are the target's own greedy tokens."""
-    monkeypatch.setattr(C, "recorded_frozen", lambda *a, **k: True)   # frozen only: 2 graphs, not 4
+    monkeypatch.setattr(D, "recorded_frozen", lambda *a, **k: True)   # frozen only: 2 graphs, not 4
     engine = Engine.load(str(tiny_models / "llama"), compile="on", background=True, batch_size=1,
                          cache_dir=str(tmp_path))
     reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)

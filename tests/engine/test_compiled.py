@@ -17,7 +17,12 @@ import torch
 
 from specbatch.config import Settings
 from specbatch.engine import Engine, GenerationParams
-from specbatch.engine import compiled as C
+from specbatch.engine.compile import decision as D
+from specbatch.engine.compile import forward as F
+from specbatch.engine.compile import inductor as I
+from specbatch.engine.compile import prepare as P
+from specbatch.engine.compile import record as R
+from specbatch.engine.compile import warmup as W
 from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from tests.engine.test_sampling_distribution import WARP, chi2_pvalue, empirical, exact_joint, tv
@@ -33,52 +38,52 @@ N = 40
 
 def test_compile_pays_weighs_saved_decode_time_against_compile_time():
     # 2.5x faster decoding saves 60% of the eager decode time
-    assert C.compile_pays(1000.0, 500.0, cached=False, speedup=2.5)
-    assert not C.compile_pays(100.0, 500.0, cached=False, speedup=2.5)
-    assert not C.compile_pays(100.0, 60.0, cached=False, speedup=2.5)       # saves exactly 60
-    assert C.compile_pays(100.0, 60.0, cached=True, speedup=2.5)           # a cached tie compiles
-    assert C.compile_seconds_estimate(4, cached=True) < C.compile_seconds_estimate(4, cached=False)
+    assert D.compile_pays(1000.0, 500.0, cached=False, speedup=2.5)
+    assert not D.compile_pays(100.0, 500.0, cached=False, speedup=2.5)
+    assert not D.compile_pays(100.0, 60.0, cached=False, speedup=2.5)       # saves exactly 60
+    assert D.compile_pays(100.0, 60.0, cached=True, speedup=2.5)           # a cached tie compiles
+    assert D.compile_seconds_estimate(4, cached=True) < D.compile_seconds_estimate(4, cached=False)
 
 
 def test_expected_speedup_is_the_measurement_or_the_lower_neighbour(monkeypatch):
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})
-    assert C.expected_speedup("cpu") == 1.8
-    assert C.expected_speedup("cpu", 8) == 1.4           # between two measurements: the lower
-    assert C.expected_speedup("cpu", 16) == C.expected_speedup("cpu", 64) == 1.4
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {4: 1.2, 16: 1.4})
-    assert C.expected_speedup("cpu", 1) == 1.2           # below the smallest: the smallest
-    assert C.expected_speedup("mps", 16) == 1.0          # unmeasured: no gain assumed
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})
+    assert D.expected_speedup("cpu") == 1.8
+    assert D.expected_speedup("cpu", 8) == 1.4           # between two measurements: the lower
+    assert D.expected_speedup("cpu", 16) == D.expected_speedup("cpu", 64) == 1.4
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {4: 1.2, 16: 1.4})
+    assert D.expected_speedup("cpu", 1) == 1.2           # below the smallest: the smallest
+    assert D.expected_speedup("mps", 16) == 1.0          # unmeasured: no gain assumed
 
 
 def test_batched_graphs_are_warmed_at_the_planned_rows():
     """Autotune picks each GEMM's kernel for the rows it is warmed at (docs/COMPILE.md)."""
-    assert C.warm_shapes(1) == C.WARM_SHAPES
-    assert C.warm_shapes(16) == (*C.WARM_SHAPES, (16, 1, 1), (16, 4, 2))
+    assert W.warm_shapes(1) == W.WARM_SHAPES
+    assert W.warm_shapes(16) == (*W.WARM_SHAPES, (16, 1, 1), (16, 4, 2))
 
 
 def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, tmp_path, monkeypatch):
     """A long-lived worker (no job size) compiles, before it consumes; a short job does not."""
     target = load_model(str(tiny_models / "llama"))
     warmed = []
-    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir, **_: warmed.append(shapes) or
-                        C.CompileReport(model=lm.name, enabled=True, seconds=1.0))
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: warmed.append(shapes) or
+                        R.CompileReport(model=lm.name, enabled=True, seconds=1.0))
     _no_comparison(monkeypatch)
-    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=16)
     assert not plan.enabled and "compiling would take" in plan.reason and not warmed
-    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
-    assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [C.warm_shapes(8)]
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert plan.enabled and plan.reason == "auto: a long-lived worker" and warmed == [W.warm_shapes(8)]
 
 
 def test_auto_weighs_a_batched_job_by_a_step_at_its_rows(tiny_models, tmp_path, monkeypatch):
     """tokens / rows x the eager step at those rows (a step of 8 rows costs more than one of 1)."""
     target = load_model(str(tiny_models / "llama"))
-    real = C.eager_step_seconds
+    real = D.eager_step_seconds
     assert real(target, rows=3) > 0               # the real measurement runs at several rows
     asked = []
-    monkeypatch.setattr(C, "eager_step_seconds", lambda lm, rows=1: asked.append(rows) or 0.5)
-    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=160)
+    monkeypatch.setattr(D, "eager_step_seconds", lambda lm, rows=1: asked.append(rows) or 0.5)
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path, expected_new_tokens=160)
     assert asked == [8] and "of the job's about 10 s of eager decoding" in plan.reason, plan.reason
-    speedup = C.expected_speedup(target.device, 8)      # what compiling saves, not what decoding costs
+    speedup = D.expected_speedup(target.device, 8)      # what compiling saves, not what decoding costs
     assert plan.reason.startswith("auto: compiling would take about ")
     assert f"save about {10 * (1 - 1 / speedup):.1f} s of" in plan.reason and f"(at {speedup:.2f}x)" in plan.reason
 
@@ -90,61 +95,79 @@ def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models
     import specbatch.engine.memory as memory
 
     target = load_model(str(tiny_models / "llama"))
-    weights = C.weight_bytes(target.model)
+    weights = D.weight_bytes(target.model)
     listed = sum(t.numel() * t.element_size() for t in (*target.model.parameters(), *target.model.buffers()))
     assert 0 < weights <= listed        # a tied head is counted once
-    need = C.compile_memory_estimate([(target, C.warm_shapes(8))])
-    assert need == C.MEMORY_FIXED + int(weights * C.MEMORY_PER_GRAPH * 4)
-    assert C.compile_memory_estimate([(target, C.warm_shapes(8))], frozen=False) == C.MEMORY_FIXED
-    monkeypatch.setattr(C, "warm_up", lambda lm, shapes, cache_dir, **_: C.CompileReport(model=lm.name, enabled=True))
+    need = D.compile_memory_estimate([(target, W.warm_shapes(8))])
+    assert need == D.MEMORY_FIXED + int(weights * D.MEMORY_PER_GRAPH * 4)
+    assert D.compile_memory_estimate([(target, W.warm_shapes(8))], frozen=False) == D.MEMORY_FIXED
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: R.CompileReport(model=lm.name, enabled=True))
     _no_comparison(monkeypatch)
 
     monkeypatch.setattr(memory, "default_budget", lambda device: need)
-    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
     assert plan.enabled and "not frozen" not in plan.reason and target.compiled.frozen
 
     monkeypatch.setattr(memory, "default_budget", lambda device: need - 1)
     target.compiled = None
-    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
     assert plan.enabled and "not frozen: frozen graphs would need" in plan.reason
     assert target.compiled is not None and not target.compiled.frozen
 
-    monkeypatch.setattr(memory, "default_budget", lambda device: C.MEMORY_FIXED - 1)
+    monkeypatch.setattr(memory, "default_budget", lambda device: D.MEMORY_FIXED - 1)
     target.compiled = None
-    plan = C.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
     assert not plan.enabled and "more memory" in plan.reason and target.compiled is None
-    with caplog.at_level("WARNING", logger=C.__name__):
-        plan = C.prepare(target, [], mode="on", batch_size=8, cache_dir=tmp_path)
+    with caplog.at_level("WARNING", logger="specbatch.engine.compile"):
+        plan = P.prepare(target, [], mode="on", batch_size=8, cache_dir=tmp_path)
     assert plan.enabled and "more memory" in caplog.text and not target.compiled.frozen
 
 
 def test_compile_mode_setting_and_validation():
     assert Settings.from_env({}).compile == "auto"
     assert Settings.from_env({"SPECBATCH_COMPILE": "off"}).compile == "off"
-    assert C.resolve_mode(" ON ") == "on"
+    assert D.resolve_mode(" ON ") == "on"
     with pytest.raises(ValueError, match="auto, on, off"):
-        C.resolve_mode("sometimes")
+        D.resolve_mode("sometimes")
 
 
 def test_cpu_gets_cpp_gemm_and_a_warm_up_under_other_options_is_not_cached(tmp_path):
     from types import SimpleNamespace
 
-    cpu = C.inductor_options("cpu")
+    cpu = I.inductor_options("cpu")
     assert cpu["max_autotune"] and "CPP" in cpu["max_autotune_gemm_backends"].split(",")
-    assert "max_autotune" not in C.inductor_options("cuda")
+    assert "max_autotune" not in I.inductor_options("cuda")
     lm = SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cpu"))
-    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=3.0))
-    assert C.is_cached(lm, tmp_path)
+    R.write_marker(R.marker(tmp_path, lm), R.CompileReport(model="m", enabled=True, seconds=3.0))
+    assert R.is_cached(lm, tmp_path)
     # graphs compiled not frozen are other graphs: their record (times, ratios) is their own
-    assert not C.is_cached(lm, tmp_path, frozen=False) and C.recorded_seconds(lm, tmp_path) == 3.0
-    assert C.recorded_seconds(lm, tmp_path, frozen=False) is None
+    assert not R.is_cached(lm, tmp_path, frozen=False) and R.recorded_seconds(lm, tmp_path) == 3.0
+    assert R.recorded_seconds(lm, tmp_path, frozen=False) is None
     # a start that warms fewer graphs than the one recorded takes proportionally less
-    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=8.0,
+    R.write_marker(R.marker(tmp_path, lm), R.CompileReport(model="m", enabled=True, seconds=8.0,
                                                              graphs={"1x1:1": 1.0, "1x4:2": 1.0,
                                                                      "4x1:1": 1.0, "4x4:2": 1.0}))
-    assert C.expected_compile_seconds(lm, 2, tmp_path, cached=True) == 4.0
-    assert not C.is_cached(SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cuda")),
+    assert D.expected_compile_seconds(lm, 2, tmp_path, cached=True) == 4.0
+    assert not R.is_cached(SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cuda")),
                            tmp_path)
+
+
+def test_compiling_leaves_the_environment_alone_unless_the_edge_points_the_caches(tiny_models, tmp_path,
+                                                                                monkeypatch):
+    """Torch reads inductor's cache location from TORCHINDUCTOR_CACHE_DIR only; prepare must not
+    write it behind its caller's back: the CLI and the worker ask for it (use_compile_cache)."""
+    from specbatch.cli.compile_text import use_compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: R.CompileReport(model=lm.name, enabled=True))
+    _no_comparison(monkeypatch)
+    plan = P.prepare(load_model(str(tiny_models / "llama")), [], mode="on", batch_size=1, cache_dir=tmp_path)
+    ours = str(I.inductor_cache_dir(tmp_path))
+    assert plan.enabled and os.environ.get("TORCHINDUCTOR_CACHE_DIR") != ours   # (torch may write its default)
+    use_compile_cache(Settings.from_env({"SPECBATCH_CACHE_DIR": str(tmp_path)}), "off")
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != ours    # off compiles nothing: nothing to point
+    use_compile_cache(Settings.from_env({"SPECBATCH_CACHE_DIR": str(tmp_path)}), "auto")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours
 
 
 @pytest.mark.parametrize("command", ["run", "worker", "generate", "bench"])
@@ -160,23 +183,23 @@ def test_compile_option_on_every_decoding_command(command):
 
 def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path, monkeypatch):
     target = load_model(str(tiny_models / "llama"))
-    plan = C.prepare(target, [], mode="off", batch_size=1, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="off", batch_size=1, cache_dir=tmp_path)
     assert not plan.enabled and target.compiled is None
     # auto where nothing was measured: no gain assumed, so neither a job nor a worker compiles
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {})
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {})
     for tokens in (8, None):
-        plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=tokens)
+        plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=tokens)
         assert not plan.enabled and "no faster than eager on cpu" in plan.reason and target.compiled is None
     # where it measured faster, a short job in auto mode still does not repay a first compile
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.5})
-    plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 2.5})
+    plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
     assert not plan.enabled and "compiling would take" in plan.reason and target.compiled is None
     from specbatch.engine.loading import _quantize_int8
 
     int8 = load_model(str(tiny_models / "llama"))
     int8.model = _quantize_int8(int8.model, int8.device)
-    assert C.compilable(int8.model) is not None
-    assert C.install(int8) is None
+    assert F.compilable(int8.model) is not None
+    assert F.install(int8) is None
 
 
 def test_bench_times_the_loaded_models_forward_beside_the_eager_model(tiny_models):
@@ -206,7 +229,7 @@ def test_causal_mask_matches_the_models_own_masking(tiny_models):
         cache = DynamicCache()
         lm.model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
         explicit = lm.model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True,
-                            attention_mask=C.causal_mask(1, 3, 4, torch.float32, lm.device),
+                            attention_mask=F.causal_mask(1, 3, 4, torch.float32, lm.device),
                             position_ids=torch.arange(4, 7)[None]).logits
     torch.testing.assert_close(explicit, implicit)
 
@@ -218,7 +241,7 @@ def test_a_call_missing_every_warmed_graph_runs_eagerly_counted_and_warned(tiny_
     from transformers import DynamicCache
 
     lm = load_model(str(tiny_models / "llama"))
-    fwd = C.install(lm)
+    fwd = F.install(lm)
     fwd._fn = torch.compile(lm.model, dynamic=True, backend="eager")
     caches = [DynamicCache() for _ in range(3)]
     with torch.inference_mode():
@@ -228,10 +251,10 @@ def test_a_call_missing_every_warmed_graph_runs_eagerly_counted_and_warned(tiny_
         fwd.warmed = True
         hit = lm.forward(torch.tensor([[7, 8]]), caches[1]).logits
         assert (fwd.calls, fwd.misses) == (1, 0)
-        with caplog.at_level("WARNING", logger=C.__name__):
+        with caplog.at_level("WARNING", logger="specbatch.engine.compile"):
             miss = lm.forward(torch.tensor([[7, 8]], dtype=torch.int32), caches[2]).logits
     assert (fwd.calls, fwd.misses) == (2, 1)
-    assert C.forward_counts()[lm.name] == (2, 1)
+    assert F.forward_counts()[lm.name] == (2, 1)
     assert "ran eagerly" in caplog.text and "dtype mismatch" in caplog.text
     torch.testing.assert_close(miss, hit)
     assert caches[2].get_seq_length() == caches[1].get_seq_length() == 6   # appended once
@@ -245,31 +268,31 @@ def _eager_backend(monkeypatch):
 
 def _no_comparison(monkeypatch):
     """Frozen graphs only, as before a first start compared them (tests of other decisions)."""
-    monkeypatch.setattr(C, "compare_not_frozen", lambda lm, shapes, cache_dir, report, **_: report)
+    monkeypatch.setattr(W, "compare_not_frozen", lambda lm, shapes, cache_dir, report, **_: report)
 
 
 def test_frozen_is_kept_only_where_it_measured_worth_it(tmp_path):
     from types import SimpleNamespace
 
-    assert C.keeps_frozen({"1x1:1": 1.10, "1x4:2": 1.20})
-    assert not C.keeps_frozen({"1x1:1": 1.01, "1x4:2": 1.02})           # within the margin: not worth it
-    assert not C.keeps_frozen({"1x1:1": 0.95, "1x4:2": 1.10})           # geometric mean 1.022
-    assert C.keeps_frozen({})                                           # nothing measured: as before
+    assert D.keeps_frozen({"1x1:1": 1.10, "1x4:2": 1.20})
+    assert not D.keeps_frozen({"1x1:1": 1.01, "1x4:2": 1.02})           # within the margin: not worth it
+    assert not D.keeps_frozen({"1x1:1": 0.95, "1x4:2": 1.10})           # geometric mean 1.022
+    assert D.keeps_frozen({})                                           # nothing measured: as before
     lm = SimpleNamespace(name="m", info={"source": "/w"}, device=torch.device("cpu"))
-    assert C.recorded_frozen(lm, tmp_path) is None
-    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=3.0))
-    assert C.recorded_frozen(lm, tmp_path) is None                      # warmed, never compared
-    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True,
+    assert D.recorded_frozen(lm, tmp_path) is None
+    R.write_marker(R.marker(tmp_path, lm), R.CompileReport(model="m", enabled=True, seconds=3.0))
+    assert D.recorded_frozen(lm, tmp_path) is None                      # warmed, never compared
+    R.write_marker(R.marker(tmp_path, lm), R.CompileReport(model="m", enabled=True,
                                                              frozen_gain={"1x1:1": 1.01, "1x4:2": 1.0}))
-    assert C.recorded_frozen(lm, tmp_path) is False
+    assert D.recorded_frozen(lm, tmp_path) is False
     # a later start (which compiles only the variant kept, no comparison) keeps the decision
-    C._write_marker(C._marker(tmp_path, lm), C.CompileReport(model="m", enabled=True, seconds=2.0))
-    assert C.recorded_frozen(lm, tmp_path) is False and C.recorded_seconds(lm, tmp_path) == 2.0
+    R.write_marker(R.marker(tmp_path, lm), R.CompileReport(model="m", enabled=True, seconds=2.0))
+    assert D.recorded_frozen(lm, tmp_path) is False and R.recorded_seconds(lm, tmp_path) == 2.0
     # a batch-1 comparison does not decide for batched graphs
-    assert C.recorded_frozen(lm, tmp_path, C.warm_shapes(1)) is False
-    assert C.recorded_frozen(lm, tmp_path, C.warm_shapes(16)) is None
-    C._marker(tmp_path, lm).write_text('{"frozen_gain": {"1x1:1": "fast"}}')
-    assert C.recorded_frozen(lm, tmp_path) is None                      # not a measurement
+    assert D.recorded_frozen(lm, tmp_path, W.warm_shapes(1)) is False
+    assert D.recorded_frozen(lm, tmp_path, W.warm_shapes(16)) is None
+    R.marker(tmp_path, lm).write_text('{"frozen_gain": {"1x1:1": "fast"}}')
+    assert D.recorded_frozen(lm, tmp_path) is None                      # not a measurement
 
 
 @pytest.mark.parametrize("kept", [True, False])
@@ -278,14 +301,14 @@ def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_on
     """Real dynamo graphs of both variants (eager backend: seconds, so both time alike and the
     decision is forced each way); the decision is recorded for later starts."""
     _eager_backend(monkeypatch)
-    monkeypatch.setattr(C, "keeps_frozen", lambda gain: kept)
+    monkeypatch.setattr(D, "keeps_frozen", lambda gain: kept)
     target = load_model(str(tiny_models / "llama"))
-    plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     report = plan.models[0]
     assert plan.enabled and set(report.frozen_gain) == set(report.graphs) == {"1x1:1", "1x4:2"}
     assert min(report.frozen_gain.values()) > 0
-    assert target.compiled.frozen is kept is report.frozen is C.recorded_frozen(target, tmp_path)
-    assert C.is_cached(target, tmp_path, True) and C.is_cached(target, tmp_path, False)
+    assert target.compiled.frozen is kept is report.frozen is D.recorded_frozen(target, tmp_path)
+    assert R.is_cached(target, tmp_path, True) and R.is_cached(target, tmp_path, False)
     assert report.first_start_seconds >= report.seconds > 0        # this start paid both compiles
     # the other variant's graphs were warmed as well: serving either misses nothing
     both = [target.compiled, target.compiled.alternative]
@@ -300,15 +323,15 @@ def test_the_first_start_compares_frozen_and_not_and_later_starts_compile_the_on
 
     # a later start compiles only the variant kept, and says why where that is not frozen
     compared = []
-    monkeypatch.setattr(C, "compare_not_frozen", lambda *a, **_: compared.append(a) or a[-1])
+    monkeypatch.setattr(W, "compare_not_frozen", lambda *a, **_: compared.append(a) or a[-1])
     target.compiled = None
-    plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     assert not compared and target.compiled.frozen is kept
-    assert C.recorded_frozen(target, tmp_path) is kept          # and its record keeps the decision
+    assert D.recorded_frozen(target, tmp_path) is kept          # and its record keeps the decision
     assert ("not frozen: frozen graphs measured less than" in plan.reason) is not kept
     # a batched start needs graphs the batch-1 comparison did not measure: it compares them
     target.compiled = None
-    C.prepare(target, [], mode="on", batch_size=3, cache_dir=tmp_path)
+    P.prepare(target, [], mode="on", batch_size=3, cache_dir=tmp_path)
     assert len(compared) == 1
 
 
@@ -325,13 +348,15 @@ def test_a_not_frozen_compile_that_fails_leaves_frozen_serving_without_a_warning
         return broken
     monkeypatch.setattr(torch, "compile", compile_)
     target = load_model(str(tiny_models / "llama"))
-    with caplog.at_level("INFO", logger=C.__name__):
-        plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    with caplog.at_level("INFO", logger="specbatch.engine.compile"):
+        plan = P.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     assert plan.enabled and target.compiled.frozen and target.compiled.failed is None
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
     assert "not-frozen graphs failed to compile" in caplog.text
-    assert C.recorded_frozen(target, tmp_path) is True          # recorded: later starts do not retry
-    assert "failed to compile here: kept frozen" in C.frozen_summary(plan.models[0])
+    assert D.recorded_frozen(target, tmp_path) is True          # recorded: later starts do not retry
+    from specbatch.cli.compile_text import frozen_summary
+
+    assert "failed to compile here: kept frozen" in frozen_summary(plan.models[0])
     assert _greedy(Engine(target), PROMPTS[0], n=4) and target.compiled.misses == 0
 
 
@@ -342,10 +367,10 @@ def test_auto_keeps_eager_the_shapes_that_measured_no_faster_here(tiny_models, t
 
     _eager_backend(monkeypatch)
     _no_comparison(monkeypatch)
-    monkeypatch.setitem(C.EXPECTED_SPEEDUP, "cpu", {1: 2.0})
-    monkeypatch.setattr(C, "measure_speedup", lambda lm, cache, ids, keep: 0.9 if ids.shape[1] > 1 else 1.5)
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 2.0})
+    monkeypatch.setattr(W, "measure_speedup", lambda lm, cache, ids, keep: 0.9 if ids.shape[1] > 1 else 1.5)
     target = load_model(str(tiny_models / "llama"))
-    plan = C.prepare(target, [], mode="auto", batch_size=3, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="auto", batch_size=3, cache_dir=tmp_path)
     report = plan.models[0]
     assert plan.enabled and report.speedups == {"1x1:1": 1.5, "1x4:2": 0.9, "3x1:1": 1.5, "3x4:2": 0.9}
     assert report.eager_shapes == ["1x4:2", "3x4:2"]
@@ -358,20 +383,20 @@ def test_auto_keeps_eager_the_shapes_that_measured_no_faster_here(tiny_models, t
         assert target.compiled.calls == calls
         target.forward(torch.tensor([[7]]), cache)                   # a plain step: compiled
     assert target.compiled.calls == calls + 1 and target.compiled.misses == 0
-    assert C.recorded_speedup(target, tmp_path, 1) == C.recorded_speedup(target, tmp_path, 8) == 1.5
+    assert R.recorded_speedup(target, tmp_path, 1) == R.recorded_speedup(target, tmp_path, 8) == 1.5
 
     # on compiles every graph as told, whatever it measures
     target.compiled = None
-    plan = C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
     assert plan.models[0].eager_shapes == [] and target.compiled.eager_classes == set()
 
     # a later start: the measurement here, not the device table, decides
-    monkeypatch.setattr(C, "measure_speedup", lambda lm, cache, ids, keep: 1.01)
+    monkeypatch.setattr(W, "measure_speedup", lambda lm, cache, ids, keep: 1.01)
     target.compiled = None
-    C.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
-    assert C.recorded_speedup(target, tmp_path, 1) == 1.01
+    P.prepare(target, [], mode="on", batch_size=1, cache_dir=tmp_path)
+    assert R.recorded_speedup(target, tmp_path, 1) == 1.01
     target.compiled = None
-    plan = C.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path)
+    plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path)
     assert not plan.enabled and "no faster than eager here (1.01x" in plan.reason and target.compiled is None
 
 
@@ -380,12 +405,12 @@ def test_measure_speedup_times_both_and_leaves_the_cache_as_it_was(tiny_models, 
 
     _eager_backend(monkeypatch)
     lm = load_model(str(tiny_models / "llama"))
-    C.install(lm)
+    F.install(lm)
     with torch.inference_mode():
         cache = DynamicCache()
         lm.forward(torch.tensor([[5, 9, 13, 2]]), cache)
         before = [t.clone() for t in (cache.layers[0].keys, cache.layers[0].values)]
-        speedup = C.measure_speedup(lm, cache, torch.tensor([[7, 8, 9]]), keep=2)
+        speedup = W.measure_speedup(lm, cache, torch.tensor([[7, 8, 9]]), keep=2)
     assert 0 < speedup < float("inf")
     assert cache.get_seq_length() == 4
     for old, new in zip(before, (cache.layers[0].keys, cache.layers[0].values)):
@@ -404,7 +429,7 @@ def compiled_pair(tiny_models, tmp_path_factory):
     cache_dir = tmp_path_factory.mktemp("compile-cache")
     target = load_model(str(tiny_models / "llama"))
     draft = load_model(str(tiny_models / "llama-partial"))
-    plan = C.prepare(target, [], mode="on", batch_size=3, cache_dir=cache_dir)
+    plan = P.prepare(target, [], mode="on", batch_size=3, cache_dir=cache_dir)
     assert plan.enabled, plan.to_dict()
     return target, draft, plan
 
@@ -426,7 +451,7 @@ def test_compiled_forward_is_used_and_close_to_eager(compiled_pair):
     # a first start compiled them frozen and not, timed the two, and serves the one kept
     report = plan.models[0]
     assert set(report.frozen_gain) == set(report.graphs)
-    assert target.compiled.frozen is report.frozen is C.keeps_frozen(report.frozen_gain)
+    assert target.compiled.frozen is report.frozen is D.keeps_frozen(report.frozen_gain)
     assert target.compiled.alternative.frozen is not target.compiled.frozen
     ids = target.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
     with torch.inference_mode():
@@ -536,11 +561,11 @@ def test_no_cxx_compiler_falls_back_to_eager_with_one_warning(tiny_models, tmp_p
 
 
 def test_the_cli_says_what_compiling_bought_on_this_machine(capsys):
-    from specbatch.cli.common import report_compile
+    from specbatch.cli.compile_text import report_compile
 
-    report = C.CompileReport(model="m", enabled=True, seconds=12.0, speedups={"1x1:1": 1.3, "1x4:2": 0.9},
+    report = R.CompileReport(model="m", enabled=True, seconds=12.0, speedups={"1x1:1": 1.3, "1x4:2": 0.9},
                              eager_shapes=["1x4:2"])
-    report_compile(C.CompilePlan("auto", True, "auto: a long-lived worker", [report]))
+    report_compile(D.CompilePlan("auto", True, "auto: a long-lived worker", [report]))
     err = capsys.readouterr().err
     assert "compiled forward ready in 12s (first start; auto: a long-lived worker)" in err
     assert "m: eager / compiled step time here (rows x tokens): 1x1 1.30x, 1x4 0.90x; 1x4 stay eager" in err
@@ -553,7 +578,7 @@ def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch,
 
     seen = []
     monkeypatch.setattr(E, "prepare_compiled", lambda *a, expected_new_tokens=None, **k:
-                        seen.append(expected_new_tokens) or C.CompilePlan("auto", False, "test"))
+                        seen.append(expected_new_tokens) or D.CompilePlan("auto", False, "test"))
     target = str(tiny_models / "llama")
     context = E.Engine.load(target).target.max_positions
     assert context == 512

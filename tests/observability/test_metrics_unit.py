@@ -72,7 +72,8 @@ def test_compiled_forward_counts_are_added_as_they_grow() -> None:
 
 
 def test_what_compiling_measured_is_a_gauge_per_graph() -> None:
-    from specbatch.engine.compiled import CompilePlan, CompileReport
+    from specbatch.engine.compile.decision import CompilePlan
+    from specbatch.engine.compile.record import CompileReport
 
     m = WorkerMetrics(LABELS)
     m.observe_compile_plan(None)

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from specbatch.config import Settings
-from specbatch.engine.compiled import CompilePlan, CompileReport
+from specbatch.engine.compile.decision import CompilePlan
+from specbatch.engine.compile.record import CompileReport
 from specbatch.worker.app import celery_config
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.queues import queue_name
