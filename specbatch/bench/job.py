@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from specbatch.bench import breakdown
 from specbatch.bench.runners import HF_ASSISTED_SETTINGS, HFRunner, cut_at_eos
 from specbatch.engine.loading import LoadedModel
 
@@ -175,6 +176,15 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
     for a in acc.values():
         a["mismatch"] = sorted({j for outs in a["outputs"] for j, (o, ref) in enumerate(zip(outs, reference))
                                 if o != ref})
+    auto = next((c for c in configs if c.name == "ours-auto"), None)
+    profiled = None
+    if auto is not None:
+        say("ours-auto once more, under the profiler (untimed)", total, total + 1)
+        profiled = breakdown.profile_pass(lambda: _ours(target, draft, auto, ids, limits), target.model,
+                                          target.vocab_size)
+    cfg = target.model.config.get_text_config()
+    peak = breakdown.gemm_peak_gflops(cfg.hidden_size, cfg.intermediate_size)
+    params = sum(p.numel() for p in target.model.parameters())
     say("done", total, total)
 
     rows = []
@@ -194,12 +204,14 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
         tps = row["tokens_per_second"]
         row["ratio_vs_best_fixed"] = tps / best["tokens_per_second"] if tps and best else None
         row["ratio_vs_best_hf_generate"] = tps / best_hf["tokens_per_second"] if tps and best_hf else None
+        row["gemm_peak_share"] = breakdown.peak_share(tps, params, peak)
     return {"job": rows, "best_fixed": best["name"] if best else None,
             "prefix_cache": _prefix_cache(acc, rows, sum(len(x) for x in ids)) if NO_PREFIX in acc else None,
             "best_hf_generate": best_hf["name"] if best_hf else None,
             "file": opts.file, "prompts": len(ids), "max_new_tokens": opts.max_new_tokens,
             "repeats": opts.repeats, "target": opts.target, "draft": opts.draft,
-            "threads": torch.get_num_threads(), "device": str(target.device), "autopilot": reports}
+            "threads": torch.get_num_threads(), "device": str(target.device), "autopilot": reports,
+            "gemm_peak_gflops": peak, "target_parameters": params, "breakdown": profiled}
 
 
 def _prefix_cache(acc: dict[str, dict[str, Any]], rows: list[dict[str, Any]], prompt_tokens: int
@@ -244,6 +256,14 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
                      f"| {f(r['ratio_vs_best_fixed'])} | {f(r['ratio_vs_best_hf_generate'])} "
                      f"| {'yes' if r['identical'] else 'NO'} |")
     lines += ["", f"best fixed: {result['best_fixed']}; best HF generate: {result['best_hf_generate']}."]
+    if result.get("gemm_peak_gflops"):
+        auto = next((r for r in result["job"] if r["name"] == "ours-auto"), None)
+        share = auto and auto.get("gemm_peak_share")
+        lines.append(f"fp32 GEMM peak measured in this run: {result['gemm_peak_gflops']:.0f} GFLOPS; ours-auto's "
+                     f"useful work (2 x {result['target_parameters'] / 1e6:.0f}M FLOPs a token) is "
+                     f"{f(share and 100 * share, '.0f')}% of it.")
+    if result.get("breakdown"):
+        lines += ["", *breakdown.markdown_lines(result["breakdown"]), ""]
     if (pc := result.get("prefix_cache")) is not None:
         lines.append(f"prefix cache: ours-auto on / off = {f(pc['ratio'])}x tokens/s; outputs on vs off "
                      f"{'identical' if pc['identical'] else 'DIFFERENT'}; {pc['cached_prompt_tokens']} of "

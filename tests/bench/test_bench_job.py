@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from specbatch.bench.breakdown import BUCKETS, _bucket
 from specbatch.bench.job import PUBLIC_KEYS, plan
 from specbatch.cli.main import cli
 
@@ -26,6 +27,15 @@ def test_plan_covers_the_grid():
     assert names == ["ours-auto", "ours[B=1,spec]", "ours[B=1,plain]", "hf-generate[B=1]",
                      "ours[B=4,spec]", "ours[B=4,plain]", "hf-generate[B=4]", "hf-assisted[B=1]"]
     assert [c.name for c in plan((8,))] == ["ours-auto", "ours[B=8,spec]", "ours[B=8,plain]", "hf-generate[B=8]"]
+
+
+def test_breakdown_buckets_tell_the_head_from_a_layer_gemm():
+    vocab = 49152
+    assert _bucket("aten::mm", [[8, 576], [576, 1536]], vocab) == "gemm"
+    assert _bucket("aten::mm", [[8, 576], [576, vocab]], vocab) == "head_and_sampling"
+    assert _bucket("aten::_scaled_dot_product_flash_attention_for_cpu", [], vocab) == "attention"
+    assert _bucket("aten::cat", [], vocab) == "cache_management"
+    assert _bucket("aten::silu", [], vocab) == "elementwise"
 
 
 def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Path):
@@ -54,6 +64,12 @@ def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Pa
     report = (out / "job-report.md").read_text()
     assert "| ours-auto | auto |" in report and "ours-auto#1: kept B=" in report
     assert (out / "job-throughput.png").stat().st_size > 1000
+    full = json.loads((out / "job-result.json").read_text())
+    b = full["breakdown"]           # one profiled pass of ours-auto: buckets add up to its wall time
+    assert b["target_forwards"] > 0 and set(b["ms_per_forward"]) == set(BUCKETS)
+    assert b["ms_per_forward"]["gemm"] > 0 and b["ms_per_forward"]["attention"] > 0
+    assert sum(b["share"].values()) == pytest.approx(1.0, abs=1e-6)
+    assert full["gemm_peak_gflops"] > 0 and "Where ours-auto's time goes" in report
 
 
 def test_bench_job_rejects_a_bad_file(tiny_models: Path, tmp_path: Path):

@@ -1,0 +1,106 @@
+"""Where a job's time goes, per target forward: GEMMs, attention, the head and sampling, KV-cache
+management, the rest of the layers' element-wise work, and what no operator accounts for (Python,
+dispatch, the decoder's own bookkeeping). And the machine's fp32 GEMM peak, to say how far the
+job's useful work is from it.
+
+One extra pass of a configuration under ``torch.profiler`` (not the timed one: the profiler's own
+cost would bias the tokens/s). Operators are put in buckets by name; a matrix multiply whose
+weight has the vocabulary's width is the head, not a layer's GEMM. Operator times are self times on
+the calling thread (intra-op threads work inside them), so the buckets plus "Python and dispatch"
+add up to the pass's wall time. See docs/BENCHMARKS.md "Where the time goes".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm",
+                      "quantized::linear_dynamic", "aten::_weight_int8pack_mm"})
+ATTENTION_PREFIX = "aten::_scaled_dot_product"
+SAMPLING_OPS = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
+                          "aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::multinomial",
+                          "aten::cumsum", "aten::exponential_"})
+CACHE_OPS = frozenset({"aten::cat", "aten::index", "aten::index_select", "aten::gather", "aten::copy_",
+                       "aten::index_put_", "aten::masked_fill_", "aten::constant_pad_nd", "aten::zeros",
+                       "aten::empty", "aten::new_zeros", "aten::new_empty", "aten::fill_", "aten::clone",
+                       "aten::contiguous", "aten::sum", "aten::nonzero", "aten::full"})
+BUCKETS = ("gemm", "attention", "head_and_sampling", "cache_management", "elementwise", "python_and_dispatch")
+
+
+def gemm_peak_gflops(k: int, n: int, rows: tuple[int, ...] = (32, 64), repeats: int = 20) -> float:
+    """The best fp32 GFLOPS of one (rows x k) @ (k x n) product, over ``rows``: a layer's linear at
+    the job's batch sizes (the same threads as the job)."""
+    best = 0.0
+    w = torch.randn(k, n)
+    for m in rows:
+        x = torch.randn(m, k)
+        for _ in range(3):
+            x @ w
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            x @ w
+        seconds = (time.perf_counter() - t0) / repeats
+        best = max(best, 2 * m * k * n / seconds / 1e9)
+    return best
+
+
+def _bucket(name: str, shapes: list[Any], vocab: int) -> str:
+    if name in GEMM_OPS:
+        return "head_and_sampling" if any(vocab in s for s in shapes if isinstance(s, list)) else "gemm"
+    if name.startswith(ATTENTION_PREFIX):
+        return "attention"
+    if name in SAMPLING_OPS:
+        return "head_and_sampling"
+    if name in CACHE_OPS:
+        return "cache_management"
+    return "elementwise"
+
+
+def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int) -> dict[str, Any]:
+    """Run ``run()`` once under the profiler; seconds per bucket, per target forward, and shares.
+    ``model``: the target's module, whose forward calls are counted (one per decoder step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    forwards = 0
+
+    def count(*_: Any) -> None:
+        nonlocal forwards
+        forwards += 1
+
+    hook = model.register_forward_pre_hook(count)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            t0 = time.perf_counter()
+            run()
+            wall = time.perf_counter() - t0
+    finally:
+        hook.remove()
+    seconds = dict.fromkeys(BUCKETS, 0.0)
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key.startswith("aten::") or e.key.startswith("quantized::"):
+            seconds[_bucket(e.key, list(e.input_shapes or []), vocab)] += e.self_cpu_time_total / 1e6
+    seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))
+    n = max(forwards, 1)
+    return {"wall_seconds": wall, "target_forwards": forwards,
+            "ms_per_forward": {k: 1000 * v / n for k, v in seconds.items()},
+            "share": {k: v / wall if wall else 0.0 for k, v in seconds.items()}}
+
+
+def peak_share(tokens_per_second: float | None, parameters: int, peak_gflops: float) -> float | None:
+    """Useful work (2 FLOPs per parameter per generated token) over the GEMM peak."""
+    if not tokens_per_second or not peak_gflops:
+        return None
+    return tokens_per_second * 2 * parameters / (peak_gflops * 1e9)
+
+
+def markdown_lines(b: dict[str, Any]) -> list[str]:
+    ms, share = b["ms_per_forward"], b["share"]
+    head = "| " + " | ".join(k.replace("_", " ") for k in BUCKETS) + " |"
+    return [f"Where ours-auto's time goes (one profiled pass, {b['target_forwards']} target forwards, "
+            f"{b['wall_seconds']:.1f} s): ms per forward (share of the pass).", "",
+            head, "|" + "---:|" * len(BUCKETS),
+            "| " + " | ".join(f"{ms[k]:.1f} ({share[k]:.0%})" for k in BUCKETS) + " |"]
