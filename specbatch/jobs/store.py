@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, or_, select, update
+from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -109,14 +109,18 @@ def list_jobs(s: Session, limit: int = 50) -> list[Job]:
     return list(s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
 
 
+# built once: building a statement and its cache key took a fifth of the API's CPU per Batch object
+COUNTS = (select(Request.job_id, Request.status, func.count())
+          .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
+
+
 def request_counts(s: Session, job_ids: Iterable[str]) -> dict[str, dict[str, int]]:
     """Live counts from the rows, per job: {job_id: {total, pending, running, completed, ...}}."""
     ids = list(job_ids)
     out = {j: dict.fromkeys(COUNT_NAMES, 0) for j in ids}
     if not ids:
         return out
-    rows = s.execute(select(Request.job_id, Request.status, func.count())
-                     .where(Request.job_id.in_(ids)).group_by(Request.job_id, Request.status))
+    rows = s.execute(COUNTS, {"ids": ids})
     for job_id, status, n in rows:
         out[job_id][RequestStatus(status).value] += n
         out[job_id]["total"] += n
