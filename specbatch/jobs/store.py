@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -178,6 +178,23 @@ def cancel_job(s: Session, job_id: str) -> Job:
         .values(status=RequestStatus.cancelled, finished_at=now, lease_expires_at=None))
     job.status, job.cancel_requested_at = JobStatus.cancelling, now
     return refresh_job(s, job.id)
+
+def drop_orphans(s: Session, job_id: str, gone: Callable[[str], bool]) -> list[int]:
+    """For a cancelling job: cancel the running requests whose holder ``gone(worker)`` says has
+    exited (SIGKILL, a lost machine) instead of waiting for their lease to run out, then refresh
+    the job (it ends ``cancelled`` when nothing else runs). Returns the ids dropped."""
+    job = get_job(s, job_id)
+    if job.status != JobStatus.cancelling:
+        return []
+    rows = s.execute(select(Request.id, Request.worker).where(Request.job_id == job.id,
+                                                              Request.status == RequestStatus.running)).all()
+    ids = [rid for rid, worker in rows if worker and gone(worker)]
+    if ids:
+        s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
+                  .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
+        refresh_job(s, job.id)
+    return ids
+
 
 def running_ids(s: Session, job_id: str) -> list[int]:
     """The job's requests a worker holds now (running on a live lease)."""
