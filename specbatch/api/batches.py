@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
@@ -18,7 +19,8 @@ from specbatch.api.deps import AppState, State
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
-from specbatch.db.models import ApiBatch
+from specbatch.api.responses import Object, answer
+from specbatch.db.models import ApiBatch, Job
 from specbatch.errors import BrokerUnavailable, IntakeError
 from specbatch.jobs import batches, files, intake
 from specbatch.jobs.context import ContextCheck
@@ -38,10 +40,11 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None     # accepted; outputs are kept until deleted
 
 
-def _read(sb: AppState, s: Session, rows: list[ApiBatch]) -> tuple[list[dict[str, Any]], list[str]]:
+def _read(sb: AppState, s: Session, rows: list[ApiBatch],
+          jobs: dict[str, Job] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
     """(Batch objects, []) and the output files of finished batches scheduled; or ([], ids of
-    batches past their window), to be expired first."""
-    jobs = batches.jobs_of(s, rows)
+    batches past their window), to be expired first. ``jobs``: the rows' jobs, if read already."""
+    jobs = batches.jobs_of(s, rows) if jobs is None else jobs
     overdue = [b.id for b in rows if batches.is_overdue(b, jobs.get(b.job_id or ""))]
     if overdue:
         return [], overdue
@@ -62,15 +65,16 @@ def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     """The tenant's Batch object (one read; an overdue batch is expired first)."""
     for _ in range(2):
         with sb.reader.begin() as s:
-            objs, overdue = _read(sb, s, [batches.get_batch(s, batch_id, owner)])
+            batch, job = batches.get_batch_and_job(s, batch_id, owner)
+            objs, overdue = _read(sb, s, [batch], {job.id: job} if job is not None else {})
         if not overdue:
             return objs[0]
         _expire(sb, overdue)
     raise AssertionError(f"batch {batch_id} is still overdue after expiring it")
 
 
-@router.post("/batches")
-def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
+@router.post("/batches", response_model=Object)
+def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
                        param="endpoint")
@@ -99,12 +103,12 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=batches.intake_errors(e))
-        return _object(sb, batch_id, owner)
+        return answer(_object(sb, batch_id, owner))
     mismatched = batches.endpoint_mismatches(parsed.requests, body.endpoint)
     if mismatched:
         with sb.factory.begin() as s:
             batches.create_batch(s, **fields, errors=mismatched)
-        return _object(sb, batch_id, owner)
+        return answer(_object(sb, batch_id, owner))
     try:
         submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
                    source=f"{body.input_file_id} ({filename})", metadata={**metadata, "batch_id": batch_id},
@@ -114,45 +118,45 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> dict[str, Any]:
             batches.fail(s, batch_id, [{"code": "broker_unavailable", "line": None, "param": None,
                                         "message": BROKER_DOWN}])
         raise
-    return _object(sb, batch_id, owner)
+    return answer(_object(sb, batch_id, owner))
 
 
-@router.get("/batches")
-def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> dict[str, Any]:
+@router.get("/batches", response_model=Object)
+def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
     for _ in range(2):
         with sb.reader.begin() as s:
             rows, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
             data, overdue = _read(sb, s, rows)
         if not overdue:
-            return page(data, more)
+            return answer(page(data, more))
         _expire(sb, overdue)
     raise AssertionError("batches are still overdue after expiring them")
 
 
-@router.get("/batches/{batch_id}")
-def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
-    return _object(sb, batch_id, owner)
+@router.get("/batches/{batch_id}", response_model=Object)
+def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+    return answer(_object(sb, batch_id, owner))
 
 
-@router.post("/batches/{batch_id}/cancel")
-def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
+@router.post("/batches/{batch_id}/cancel", response_model=Object)
+def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
     with sb.factory.begin() as s:
         batches.cancel(s, batch_id, owner)
-    return _object(sb, batch_id, owner)
+    return answer(_object(sb, batch_id, owner))
 
 
-@router.get("/batches/{batch_id}/stats")
-def batch_stats(sb: State, batch_id: str, owner: Tenant) -> dict[str, Any]:
+@router.get("/batches/{batch_id}/stats", response_model=Object)
+def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
     from specbatch.jobs import store
 
     with sb.reader.begin() as s:
         batch = batches.get_batch(s, batch_id, owner)
         if batch.job_id is None:
-            return {"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
-                    "request_counts": None, "stats": None}
+            return answer({"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
+                           "request_counts": None, "stats": None})
         summary = store.job_summary(s, batch.job_id)
-    return {"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
-            "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
-            "drafters": summary["drafters"],
-            "request_counts": summary["request_counts"], "stats": summary["stats"]}
+    return answer({"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
+                   "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
+                   "drafters": summary["drafters"],
+                   "request_counts": summary["request_counts"], "stats": summary["stats"]})

@@ -6,12 +6,13 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, JSONResponse
 
 from specbatch.api import upload
 from specbatch.api.auth import Tenant
 from specbatch.api.deps import AppState, State
 from specbatch.api.errors import ApiError
+from specbatch.api.responses import Object, answer
 from specbatch.jobs import batches, files
 
 router = APIRouter(tags=["files"])
@@ -36,8 +37,8 @@ def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dic
         raise
 
 
-@router.post("/files")
-async def create_file(request: Request, sb: State, owner: Tenant) -> dict[str, Any]:
+@router.post("/files", response_model=Object)
+async def create_file(request: Request, sb: State, owner: Tenant) -> JSONResponse:
     with files.incoming(sb.settings) as tmp:
         form = await upload.receive(request, tmp, sb.settings)
         purpose = form.fields.get("purpose")
@@ -48,21 +49,23 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> dict[str, A
             raise ApiError(400, "the 'file' part is missing", param="file")
         if form.tally.lines == 0:
             raise ApiError(400, "the file is empty; one JSON request per line is expected", param="file")
-        return await run_in_threadpool(_save, sb, tmp, form, owner)
+        return answer(await run_in_threadpool(_save, sb, tmp, form, owner))
 
 
-@router.get("/files")
+@router.get("/files", response_model=Object)
 def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
-               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> dict[str, Any]:
+               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
     with sb.reader.begin() as s:
         rows, more = files.list_files(s, limit=limit, after=after, purpose=purpose, order=order, owner=owner)
-        return page([files.file_object(f) for f in rows], more)
+        out = page([files.file_object(f) for f in rows], more)
+    return answer(out)
 
 
-@router.get("/files/{file_id}")
-def retrieve_file(sb: State, file_id: str, owner: Tenant) -> dict[str, Any]:
+@router.get("/files/{file_id}", response_model=Object)
+def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
     with sb.reader.begin() as s:
-        return files.file_object(files.get_file(s, file_id, owner))
+        out = files.file_object(files.get_file(s, file_id, owner))
+    return answer(out)
 
 
 @router.get("/files/{file_id}/content")
@@ -77,8 +80,8 @@ def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
     return FileResponse(path, media_type="application/octet-stream", filename=filename)
 
 
-@router.delete("/files/{file_id}")
-def delete_file(sb: State, file_id: str, owner: Tenant) -> dict[str, Any]:
+@router.delete("/files/{file_id}", response_model=Object)
+def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
     with sb.factory.begin() as s:
         files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
         if live := batches.live_batches_of_file(s, file_id):
@@ -86,4 +89,4 @@ def delete_file(sb: State, file_id: str, owner: Tenant) -> dict[str, Any]:
                                 "cancel it or wait for it to end first", param="id", code="file_in_use")
         files.delete_file(s, file_id, owner)
     files.file_path(sb.settings, file_id).unlink(missing_ok=True)
-    return {"id": file_id, "object": "file", "deleted": True}
+    return answer({"id": file_id, "object": "file", "deleted": True})

@@ -10,6 +10,7 @@ it wraps ``receive`` and never buffers anything itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from urllib.parse import parse_qsl
 
@@ -31,8 +32,11 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"request bodies here are at most {limit} bytes")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def _control(text: str) -> bool:
-    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+    return _CONTROL.search(text) is not None
 
 
 def url_refusal(scope: Scope) -> ApiError | None:

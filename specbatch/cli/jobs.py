@@ -344,7 +344,9 @@ def cancel(job_id: str, as_json: bool) -> None:
 
     Requests a worker is already generating are dropped at its next decoding step (the job is
     "cancelling" until then; a result stored before is kept). It waits up to 10 s for the workers
-    and says how many of their requests were dropped and how many finished first.
+    and says how many of their requests were dropped and how many finished first. Requests of a
+    worker killed on this machine are dropped at once; those of a worker lost elsewhere once their
+    lease runs out (a live worker's lease sweep ends the job then).
 
     \b
     Example:
@@ -352,6 +354,7 @@ def cancel(job_id: str, as_json: bool) -> None:
     """
     from specbatch.db.models import JobStatus
     from specbatch.jobs import store
+    from specbatch.worker.pids import gone_here
 
     factory = open_db(get_settings())
     with factory.begin() as s:
@@ -359,6 +362,8 @@ def cancel(job_id: str, as_json: bool) -> None:
         was = JobStatus(before.status)
         pending_before = store.request_counts(s, [before.id])[before.id]["pending"]
         job = store.cancel_job(s, before.id)
+        # rows whose worker was killed on this machine would wait out their lease (minutes): dropped now
+        orphans = store.drop_orphans(s, job.id, gone_here)
         summary = store.job_dict(job)
         held = store.running_ids(s, job.id)
     if as_json:
@@ -368,8 +373,10 @@ def cancel(job_id: str, as_json: bool) -> None:
     if was.finished:
         click.echo(f"job {summary['id']} is already {was.value}; nothing to cancel")
         return
+    gone = (f", {plural(len(orphans), 'running request')} of a worker that is no longer running dropped"
+            if orphans else "")
     if not held:
-        click.echo(f"job {summary['id']} cancelled: {plural(pending_before, 'pending request')} dropped, "
+        click.echo(f"job {summary['id']} cancelled: {plural(pending_before, 'pending request')} dropped{gone}, "
                    f"{plural(c['completed'], 'result')} kept")
         return
     # the workers see the cancel within a second (worker.cancel.CancelWatch) and drop their rows
@@ -382,7 +389,7 @@ def cancel(job_id: str, as_json: bool) -> None:
         line += (f", {left} still running: dropped at their worker's next step (or once their lease runs out, "
                  "if that worker is gone); `specbatch status` shows the outcome")
     state = "is cancelling" if left else "cancelled"
-    click.echo(f"job {summary['id']} {state}: {plural(pending_before, 'pending request')} dropped; {line}")
+    click.echo(f"job {summary['id']} {state}: {plural(pending_before, 'pending request')} dropped{gone}; {line}")
 
 
 CANCEL_WAIT = 10.0      # seconds `cancel` waits for the workers to drop the rows they hold

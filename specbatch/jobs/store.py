@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 import math
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import case, func, or_, select, update
+from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -109,14 +109,18 @@ def list_jobs(s: Session, limit: int = 50) -> list[Job]:
     return list(s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
 
 
+# built once: building a statement and its cache key took a fifth of the API's CPU per Batch object
+COUNTS = (select(Request.job_id, Request.status, func.count())
+          .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
+
+
 def request_counts(s: Session, job_ids: Iterable[str]) -> dict[str, dict[str, int]]:
     """Live counts from the rows, per job: {job_id: {total, pending, running, completed, ...}}."""
     ids = list(job_ids)
     out = {j: dict.fromkeys(COUNT_NAMES, 0) for j in ids}
     if not ids:
         return out
-    rows = s.execute(select(Request.job_id, Request.status, func.count())
-                     .where(Request.job_id.in_(ids)).group_by(Request.job_id, Request.status))
+    rows = s.execute(COUNTS, {"ids": ids})
     for job_id, status, n in rows:
         out[job_id][RequestStatus(status).value] += n
         out[job_id]["total"] += n
@@ -174,6 +178,23 @@ def cancel_job(s: Session, job_id: str) -> Job:
         .values(status=RequestStatus.cancelled, finished_at=now, lease_expires_at=None))
     job.status, job.cancel_requested_at = JobStatus.cancelling, now
     return refresh_job(s, job.id)
+
+def drop_orphans(s: Session, job_id: str, gone: Callable[[str], bool]) -> list[int]:
+    """For a cancelling job: cancel the running requests whose holder ``gone(worker)`` says has
+    exited (SIGKILL, a lost machine) instead of waiting for their lease to run out, then refresh
+    the job (it ends ``cancelled`` when nothing else runs). Returns the ids dropped."""
+    job = get_job(s, job_id)
+    if job.status != JobStatus.cancelling:
+        return []
+    rows = s.execute(select(Request.id, Request.worker).where(Request.job_id == job.id,
+                                                              Request.status == RequestStatus.running)).all()
+    ids = [rid for rid, worker in rows if worker and gone(worker)]
+    if ids:
+        s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
+                  .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
+        refresh_job(s, job.id)
+    return ids
+
 
 def running_ids(s: Session, job_id: str) -> list[int]:
     """The job's requests a worker holds now (running on a live lease)."""

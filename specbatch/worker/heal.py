@@ -55,13 +55,33 @@ def take_back_expired(s: Any, queues: Collection[str]) -> dict[tuple[str, str], 
     return out
 
 
+def end_cancelling(s: Any) -> list[str]:
+    """Cancelling jobs that still wait for a request whose lease expired (its worker died, here or
+    elsewhere): that request is cancelled and the job refreshed, so it ends ``cancelled`` with no
+    human action (``cancel`` drops at once only the requests of a worker killed on its own
+    machine). Any live worker does it; returns the jobs refreshed."""
+    from specbatch.db.models import Job, JobStatus, Request, RequestStatus, utcnow
+    from specbatch.jobs import store
+
+    now = utcnow()
+    stale = select(Request.job_id).where(Request.status == RequestStatus.running,
+                                         Request.lease_expires_at.is_not(None), Request.lease_expires_at <= now)
+    jobs = list(s.scalars(select(Job.id).where(Job.status == JobStatus.cancelling, Job.id.in_(stale))))
+    for job_id in jobs:
+        store.refresh_job(s, job_id)    # cancels a cancelling job's running requests past their lease
+    return jobs
+
+
 def sweep(settings: Settings, queues: Collection[str]) -> int:
-    """One sweep: take back the expired requests of ``queues`` and enqueue them; returns how many."""
+    """One sweep: take back the expired requests of ``queues`` and enqueue them; returns how many.
+    Cancelling jobs held up by a dead worker's lease are ended (``end_cancelling``)."""
     from specbatch.db import session_factory
     from specbatch.worker.enqueue import enqueue_requests
 
     with session_factory(settings.database_url).begin() as s:
         taken = take_back_expired(s, queues)
+        for job_id in end_cancelling(s):
+            logger.warning("job %s: cancelled requests whose worker died (lease expired) dropped", job_id)
     for (job_id, queue), ids in taken.items():
         # (if this send fails the requests stay pending: `specbatch resume` sends them)
         enqueue_requests(settings, job_id, ids, queue)

@@ -351,6 +351,48 @@ def test_cancel(db_url):
     assert run("cancel", job_id).stdout.strip() == f"job {job_id} is already cancelled; nothing to cancel"
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_cancel_drops_at_once_the_rows_of_a_worker_killed_on_this_machine(db_url):
+    """A worker SIGKILLed mid-job leaves its rows running on a live lease (minutes): cancel used to
+    wait 10 s, say they were "still running" and leave the job cancelling until the lease ran out.
+    Rows of a holder that still runs, or of one on another machine, are left to their worker."""
+    import os
+    import socket
+
+    job_id, ids = make_job(db_url, results=0, failures=0, pending=4)
+    here = socket.gethostname()
+    with db.session_factory(db_url).begin() as s:
+        store.claim_requests(s, ids[:2], f"specbatch-1@{here}:{_dead_pid()}", 300, 3)
+    result = run("cancel", job_id)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (f"job {job_id} cancelled: 2 pending requests dropped, 2 running requests of "
+                                     "a worker that is no longer running dropped, 0 results kept")
+    assert statuses(db_url, job_id) == ["cancelled"] * 4
+    assert json.loads(run("status", job_id, "--json").stdout)["status"] == "cancelled"
+
+    live, _ = make_job(db_url, results=0, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        rows = store.resumable_request_ids(s, live)
+        store.claim_requests(s, rows[:1], f"specbatch-1@{here}:{os.getpid()}", 300, 3)
+        store.claim_requests(s, rows[1:2], f"specbatch-1@elsewhere.example:{_dead_pid()}", 300, 3)
+    import specbatch.cli.jobs as jobs_cli
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jobs_cli, "CANCEL_WAIT", 0.0)
+        result = run("cancel", live)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(f"job {live} is cancelling: 1 pending request dropped; "), result.output
+    assert statuses(db_url, live) == ["running", "running", "cancelled"]
+
+
 def test_retry_requeues_only_failed_requests(db_url, monkeypatch):
     import specbatch.worker.enqueue as enqueue
 

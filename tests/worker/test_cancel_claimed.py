@@ -44,3 +44,29 @@ def test_cancel_drops_rows_the_worker_is_generating(cluster, monkeypatch) -> Non
     assert dropped and all(r["results"] == 0 for r in dropped), final
     assert all(r["results"] == 1 for r in final if r["status"] == "completed"), final
     assert "cancelled: dropped" in w1.output()
+
+
+def test_cancel_ends_at_once_the_rows_of_a_worker_killed_on_this_machine(cluster) -> None:  # noqa: ANN001
+    """The claiming worker is SIGKILLed: nobody will drop its rows at a decoding step, and their lease
+    runs for minutes. ``cancel`` sees their holder is gone (same machine, process exited), drops
+    them and the job ends cancelled, without waiting for the workers."""
+    import os
+    import signal
+
+    cluster.env["SPECBATCH_CHUNK_SIZE"] = "8"
+    w1 = cluster.worker("w1", imports=("tests.worker.slow_step_hook",))
+    job_id, ids = cluster.submit([{"custom_id": f"k{i}", "prompt": f"Tell a long story {i}", "max_tokens": 450}
+                                  for i in range(4)])
+    wait_for(lambda: any(r["status"] == "running" for r in cluster.rows(job_id)), 90, "rows to be claimed",
+             interval=0.05)
+    os.killpg(w1.pid, signal.SIGKILL)
+    w1.wait(10)
+    held = sum(r["status"] == "running" for r in cluster.rows(job_id))
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["cancel", job_id])
+    assert result.exit_code == 0, result.output
+    said = re.fullmatch(rf"job {job_id} cancelled: (\d+) pending requests? dropped, (\d+) running requests? of a "
+                        r"worker that is no longer running dropped, (\d+) results? kept\n", result.output)
+    assert said and int(said.group(2)) == held >= 1, (result.output, held)
+    assert cluster.summary(job_id)["status"] == "cancelled"
+    assert {r["status"] for r in cluster.rows(job_id)} <= {"cancelled", "completed"}

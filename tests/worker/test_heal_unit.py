@@ -1,5 +1,6 @@
 """take_back_expired on SQLite and PostgreSQL: only its queues' running requests whose lease
-expired, each taken once even when two sweepers race."""
+expired, each taken once even when two sweepers race; a cancelling job held up by a dead worker's
+lease is ended by the sweep; which lease holders are known to be gone."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from specbatch.db import session_factory
 from specbatch.db.models import Request, RequestStatus, utcnow
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedRequest
-from specbatch.worker.heal import take_back_expired
+from specbatch.worker.heal import end_cancelling, take_back_expired
+from specbatch.worker.pids import gone_here
 from tests.db.databases import db_url, pg_database, pg_server  # noqa: F401 - fixtures
+from tests.worker.services import wait_for
 
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
 
@@ -62,3 +65,38 @@ def test_two_sweepers_racing_take_each_request_once(db_url: str) -> None:  # noq
     for t in threads:
         t.join(60)
     assert sorted(got[0] + got[1]) == ids, got
+
+
+def test_a_cancelling_job_held_by_a_dead_workers_lease_ends_at_the_sweep(db_url: str) -> None:  # noqa: F811
+    ids = _job(db_url, "sb.cancel")
+    with session_factory(db_url).begin() as s:
+        job_id = s.scalar(select(Request.job_id).where(Request.id == ids[0]))
+        store.cancel_job(s, job_id)
+        assert end_cancelling(s) == []          # the leases are live: their worker may still drop them
+    _expire(db_url, ids)
+    with session_factory(db_url).begin() as s:
+        assert end_cancelling(s) == [job_id]
+        assert store.get_job(s, job_id).status.value == "cancelled"
+        assert set(s.scalars(select(Request.status).where(Request.id.in_(ids)))) == {RequestStatus.cancelled}
+        assert take_back_expired(s, {"sb.cancel"}) == {} and end_cancelling(s) == []
+
+
+def test_a_lease_holder_is_gone_only_when_it_ran_here_and_exited() -> None:
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    assert gone_here(f"specbatch-9@box:{proc.pid}", host="box")
+    assert gone_here(f"embedded@box:{proc.pid}", host="box")
+    assert not gone_here(f"specbatch-9@box:{os.getpid()}", host="box")        # still runs
+    assert not gone_here(f"specbatch-9@other:{proc.pid}", host="box")         # another machine's
+    for odd in ("w-dead", "box:12x", "", "@:1"):
+        assert not gone_here(odd, host="box")
+    # exited but not reaped: a SIGKILLed worker's pool child where no init reaps orphans
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    wait_for(lambda: open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 30,
+             "the child to exit")
+    assert gone_here(f"specbatch-9@box:{zombie.pid}", host="box")
+    zombie.wait()

@@ -1,0 +1,122 @@
+"""The read routes under load (issue 32, item 7): a list or retrieve takes one trip through the
+routes' thread pool and answers the JSON that FastAPI rendered before; FastAPI's own telemetry
+stays off unless OTEL_* asks for traces; the load script's client and its loopback guard."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from specbatch import db
+from specbatch.api.app import _telemetry_off, create_app
+from specbatch.config import Settings
+from specbatch.jobs import batches, files, store
+from specbatch.jobs.intake import ParsedRequest
+from tests.api.conftest import KEYS, Api
+from tests.worker.services import REPO, RedisServer
+
+PARAMS = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+
+
+def _seed(url: str) -> tuple[str, str, str]:
+    """(a file id, a batch with a job, a batch that failed at intake: no job)."""
+    line = ParsedRequest(line_no=1, custom_id="c0", kind="chat", prompt=None,
+                         messages=[{"role": "user", "content": "hi"}], params=PARAMS)
+    tally = files.Tally()
+    tally.feed(b'{"custom_id": "c0"}\n')
+    with db.session_factory(url).begin() as s:
+        file_id = files.new_file_id()
+        files.add_file(s, file_id=file_id, purpose="batch", filename="in.jsonl", tally=tally)
+        job = store.create_job(s, target="t", drafts=["d"], params={}, requests=[line], queue="q")
+        running, failed = batches.new_batch_id(), batches.new_batch_id()
+        for batch_id, job_id, errors in ((running, job.id, None),
+                                         (failed, None, [{"code": "invalid_file", "line": None, "param": None,
+                                                          "message": "empty"}])):
+            batches.create_batch(s, batch_id=batch_id, input_file_id=file_id, endpoint="/v1/chat/completions",
+                                 completion_window="24h", metadata={"k": "v"}, job_id=job_id, errors=errors)
+    return file_id, running, failed
+
+
+def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``def`` route returning a dict went through the pool twice: once to run, once more for
+    FastAPI to validate the dict against the return type. The answer is the same JSON."""
+    url = f"sqlite:///{tmp_path / 'r.db'}"
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    file_id, running, failed = _seed(url)
+    trips: list[Any] = []
+    run_sync = anyio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        trips.append(fn)
+        return await run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+
+    async def read(path: str) -> tuple[int, bytes, str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.get(path)
+            return r.status_code, r.content, r.headers["content-type"]
+
+    for path in ("/v1/batches", f"/v1/batches/{running}", f"/v1/batches/{failed}", "/v1/files",
+                 f"/v1/files/{file_id}"):
+        trips.clear()
+        status, body, kind = anyio.run(read, path)
+        assert (status, kind, len(trips)) == (200, "application/json", 1), path
+        obj = json.loads(body)      # FastAPI's JSONResponse rendering: compact, UTF-8 as is
+        assert body == json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    with db.session_factory(url).begin() as s:
+        expected = batches.batch_objects(s, [batches.get_batch(s, running)])[0]
+    assert json.loads(anyio.run(read, f"/v1/batches/{running}")[1]) == expected
+    failed_obj = json.loads(anyio.run(read, f"/v1/batches/{failed}")[1])
+    assert (failed_obj["status"], failed_obj["errors"]["data"][0]["code"]) == ("failed", "invalid_file")
+    # the schema still documents each read's answer as an object
+    schema = app.openapi()["paths"]["/v1/batches/{batch_id}"]["get"]["responses"]["200"]
+    assert schema["content"]["application/json"]["schema"]["type"] == "object"
+
+
+def test_fastapi_telemetry_is_off_unless_otel_asks_for_traces(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                 "OTEL_SDK_DISABLED"):
+        monkeypatch.delenv(name, raising=False)
+    has_it = "telemetry" in inspect.signature(FastAPI).parameters      # FastAPI releases before it: nothing to turn off
+    assert _telemetry_off() == ({"telemetry": {"tracing": False, "metrics": False, "logs": False}} if has_it else {})
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert _telemetry_off() == {}
+
+
+LOAD = [sys.executable, str(REPO / "scripts" / "api_load.py")]
+
+
+@pytest.fixture
+def api(api_redis: RedisServer, tmp_path: Path) -> Any:
+    server = Api(tmp_path, api_redis, f"sqlite:///{tmp_path / 'api.db'}", tmp_path / "no-models").start()
+    yield server
+    server.close()
+
+
+@pytest.mark.integration
+def test_the_load_script_reads_a_running_server_without_errors(api: Api) -> None:
+    out = subprocess.run([*LOAD, "--url", api.base, "--key", KEYS[0], "--clients", "4", "--seconds", "2",
+                          "--requests", "200", "--batches", "0", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)
+    assert figures["errors"] == {} and figures["ok"] == figures["requests"] > 0
+    assert figures["healthz_n"] >= 1
+
+
+def test_the_load_script_refuses_a_host_that_is_not_loopback() -> None:
+    out = subprocess.run([*LOAD, "--url", "http://192.0.2.1:8000", "--seconds", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "only targets a loopback address" in out.stderr
