@@ -2,13 +2,17 @@
 
     python scripts/compare_outputs.py                      # d4e52c9 vs this worktree
     python scripts/compare_outputs.py --base main -- --batch-size 1 --ngram
+    python scripts/compare_outputs.py --base 8ad66d1 --rounds 2 --prompts examples/job-mixed-48.jsonl
 
 The base tree is ``git archive BASE`` unpacked in a temporary directory; the other is this
 worktree as it is (uncommitted changes included). Each runs ``specbatch run PROMPTS --json
 [RUN_OPTIONS]`` in its own process with SPECBATCH_COMPILE=off and its own SQLite database (so
 neither sees the other's results cache), then ``specbatch export JOB -o FILE`` (JSONL); the two
 exports are compared line by line on custom_id: status code, finish reason, text and token
-counts. Model files are read from the usual SPECBATCH_CACHE_DIR (dequantized weights are the same
+counts. ``--rounds N`` runs the two trees N times each, alternating (base, worktree, worktree,
+base, ...) so drift on a shared machine hits both alike, and prints each run's job throughput
+(the job's ``tokens_per_second``: completion tokens over the span from its first request's start
+to its last one's end, model loading excluded) and the ratio of the medians. Model files are read from the usual SPECBATCH_CACHE_DIR (dequantized weights are the same
 bytes for both). Prints one line per tree and the verdict; exit status 0 when every line is
 identical, 1 otherwise.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,17 +41,20 @@ def specbatch(tree: Path, env: dict[str, str], *args: str) -> str:
     return out.stdout
 
 
-def run_tree(name: str, tree: Path, work: Path, prompts: Path, options: list[str]) -> dict[str, dict[str, Any]]:
+def run_tree(name: str, tree: Path, work: Path, prompts: Path, options: list[str], tps: list[float]
+             ) -> dict[str, dict[str, Any]]:
+    db = work / f"{name}-{len(tps)}.db"     # a fresh database per run: no results cache between them
     env = {**os.environ, "PYTHONPATH": str(tree), "SPECBATCH_COMPILE": "off",
-           "SPECBATCH_DATABASE_URL": f"sqlite:///{work / f'{name}.db'}"}
+           "SPECBATCH_DATABASE_URL": f"sqlite:///{db}"}
     t0 = time.perf_counter()
     stdout = specbatch(tree, env, "run", str(prompts), "--json", *options)
     summary = json.loads(stdout[stdout.index("{"):])
+    tps.append(float((summary.get("stats") or {}).get("tokens_per_second") or 0.0))
     export = work / f"{name}.jsonl"
     specbatch(tree, env, "export", summary["id"], "-o", str(export))
     lines = [json.loads(x) for x in export.read_text().splitlines() if x.strip()]
     print(f"{name}: {tree} job {summary['id']} {summary['status']}, {len(lines)} lines, "
-          f"{time.perf_counter() - t0:.0f}s")
+          f"{time.perf_counter() - t0:.0f}s, {tps[-1]:.1f} tok/s")
     return {x["custom_id"]: _essentials(x) for x in lines}
 
 
@@ -65,6 +73,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", default="d4e52c9", help="the commit to compare this worktree against")
     ap.add_argument("--prompts", default=str(REPO / "examples" / "prompts.jsonl"))
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each tree, alternating (throughput)")
     ap.add_argument("run_options", nargs="*", help="after --: options for both `specbatch run`s")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="specbatch-compare-") as tmp:
@@ -73,8 +82,15 @@ def main() -> int:
         archive = subprocess.run(["git", "-C", str(REPO), "archive", args.base], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(base)], input=archive.stdout, check=True)
         print(f"options: {' '.join(args.run_options) or '(none)'}; prompts: {args.prompts}")
-        before = run_tree(f"base-{args.base}", base, work, Path(args.prompts).resolve(), args.run_options)
-        after = run_tree("worktree", REPO, work, Path(args.prompts).resolve(), args.run_options)
+        prompts, speed = Path(args.prompts).resolve(), {"base": [], "worktree": []}
+        before: dict[str, dict[str, Any]] = {}
+        after: dict[str, dict[str, Any]] = {}
+        for r in range(args.rounds):
+            order = [("base", base), ("worktree", REPO)][:: 1 if r % 2 == 0 else -1]
+            for name, tree in order:
+                out = run_tree(name if name == "worktree" else f"base-{args.base}", tree, work, prompts,
+                               args.run_options, speed[name])
+                before, after = (out, after) if name == "base" else (before, out)
     differ = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     for k in differ:
         print(f"  {k}: before {before.get(k)}\n  {' ' * len(k)}  after  {after.get(k)}")
@@ -82,6 +98,10 @@ def main() -> int:
     print(f"{len(before.keys() & after.keys()) - len(set(differ) & before.keys() & after.keys())}"
           f"/{len(before.keys() | after.keys())} lines identical (text, finish reason, token counts; "
           f"{tokens} completion tokens after)" + ("" if not differ else f"; {len(differ)} differ"))
+    if args.rounds > 1:
+        b, a = statistics.median(speed["base"]), statistics.median(speed["worktree"])
+        print(f"throughput (median of {args.rounds}): base {b:.1f} tok/s, worktree {a:.1f} tok/s, "
+              f"ratio {a / b if b else float('nan'):.2f}x")
     return 1 if differ else 0
 
 
