@@ -402,10 +402,12 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
     costs = sampler.table()
 
     result_configs = _summarise(configs, accs, costs)
-    throughput = (_throughput(opts, target, drafts, drafter_names, encoder, load_prompts(opts.prompts),
-                              say, llama) if opts.batch_sizes else None)
-    if llama is not None:
-        llama.llama.close()
+    try:
+        throughput = (_throughput(opts, target, drafts, drafter_names, encoder, load_prompts(opts.prompts),
+                                  say, llama) if opts.batch_sizes else None)
+    finally:
+        if llama is not None:
+            llama.close()
     failures = [f"{c['name']}: {m['prompt']} differs from the target at token {m['first_difference']}"
                 for c in result_configs if c["kind"] == "ours" for m in c["mismatches"]]
     failures += [f"{c['name']}: {e}" for c in result_configs for e in c["errors"]]

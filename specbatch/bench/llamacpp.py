@@ -182,6 +182,9 @@ class LlamaCppRunner:
         outs = self.llama.generate(batch_ids, max_new_tokens, batch_size, self.eos)
         return outs, time.perf_counter() - t0
 
+    def close(self) -> None:
+        self.llama.close()
+
 
 def open_runner(gguf: Path | None, threads: int, eos: frozenset[int], random_weights: bool = False
                 ) -> tuple[LlamaCppRunner | None, dict[str, Any]]:

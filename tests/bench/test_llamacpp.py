@@ -237,14 +237,16 @@ def test_the_real_library_decodes_the_default_pairs_gguf_batched():
     assert runner is not None, info
     try:
         assert info["n_vocab"] == 49152
-        # "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n" in
-        # SmolLM2's ids, and a second, shorter prompt
-        prompts = [[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
-                   [1, 4093, 198, 19556, 17, 2, 198, 1, 520, 9531, 198]]
+        # SmolLM2's chat template (its default system prompt) on "What is the capital of France?"
+        # and "Count to five."
+        system = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
+                  407, 19712, 8182, 2, 198, 1, 4093, 198]
+        prompts = [system + [1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
+                   system + [9825, 288, 2531, 30, 2, 198, 1, 520, 9531, 198]]
         alone = [runner(p, 8).tokens for p in prompts]
         together, seconds = runner.batch(prompts, 8, batch_size=2)
         assert all(alone) and seconds > 0
         # batched kernels may break a near-tie late; the first tokens agree
         assert [o[:2] for o in together] == [o[:2] for o in alone]
     finally:
-        runner.llama.close()
+        runner.close()
