@@ -56,6 +56,10 @@ class LlamaCpp:
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0          # a CPU baseline, like the bench's default device
+        # no extra buffer types: with GGML_NATIVE on a CPU that reports AMX, ggml puts the Q4_1
+        # weights in its AMX buffer, and ggml_backend_amx_mul_mat crashed (SIGSEGV) on the first
+        # decode on the development host; the plain CPU buffer keeps its AVX-512 Q4_1 kernels
+        params.use_extra_bufts = False
         self.model = lib.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
