@@ -564,8 +564,11 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
                 plain_outs[b] = outs
         elif mode == "llama-cpp":
             assert llama is not None
-            llama_outs, seconds = llama.batch(ids, n, batch_size=b)
-            outs = list(llama_outs)
+            try:
+                llama_outs, seconds = llama.batch(ids, n, batch_size=b)
+                outs = list(llama_outs)
+            except RuntimeError as e:   # llama.cpp refused the batch: its row says so, the run goes on
+                outs, seconds = [e] * len(ids), 0.0
         elif mode == "plain-eager":
             assert plain is not None
             installed, target.compiled = target.compiled, None

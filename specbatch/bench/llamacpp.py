@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specbatch.bench.runners import RunOutput
+
 BUILD_LINE = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36'
 N_BATCH = 2048          # tokens per llama_decode (llama.cpp's default logical batch)
 
@@ -171,9 +173,7 @@ class LlamaCppRunner:
     def __init__(self, llama: LlamaCpp, eos: frozenset[int]) -> None:
         self.llama, self.eos = llama, eos
 
-    def __call__(self, ids: list[int], max_new_tokens: int) -> Any:
-        from specbatch.bench.runners import RunOutput
-
+    def __call__(self, ids: list[int], max_new_tokens: int) -> RunOutput:
         self.llama.prepare([ids], max_new_tokens, 1)
         t0 = time.perf_counter()
         out = self.llama.generate([ids], max_new_tokens, 1, self.eos)

@@ -41,7 +41,8 @@ class FakeLib:
     """The part of llama_cpp's low-level API the baseline calls; its KV cache is the token
     history of each sequence, checked for consecutive positions."""
 
-    def __init__(self) -> None:
+    def __init__(self, refuse_batches: bool = False) -> None:
+        self.refuse_batches = refuse_batches       # llama_decode answers 1 (no KV slot) above B=1
         self.kv: dict[int, list[int]] = {}
         self.decodes: list[set[int]] = []          # the sequences in each llama_decode
         self.contexts: list[Any] = []
@@ -87,6 +88,8 @@ class FakeLib:
     def llama_decode(self, ctx: Any, b: Any) -> int:
         assert 0 < b.n_tokens <= b.capacity
         params = self.contexts[-1]
+        if self.refuse_batches and params.n_seq_max > 1:
+            return 1
         self._logits, seqs = {}, set()
         for i in range(b.n_tokens):
             seq = b.seq_id[i][0]
@@ -186,11 +189,12 @@ def test_summary_compares_its_best_batched_with_ours_and_counts_identical_output
     assert "Best batched: llama.cpp at B=8, 150.0 tok/s" in text and "0.40x llama.cpp" in text
 
 
+@pytest.mark.parametrize("refuse_batches", [False, True])
 def test_the_bench_runs_it_at_b1_and_per_batch_size_and_never_fails_on_its_outputs(
-        tiny_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+        tiny_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_batches: bool):
     """Where it runs (a fake here: the tiny models have no GGUF), llama.cpp is one more B=1
     configuration and a mode per batch size with ours plain beside it; that its outputs differ from
-    the target's is reported, not a failure."""
+    the target's is reported, not a failure, and so is a batch llama.cpp refuses."""
     from click.testing import CliRunner
 
     from specbatch.bench import harness
@@ -200,7 +204,8 @@ def test_the_bench_runs_it_at_b1_and_per_batch_size_and_never_fails_on_its_outpu
     prompts.write_text(json.dumps({"id": "t1", "category": "code", "prompt": "def f(n):"}) + "\n")
 
     def fake_open(opts: Any, target: Any) -> Any:
-        return LlamaCppRunner(LlamaCpp(FakeLib(), Path("m.gguf"), threads=1), target.eos_token_ids), {
+        lib = FakeLib(refuse_batches)
+        return LlamaCppRunner(LlamaCpp(lib, Path("m.gguf"), threads=1), target.eos_token_ids), {
             "status": "ran", "gguf": "/x/m.gguf", "threads": 1, "version": "fake"}
 
     monkeypatch.setattr(harness, "_open_llama_cpp", fake_open)
@@ -217,7 +222,13 @@ def test_the_bench_runs_it_at_b1_and_per_batch_size_and_never_fails_on_its_outpu
         (b, m) for b in (1, 2) for m in ("speculative", "plain-eager", "target", "llama-cpp")]
     assert data["failures"] == [] and not any("llama" in w for w in data["warnings"])
     s = data["llama_cpp"]
-    assert s["b1"]["identical"] == 0 and s["best_batched"]["batch_size"] == 2
+    assert s["b1"]["identical"] == 0
+    refused = data["throughput"][-1]
+    if refuse_batches:
+        assert refused["tokens_per_second"] is None and "best_batched" not in s
+        assert refused["mismatches"][0].endswith("RuntimeError: llama_decode returned 1")
+    else:
+        assert s["best_batched"]["batch_size"] == 2
     assert "llama.cpp baseline (llama-cpp-python fake" in (tmp_path / "out" / "report.md").read_text()
 
 
