@@ -96,6 +96,10 @@ COVERAGE: dict[str, str] = {
     # benchmarks: the full run takes an hour; the bench tests run the same command on tiny models
     "specbatch bench --target qwen2.5-coder-1.5b --draft qwen2.5-coder-0.5b-int8 --draft qwen2.5-coder-0.5b "
     "--out bench-results": "tests/bench/test_bench_cli.py::test_bench_json_schema_identity_and_files",
+    # against llama.cpp: the same run on tiny models with a fake llama_cpp (the real one: its own test)
+    "specbatch bench --threads 1 --num-prompts 3 --max-new-tokens 48 --repeats 2 --gamma-grid 4 --hf-settings "
+    "const5 --no-ngram --batch-sizes 8,32 --throughput-prompts 32":
+        "tests/bench/test_llamacpp.py::test_the_bench_runs_it_at_b1_and_per_batch_size_and_never_fails_on_its_outputs",
 }
 
 

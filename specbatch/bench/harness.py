@@ -10,6 +10,10 @@ Order of work in ``run_bench``:
 5. check every output against the target's own greedy output, token for token;
 6. time the step costs directly (T(k) of the target, T(1) of each draft) and compute the bound;
 7. optionally, the throughput mode: all prompts through ``generate_many`` at each batch size.
+
+llama.cpp (``bench/llamacpp.py``) joins both as a baseline where llama-cpp-python is installed and
+the target is read from a GGUF file: at B=1 among the interleaved configurations, and at each
+batch size of the throughput mode, beside ours plain (the target alone, batched).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 
 from specbatch.bench import bound as bnd
 from specbatch.bench.costs import CostSampler, CostTable
+from specbatch.bench.llamacpp import LlamaCppRunner, open_runner
+from specbatch.bench.llamacpp import summarise as llama_cpp_summary
 from specbatch.bench.prompts import BenchPrompt, load_prompts, select
 from specbatch.bench.runners import (
     HF_ASSISTED_SETTINGS,
@@ -42,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 NGRAM = "ngram"
 COMPILED_TARGET = "target[compiled]"
+LLAMA_CPP_B1 = "llama.cpp[B=1]"
 Progress = Callable[[str, int, int], None]   # (what, done, total)
 
 
@@ -72,6 +79,7 @@ class BenchOptions:
     cost_repeats: int = 7
     quick: bool = False
     compile: str = "off"                       # on: ours through the compiled forward (docs/COMPILE.md)
+    llama_cpp: bool = True                     # the llama.cpp baseline, where it is installed
 
     @classmethod
     def quick_defaults(cls, **overrides: Any) -> BenchOptions:
@@ -87,7 +95,7 @@ class Config:
     """One way of generating. ``drafters``: model names and/or "ngram" (ours), the draft (HF)."""
 
     name: str
-    kind: str                                   # target | hf-assisted | hf-prompt-lookup | ours
+    kind: str                                   # target | hf-assisted | hf-prompt-lookup | llama-cpp | ours
     group: str                                  # baseline | drafter | pool | gamma
     drafters: tuple[str, ...] = ()
     gamma: int | None = None                    # None: the engine's adaptive control
@@ -100,8 +108,9 @@ def short_name(model: str) -> str:
     return model.rstrip("/").rsplit("/", 1)[-1] if "/" in model else model
 
 
-def plan_configs(opts: BenchOptions, drafters: list[str]) -> list[Config]:
-    """Baselines first, then ours. ``drafters``: model drafts in order, then "ngram" if on."""
+def plan_configs(opts: BenchOptions, drafters: list[str], llama_cpp: bool = False) -> list[Config]:
+    """Baselines first, then ours. ``drafters``: model drafts in order, then "ngram" if on;
+    ``llama_cpp``: whether the llama.cpp baseline can run here."""
     models = [d for d in drafters if d != NGRAM]
     sn = short_name
     out = [Config("target", "target", "baseline")]
@@ -113,6 +122,8 @@ def plan_configs(opts: BenchOptions, drafters: list[str]) -> list[Config]:
     if NGRAM in drafters:
         n = opts.prompt_lookup_num_tokens
         out.append(Config(f"hf-prompt-lookup[{n}]", "hf-prompt-lookup", "baseline", (NGRAM,)))
+    if llama_cpp:
+        out.append(Config(LLAMA_CPP_B1, "llama-cpp", "baseline"))
     for d in drafters:                                      # each drafter alone (pool of 1)
         out.append(Config(f"ours[{sn(d)}]", "ours", "drafter", (d,)))
     for k in range(2, min(opts.max_pool, len(drafters)) + 1):   # pools of 2..4
@@ -270,7 +281,8 @@ def _encode(encoder: Any, p: BenchPrompt) -> list[int]:
 
 
 def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str, LoadedModel],
-                   opts: BenchOptions) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]:
+                   opts: BenchOptions, llama: LlamaCppRunner | None = None
+                   ) -> tuple[dict[str, Any], dict[tuple[str, ...], Any]]:
     from specbatch.engine import Engine
 
     runners: dict[str, Any] = {}
@@ -287,6 +299,8 @@ def _build_runners(configs: list[Config], target: LoadedModel, drafts: dict[str,
                                          compiled=cfg.hf_setting in HF_COMPILED_SETTINGS)
         elif cfg.kind == "hf-prompt-lookup":
             runners[cfg.name] = HFRunner(target, prompt_lookup_num_tokens=opts.prompt_lookup_num_tokens)
+        elif cfg.kind == "llama-cpp":
+            runners[cfg.name] = llama
         else:
             if cfg.name not in engines:  # one engine per configuration: its cost model is its own
                 engines[cfg.name] = Engine(target, [_drafter(drafts, d) for d in cfg.drafters])
@@ -328,11 +342,12 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
         compile_plan = prepare(target, list(drafts.values()), mode="on",
                                batch_size=max(opts.batch_sizes, default=1), cache_dir=cache_dir)
     drafter_names = list(drafts) + ([NGRAM] if opts.ngram else [])
-    configs = plan_configs(opts, drafter_names)
+    llama, llama_info = _open_llama_cpp(opts, target)
+    configs = plan_configs(opts, drafter_names, llama_cpp=llama is not None)
     encoder = Engine(target)
     prompts = select(load_prompts(opts.prompts), opts.num_prompts)
     ids = [_encode(encoder, p) for p in prompts]
-    runners, _ = _build_runners(configs, target, drafts, opts)
+    runners, _ = _build_runners(configs, target, drafts, opts, llama)
     n = opts.max_new_tokens
 
     # warm-up: one short untimed run per configuration (first-call allocations, lazy imports);
@@ -389,16 +404,22 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
     costs = sampler.table()
 
     result_configs = _summarise(configs, accs, costs)
-    throughput = (_throughput(opts, target, drafts, drafter_names, encoder, load_prompts(opts.prompts),
-                              say) if opts.batch_sizes else None)
+    try:
+        throughput = (_throughput(opts, target, drafts, drafter_names, encoder, load_prompts(opts.prompts),
+                                  say, llama) if opts.batch_sizes else None)
+    finally:
+        if llama is not None:
+            llama.close()
     failures = [f"{c['name']}: {m['prompt']} differs from the target at token {m['first_difference']}"
                 for c in result_configs if c["kind"] == "ours" for m in c["mismatches"]]
     failures += [f"{c['name']}: {e}" for c in result_configs for e in c["errors"]]
     if throughput:
         failures += [f"throughput B={t['batch_size']} {t['mode']}: {m}" for t in throughput
                      if t["mode"] == "speculative" for m in t["mismatches"]]
+    # llama.cpp's differences are its numerics (Q4_1 blocks vs their fp32 dequantization): summarised
+    # in the llama_cpp section, not warned of one by one
     warnings = [f"{c['name']} (baseline): {m['prompt']} differs from the target at token "
-                f"{m['first_difference']}" for c in result_configs if c["kind"] != "ours"
+                f"{m['first_difference']}" for c in result_configs if c["kind"] not in ("ours", "llama-cpp")
                 for m in c["mismatches"]]
     if throughput:
         warnings += [f"throughput B={t['batch_size']} target (HF padded batch): {m}"
@@ -420,11 +441,24 @@ def run_bench(opts: BenchOptions, progress: Progress | None = None,
         "configs": result_configs,
         "throughput": throughput,
         "best_hf_assisted": _best_hf(result_configs),
+        "llama_cpp": llama_cpp_summary(llama_info, result_configs, throughput) if opts.llama_cpp else None,
         "failures": failures,
         "warnings": warnings,
         "identical": not failures,
         "seconds": time.perf_counter() - t_start,
     }
+
+
+def _open_llama_cpp(opts: BenchOptions, target: LoadedModel) -> tuple[LlamaCppRunner | None, dict[str, Any]]:
+    """llama.cpp on the target's own GGUF file at this process's torch threads; None and why when
+    it cannot run here (not installed: the build line)."""
+    if not opts.llama_cpp:
+        return None, {"status": "off"}
+    from specbatch.config import get_settings
+    from specbatch.engine.model_files import gguf_path
+
+    gguf = gguf_path(opts.target, opts.cache_dir or get_settings().cache_dir)
+    return open_runner(gguf, torch.get_num_threads(), target.eos_token_ids, opts.random_weights)
 
 
 def _compile_summary(plan: Any, opts: BenchOptions) -> dict[str, Any] | None:
@@ -486,12 +520,14 @@ def _summarise(configs: list[Config], accs: dict[str, _Acc], costs: CostTable) -
 
 def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, LoadedModel],
                 drafter_names: list[str], encoder: Any, all_prompts: list[BenchPrompt],
-                say: Progress) -> list[dict[str, Any]]:
+                say: Progress, llama: LlamaCppRunner | None = None) -> list[dict[str, Any]]:
     """Total tokens/s over ``throughput_prompts`` prompts at each batch size, ours and target alone.
 
     Speculative: ``Engine.generate_many(requests, batch_size=B)`` with the first drafter (adaptive).
-    Target: Hugging Face ``generate`` on left-padded batches of B. Both checked against the target's
-    own unbatched greedy output of each prompt (the B=1 target row when there is one).
+    Target: Hugging Face ``generate`` on left-padded batches of B. With ``llama``: llama.cpp with B
+    sequences in one ``llama_batch``, and ours plain (``generate_many`` of the target alone), what
+    the autopilot runs where speculation does not pay. All checked against the target's own
+    unbatched greedy output of each prompt (the B=1 target row when there is one).
     """
     from specbatch.engine import Engine
 
@@ -505,8 +541,10 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
     compiled = target.compiled is not None
     # compiled: plain batched decoding through the compiled forward too (ours must equal it
     # exactly), and the same plain decoding eager, interleaved: what compiling buys at each B
-    plain = EngineRunner(Engine(target), gamma=0, adaptive=False) if compiled else None
-    modes = ("plain", "plain-eager", "speculative", "target") if compiled else ("speculative", "target")
+    plain = EngineRunner(Engine(target), gamma=0, adaptive=False) if compiled or llama else None
+    modes: tuple[str, ...] = ("plain", "plain-eager", "speculative", "target") if compiled else (
+        ("speculative", "plain-eager", "target") if llama else ("speculative", "target"))
+    modes += ("llama-cpp",) if llama else ()
     order = [(b, mode) for b in opts.batch_sizes for mode in modes]
     plain_outs: dict[int, list[list[int] | Exception]] = {}
     reference: list[list[int]] | None = None
@@ -526,6 +564,13 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
             outs, seconds = runner.batch(ids, n, batch_size=b)
             if mode == "plain":
                 plain_outs[b] = outs
+        elif mode == "llama-cpp":
+            assert llama is not None
+            try:
+                llama_outs, seconds = llama.batch(ids, n, batch_size=b)
+                outs = list(llama_outs)
+            except RuntimeError as e:   # llama.cpp refused the batch: its row says so, the run goes on
+                outs, seconds = [e] * len(ids), 0.0
         elif mode == "plain-eager":
             assert plain is not None
             installed, target.compiled = target.compiled, None
@@ -542,6 +587,7 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
         if reference is None:
             reference = [o if isinstance(o, list) else [] for o in outs]
         mism: list[str] = []
+        diffs: list[int] = []
         tokens = 0
         refs = reference
         if mode == "speculative" and b in plain_outs:   # same forward, same batch size
@@ -552,13 +598,15 @@ def _throughput(opts: BenchOptions, target: LoadedModel, drafts: dict[str, Loade
                 continue
             tokens += len(out)
             if out != ref:
-                mism.append(f"{p.id} differs from the target at token {first_difference(out, ref)}")
+                diffs.append(first_difference(out, ref))
+                mism.append(f"{p.id} differs from the target at token {diffs[-1]}")
         rows.append({"batch_size": b, "mode": mode, "prompts": len(ids), "new_tokens": tokens,
                      "seconds": seconds, "tokens_per_second": tokens / seconds if seconds else None,
-                     "identical": not mism, "mismatches": mism,
+                     "identical": not mism, "mismatches": mism, "first_differences": sorted(diffs),
                      "drafters": [first] if mode == "speculative" and first else [],
                      "compiled": compiled and mode in ("plain", "speculative")})
-    rows.sort(key=lambda r: (opts.batch_sizes.index(r["batch_size"]), r["mode"] != "speculative"))
+    shown = ("speculative", "plain", "plain-eager", "target", "llama-cpp")   # the same order at every B
+    rows.sort(key=lambda r: (opts.batch_sizes.index(r["batch_size"]), shown.index(r["mode"])))
     base = {r["mode"]: r["tokens_per_second"] for r in rows if r["batch_size"] == opts.batch_sizes[0]}
     for r in rows:
         b0 = base.get(r["mode"])

@@ -99,7 +99,8 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
         lines += ["", f"Throughput: {result['throughput'][0]['prompts']} prompts, total generated "
                   "tokens/s (speculative: `generate_many(batch_size=B)`; target: HF `generate` on "
                   "left-padded batches; compiled runs add plain decoding through the compiled forward "
-                  "and the same eagerly, plain-eager).", "",
+                  "and the same eagerly, plain-eager; llama-cpp: B sequences in one `llama_batch`, "
+                  "a finished one's slot taking the next prompt, with plain-eager beside it).", "",
                   "| B | mode | tok/s | vs first B | vs target at B | vs plain-eager at B | identical |",
                   "|---:|---|---:|---:|---:|---:|:-:|"]
         for t in result["throughput"]:
@@ -107,6 +108,7 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
                          f"| {_f(t['vs_first_batch_size'], '.2f', 'x')} "
                          f"| {_f(t['speedup_vs_target'], '.2f', 'x')} "
                          f"| {_f(t.get('vs_plain_eager'), '.2f', 'x')} | {_f(t['identical'])} |")
+    lines += llama_cpp_lines(result.get("llama_cpp"))
     if result["failures"]:
         lines += ["", "**Failures** (outputs not identical to the target's, or errors):", ""]
         lines += [f"- {f}" for f in result["failures"]]
@@ -114,6 +116,34 @@ def markdown(result: dict[str, Any], command: str | None = None) -> str:
         lines += ["", "Baseline warnings (Hugging Face outputs that differ from the target alone):", ""]
         lines += [f"- {w}" for w in result["warnings"]]
     return "\n".join(lines) + "\n"
+
+
+def llama_cpp_lines(info: dict[str, Any] | None) -> list[str]:
+    """The llama.cpp baseline's paragraph: skipped and why, or its speed against ours and how many
+    of its outputs equal the target's."""
+    if not info or info.get("status") == "off":
+        return []
+    if info.get("status") != "ran":
+        return ["", f"llama.cpp baseline: skipped: {info.get('reason')}."]
+    name = Path(info["gguf"]).name
+    out = ["", f"llama.cpp baseline (llama-cpp-python {info.get('version')}, `{name}`, the file the target "
+           f"is dequantized from, {info['threads']} threads, our token ids, greedy argmax over its logits):", ""]
+    b1 = info.get("b1")
+    if b1:
+        div = ", ".join(map(str, b1["first_divergence"])) or "-"
+        out.append(f"- B=1: {b1['tokens_per_second']:.1f} tok/s, {_f(b1['vs_target'], '.2f', 'x')} the target; "
+                   f"our best B=1 (`{b1['ours_best']}`) is {_f(b1['ours_best_vs_llama_cpp'], '.2f', 'x')} "
+                   f"llama.cpp. Outputs identical to the target's: {b1['identical']}/{b1['outputs']} "
+                   f"(first divergence at token {div}: Q4_1 kernels vs fp32 dequantized weights).")
+    for t in info.get("batched") or []:
+        out.append(f"- B={t['batch_size']}: {t['tokens_per_second']:.1f} tok/s, identical to the target's "
+                   f"{t['identical']}/{t['outputs']}.")
+    best = info.get("best_batched")
+    if best:
+        out.append(f"- Best batched: llama.cpp at B={best['batch_size']}, {best['tokens_per_second']:.1f} tok/s; "
+                   f"our best batched (`{best['ours_best']}`, {_f(best['ours_best_tokens_per_second'], '.1f')} "
+                   f"tok/s) is {_f(best['ours_best_vs_llama_cpp'], '.2f', 'x')} llama.cpp.")
+    return out
 
 
 def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -199,7 +229,7 @@ def plots(result: dict[str, Any], out_dir: Path) -> list[Path]:
 
     if result.get("throughput"):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for mode in ("speculative", "plain", "plain-eager", "target"):
+        for mode in ("speculative", "plain", "plain-eager", "target", "llama-cpp"):
             rows = [t for t in result["throughput"] if t["mode"] == mode]
             if not rows:
                 continue

@@ -55,6 +55,9 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
 @click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default="off", show_default=True,
               help="on: ours (and a target[compiled] reference) through the compiled forward, T(k) compiled vs "
                    "eager interleaved, compile time reported; auto: on when the compile cache holds it.")
+@click.option("--llama-cpp/--no-llama-cpp", "llama_cpp", default=True, show_default=True,
+              help="The llama.cpp baseline on the target's GGUF file (B=1, and each --batch-sizes B in one "
+                   "llama_batch); skipped with the build line where llama-cpp-python is not installed.")
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
 @click.option("--telemetry", is_flag=True,
               help="Instead: the worker's chunk loop with tracing + metrics on vs off, interleaved "
@@ -73,7 +76,7 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
               help="Job mode: ours prefills every prompt whole (no shared prefixes computed once).")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
           throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_,
-          job_file, structured, shared_prefix, no_prefix_cache) -> None:
+          job_file, structured, shared_prefix, no_prefix_cache, llama_cpp) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
@@ -123,7 +126,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
         "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None,
         "random_weights": random_weights, "throughput_prompts": throughput_prompts,
         "batch_sizes": _ints(batch_sizes, "--batch-sizes") or (),
-        "compile": compile_,
+        "compile": compile_, "llama_cpp": llama_cpp,
     }
     for key, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens),
                        ("repeats", repeats), ("gamma_grid", _ints(gamma_grid, "--gamma-grid"))):
@@ -152,6 +155,9 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
         click.echo(f"wrote {', '.join(files.values())}", err=True)
     for w in result["warnings"]:
         warn(w)
+    llama = result.get("llama_cpp") or {}
+    if llama.get("status") == "skipped":
+        warn(f"llama.cpp baseline skipped: {llama['reason']}")
     if result["failures"]:
         for f in result["failures"]:
             click.secho(f"FAILED: {f}", err=True, fg="red")

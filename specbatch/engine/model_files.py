@@ -46,21 +46,36 @@ def _from_gguf(gguf: Path, cache_dir: Path) -> ModelFiles:
     return ModelFiles(gguf.parent, gguf.name)
 
 
+def gguf_path(name: str, cache_dir: str | os.PathLike[str]) -> Path | None:
+    """The GGUF file ``name`` loads from, where it is one and on this machine: a known model's
+    (inside its package, or assembled under the cache from its slices by a first load), or a
+    ``.gguf`` path. None for a directory or a hub id. Other runtimes (llama.cpp) read the same
+    file; nothing is assembled or converted here."""
+    known = KNOWN_MODELS.get(name)
+    if known is not None:
+        if len(known.packages) > 1:           # slices are assembled into the cache on first load
+            gguf = Path(cache_dir) / "gguf" / known.filename
+        else:
+            spec = importlib.util.find_spec(known.packages[0])
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            gguf = Path(next(iter(spec.submodule_search_locations))) / known.filename
+        return gguf if gguf.is_file() else None
+    path = Path(os.path.expanduser(name))
+    try:
+        return path if path.suffix == ".gguf" and path.is_file() else None
+    except OSError:
+        return None
+
+
 def local_files(name: str, cache_dir: str | os.PathLike[str]) -> ModelFiles | None:
     """Where ``name``'s tokenizer and config are on this machine; None when they are not here (a
     known model whose weights are not installed, a Hugging Face id not in the local cache, a path
     only the workers hold). Never downloads, assembles or converts anything."""
     cache = Path(cache_dir)
-    known = KNOWN_MODELS.get(name)
-    if known is not None:
-        if len(known.packages) > 1:           # parts are assembled into the cache on first load
-            gguf = cache / "gguf" / known.filename
-            return _from_gguf(gguf, cache) if gguf.is_file() else None
-        spec = importlib.util.find_spec(known.packages[0])
-        if spec is None or not spec.submodule_search_locations:
-            return None
-        gguf = Path(next(iter(spec.submodule_search_locations))) / known.filename
-        return _from_gguf(gguf, cache) if gguf.is_file() else None
+    if name in KNOWN_MODELS:
+        gguf = gguf_path(name, cache)
+        return _from_gguf(gguf, cache) if gguf is not None else None
     path = Path(os.path.expanduser(name))
     try:
         if path.suffix == ".gguf" and path.is_file():

@@ -73,6 +73,7 @@ def test_bench_json_schema_identity_and_files(tiny_models: Path, prompt_file: Pa
     assert len(fixed["accepted_per_position"]) == 3
     assert data["best_hf_assisted"].startswith("hf-assisted[")
     assert data["identical"] is True and data["failures"] == []
+    assert data["llama_cpp"]["status"] == "skipped" and "GGUF" in data["llama_cpp"]["reason"]   # a directory
     assert {"1", "4"} <= set(data["costs"]["target_step_ms"])
     tp = data["throughput"]
     assert [(t["batch_size"], t["mode"]) for t in tp] == [
