@@ -18,9 +18,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
@@ -40,7 +43,7 @@ class LoadedModel:
     """A causal LM ready for inference, with its tokenizer and stopping ids."""
 
     name: str
-    model: Any                         # transformers PreTrainedModel (eval mode)
+    model: PreTrainedModel             # eval mode
     tokenizer: Any
     device: torch.device
     eos_token_ids: frozenset[int]
