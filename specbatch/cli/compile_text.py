@@ -82,5 +82,5 @@ def eager_reason(reason: str) -> str:
     ("auto: ..."), that --compile on overrides it (the plan's reason is a record; the override
     is the CLI's to name)."""
     if not reason.startswith("auto: "):
-        return reason          # e.g. no model can be compiled: on would not compile either
+        return reason          # e.g. an int8 target: on would not compile either
     return reason.removeprefix("auto: ") + "; --compile on compiles anyway"

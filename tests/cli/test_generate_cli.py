@@ -387,7 +387,8 @@ def test_compile_auto_says_once_why_it_decodes_eagerly(tiny_models, monkeypatch)
     ("auto: the compiled forward measured no faster than eager here (0.93x at the last warm-up)",
      "the compiled forward measured no faster than eager here (0.93x at the last warm-up); "
      "--compile on compiles anyway"),
-    ("no model can be compiled (int8 layers)", "no model can be compiled (int8 layers)"),
+    ("the target is not compiled: dynamically quantized (int8) layers are not compiled",
+     "the target is not compiled: dynamically quantized (int8) layers are not compiled"),
 ])
 def test_the_eager_line_reads_well_for_every_reason(reason, said):
     from specbatch.cli.compile_text import eager_reason

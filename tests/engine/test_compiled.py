@@ -61,6 +61,16 @@ def test_batched_graphs_are_warmed_at_the_planned_rows():
     assert W.warm_shapes(16) == (*W.WARM_SHAPES, (16, 1, 1), (16, 4, 2))
 
 
+def test_an_int8_target_stays_eager_beside_a_draft_that_could_compile(tiny_models, tmp_path, monkeypatch):
+    """The decision weighs the target's speedup; an int8 target used to end it in a KeyError."""
+    target, draft = load_model(str(tiny_models / "llama")), load_model(str(tiny_models / "llama-partial"))
+    monkeypatch.setattr(P, "compilable", lambda model: "int8 layers" if model is target.model else None)
+    monkeypatch.setattr(W, "warm_up", lambda *a, **k: pytest.fail("nothing compiles"))
+    for mode in ("auto", "on"):
+        plan = P.prepare(target, [draft], mode=mode, batch_size=8, cache_dir=tmp_path)
+        assert not plan.enabled and "int8 layers" in plan.reason
+
+
 def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, tmp_path, monkeypatch):
     """A long-lived worker (no job size) compiles, before it consumes; a short job does not."""
     target = load_model(str(tiny_models / "llama"))

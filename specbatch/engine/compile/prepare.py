@@ -40,9 +40,9 @@ def prepare(target: ModelHandle, drafts: Sequence[ModelHandle], *, mode: str, ba
     mode = decision.resolve_mode(mode)
     if mode == "off":
         return CompilePlan(mode, False, "compile off")
+    if (why := compilable(target.model)) is not None:   # the decision weighs the target's own speedup
+        return CompilePlan(mode, False, f"the target is not compiled: {why}")
     models = [(m, warmup.warm_shapes(batch_size)) for m in (target, *drafts) if compilable(m.model) is None]
-    if not models:
-        return CompilePlan(mode, False, "no model can be compiled (int8 layers)")
     chosen = decision.decide(target, models, mode, batch_size, cache_dir, expected_new_tokens)
     plan, variants = chosen.plan, chosen.variants
     if not plan.enabled:
