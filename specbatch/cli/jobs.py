@@ -14,6 +14,7 @@ from specbatch.cli.render import batching_line, counts_line, failure_lines, mode
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
+from specbatch.jobs.export import FORMATS
 from specbatch.plural import plural
 from specbatch.redact import mask
 
@@ -258,7 +259,7 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
 
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default=None,
+@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="jsonl: OpenAI batch output lines; csv: one flat row per request; "
                    "parquet: typed columns for datasets / DuckDB / pandas. Default: the one -o's "
                    "extension names (.jsonl, .csv, .parquet or .pq), else jsonl.")

@@ -32,7 +32,7 @@ from specbatch.errors import InputError, IntakeError, SpecBatchError
 from specbatch.jobs import export, files, intake, openai_output, store
 from specbatch.plural import plural
 
-ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}   # the lines each runs
+ENDPOINT_KINDS = intake.BATCH_URLS   # the lines each endpoint runs
 ENDPOINTS = tuple(ENDPOINT_KINDS)
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_ERRORS = intake.KEPT_ERRORS
