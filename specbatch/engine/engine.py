@@ -19,7 +19,14 @@ from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_draf
 from specbatch.engine.drafters import Drafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
-from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
+from specbatch.engine.memory import (
+    MAX_DRAFT,
+    MemoryBudget,
+    ModelShape,
+    default_budget,
+    draft_width,
+    row_columns,
+)
 from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
@@ -315,8 +322,9 @@ class Engine:
         if size != AUTO:
             return MeasuredPolicy(int(size), self.costs)
         # the search's ceiling: rows of the median request that fit (admission checks each one)
-        cols = sorted(row_columns(len(ids), p) for _, ids, p in valid) or [1]
-        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], MAX_DRAFT))
+        cols = sorted(row_columns(len(ids), p, self.gamma) for _, ids, p in valid) or [1]
+        width = max((draft_width(p, self.gamma) for _, _, p in valid), default=MAX_DRAFT)
+        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], width))
         if self.autopilot is None:
             self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
         self.autopilot.cap = cap
