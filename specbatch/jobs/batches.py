@@ -113,7 +113,7 @@ def get_batch(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
     """The batch; BatchNotFound if it is not the tenant ``owner``'s (None: any tenant's)."""
     ours = batch_id.startswith("batch_") and len(batch_id) <= files.MAX_ID
     row = s.get(ApiBatch, batch_id) if ours else None
-    if not files.visible(row, owner):
+    if row is None or not files.visible(row, owner):
         raise BatchNotFound(f"No such Batch object: {files.shown_id(batch_id)}")
     return row
 
