@@ -330,9 +330,22 @@ class Engine:
         self.autopilot.cap = cap
         return AutopilotPolicy(cap, self.costs, pilot=self.autopilot)
 
+    def rows_now(self) -> int | None:
+        """Rows decoding keeps now: the autopilot's kept size once it decoded, else a fixed
+        batch size; None while automatic and nothing decoded yet (what the worker's gauge shows
+        and its claims follow)."""
+        if self.autopilot is not None:
+            return self.autopilot.kept[0]
+        return None if self.batch_size == AUTO else int(self.batch_size)
+
+    def speculating_now(self) -> bool:
+        """Whether decoding drafts now: the autopilot's kept choice once it decoded, else
+        whether there are drafters."""
+        return self.autopilot.kept[1] if self.autopilot is not None else self.speculates
+
     def planned_batch_size(self) -> int:
-        """Rows decoding will run at (fixed size, or the autopilot's kept size; 8 before it
-        measured): what a compile decision made before decoding plans for."""
+        """Rows a compile decision made before decoding plans for: a fixed size, or the
+        autopilot's kept size once measured (not merely chosen), else 8 within its cap."""
         if self.batch_size != AUTO:
             return int(self.batch_size)
         return self.autopilot.planned_rows() if self.autopilot is not None else 8

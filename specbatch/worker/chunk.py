@@ -165,7 +165,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
     cache = ResultCache.for_engine(engine, settings.cache_dir or None)
     report = ChunkReport()
     todo = list(dict.fromkeys(int(i) for i in request_ids))
-    batch = batch_rows(engine, batch_size)
+    batch = claim_rows(engine, batch_size)
     touched_jobs: set[str] = set()
     not_claimed: list[int] = []
 
@@ -229,14 +229,14 @@ def _report_cached(report: ChunkReport, on_result: Callable[[ResultEvent], None]
                               cached=True))
 
 
-def batch_rows(engine: Any, batch_size: int | str | None = None) -> int:
-    """Rows the engine decodes together now: a fixed size, or the autopilot's current choice
-    (its ceiling before it measured anything is not a good guess: 8)."""
+def claim_rows(engine: Any, batch_size: int | str | None = None) -> int:
+    """Rows a chunk claims requests for (and how it sizes chunks): a fixed size, or with the
+    autopilot at least 8, its kept size once larger (its start, before it measured anything,
+    is too small a guess to claim by)."""
     b = batch_size or getattr(engine, "batch_size", 1) or 1
     if b != "auto":
         return max(1, int(b))
-    pilot = getattr(engine, "autopilot", None)
-    return max(8, int(pilot.kept[0])) if pilot is not None else 8
+    return max(8, engine.rows_now() or 0)
 
 
 def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, batch: int) -> list[Any]:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from specbatch.config import Settings
 from specbatch.observability import tracing
 from specbatch.observability.worker import Observer
-from specbatch.worker.chunk import ResultEvent, batch_rows, process_chunk, with_db_retry
+from specbatch.worker.chunk import ResultEvent, claim_rows, process_chunk, with_db_retry
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
 from specbatch.worker.pids import alive
@@ -62,7 +62,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
         if on_progress is not None:
             on_progress(event)
 
-    batch = batch_rows(engine, batch_size)
+    batch = claim_rows(engine, batch_size)
     # with batching, chunks several batches long keep the batch full as rows finish; with the
     # autopilot the whole job is one chunk: its batch may grow to any size as it measures
     auto = (batch_size or engine.batch_size) == "auto"

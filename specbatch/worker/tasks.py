@@ -103,12 +103,12 @@ def get_observer(conf: Any) -> observe.Observer:
 
 
 def _rows_now(batch_size: Any) -> int | None:
-    """A fixed --batch-size, or with auto the autopilot's starting size (the gauge then follows
-    its choice after each chunk); None before the engine is loaded."""
+    """A fixed --batch-size, or with auto ``Engine.rows_now`` (the gauge then follows it after
+    each chunk); None before the engine is loaded."""
     if batch_size not in (None, "", "auto"):
         return int(batch_size)
-    pilot = getattr(_ENGINE.get("engine"), "autopilot", None)
-    return int(pilot.kept[0]) if pilot is not None else None
+    engine = _ENGINE.get("engine")
+    return engine.rows_now() if engine is not None else None
 
 
 def _write_ready(path: str | None, text: str) -> None:
@@ -263,9 +263,8 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
                     report = process_chunk(settings, engine or self.engine, request_ids, worker,
                                            on_result=observer.on_result, should_stop=_should_stop)
             _observe_compile(observer, engine or self.engine)
-            pilot = getattr(engine or self.engine, "autopilot", None)
-            if pilot is not None:   # what the autopilot keeps now: the batch-size/speculation gauges
-                observer.set_decoding(batch_size=int(pilot.kept[0]), speculation=bool(pilot.kept[1]))
+            decoding = engine or self.engine   # the batch-size/speculation gauges: what it keeps now
+            observer.set_decoding(batch_size=decoding.rows_now(), speculation=decoding.speculating_now())
             break
         except TRANSIENT_DB_ERRORS as e:   # the database is down: pause, probe, resume, go on
             set_consuming(self.app, self.request.hostname, queue, on=False,

@@ -58,6 +58,17 @@ def test_auto_outputs_equal_the_target_alone(load, drafts, ngram):
         assert report["speculated_step_share"] == 0
 
 
+def test_rows_now_is_the_fixed_size_or_what_the_autopilot_keeps(load):
+    target = load("llama")
+    assert Engine(target, batch_size=3).rows_now() == 3
+    engine = Engine(target, [load("llama-partial")], batch_size="auto")
+    assert engine.rows_now() is None and engine.speculating_now()
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=4)) for p in PROMPTS[:3]]
+    dict(engine.generate_many(reqs))
+    assert engine.autopilot is not None
+    assert (engine.rows_now(), engine.speculating_now()) == engine.autopilot.kept
+
+
 def test_paused_rows_resume_with_the_same_text(load):
     target = load("llama")
     engine = Engine(target, [load("llama-partial"), NGRAM])
