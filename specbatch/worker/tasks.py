@@ -30,9 +30,10 @@ from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
 from specbatch.worker.cancel import CancelWatch
-from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk, with_db_retry
+from specbatch.worker.chunk import process_chunk
 from specbatch.worker.guard import allows_fallback, draft_only, refusal
 from specbatch.worker.interrupt import Interrupted, interruptible
+from specbatch.worker.transaction import TRANSIENT_DB_ERRORS, transact
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -207,22 +208,21 @@ def _refuse(task: Task, reason: str) -> Reject:
 def _fallback_ok(settings: Any, job_id: str) -> bool:
     from specbatch.db import session_factory
 
-    def read() -> bool:
-        with session_factory(settings.database_url).begin() as s:
-            return allows_fallback(s, job_id)
-    return with_db_retry(read)
+    return transact(session_factory(settings.database_url), allows_fallback, job_id)
 
 
 def _release_mine(settings: Any, job_id: str, worker: str) -> list[int]:
     from specbatch.db import session_factory
+
+    return transact(session_factory(settings.database_url), _release, job_id, worker)
+
+
+def _release(s: Any, job_id: str, worker: str) -> list[int]:
     from specbatch.jobs import store
 
-    def release() -> list[int]:
-        with session_factory(settings.database_url).begin() as s:
-            ids = store.release_held_by(s, job_id, worker)
-            store.refresh_job(s, job_id)
-            return ids
-    return with_db_retry(release)
+    ids = store.release_held_by(s, job_id, worker)
+    store.refresh_job(s, job_id)
+    return ids
 
 
 @app.task(bind=True, base=EngineTask, name=TASK_NAME)
@@ -250,10 +250,8 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
     health = _HEALTH.setdefault("target", TargetHealth(settings.target_failure_limit))
     while True:
         try:
-            def check() -> str | None:
-                with session_factory(settings.database_url).begin() as s:
-                    return refusal(s, job_id, request_ids, engine_spec(self.app.conf), settings.database_url)
-            reason = with_db_retry(check)
+            reason = transact(session_factory(settings.database_url), refusal, job_id, request_ids,
+                              engine_spec(self.app.conf), settings.database_url)
             if reason is not None:
                 raise _refuse(self, reason)
             with tracing.continued(tracing.headers_of(self.request), "chunk",
