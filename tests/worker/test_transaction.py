@@ -25,8 +25,8 @@ def test_a_transient_error_reruns_the_whole_transaction_with_the_same_arguments(
             raise sa_exc.OperationalError("INSERT", {}, Exception("server closed the connection"))
         return x
 
-    funcs = [transact(sf, insert, x, fail_first=True) for x in (1, 2)]
-    assert funcs == [1, 2] and tries == [1, 1, 2]
+    got = [transact(sf, insert, x, fail_first=True) for x in (1, 2)]
+    assert got == [1, 2] and tries == [1, 1, 2]
     with sf.begin() as s:    # the failed try was rolled back: each row once
         assert [r[0] for r in s.execute(text("SELECT x FROM t ORDER BY x"))] == [1, 2]
 
