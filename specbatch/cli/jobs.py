@@ -14,6 +14,7 @@ from specbatch.cli.render import batching_line, counts_line, failure_lines, mode
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
+from specbatch.jobs.export import FORMATS
 from specbatch.plural import plural
 from specbatch.redact import mask
 
@@ -258,7 +259,7 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
 
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("-f", "--format", "fmt", type=click.Choice(["jsonl", "csv", "parquet"]), default=None,
+@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default=None,
               help="jsonl: OpenAI batch output lines; csv: one flat row per request; "
                    "parquet: typed columns for datasets / DuckDB / pandas. Default: the one -o's "
                    "extension names (.jsonl, .csv, .parquet or .pq), else jsonl.")
@@ -414,8 +415,7 @@ def _await_held(factory: Any, held: list[int], wait: float = CANCEL_WAIT) -> dic
 @click.argument("job_id", metavar="JOB")
 @click.option("--json", "as_json", is_flag=True,
               help=JSON_HELP + " For a job made by `specbatch run`: its summary, as `run --json`.")
-@click.pass_context
-def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
+def retry(job_id: str, as_json: bool) -> None:
     """Re-run a job's failed requests (only those; finished results are never redone).
 
     A job made by `specbatch run` is re-run in this process, as `specbatch resume` does (no broker
@@ -435,14 +435,14 @@ def retry(ctx: click.Context, job_id: str, as_json: bool) -> None:
         embedded = bool((job.meta or {}).get("embedded"))
         routes = store.request_routes(s, jid, ids, by_prefix=True)
     if ids and embedded:
-        # no worker consumes a `run` job's queue: the rows are pending again, and resume's
-        # in-process path (run --resume) finishes them here
-        from specbatch.cli.queue import resume
+        # no worker consumes a `run` job's queue: the rows are pending again, and run's
+        # in-process path (as `run --resume`) finishes them here
+        from specbatch.cli.queue import run_in_process
 
         if not as_json:
             click.echo(f"job {jid}: {plural(len(ids), 'failed request')} pending again; running "
                        f"{'it' if len(ids) == 1 else 'them'} here (a job made by `specbatch run`)", err=True)
-        ctx.invoke(resume, job_id=jid, in_process=True, as_json=as_json)
+        run_in_process(jid, as_json)
         return
     report: dict[str, Any] = {"id": jid, "retried": len(ids), "request_ids": ids, "queue": queue, "tasks": 0}
     if ids:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -269,8 +271,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
 @click.option("--in-process", is_flag=True,
               help="Finish the job here (like `specbatch run --resume`), without broker or worker.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was re-enqueued as JSON.")
-@click.pass_context
-def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> None:
+def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     """Re-enqueue a job's pending and lease-expired requests now.
 
     Use it after a broker flush or restart, or when a worker died holding requests; a request that
@@ -299,7 +300,7 @@ def resume(ctx: click.Context, job_id: str, in_process: bool, as_json: bool) -> 
         ids = sorted(set(store.resumable_request_ids(s, job_id)) | {rid for rid, _, _ in leased})
         routes = store.request_routes(s, job_id, ids, by_prefix=True)
     if in_process or embedded:
-        ctx.invoke(run, resume_job=job_id, as_json=as_json)
+        run_in_process(job_id, as_json)
         return
     tracing.configure("specbatch")
     with tracing.span("resume", {"specbatch.job.id": job_id}):
@@ -434,88 +435,89 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
       cat prompts.jsonl | specbatch run -
       specbatch run --resume 3f9a2c
     """
-    from rich.console import Console
-
     from specbatch.engine.threads import configure_threads
-    from specbatch.jobs import intake, store
+    from specbatch.jobs import intake
     from specbatch.observability import tracing
-    from specbatch.worker.interrupt import stop_on_signals
-    from specbatch.worker.queues import queue_name, route_drafters
+    from specbatch.worker.local import LoadOptions, LocalJob
+    from specbatch.worker.queues import queue_name
 
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
-    plain = no_draft(drafts, no_speculation)
-    if plain:
+    if no_draft(drafts, no_speculation):
         drafts, ngram = ("none",), False
-    batch = tp.batch_size
     configure_threads(tp.threads, settings.local_workers)
-    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
-    console = Console(stderr=True)
-    engine = None
+    options = LoadOptions(device or settings.device, dtype or settings.dtype, tp.batch_size,
+                          compile_ or settings.compile, tp.max_memory, tp.prefix_cache)
     if resume_job is not None:
         if file is not None:
             raise click.UsageError("give FILE or --resume JOB, not both")
         if target is not None or drafts or model_map:
             raise click.UsageError("a resumed job runs on its own models; drop --target/--draft/--model-map")
-        with open_db(settings).begin() as s:
-            job = store.get_job(s, resume_job)
-            job_id, target_, drafts_ = job.id, job.target, list(job.drafts or [])
-            routes = store.request_routes(s, job_id, store.resumable_request_ids(s, job_id)
-                                          + [rid for rid, _, _ in store.leased_requests(s, job_id)])
-            if not routes:
-                click.echo(f"job {job_id}: nothing left to run ({job.status.value}); its summary follows",
-                           err=True)
-    else:
-        if file is None:
-            raise click.UsageError("missing FILE (or --resume JOB)")
-        target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
-        # a bad file: nothing loaded or written
-        parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
-        for line in parsed.warnings(target_):
-            warn(line)
-        # the models before the job: a pair that cannot load leaves no job behind (a --model-map
-        # route that cannot load later fails its own requests, with the reason)
-        engine = _load_engine(console, settings, target_, drafts_, device, dtype, batch,
-                              compile_ or settings.compile, tp.max_memory,
-                              [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests],
-                              prefix_cache=tp.prefix_cache)
-        # logit_bias keys against the loaded target's vocabulary: still nothing written
-        vocab = engine.target.vocab_size
-        # (for a target whose files told no size at intake, a GGUF not yet read, say)
-        local = intake.vocab_lookup(settings.cache_dir, target_)
-        intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
-                               lambda t: vocab if t in (None, target_) else local(t))
-        job_id, routes = _create_job(settings, file, target_, drafts_, defaults,
-                                     queue_name(target_, drafts_), model_map, parsed=parsed,
-                                     metadata={"embedded": True}, cache=not no_cache)
+        _run_here(settings, resume_job, options, as_json)
+        return
+    if file is None:
+        raise click.UsageError("missing FILE (or --resume JOB)")
+    target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
+    defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
+    # a bad file: nothing loaded or written
+    parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
+    for line in parsed.warnings(target_):
+        warn(line)
+    # the models before the job: a pair that cannot load leaves no job behind (a --model-map
+    # route that cannot load later fails its own requests, with the reason)
+    engine = _load_shown(settings, options)(target_, drafts_,
+                                            [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
+    # logit_bias keys against the loaded target's vocabulary: still nothing written
+    vocab = engine.target.vocab_size
+    # (for a target whose files told no size at intake, a GGUF not yet read, say)
+    local = intake.vocab_lookup(settings.cache_dir, target_)
+    intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
+                           lambda t: vocab if t in (None, target_) else local(t))
+    job_id, routes = _create_job(settings, file, target_, drafts_, defaults, queue_name(target_, drafts_),
+                                 model_map, parsed=parsed, metadata={"embedded": True}, cache=not no_cache)
+    _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, engine)
+
+
+def run_in_process(job_id: str, as_json: bool) -> None:
+    """Finish an existing job in this process with run's default options, as `run --resume JOB`
+    does (resume --in-process, resume and retry of a job made by run)."""
+    from specbatch.engine.threads import configure_threads
+    from specbatch.observability import tracing
+    from specbatch.worker.local import LoadOptions
+
+    settings = get_settings()
+    tp = resolve_throughput(settings, None, None, None, False)
+    configure_threads(tp.threads, settings.local_workers)
+    tracing.configure("specbatch")
+    _run_here(settings, job_id, LoadOptions(settings.device, settings.dtype, tp.batch_size, settings.compile,
+                                            tp.max_memory, tp.prefix_cache), as_json)
+
+
+def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine: Engine | None = None) -> None:
+    """Generate ``job`` (a LocalJob, or the id of one to resume) here, print its summary and exit
+    with run's status (README "Exit status")."""
+    from rich.console import Console
+
+    from specbatch.jobs import store
+    from specbatch.worker.interrupt import stop_on_signals
+    from specbatch.worker.local import RunHooks, resumable_job, run_job
+
+    if isinstance(job, str):
+        job = resumable_job(open_db(settings), job)
+        if not job.routes:
+            click.echo(f"job {job.job_id}: nothing left to run ({job.status}); its summary follows", err=True)
+    job_id = job.job_id
+    console = Console(stderr=True)
 
     def on_first() -> None:
         console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
 
-    finished = True
+    hooks = RunHooks(load=_load_shown(settings, options, console),
+                     progress=lambda jid, total: _progress(console, jid, total), warn=warn)
     with stop_on_signals(on_first) as stop_request:
         try:
-            for route, ids in routes.items():     # one pair loaded at a time
-                route_target, route_pool = (route[0], route_drafters(route[1], drafts_)) if route is not None \
-                    else (target_, drafts_)
-                if engine is None or (route_target, route_pool) != (target_, drafts_):
-                    del engine
-                    try:
-                        engine = _load_engine(console, settings, route_target, route_pool,
-                                              device, dtype, batch, compile_ or settings.compile, tp.max_memory,
-                                              _token_budgets(settings, job_id, ids), prefix_cache=tp.prefix_cache)
-                    except SpecBatchError as e:
-                        if resume_job is not None and len(routes) == 1:
-                            raise
-                        _fail_requests(settings, job_id, ids, f"cannot load the models: {e}")
-                        engine = None
-                        continue
-                finished = _run_with_progress(settings, console, job_id, len(ids), engine, batch,
-                                              ids if len(routes) > 1 or resume_job else None,
-                                              stop=stop_request) and finished
-                if not finished:
-                    break
+            finished = run_job(settings, job, options, hooks, stop=stop_request, engine=engine)
         except KeyboardInterrupt:
             click.echo(f"job {job_id}: stopped at once; finished results are saved. "
                        f"`specbatch run --resume {job_id}` finishes it.", err=True)
@@ -545,44 +547,28 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         sys.exit(EXIT_PARTIAL)
 
 
-def _load_engine(console: Any, settings: Settings, target: str, drafts: list[str],
-                 device: str | None, dtype: str | None, batch: int | str, compile_mode: str = "off",
-                 max_memory: int | None = None, expected_new_tokens: list[int] | None = None, *,
-                 prefix_cache: bool = True) -> Any:
-    from specbatch.engine import Engine
-    from specbatch.errors import ModelLoadError
+def _load_shown(settings: Settings, options: Any, console: Any = None) -> Any:
+    """``RunHooks.load``: a pair loaded under a spinner, then what compiling cost (or why not)."""
+    from rich.console import Console
 
-    use_compile_cache(settings, compile_mode)
-    with console.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
-        try:
-            engine = Engine.load(target, drafts, device=device or settings.device,
-                                 dtype=dtype or settings.dtype, cache_dir=settings.cache_dir or None,
-                                 batch_size=batch, compile=compile_mode, max_memory=max_memory,
-                                 expected_new_tokens=expected_new_tokens, notify=compiling_notice,
-                                 prefix_cache=prefix_cache)
-        except SpecBatchError:
-            raise
-        except Exception as e:   # a loader bug must still be one line, and leave no job behind
-            raise ModelLoadError(f"cannot load {target}: {type(e).__name__}: {e}") from e
-    report_compile(engine.compile_plan)
-    return engine
+    from specbatch.worker.local import load_pair
+
+    shown = console or Console(stderr=True)
+
+    use_compile_cache(settings, options.compile)
+
+    def load(target: str, drafts: list[str], expected_new_tokens: list[int]) -> Engine:
+        with shown.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
+            engine = load_pair(settings, options, target, drafts, expected_new_tokens, notify=compiling_notice)
+        report_compile(engine.compile_plan)
+        return engine
+    return load
 
 
-def _fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:
-    from specbatch.jobs import store
-
-    warn(reason)
-    with open_db(settings).begin() as s:
-        for rid in ids:
-            store.record_failure(s, rid, reason, "specbatch-run", error_type=store.SERVER_ERROR)
-        store.refresh_job(s, job_id)
-
-
-def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int, engine: Engine,
-                       batch: int | str, only: list[int] | None = None, stop: Any = None) -> bool:
+@contextlib.contextmanager
+def _progress(console: Any, job_id: str, total: int) -> Iterator[Callable[[Any], None]]:
+    """``RunHooks.progress``: a bar with tokens per second and acceptance so far."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from specbatch.worker.embedded import run_embedded
 
     agg = {"tokens": 0, "drafted": 0, "accepted": 0, "failed": 0, "cached": 0}
     start = time.monotonic()
@@ -611,7 +597,7 @@ def _run_with_progress(settings: Settings, console: Any, job_id: str, total: int
                 speed += f"  failed {agg['failed']}"
             progress.update(task, advance=1, speed=speed)
 
-        return run_embedded(settings, job_id, engine, on_progress, batch_size=batch, only=only, stop=stop)
+        yield on_progress
 
 
 def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
@@ -650,11 +636,3 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         click.echo(f"failed: {line}", err=True)
     click.echo(f"results: {mask(settings.database_url)} (job {summary.get('id')}); "
                f"`specbatch export {summary.get('id')} -o FILE` writes them to a file")
-
-
-def _token_budgets(settings: Settings, job_id: str, request_ids: list[int]) -> list[int]:
-    """These requests' max_new_tokens: what auto compile weighs compiling by."""
-    from specbatch.jobs import store
-
-    with open_db(settings, readonly=True).begin() as s:
-        return store.token_budgets(s, job_id, request_ids)

@@ -30,7 +30,7 @@ from specbatch.engine.drafters import Drafter, Proposal, common_prefix
 from specbatch.engine.gamma import GammaController
 from specbatch.engine.grammar import Matcher, vocab_for
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, measure, row_columns
+from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, draft_width, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from specbatch.engine.processors import RowProcessors
@@ -144,14 +144,16 @@ class Decoder:
         (alone, a request always runs: one too long for the budget waits for a smaller batch)."""
         resuming: list[Row] = []
         joining: list[Request] = []
-        cols = max((row_columns(len(r.ids) - len(r.generated), r.params) for r in self.rows), default=0)
+        cols = max((self._columns(r) for r in self.rows), default=0)
+        width = max((draft_width(r.params, self.default_gamma) for r in self.rows), default=MAX_DRAFT)
         while len(self.rows) + len(resuming) + len(joining) < limit and (paused or waiting):
-            need = row_columns(len(paused[0].ids) - len(paused[0].generated), paused[0].params) if paused \
-                else row_columns(len(waiting[0][1]), waiting[0][2])
+            need = self._columns(paused[0]) if paused \
+                else row_columns(len(waiting[0][1]), waiting[0][2], self.default_gamma)
+            wide = draft_width(paused[0].params if paused else waiting[0][2], self.default_gamma)
             n = len(self.rows) + len(resuming) + len(joining) + 1
-            if self.memory is not None and not self.memory.fits(n, max(cols, need), MAX_DRAFT):
+            if self.memory is not None and not self.memory.fits(n, max(cols, need), max(width, wide)):
                 break
-            cols = max(cols, need)
+            cols, width = max(cols, need), max(width, wide)
             if paused:
                 resuming.append(paused.popleft())
             else:
@@ -160,12 +162,12 @@ class Decoder:
 
     def _pause(self, n: int) -> list[Row]:
         """The newest ``n`` rows leave the batch with their state (they resume later)."""
-        keep = list(range(len(self.rows) - n))
-        out = self.rows[len(keep):]
-        self.rows = self.rows[: len(keep)]
-        self.cache.select(keep)
+        staying = list(range(len(self.rows) - n))
+        out = self.rows[len(staying):]
+        self.rows = self.rows[: len(staying)]
+        self.cache.select(staying)
         for d in self.drafters:
-            d.retire(keep)
+            d.retire(staying)
         return out
 
     # -- admission: a fresh batch caches its prompts in its first step; rows joining a running
@@ -201,11 +203,9 @@ class Decoder:
         self.drafts_behind |= prefill and not draft_prefill
         if prefilled:   # (the samples of a request each count the prefill they share)
             seconds = time.perf_counter() - t0
-            key = str(len(self.rows) + len(new))     # the prefill's time is the job's time too
-            for r in new:
+            for r in new:   # (the prefill's time is the job's time too)
                 r.tally.prefill(seconds, draft_forwards)
-                bs = r.tally.stats.batch_size_seconds
-                bs[key] = bs.get(key, 0.0) + seconds / len(new)
+                r.tally.batch_share(len(self.rows) + len(new), seconds / len(new))
         self.rows.extend(new)
 
     def _prefixes(self, new: list[Row], n_joining: int) -> tuple[list[Row], list[PrefixEntry | None]]:
@@ -228,8 +228,7 @@ class Decoder:
                 if entry is None:
                     entry = made[tuple(r.ids[:want])] = self._compute_prefix(r.ids[:want])
                     r.tally.prefill(entry.seconds, sum(k is not None for k in entry.kv[1:]))
-                    bs = r.tally.stats.batch_size_seconds     # a forward of one row
-                    bs["1"] = bs.get("1", 0.0) + entry.seconds
+                    r.tally.batch_share(1, entry.seconds)     # a forward of one row
                     store.put(entry)
                     if self.memory is not None:
                         self.memory.reserved = store.nbytes
@@ -258,7 +257,7 @@ class Decoder:
             gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         gamma = params.gamma if params.gamma is not None else self.default_gamma
-        ctl = GammaController(self.policy.costs(1), gamma=gamma, adaptive=not params.fixed_gamma)
+        ctl = GammaController(self.policy.costs(1), gamma=gamma, fixed=params.fixed_gamma)
         grammar = None
         if params.structured is not None:
             t = self.target
@@ -293,12 +292,12 @@ class Decoder:
         t1 = time.perf_counter()
         # 2. verify: one target forward over each row's pending tokens (root last) and its tree
         trees = [self._tree(b, [props[b] for props in proposals], forced[b]) for b in range(n)]
-        keep = max(t.n_nodes for t in trees) + 1
+        scored = max(t.n_nodes for t in trees) + 1    # positions whose logits come back, per row
         chains = all(t.is_chain for t in trees)   # (then BatchCache may use the causal mask)
         # (the grammar's masks need only the trees: computed on a helper thread during the forward)
         masks = _MASKS.submit(constrained.tree_masks, rows, trees) if any(r.grammar for r in rows) else None
         try:
-            logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=keep,
+            logits = self.cache.forward([p + t.tokens for p, t in zip(pending, trees)], logits_to_keep=scored,
                                         parents=None if chains else
                                         [t.feed_parents(len(p)) for p, t in zip(pending, trees)],
                                         hidden=self.hidden)
@@ -315,7 +314,7 @@ class Decoder:
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
                            for p, t, v in zip(pending, trees, verdicts)])
-        hidden = self._accepted_hidden(trees, verdicts, keep) if self.hidden else None
+        hidden = self._accepted_hidden(trees, verdicts, scored) if self.hidden else None
         for d in self.drafters if proposals else ():   # (a plain step: nothing to judge them on)
             d.observe(rows, [v.tokens for v in verdicts], hidden)
         # 4. statistics, as data; the measured step steers gamma
@@ -334,13 +333,16 @@ class Decoder:
                                                        v.tokens[:v.n_accepted])
                             if forced[b] is not None else (t.depth, v.n_accepted)))
             self._accept(r, v)
-        seconds, key = time.perf_counter() - t0, str(n)
+        seconds = time.perf_counter() - t0
         for r in rows:   # each row's share of the step's time, by rows in the step (job statistics)
-            bs = r.tally.stats.batch_size_seconds
-            bs[key] = bs.get(key, 0.0) + seconds / n
+            r.tally.batch_share(n, seconds / n)
         if self.memory is not None:
-            self.memory.check(measure(self.target.device), n,
-                              max(row_columns(len(r.ids) - len(r.generated), r.params) for r in rows), MAX_DRAFT)
+            self.memory.check(measure(self.target.device), n, max(self._columns(r) for r in rows),
+                              max(draft_width(r.params, self.default_gamma) for r in rows))
+
+    def _columns(self, r: Row) -> int:
+        """The cache columns row ``r`` may grow to (``memory.row_columns`` of its prompt)."""
+        return row_columns(len(r.ids) - len(r.generated), r.params, self.default_gamma)
 
     def _gammas(self) -> list[int]:
         if not self.drafters:
@@ -352,9 +354,9 @@ class Decoder:
         for r in self.rows:
             r.ctl.costs = costs
             k = r.ctl.next_gamma()
-            if cap is not None and r.ctl.adaptive:
+            if cap is not None and not r.ctl.fixed:
                 k = min(k, cap)
-            elif plain and r.params.adaptive:   # gamma fixed by a seed: the job's plain decision holds
+            elif plain and r.params.adaptive:   # fixed by its seed, not by the request: the plain decision holds
                 k = 0
             ks.append(max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)))
         return ks
@@ -379,17 +381,17 @@ class Decoder:
         return self.drafters[winner].name if winner < len(self.drafters) else constrained.GRAMMAR
 
     def _verify(self, trees: list[TokenTree], logits: torch.Tensor) -> list[Verdict]:
-        """logits: (B, keep, V); row b's root is at column keep - 1 - n_nodes(b).
+        """logits: (B, scored, V); row b's root is at column scored - 1 - n_nodes(b).
 
         A row with logit processors has its logits processed at every node with that node's
         history (the accepted ids plus the drafted tokens on the node's path), as the drafts'
         q were: then the verifiers are exact for the processed target."""
-        keep = logits.shape[1]
+        scored = logits.shape[1]
         plain_greedy = any(r.warp is None and r.procs is None for r in self.rows)
         argmax = logits.argmax(dim=-1).tolist() if plain_greedy else []
         out = []
         for b, (r, t) in enumerate(zip(self.rows, trees)):
-            start = keep - 1 - t.n_nodes
+            start = scored - 1 - t.n_nodes
             x = logits[b, start:]
             if r.procs is not None:
                 x = r.procs(x, r.ids, t.branches())
@@ -400,7 +402,7 @@ class Decoder:
                 out.append(verify_sampling(t, r.warp.probs(x), r.generator))
         return out
 
-    def _accepted_hidden(self, trees: list[TokenTree], verdicts: list[Verdict], keep: int
+    def _accepted_hidden(self, trees: list[TokenTree], verdicts: list[Verdict], scored: int
                          ) -> list[torch.Tensor]:
         """Per row (len(tokens), H): the target's final hidden state at the root and at each
         accepted node, the positions whose logits chose the row's emitted tokens."""
@@ -408,7 +410,7 @@ class Decoder:
         assert states is not None, "the backend keeps hidden states when asked"
         out = []
         for b, (t, v) in enumerate(zip(trees, verdicts)):
-            start = keep - 1 - t.n_nodes
+            start = scored - 1 - t.n_nodes
             out.append(states[b, [start] + [start + j for j in v.path]])
         return out
 
@@ -416,11 +418,11 @@ class Decoder:
         """Rows that ask for them record each emitted token's log-probability under the target:
         the raw log-softmax of the verification logits at the node before it (the root, then
         the accepted path), the same numbers the target alone gives (docs/FORMATS.md)."""
-        keep = logits.shape[1]
+        scored = logits.shape[1]
         for b, (r, t, v) in enumerate(zip(self.rows, trees, verdicts)):
             if r.logprobs is None:
                 continue
-            start = keep - 1 - t.n_nodes
+            start = scored - 1 - t.n_nodes
             cols = torch.tensor([start] + [start + j for j in v.path], device=logits.device)
             lp = logits[b].index_select(0, cols).float().log_softmax(dim=-1)      # (len(tokens), V)
             chosen = lp.gather(1, torch.tensor(v.tokens, device=lp.device)[:, None])[:, 0].tolist()
@@ -434,11 +436,11 @@ class Decoder:
         """Extend the row's sequence; stop on EOS, max_new_tokens or a stop string."""
         r.ids.extend(v.tokens)
         r.generated.extend(v.tokens)
-        keep, reason = r.stop.step(r.generated, len(v.tokens))
+        end, reason = r.stop.step(r.generated, len(v.tokens))
         if reason is not None:
-            del r.generated[keep:]
+            del r.generated[end:]
             if r.logprobs is not None:
-                del r.logprobs[keep:]
+                del r.logprobs[end:]
             r.finish = reason
         # a finished row's grammar is done with (tokens past its EOS were never masked for it)
         elif r.grammar is not None and not r.grammar.advance(v.tokens):
@@ -448,12 +450,12 @@ class Decoder:
     def _retire(self) -> Iterator[tuple[int, GenerationOutput]]:
         if all(r.finish is None for r in self.rows):
             return
-        keep = [i for i, r in enumerate(self.rows) if r.finish is None]
+        staying = [i for i, r in enumerate(self.rows) if r.finish is None]
         finished = [r for r in self.rows if r.finish is not None]
-        self.rows = [self.rows[i] for i in keep]
-        self.cache.select(keep)
+        self.rows = [self.rows[i] for i in staying]
+        self.cache.select(staying)
         for d in self.drafters:
-            d.retire(keep)
+            d.retire(staying)
         now = time.perf_counter()
         for r in finished:
             s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)

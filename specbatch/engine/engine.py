@@ -20,7 +20,14 @@ from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_draf
 from specbatch.engine.drafters import Drafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
-from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, ModelShape, default_budget, row_columns
+from specbatch.engine.memory import (
+    MAX_DRAFT,
+    MemoryBudget,
+    ModelShape,
+    default_budget,
+    draft_width,
+    row_columns,
+)
 from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
@@ -316,16 +323,30 @@ class Engine:
         if size != AUTO:
             return MeasuredPolicy(int(size), self.costs)
         # the search's ceiling: rows of the median request that fit (admission checks each one)
-        cols = sorted(row_columns(len(ids), p) for _, ids, p in valid) or [1]
-        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], MAX_DRAFT))
+        cols = sorted(row_columns(len(ids), p, self.gamma) for _, ids, p in valid) or [1]
+        width = max((draft_width(p, self.gamma) for _, _, p in valid), default=MAX_DRAFT)
+        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], width))
         if self.autopilot is None:
             self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
         self.autopilot.cap = cap
         return AutopilotPolicy(cap, self.costs, pilot=self.autopilot)
 
+    def rows_now(self) -> int | None:
+        """Rows decoding keeps now: the autopilot's kept size once it decoded, else a fixed
+        batch size; None while automatic and nothing decoded yet (what the worker's gauge shows
+        and its claims follow)."""
+        if self.autopilot is not None:
+            return self.autopilot.kept[0]
+        return None if self.batch_size == AUTO else int(self.batch_size)
+
+    def speculating_now(self) -> bool:
+        """Whether decoding drafts now: the autopilot's kept choice once it decoded, else
+        whether there are drafters."""
+        return self.autopilot.kept[1] if self.autopilot is not None else self.speculates
+
     def planned_batch_size(self) -> int:
-        """Rows decoding will run at (fixed size, or the autopilot's kept size; 8 before it
-        measured): what a compile decision made before decoding plans for."""
+        """Rows a compile decision made before decoding plans for: a fixed size, or the
+        autopilot's kept size once measured (not merely chosen), else 8 within its cap."""
         if self.batch_size != AUTO:
             return int(self.batch_size)
         return self.autopilot.planned_rows() if self.autopilot is not None else 8

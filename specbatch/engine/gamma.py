@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specbatch.engine.memory import MAX_DRAFT
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """E[tokens emitted per verify step] for draft length k, bonus token included."""
@@ -78,8 +80,8 @@ class GammaController:
 
     costs: CostModel
     gamma: int = 4
-    max_gamma: int = 12
-    adaptive: bool = True
+    max_gamma: int = MAX_DRAFT       # (the memory estimate plans for drafts this wide)
+    fixed: bool = False              # gamma stays as given (GenerationParams.fixed_gamma): no adapting
     warmup_steps: int = 3            # steps before the controller trusts its estimates
     probe_every: int = 16            # plain steps between probes once speculation is off
     max_probe_every: int = 256       # probes that keep losing back off up to this interval
@@ -103,7 +105,7 @@ class GammaController:
         return a / (a + self.rejected + (1 - self.prior) * self.prior_weight)
 
     def next_gamma(self) -> int:
-        if self.adaptive and 0 < self.gamma and self.steps < self.warmup_steps and self.costs.measured:
+        if not self.fixed and 0 < self.gamma and self.steps < self.warmup_steps and self.costs.measured:
             # a request joining an engine that has measured its step costs starts at the draft
             # length those costs favour (its acceptance is still the prior's), not at the default:
             # the default's warm-up steps cost the Qwen pair about 1.8x a step at its best length
@@ -122,7 +124,7 @@ class GammaController:
         self.steps += 1
         self.accepted = self.accepted * self.memory + n_accepted
         self.rejected = self.rejected * self.memory + (1 if n_accepted < k else 0)
-        if self.adaptive and self.steps >= self.warmup_steps:
+        if not self.fixed and self.steps >= self.warmup_steps:
             self._choose()
 
     def _choose(self, may_switch_off: bool = True) -> None:

@@ -29,7 +29,7 @@ CPU_SHARE = 0.5
 GPU_SHARE = 0.8
 HOLES_FACTOR = 2.0
 SPARE_FACTOR = 1.25     # hf_cache._regrow: a full layer grows by a quarter
-MAX_DRAFT = 12          # GammaController.max_gamma: the widest draft a step verifies
+MAX_DRAFT = 12          # GammaController.max_gamma: the widest draft an adaptive gamma grows to
 SLACK = 256 * 1024**2   # allocator caches and workspaces that do not grow with the rows
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -55,9 +55,16 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def row_columns(prompt_tokens: int, params: Any) -> int:
+def draft_width(params: Any, default_gamma: int | None = None) -> int:
+    """The widest draft one request's steps may verify: what adaptation grows gamma to, or the
+    gamma it starts at when wider (a fixed gamma stays there; rules allow up to 64)."""
+    gamma = params.gamma if params.gamma is not None else default_gamma
+    return max(MAX_DRAFT, gamma or 0)
+
+
+def row_columns(prompt_tokens: int, params: Any, default_gamma: int | None = None) -> int:
     """The most cache columns one request can need: its prompt, every new token, one draft."""
-    return prompt_tokens + int(params.max_new_tokens) + MAX_DRAFT + 1
+    return prompt_tokens + int(params.max_new_tokens) + draft_width(params, default_gamma) + 1
 
 
 def _cfg(config: Any, *names: str) -> int | None:

@@ -32,6 +32,11 @@ class Tally:
         self.stats.cached_prompt_tokens = tokens
         self.stats.prefill_seconds_saved = seconds_saved
 
+    def batch_share(self, rows: int, seconds: float) -> None:
+        """The request's share of a forward over ``rows`` rows (job statistics: time by batch size)."""
+        by_rows = self.stats.batch_size_seconds
+        by_rows[str(rows)] = by_rows.get(str(rows), 0.0) + seconds
+
     def step(self, drafted: int, n_accepted: int, winner: int, winner_name: str, *,
              draft_forwards: int, draft_seconds: float, verify_seconds: float) -> None:
         """One verify step: drafted = the depth of the row's draft tree (its draft length)."""

@@ -32,7 +32,7 @@ from specbatch.errors import InputError, IntakeError, SpecBatchError
 from specbatch.jobs import export, files, intake, openai_output, store
 from specbatch.plural import plural
 
-ENDPOINT_KINDS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}   # the lines each runs
+ENDPOINT_KINDS = intake.BATCH_URLS   # the lines each endpoint runs
 ENDPOINTS = tuple(ENDPOINT_KINDS)
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 MAX_ERRORS = intake.KEPT_ERRORS
@@ -113,7 +113,7 @@ def get_batch(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
     """The batch; BatchNotFound if it is not the tenant ``owner``'s (None: any tenant's)."""
     ours = batch_id.startswith("batch_") and len(batch_id) <= files.MAX_ID
     row = s.get(ApiBatch, batch_id) if ours else None
-    if not files.visible(row, owner):
+    if row is None or not files.visible(row, owner):
         raise BatchNotFound(f"No such Batch object: {files.shown_id(batch_id)}")
     return row
 

@@ -170,7 +170,7 @@ def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None,
     stmt = scoped(stmt, model, owner)
     if after:
         cursor = s.get(model, after) if len(after) <= MAX_ID else None
-        if not visible(cursor, owner):
+        if cursor is None or not visible(cursor, owner):
             raise InputError(f"no object with id {shown_id(after)!r} to list after", field="after")
         t, i = cursor.created_at, cursor.id
         if descending:

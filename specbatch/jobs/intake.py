@@ -45,7 +45,7 @@ LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", 
              "top_k", "seed", "stop", *PROCESSOR_KEYS, *SAMPLE_KEYS, "logprobs", "top_logprobs",
              *structured.FIELDS)
 BATCH_KEYS = ("custom_id", "method", "url", "body")
-BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}   # url -> the line kind it runs
 ROLES = openai_fields.ROLES
 MAX_CUSTOM_ID = 512
 MAX_SEED = rules.MAX_SEED

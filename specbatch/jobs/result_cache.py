@@ -249,7 +249,7 @@ def _names_and_fingerprints(s: Session) -> list[tuple[str, str]]:
     name = func.coalesce(Request.target, Job.target)
     return [(n, fp) for n, fp in s.execute(
         select(name, Result.cache_target).join(Request, Request.id == Result.request_id)
-        .join(Job, Job.id == Result.job_id).where(Result.cache_target.is_not(None)).distinct())]
+        .join(Job, Job.id == Result.job_id).where(Result.cache_target.is_not(None)).distinct()) if fp is not None]
 
 
 def _fingerprints_of(s: Session, target: str) -> set[str]:

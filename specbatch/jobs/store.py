@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, or_, select, update
+from sqlalchemy import Table, bindparam, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -79,7 +79,7 @@ def create_job(s: Session, *, target: str, drafts: list[str], params: dict[str, 
     s.add(job)
     s.flush()
     if requests:
-        s.execute(Request.__table__.insert(), [
+        s.execute(_table(Request).insert(), [
             {"job_id": job.id, "custom_id": r.custom_id, "line_no": r.line_no, "kind": r.kind,
              "prompt": r.prompt, "messages": r.messages, "params": r.params,
              "status": RequestStatus.pending.value, "attempts": 0, "created_at": now,
@@ -372,7 +372,7 @@ def leased_requests(s: Session, job_id: str) -> list[tuple[int, str, datetime]]:
     rows = s.execute(select(Request.id, Request.worker, Request.lease_expires_at).where(
         Request.job_id == job_id, Request.status == RequestStatus.running,
         Request.lease_expires_at > now).order_by(Request.id))
-    return [(rid, worker or "?", lease) for rid, worker, lease in rows]
+    return [(rid, worker or "?", lease) for rid, worker, lease in rows if lease is not None]
 
 
 def release_held_by(s: Session, job_id: str, worker: str) -> list[int]:
@@ -396,6 +396,11 @@ def set_interrupted(s: Session, job_id: str, interrupted: bool) -> None:
     s.flush()
 
 
+def _table(model: Any) -> Table:
+    """A mapped class's Table (``__table__`` is typed as any FromClause)."""
+    return model.__table__
+
+
 def _finite(x: float) -> float:
     return float(x) if math.isfinite(x) else 0.0
 
@@ -404,16 +409,15 @@ def _insert_ignoring_duplicates(s: Session, values: dict[str, Any]) -> bool:
     """INSERT ... ON CONFLICT (request_id, sample_index) DO NOTHING; True if a row was written."""
     dialect = s.get_bind().dialect.name
     if dialect in ("sqlite", "postgresql"):
-        if dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert
+        from sqlalchemy.dialects import postgresql, sqlite
+
+        insert: Any = sqlite.insert if dialect == "sqlite" else postgresql.insert
         stmt = (insert(Result).values(**values).on_conflict_do_nothing(index_elements=["request_id", "sample_index"])
                 .returning(Result.id))
         return s.execute(stmt).first() is not None
     try:                                              # any other backend: a savepoint
         with s.begin_nested():
-            s.execute(Result.__table__.insert().values(**values))
+            s.execute(_table(Result).insert().values(**values))
         return True
     except IntegrityError:
         return False

@@ -22,9 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import exc as sa_exc
 from sqlalchemy import select
 
 from specbatch.config import Settings
@@ -32,16 +31,12 @@ from specbatch.engine.types import GenerationOutput
 from specbatch.errors import SpecBatchError
 from specbatch.observability import tracing
 from specbatch.worker.guard import engine_models
+from specbatch.worker.transaction import PERMANENT_DB_ERRORS, transact, with_db_retry
 
 if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
     from specbatch.engine.engine import Engine, EngineRequest
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
-
-TRANSIENT_DB_ERRORS: tuple[type[BaseException], ...] = (sa_exc.OperationalError, sa_exc.InterfaceError)
-# errors a retry cannot fix (e.g. text PostgreSQL refuses): the request is failed with the reason
-PERMANENT_DB_ERRORS: tuple[type[BaseException], ...] = (sa_exc.DataError, sa_exc.IntegrityError)
 
 
 @dataclass
@@ -75,21 +70,6 @@ class ChunkReport:
                 "finished": self.finished,
                 "held": self.held, "unstarted": self.unstarted, "retry_after": self.retry_after,
                 "new_tokens": self.new_tokens}
-
-
-def with_db_retry(fn: Callable[[], T], *, attempts: int = 6, first_delay: float = 0.2) -> T:
-    """Call ``fn`` (one whole transaction), retrying transient database errors with backoff."""
-    delay = first_delay
-    for i in range(attempts):
-        try:
-            return fn()
-        except TRANSIENT_DB_ERRORS as e:
-            if i == attempts - 1:
-                raise
-            logger.warning("database error, retrying in %.1fs: %s", delay, e)
-            time.sleep(delay)
-            delay = min(delay * 2, 5.0)
-    raise AssertionError("unreachable")
 
 
 class LeaseKeeper:
@@ -165,7 +145,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
     cache = ResultCache.for_engine(engine, settings.cache_dir or None)
     report = ChunkReport()
     todo = list(dict.fromkeys(int(i) for i in request_ids))
-    batch = batch_rows(engine, batch_size)
+    batch = claim_rows(engine, batch_size)
     touched_jobs: set[str] = set()
     not_claimed: list[int] = []
 
@@ -177,28 +157,18 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         # a batch claims the whole chunk so rows that finish are replaced from it at once
         # (continuous batching inside the chunk; make chunk_size > batch_size to benefit)
         group, todo = (todo[:1], todo[1:]) if batch == 1 else (todo, [])
-
-        def claim(group: list[int] = group) -> list[Any]:
-            with sf.begin() as s:
-                return list(store.claim_requests(s, group, worker_name, settings.lease_seconds,
-                                                 settings.max_attempts))
-
         with tracing.span("claim", {"specbatch.request_ids": group}):
-            claimed = with_db_retry(claim)
+            claimed: list[Any] = transact(sf, store.claim_requests, group, worker_name, settings.lease_seconds,
+                                          settings.max_attempts)
         claimed_ns = time.time_ns()
         got = {c.id for c in claimed}
         not_claimed.extend(i for i in group if i not in got)
         if not claimed:
             continue
         if batch > 1 and not any(c.attempts > 0 for c in claimed):
-            def ahead(claimed: list[Any] = claimed) -> list[Any]:
-                return _claim_ahead(sf, settings, claimed, worker_name, batch)
-            claimed += with_db_retry(ahead)
+            claimed += transact(sf, _claim_ahead, settings, claimed, worker_name, batch)
         touched_jobs.update(c.job_id for c in claimed)
-
-        def serve(claimed: list[Any] = claimed) -> tuple[list[Any], list[Any]]:
-            return cache.serve(sf, claimed, worker_name)
-        hits, claimed = with_db_retry(serve)
+        hits, claimed = with_db_retry(cache.serve, sf, claimed, worker_name)
         for c, out in hits:
             _report_cached(report, on_result, c, out, claimed_ns)
         # suspects (a worker died holding them before) run alone, so they take no neighbour down
@@ -211,12 +181,9 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
                               cache)
 
     if not_claimed:
-        touched_jobs |= with_db_retry(lambda: _classify(sf, not_claimed, report))
+        touched_jobs |= with_db_retry(_classify, sf, not_claimed, report)
     for job_id in sorted(touched_jobs):
-        def refresh(job_id: str = job_id) -> None:
-            with sf.begin() as s:
-                store.refresh_job(s, job_id)
-        with_db_retry(refresh)
+        transact(sf, store.refresh_job, job_id)
     return report
 
 
@@ -229,17 +196,17 @@ def _report_cached(report: ChunkReport, on_result: Callable[[ResultEvent], None]
                               cached=True))
 
 
-def batch_rows(engine: Any, batch_size: int | str | None = None) -> int:
-    """Rows the engine decodes together now: a fixed size, or the autopilot's current choice
-    (its ceiling before it measured anything is not a good guess: 8)."""
+def claim_rows(engine: Any, batch_size: int | str | None = None) -> int:
+    """Rows a chunk claims requests for (and how it sizes chunks): a fixed size, or with the
+    autopilot at least 8, its kept size once larger (its start, before it measured anything,
+    is too small a guess to claim by)."""
     b = batch_size or getattr(engine, "batch_size", 1) or 1
     if b != "auto":
         return max(1, int(b))
-    pilot = getattr(engine, "autopilot", None)
-    return max(8, int(pilot.kept[0])) if pilot is not None else 8
+    return max(8, engine.rows_now() or 0)
 
 
-def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, batch: int) -> list[Any]:
+def _claim_ahead(s: Any, settings: Settings, claimed: list[Any], worker: str, batch: int) -> list[Any]:
     """More pending requests of the same job, so a batch larger than the chunk keeps full (the
     chunk size follows the batch size): up to 2 x batch rows in all. The tasks that carry those
     ids find them finished (or held) and skip them."""
@@ -250,16 +217,15 @@ def _claim_ahead(sf: Any, settings: Settings, claimed: list[Any], worker: str, b
         return []
     job_id, first = claimed[0].job_id, claimed[0].id
     mine = {c.id for c in claimed}
-    with sf.begin() as s:
-        pending = [i for i in store.resumable_request_ids(s, job_id) if i not in mine]
-        if not pending:
-            return []
-        # only requests routed to the same pair (--model-map): another pair's worker owns the rest
-        routes = store.request_routes(s, job_id, [first, *pending])
-        same = next(ids for ids in routes.values() if first in ids)
-        ids = [i for i in same if i not in mine][:want]
-        return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
-            if ids else []
+    pending = [i for i in store.resumable_request_ids(s, job_id) if i not in mine]
+    if not pending:
+        return []
+    # only requests routed to the same pair (--model-map): another pair's worker owns the rest
+    routes = store.request_routes(s, job_id, [first, *pending])
+    same = next(ids for ids in routes.values() if first in ids)
+    ids = [i for i in same if i not in mine][:want]
+    return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
+        if ids else []
 
 
 def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], worker: str,
@@ -280,31 +246,20 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
         rows = sum(getattr(c.params, "n", 1) for c in run)
         size = batch if batch == "auto" else min(int(batch), rows)
         def start(indices: list[int]) -> None:
-            def write() -> None:
-                with sf.begin() as s:
-                    store.start_requests(s, [run[i].id for i in indices], worker)
-            with_db_retry(write)
+            transact(sf, store.start_requests, [run[i].id for i in indices], worker)
         for idx, out in engine.generate_many(requests, batch_size=size, on_start=start):
             c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
             if msg is None:
-                def write(c: Any = c, out: Any = out) -> None:
-                    with sf.begin() as s:
-                        store.record_result(s, c.id, out, worker, models=engine_models(engine),
-                                            **(cache.columns(c.id) if cache else {}))
-                        store.refresh_job(s, c.job_id)
                 try:
-                    with_db_retry(write)
+                    transact(sf, _store_result, c, out, worker, engine_models(engine),
+                             cache.columns(c.id) if cache else {})
                 except PERMANENT_DB_ERRORS as e:  # this result can never be stored: fail it, go on
                     msg = f"the result could not be stored: {getattr(e, 'orig', e)}"
                     error_type, param = store.SERVER_ERROR, None
             if msg is not None:
-                def fail(c: Any = c, msg: str = msg, error_type: str = error_type, param: Any = param) -> None:
-                    with sf.begin() as s:
-                        store.record_failure(s, c.id, msg, worker, error_type=error_type, param=param)
-                        store.refresh_job(s, c.job_id)
-                with_db_retry(fail)
+                transact(sf, _store_failure, c, msg, worker, error_type, param)
                 report.failed.append(c.id)
                 event = ResultEvent(c.id, c.job_id, error=msg, claimed_ns=claimed_ns, generated_ns=generated_ns)
             elif isinstance(out, GenerationOutput):      # (always, when there is no message)
@@ -315,13 +270,25 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
             if on_result is not None:
                 on_result(event)
             if cache is not None:  # duplicates of this request claimed in the same chunk
-                def resolve(c: Any = c, msg: str | None = msg, error_type: str = error_type,
-                            param: Any = param) -> list[Any]:
-                    return cache.resolve(sf, c.id, worker, msg, error_type=error_type, param=param)
-                for dup, dup_out in with_db_retry(resolve):
+                for dup, dup_out in with_db_retry(cache.resolve, sf, c.id, worker, msg, error_type=error_type,
+                                                  param=param):
                     if dup_out is None:
                         report.failed.append(dup.id)
                         if on_result is not None:
                             on_result(ResultEvent(dup.id, dup.job_id, error=msg, claimed_ns=claimed_ns))
                     else:
                         _report_cached(report, on_result, dup, dup_out, claimed_ns)
+
+
+def _store_result(s: Any, c: Any, out: Any, worker: str, models: Any, columns: dict[str, Any]) -> None:
+    from specbatch.jobs import store
+
+    store.record_result(s, c.id, out, worker, models=models, **columns)
+    store.refresh_job(s, c.job_id)
+
+
+def _store_failure(s: Any, c: Any, msg: str, worker: str, error_type: str, param: Any) -> None:
+    from specbatch.jobs import store
+
+    store.record_failure(s, c.id, msg, worker, error_type=error_type, param=param)
+    store.refresh_job(s, c.job_id)

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any
 from specbatch.config import Settings
 from specbatch.observability import tracing
 from specbatch.observability.worker import Observer
-from specbatch.worker.chunk import ResultEvent, batch_rows, process_chunk, with_db_retry
+from specbatch.worker.chunk import ResultEvent, claim_rows, process_chunk
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
 from specbatch.worker.pids import alive
+from specbatch.worker.transaction import transact
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -40,21 +41,9 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     and the job is marked interrupted (``specbatch run --resume`` finishes it).
     """
     from specbatch.db import session_factory
-    from specbatch.jobs import store
-    from specbatch.jobs.prefix_order import prefix_ordered
 
     sf = session_factory(settings.database_url)
-    keep = None if only is None else set(only)
     worker = embedded_worker_name()
-
-    def resumable() -> list[int]:
-        with sf.begin() as s:
-            release_dead_embedded(s, job_id)
-            store.set_interrupted(s, job_id, False)
-            ids = store.resumable_request_ids(s, job_id)
-            # chunked so that requests sharing a prompt prefix decode together
-            return prefix_ordered(s, ids if keep is None else [i for i in ids if i in keep])
-
     observer = Observer()   # the request spans, when tracing is on (no metrics port here)
 
     def on_result(event: ResultEvent) -> None:
@@ -62,7 +51,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
         if on_progress is not None:
             on_progress(event)
 
-    batch = batch_rows(engine, batch_size)
+    batch = claim_rows(engine, batch_size)
     # with batching, chunks several batches long keep the batch full as rows finish; with the
     # autopilot the whole job is one chunk: its batch may grow to any size as it measures
     auto = (batch_size or engine.batch_size) == "auto"
@@ -70,14 +59,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     finished = True
     stop = stop or StopRequest()
 
-    def wrap_up() -> None:
-        with sf.begin() as s:
-            if not finished:
-                store.release_held_by(s, job_id, worker)
-                store.set_interrupted(s, job_id, True)
-            store.refresh_job(s, job_id)
-
-    ids = with_db_retry(resumable)
+    ids = transact(sf, _resumable, job_id, None if only is None else set(only))
     try:
         with interruptible(engine, stop), \
                 tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
@@ -94,8 +76,30 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
         finished = False    # the engine failed: hand back what it held, as an interruption does
         raise
     finally:
-        with_db_retry(wrap_up)
+        transact(sf, _wrap_up, job_id, worker, finished)
     return finished
+
+
+def _resumable(s: Any, job_id: str, only: set[int] | None) -> list[int]:
+    """The job's requests to generate (of ``only``, when given), in prefix order; the job is no
+    longer interrupted and what dead ``specbatch run`` processes of this host held is released."""
+    from specbatch.jobs import store
+    from specbatch.jobs.prefix_order import prefix_ordered
+
+    release_dead_embedded(s, job_id)
+    store.set_interrupted(s, job_id, False)
+    ids = store.resumable_request_ids(s, job_id)
+    # chunked so that requests sharing a prompt prefix decode together
+    return prefix_ordered(s, ids if only is None else [i for i in ids if i in only])
+
+
+def _wrap_up(s: Any, job_id: str, worker: str, finished: bool) -> None:
+    from specbatch.jobs import store
+
+    if not finished:
+        store.release_held_by(s, job_id, worker)
+        store.set_interrupted(s, job_id, True)
+    store.refresh_job(s, job_id)
 
 
 def release_dead_embedded(s: Any, job_id: str) -> list[int]:

@@ -213,12 +213,12 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
         from specbatch.worker import tasks
 
+        task = app.tasks[tasks.TASK_NAME]   # this app's instance holds the engine (tasks.EngineTask)
         try:
-            tasks.get_engine(app.conf)
+            task.prepare()
         except SpecBatchError as e:
             _stop_metrics(metrics_dir, server)
             return EX_MODEL_LOAD, str(e)
-        tasks.get_observer(app.conf)
     code = 0
     try:
         app.worker_main(worker_argv(queue, hostname=hostname, loglevel=loglevel, pool=pool,

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from celery import Task, signals
@@ -30,9 +31,10 @@ from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
 from specbatch.worker.cancel import CancelWatch
-from specbatch.worker.chunk import TRANSIENT_DB_ERRORS, process_chunk, with_db_retry
+from specbatch.worker.chunk import ChunkReport, process_chunk
 from specbatch.worker.guard import allows_fallback, draft_only, refusal
 from specbatch.worker.interrupt import Interrupted, interruptible
+from specbatch.worker.transaction import TRANSIENT_DB_ERRORS, transact
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -40,10 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 100          # worker-lost resends + waits for held leases + transient errors, together
-_ENGINE: dict[str, Engine] = {}   # "engine" -> the loaded Engine of this process
-_HEALTH: dict[str, TargetHealth] = {}   # "target" -> consecutive target failures of this process
-_REFUSED: set[str] = set()     # queues this process refused a task of (misconfigured worker)
-_OBSERVED: dict[str, Any] = {}   # "plan" -> the compile plan the metrics show
 
 
 def engine_spec(conf: Any) -> dict[str, Any]:
@@ -75,43 +73,26 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
                        compile=spec.get("compile") or "off", background=on_state or True)
 
 
-def get_engine(conf: Any) -> Engine:
-    if "engine" not in _ENGINE:
-        state_file = conf.get("specbatch_state_file")
-        engine = _ENGINE["engine"] = build_engine(
-            engine_spec(conf), (lambda state: _write_ready(state_file, state + "\n")) if state_file else None)
-        plan = engine.compile_plan
-        # auto chose eager: say why, as compiling says that it compiles (a failure already warned)
-        if (plan is not None and plan.mode == "auto" and not plan.enabled
-                and getattr(engine, "background", None) is None   # it says so itself when done
-                and not any(m.error for m in plan.models)):
-            logger.info("%s: decoding eagerly: %s", engine.target_name, plan.reason)
-    return _ENGINE["engine"]
+def load_engine(conf: Any) -> Engine:
+    """``build_engine`` for the app config ``conf``, its compile progress written to the state
+    file the parent announces; says why auto decodes eagerly, as compiling says that it compiles."""
+    state_file = conf.get("specbatch_state_file")
+    engine = build_engine(engine_spec(conf),
+                          (lambda state: _write_ready(state_file, state + "\n")) if state_file else None)
+    plan = engine.compile_plan
+    if (plan is not None and plan.mode == "auto" and not plan.enabled
+            and getattr(engine, "background", None) is None   # it says so itself when done
+            and not any(m.error for m in plan.models)):       # (a failure already warned)
+        logger.info("%s: decoding eagerly: %s", engine.target_name, plan.reason)
+    return engine
 
 
-def _observe_compile(observer: observe.Observer, engine: Any) -> None:
-    """Once a background compile was adopted, its plan replaces the eager one in the metrics."""
-    plan = getattr(engine, "compile_plan", None)
-    if plan is not None and plan is not _OBSERVED.get("plan"):
-        _OBSERVED["plan"] = plan
-        observer.set_compile_plan(plan)
-
-
-def get_observer(conf: Any) -> observe.Observer:
-    """This process's metrics/traces hook (``specbatch_observe`` from ``specbatch worker``)."""
-    spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
-    return observe.start(target=spec["target"], drafters=spec.get("drafts") or (),
-                         worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
-                         batch_size=_rows_now(spec.get("batch_size")))
-
-
-def _rows_now(batch_size: Any) -> int | None:
-    """A fixed --batch-size, or with auto the autopilot's starting size (the gauge then follows
-    its choice after each chunk); None before the engine is loaded."""
+def _rows_now(batch_size: Any, engine: Engine | None) -> int | None:
+    """A fixed --batch-size, or with auto ``Engine.rows_now`` (the gauge then follows it after
+    each chunk); None before the engine is loaded."""
     if batch_size not in (None, "", "auto"):
         return int(batch_size)
-    pilot = getattr(_ENGINE.get("engine"), "autopilot", None)
-    return int(pilot.kept[0]) if pilot is not None else None
+    return engine.rows_now() if engine is not None else None
 
 
 def _write_ready(path: str | None, text: str) -> None:
@@ -145,13 +126,14 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
     ready = conf.get("specbatch_ready_file")
     if not conf.get("specbatch_engine"):
         return  # a plain `celery -A ... worker`: load lazily on first task
+    task = current_app.tasks[TASK_NAME]
     try:
-        engine = get_engine(conf)
+        task.prepare()
     except Exception as e:  # reported to the parent, which exits non-zero with this message
         logger.error("cannot load models: %s", e)
         _write_ready(ready, f"error\n{e}")
         return
-    get_observer(conf).set_compile_plan(engine.compile_plan)
+    engine = task.engine
     if getattr(engine, "background", None) is None:   # compile off (or nothing to compile): that is all there is
         _write_ready(conf.get("specbatch_state_file"), "ready (eager)\n")
     _write_ready(ready, "ok\n")
@@ -180,16 +162,123 @@ def _countdown(settings: Any, seconds: float) -> float:
 
 
 class EngineTask(Task):
-    """Holds the loaded engine for the process; ids in, nothing out (results live in our tables)."""
+    """The task class: Celery makes one instance per app in each worker process, so it holds what
+    the process keeps between tasks (Celery's task guide, "Instantiation"): the loaded engine, the
+    target's health, the queues refused, the compile plan the metrics show. Ids in, nothing out
+    (results live in our tables)."""
 
     ignore_result = True
     acks_late = True
     max_retries = MAX_RETRIES
     default_retry_delay = 1   # the worker-lost resend; Task's own default is 180 s
 
+    _engine: Engine | None = None
+    _shown_plan: Any = None   # the compile plan the metrics show
+
     @property
     def engine(self) -> Engine:
-        return get_engine(self.app.conf)
+        """This process's engine, loaded on first use (``worker_process_init`` does it early)."""
+        if self._engine is None:
+            self._engine = load_engine(self.app.conf)
+        return self._engine
+
+    def prepare(self) -> observe.Observer:
+        """Load the engine now (before consuming) and start this process's observer."""
+        engine = self.engine
+        observer = self.observer
+        observer.set_compile_plan(engine.compile_plan)
+        self._shown_plan = engine.compile_plan
+        return observer
+
+    @cached_property
+    def health(self) -> TargetHealth:
+        """Consecutive target failures of this process."""
+        return TargetHealth(get_settings().target_failure_limit)
+
+    @cached_property
+    def refused(self) -> set[str]:
+        """Queues this process refused a task of (a misconfigured worker)."""
+        return set()
+
+    @property
+    def observer(self) -> observe.Observer:
+        """This process's metrics/traces hook (``specbatch_observe`` from ``specbatch worker``)."""
+        conf = self.app.conf
+        spec, opts = engine_spec(conf), conf.get("specbatch_observe") or {}
+        return observe.start(target=spec["target"], drafters=spec.get("drafts") or (),
+                             worker=opts.get("worker") or socket.gethostname(), metrics=bool(opts.get("metrics")),
+                             batch_size=_rows_now(spec.get("batch_size"), self._engine))
+
+    def show_decoding(self, engine: Engine) -> None:
+        """After a chunk: what decoding keeps now on the gauges, and a background compile's plan
+        once it was adopted in place of the eager one."""
+        observer = self.observer
+        plan = getattr(engine, "compile_plan", None)
+        if plan is not None and plan is not self._shown_plan:
+            self._shown_plan = plan
+            observer.set_compile_plan(plan)
+        observer.set_decoding(batch_size=engine.rows_now(), speculation=engine.speculating_now())
+
+    def decoder_for(self, settings: Any, job_id: str) -> Engine | None:
+        """The engine for this task: None (this process's), the draft alone (lossy) for a
+        --fallback-draft job once the target is unhealthy; a Reject when this worker cannot take it."""
+        engine = None
+        if self.health.unhealthy and _fallback_ok(settings, job_id):
+            engine = draft_only(self.engine)
+        elif self.health.unhealthy:
+            raise _refuse(self, f"worker unhealthy after {self.health.failures} target failures "
+                                f"({self.health.last_error}); restart it")
+        if _queue(self) in self.refused:
+            raise _refuse(self, "this worker refused a task of this queue before")
+        return engine
+
+    def generate(self, settings: Any, engine: Engine, job_id: str, request_ids: list[int],
+                 worker: str) -> ChunkReport:
+        """Guard, then the chunk itself, traced, stopped at the next step if the job is cancelled."""
+        from specbatch.db import session_factory
+
+        reason = transact(session_factory(settings.database_url), refusal, job_id, request_ids,
+                          engine_spec(self.app.conf), settings.database_url)
+        if reason is not None:
+            raise _refuse(self, reason)
+        with tracing.continued(tracing.headers_of(self.request), "chunk",
+                               {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
+                                "specbatch.worker": worker}):
+            with CancelWatch(settings, job_id) as cancelled, interruptible(engine, cancelled):
+                report = process_chunk(settings, engine, request_ids, worker,
+                                       on_result=self.observer.on_result, should_stop=_should_stop)
+        self.show_decoding(engine)
+        return report
+
+    def wait_for_database(self, settings: Any, error: BaseException, job_id: str, worker: str) -> None:
+        """The database is down: stop consuming, probe until it answers, release what this
+        worker held, consume again."""
+        queue = _queue(self)
+        set_consuming(self.app, self.request.hostname, queue, on=False,
+                      reason=f"database unreachable: {str(error).splitlines()[0]}")
+        wait_until_up(probe_database(settings.database_url), what="the database",
+                      maximum=settings.breaker_max_backoff)
+        _release_mine(settings, job_id, worker)
+        set_consuming(self.app, self.request.hostname, queue, on=True)
+
+    def after_target_failure(self, settings: Any, job_id: str, worker: str, fallback: Engine | None,
+                             error: Exception) -> Engine:
+        """The target itself failed (out of memory, a CUDA error, ...): the rows are released;
+        a --fallback-draft job goes on with the draft alone (returned), else the task goes back
+        to the queue and enough failures in a row make this worker stop consuming."""
+        logger.exception("target failure on job %s", job_id)
+        _release_mine(settings, job_id, worker)
+        if fallback is None and _fallback_ok(settings, job_id):
+            fallback = draft_only(self.engine)
+            if fallback is not None:
+                logger.error("job %s: target failed; generating with the draft alone (LOSSY, "
+                             "--fallback-draft): results are flagged lossy", job_id)
+                return fallback
+        if self.health.failed(error):
+            set_consuming(self.app, self.request.hostname, _queue(self), on=False,
+                          reason=f"worker unhealthy: {self.health.failures} target failures in a row "
+                                 f"({self.health.last_error}); restart it once the device is fixed")
+        raise Reject(f"target failure: {error}", requeue=True) from error
 
 
 def _queue(task: Task) -> str | None:
@@ -197,12 +286,12 @@ def _queue(task: Task) -> str | None:
     return info.get("routing_key") or info.get("queue")
 
 
-def _refuse(task: Task, reason: str) -> Reject:
+def _refuse(task: EngineTask, reason: str) -> Reject:
     """Stop consuming this queue and send the task back to it for a worker that fits."""
     queue = _queue(task)
     logger.error("REFUSED task %s: %s; back to %s", task.request.id, reason, queue)
     if queue is not None:
-        _REFUSED.add(queue)
+        task.refused.add(queue)
     set_consuming(task.app, task.request.hostname, queue, on=False, reason=reason)
     return Reject(reason, requeue=True)
 
@@ -210,22 +299,21 @@ def _refuse(task: Task, reason: str) -> Reject:
 def _fallback_ok(settings: Any, job_id: str) -> bool:
     from specbatch.db import session_factory
 
-    def read() -> bool:
-        with session_factory(settings.database_url).begin() as s:
-            return allows_fallback(s, job_id)
-    return with_db_retry(read)
+    return transact(session_factory(settings.database_url), allows_fallback, job_id)
 
 
 def _release_mine(settings: Any, job_id: str, worker: str) -> list[int]:
     from specbatch.db import session_factory
+
+    return transact(session_factory(settings.database_url), _release, job_id, worker)
+
+
+def _release(s: Any, job_id: str, worker: str) -> list[int]:
     from specbatch.jobs import store
 
-    def release() -> list[int]:
-        with session_factory(settings.database_url).begin() as s:
-            ids = store.release_held_by(s, job_id, worker)
-            store.refresh_job(s, job_id)
-            return ids
-    return with_db_retry(release)
+    ids = store.release_held_by(s, job_id, worker)
+    store.refresh_job(s, job_id)
+    return ids
 
 
 @app.task(bind=True, base=EngineTask, name=TASK_NAME)
@@ -236,47 +324,15 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
     and requeued. Breaker (``specbatch.worker.breaker``): a database outage pauses this worker
     until the database answers; repeated target failures make it unhealthy.
     """
-    from specbatch.db import session_factory
-
     settings = get_settings()
-    observer = get_observer(self.app.conf)
-    queue = _queue(self)
-    engine = None   # the loaded engine; the draft alone (lossy) once the target failed on a fallback job
-    if _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy and _fallback_ok(settings, job_id):
-        engine = draft_only(self.engine)
-    elif _HEALTH.get("target") is not None and _HEALTH["target"].unhealthy:
-        raise _refuse(self, f"worker unhealthy after {_HEALTH['target'].failures} target failures "
-                            f"({_HEALTH['target'].last_error}); restart it")
-    if queue in _REFUSED:
-        raise _refuse(self, "this worker refused a task of this queue before")
+    fallback = self.decoder_for(settings, job_id)   # None: this process's engine
     worker = _worker_name(self)
-    health = _HEALTH.setdefault("target", TargetHealth(settings.target_failure_limit))
     while True:
         try:
-            def check() -> str | None:
-                with session_factory(settings.database_url).begin() as s:
-                    return refusal(s, job_id, request_ids, engine_spec(self.app.conf), settings.database_url)
-            reason = with_db_retry(check)
-            if reason is not None:
-                raise _refuse(self, reason)
-            with tracing.continued(tracing.headers_of(self.request), "chunk",
-                                   {"specbatch.job.id": job_id, "specbatch.request_ids": request_ids,
-                                    "specbatch.worker": worker}):
-                with CancelWatch(settings, job_id) as cancelled, interruptible(engine or self.engine, cancelled):
-                    report = process_chunk(settings, engine or self.engine, request_ids, worker,
-                                           on_result=observer.on_result, should_stop=_should_stop)
-            _observe_compile(observer, engine or self.engine)
-            pilot = getattr(engine or self.engine, "autopilot", None)
-            if pilot is not None:   # what the autopilot keeps now: the batch-size/speculation gauges
-                observer.set_decoding(batch_size=int(pilot.kept[0]), speculation=bool(pilot.kept[1]))
+            report = self.generate(settings, fallback or self.engine, job_id, request_ids, worker)
             break
-        except TRANSIENT_DB_ERRORS as e:   # the database is down: pause, probe, resume, go on
-            set_consuming(self.app, self.request.hostname, queue, on=False,
-                          reason=f"database unreachable: {str(e).splitlines()[0]}")
-            wait_until_up(probe_database(settings.database_url), what="the database",
-                          maximum=settings.breaker_max_backoff)
-            _release_mine(settings, job_id, worker)
-            set_consuming(self.app, self.request.hostname, queue, on=True)
+        except TRANSIENT_DB_ERRORS as e:
+            self.wait_for_database(settings, e, job_id, worker)
         except (KombuOperationalError, ConnectionError) as e:
             countdown = _countdown(settings, 2 ** min(self.request.retries, 6))
             logger.warning("chunk of job %s: transient error, retry in %ss: %s", job_id, countdown, e)
@@ -288,21 +344,9 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             logger.info("job %s cancelled: dropped %d request(s) this worker was generating", job_id,
                         len(dropped))
             return {"cancelled": dropped}
-        except Exception as e:   # the target itself failed (out of memory, a CUDA error, ...)
-            logger.exception("target failure on job %s", job_id)
-            _release_mine(settings, job_id, worker)
-            if engine is None and _fallback_ok(settings, job_id):
-                engine = draft_only(self.engine)
-                if engine is not None:
-                    logger.error("job %s: target failed; generating with the draft alone (LOSSY, "
-                                 "--fallback-draft): results are flagged lossy", job_id)
-                    continue
-            if health.failed(e):
-                set_consuming(self.app, self.request.hostname, queue, on=False,
-                              reason=f"worker unhealthy: {health.failures} target failures in a row "
-                                     f"({health.last_error}); restart it once the device is fixed")
-            raise Reject(f"target failure: {e}", requeue=True) from e
-    health.ok()
+        except Exception as e:
+            fallback = self.after_target_failure(settings, job_id, worker, fallback, e)
+    self.health.ok()
     if report.unstarted:  # warm shutdown: back to the queue, the finished part is skipped there
         raise Reject("worker shutting down", requeue=True)
     if report.held:  # another worker holds a lease on some: look again once it has expired

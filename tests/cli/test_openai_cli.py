@@ -222,3 +222,28 @@ def test_version() -> None:
 
     result = invoke("--version")
     assert result.exit_code == 0 and version("specbatch") in result.output
+
+
+def test_run_loads_the_jobs_own_pair_again_after_a_routed_pair(tiny_models: Path) -> None:
+    """Routes run in the order of their first request: a --model-map route first, then the lines
+    that name no mapped model (the job's own pair) must run on the job's target again, not on the
+    routed pair still loaded."""
+    from specbatch.engine import Engine, GenerationParams
+
+    llama, gpt2 = str(tiny_models / "llama"), str(tiny_models / "gpt2")
+    file = "\n".join([
+        _line("routed", "/v1/completions", {"model": "model-b", "prompt": "Once upon a time", "max_tokens": 6}),
+        _line("own", "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 6}),   # no model
+    ]) + "\n"
+    result = invoke("run", "-", "--model-map", f"model-b={gpt2}", "--target", llama, "--json",
+                    stdin=file.encode())
+    assert result.exit_code == 0, result.output
+    jid = json.loads(result.stdout)["id"]
+    out = invoke("export", jid).stdout
+    lines = {x["custom_id"]: x["response"]["body"] for x in map(json.loads, out.splitlines())}
+    params = GenerationParams(max_new_tokens=6)
+    assert lines["routed"]["model"] == gpt2 and lines["own"]["model"] == llama
+    assert lines["routed"]["choices"][0]["text"] == Engine.load(gpt2).generate(prompt="Once upon a time",
+                                                                               params=params).text
+    assert lines["own"]["choices"][0]["text"] == Engine.load(llama).generate(prompt="Once upon a time",
+                                                                             params=params).text

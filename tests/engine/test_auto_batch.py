@@ -9,7 +9,7 @@ from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.autopilot import check_batch_size
 from specbatch.engine.decoder import Decoder
 from specbatch.engine.drafter_specs import NGRAM
-from specbatch.engine.memory import SLACK, MemoryBudget, ModelShape, parse_bytes
+from specbatch.engine.memory import MAX_DRAFT, SLACK, MemoryBudget, ModelShape, parse_bytes, row_columns
 from specbatch.engine.policy import MeasuredPolicy, StepReport
 from tests.engine.test_batch import LENGTHS, PROMPTS
 from tests.engine.test_greedy_exact import target_greedy
@@ -56,6 +56,17 @@ def test_auto_outputs_equal_the_target_alone(load, drafts, ngram):
     assert report is not None and report["steps"] > 0
     if not drafts and not ngram:
         assert report["speculated_step_share"] == 0
+
+
+def test_rows_now_is_the_fixed_size_or_what_the_autopilot_keeps(load):
+    target = load("llama")
+    assert Engine(target, batch_size=3).rows_now() == 3
+    engine = Engine(target, [load("llama-partial")], batch_size="auto")
+    assert engine.rows_now() is None and engine.speculating_now()
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=4)) for p in PROMPTS[:3]]
+    dict(engine.generate_many(reqs))
+    assert engine.autopilot is not None
+    assert (engine.rows_now(), engine.speculating_now()) == engine.autopilot.kept
 
 
 def test_paused_rows_resume_with_the_same_text(load):
@@ -114,6 +125,32 @@ def test_row_estimate_follows_the_model_config(load):
     before = b.row_bytes(100, 4)
     b.check(1000 + SLACK + int(3 * 8 * before), 8, 100, 4)   # measured 3x the estimate for 8 rows
     assert b.row_bytes(100, 4) == pytest.approx(3 * before)
+
+
+def test_a_fixed_gamma_wider_than_adaptation_reaches_is_in_the_memory_estimate(load):
+    """Rules allow gamma up to 64 while adaptation stops at MAX_DRAFT: a row kept at 64 verifies
+    64 drafted positions, which its columns and the step's activations must be counted for."""
+    wide = GenerationParams(max_new_tokens=8, gamma=64, adaptive=False)
+    assert row_columns(10, wide) == 10 + 8 + 64 + 1
+    assert row_columns(10, GenerationParams(max_new_tokens=8)) == 10 + 8 + MAX_DRAFT + 1
+
+    class Seen(MemoryBudget):
+        def check(self, measured, rows, columns, gamma):
+            self.seen.append((columns, gamma))
+            super().check(measured, rows, columns, gamma)
+
+    target = load("llama")
+    budget = Seen(10**12, (ModelShape.of(target.model),))
+    budget.seen = []
+    reqs = [(0, target.tokenizer(PROMPTS[0])["input_ids"], wide)]
+    import torch
+
+    with torch.inference_mode():
+        got = dict(Decoder(target, Engine(target, [load("llama-partial")]).new_drafters(),
+                           MeasuredPolicy(limit=1), memory=budget).run(reqs))
+    assert got[0].token_ids == target_greedy(target, PROMPTS[0], 8)
+    steps = budget.seen[1:]                     # (the first call is the baseline)
+    assert steps and all(g == 64 and c >= len(reqs[0][1]) + 8 + 64 + 1 for c, g in steps)
 
 
 @pytest.mark.parametrize("text,value", [("8GiB", 8 * 1024**3), ("512MB", 512 * 10**6), ("1.5 gb", 1.5e9),

@@ -306,7 +306,7 @@ def test_warmup_and_fixed_gamma():
     ctl.observe(4, 4)
     ctl.observe(4, 4)
     assert ctl.gamma == 4                              # its own acceptance is not yet trusted
-    fixed = GammaController(costs(0.02, flat(0.05)), gamma=4, adaptive=False)
+    fixed = GammaController(costs(0.02, flat(0.05)), gamma=4, fixed=True)
     for _ in range(50):
         fixed.observe(fixed.next_gamma(), 0)
     assert fixed.gamma == 4 and not fixed.off and not fixed.ever_off

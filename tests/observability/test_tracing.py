@@ -37,10 +37,9 @@ def inprocess_worker(cluster: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """A real Celery worker (solo pool) in this process, on the cluster's Redis, holding tiny models."""
     from celery.contrib.testing.worker import start_worker
 
-    from specbatch.worker import tasks
+    from specbatch.worker import tasks  # noqa: F401  (registers the task on the new app)
     from specbatch.worker.app import create_app
 
-    monkeypatch.setattr(tasks, "_ENGINE", {})
     app = create_app(cluster.settings)
     app.conf.update(task_default_queue=cluster.queue(), specbatch_observe={"worker": "obs@test"},
                     specbatch_engine={"target": str(cluster.models / "llama"),

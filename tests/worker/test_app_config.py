@@ -10,7 +10,7 @@ import pytest
 from specbatch.config import Settings
 from specbatch.engine.compile.decision import CompilePlan
 from specbatch.engine.compile.record import CompileReport
-from specbatch.worker.app import celery_config
+from specbatch.worker.app import celery_config, create_app
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.queues import queue_name
 
@@ -49,9 +49,10 @@ def test_chunks() -> None:
 def test_a_worker_logs_why_auto_decodes_eagerly(plan, logged, monkeypatch, caplog) -> None:  # noqa: ANN001
     from specbatch.worker import tasks
 
-    monkeypatch.setattr(tasks, "_ENGINE", {})
     monkeypatch.setattr(tasks, "build_engine", lambda spec, *_: SimpleNamespace(compile_plan=plan, target_name="t"))
+    app = create_app(Settings())
+    app.conf.specbatch_engine = {"target": "t"}
+    task = app.tasks[tasks.TASK_NAME]           # the process's instance of the task class
     with caplog.at_level(logging.INFO, logger="specbatch.worker.tasks"):
-        tasks.get_engine({"specbatch_engine": {"target": "t"}})
-        tasks.get_engine({"specbatch_engine": {"target": "t"}})    # loaded once: said once
+        assert task.engine is task.engine       # loaded once: said once
     assert [r.getMessage() for r in caplog.records if "eager" in r.getMessage()] == logged

@@ -15,6 +15,9 @@ from specbatch.worker.chunk import process_chunk
 class FakeEngine:
     batch_size = 1
 
+    def rows_now(self):   # as Engine's before the autopilot decoded anything
+        return None if self.batch_size == "auto" else self.batch_size
+
     def generate_many(self, requests, batch_size=None, on_start=None):
         if on_start is not None:
             on_start(list(range(len(requests))))
@@ -82,6 +85,14 @@ def test_auto_passes_auto_and_batch_one_never_claims_ahead(tmp_path):
     one = RecordingEngine(1)
     report = process_chunk(settings, one, ids[16:18], "w2")
     assert one.calls == [(1, 1), (1, 1)] and sorted(report.completed) == ids[16:18]
+
+
+def test_auto_claims_for_what_the_autopilot_keeps_once_it_is_above_8(tmp_path):
+    settings, _, ids = _job(tmp_path, 80)
+    auto = RecordingEngine("auto")
+    auto.rows_now = lambda: 32                                  # the autopilot keeps 32 rows now
+    process_chunk(settings, auto, ids[:2], "w1")
+    assert auto.calls == [(64, "auto")]                         # 2 x 32
 
 
 class DiesMidBatch(FakeEngine):
