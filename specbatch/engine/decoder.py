@@ -115,7 +115,12 @@ class Decoder:
         waiting = deque(requests)
         self.forks = dict(forks or {})
         if self.prefixes is not None:
-            lengths = shared_prefixes([ids for _, ids, _ in waiting])
+            # a request counts once in the trie: its samples (forks) have its prompt, and
+            # prefill it once anyway (they fork from one), so they take its length, not a
+            # prefix of their own that n copies of one prompt would seem to share
+            own = [r for r in waiting if self.forks.get(r[0], r[0]) == r[0]]
+            by_request = dict(zip((i for i, _, _ in own), shared_prefixes([ids for _, ids, _ in own])))
+            lengths = [by_request.get(self.forks.get(i, i), 0) for i, _, _ in waiting]
             self.shared = {i: n for (i, _, _), n in zip(waiting, lengths) if n}
             # rows sharing a prefix join together (each group where its first request was)
             groups: dict[object, list[Request]] = {}

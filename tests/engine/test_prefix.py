@@ -191,3 +191,32 @@ def test_paused_rows_resume_from_the_stored_prefix(load):
             assert sum(f[:50] == prefix for f in CountingCache.feeds) == 1
     assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
     assert sorted(o.stats.cached_prompt_tokens for o in outs[True].values()) == [0] + [50] * 5
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_a_requests_samples_count_once_in_the_trie(load, batch):
+    """n samples of one request are one prompt, prefilled once and forked: not a prefix shared by
+    n requests (nothing stored for it). Two requests sharing a prefix, 3 samples each: the prefix
+    is computed once, stored once, and every sample of both reads it."""
+    target = load("llama")
+    prefix = corpus_ids(target, 40)
+    alone = corpus_ids(target, 30, skip=500)
+    prompts = [alone] * 4 + [prefix + [60] + corpus_ids(target, 3, skip=300)] * 3 \
+        + [prefix + [61] + corpus_ids(target, 5, skip=320)] * 3
+    forks = {0: 0, 1: 0, 2: 0, 3: 0, 4: 4, 5: 4, 6: 4, 7: 7, 8: 7, 9: 7}
+    params = GenerationParams(max_new_tokens=4, adaptive=False)
+    CountingCache.feeds = []
+    store = PrefixStore(10**9)
+    decoder = Decoder(target, [], MeasuredPolicy(batch, {}), backend=lambda n: CountingCache(target, n),
+                      prefixes=store)
+    with torch.inference_mode():
+        out = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)], forks=forks))
+    assert list(store.entries) == [tuple(prefix)]
+    assert [out[i].stats.cached_prompt_tokens for i in range(10)] == [0] * 5 + [40] * 5   # 4 computes it
+    assert sum(f[:29] == alone[:29] for f in CountingCache.feeds) == 1     # one prefill, forked
+    assert sum(f[:40] == prefix for f in CountingCache.feeds) == 1
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            ref = target.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                        max_new_tokens=4, do_sample=False, pad_token_id=0)
+            assert out[i].token_ids == ref[0, len(p):].tolist()[: len(out[i].token_ids)]
