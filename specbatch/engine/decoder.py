@@ -150,18 +150,36 @@ class Decoder:
         resuming: list[Row] = []
         joining: list[Request] = []
         cols = max((row_columns(len(r.ids) - len(r.generated), r.params) for r in self.rows), default=0)
+        # the prefixes the joining rows compute are stored before the rows run: count them now
+        # (up to the store's budget: it evicts to make room)
+        computing: set[tuple[int, ...]] = set()
+        reserving = 0
         while len(self.rows) + len(resuming) + len(joining) < limit and (paused or waiting):
             need = row_columns(len(paused[0].ids) - len(paused[0].generated), paused[0].params) if paused \
                 else row_columns(len(waiting[0][1]), waiting[0][2])
             n = len(self.rows) + len(resuming) + len(joining) + 1
-            if self.memory is not None and not self.memory.fits(n, max(cols, need), MAX_DRAFT):
+            key = self._new_prefix(waiting[0]) if not paused else None
+            more = reserving
+            if key is not None and key not in computing and self.memory is not None and self.prefixes is not None:
+                more = min(reserving + len(key) * self.memory.kv_bytes_per_token,
+                           max(0, self.prefixes.budget - self.memory.reserved))
+            if self.memory is not None and not self.memory.fits(n, max(cols, need), MAX_DRAFT, more):
                 break
-            cols = max(cols, need)
+            if key is not None:
+                computing.add(key)
+            cols, reserving = max(cols, need), more
             if paused:
                 resuming.append(paused.popleft())
             else:
                 joining.append(waiting.popleft())
         return resuming, joining
+
+    def _new_prefix(self, req: Request) -> tuple[int, ...] | None:
+        """The shared prefix ``req`` would compute on joining (one not stored yet), or None."""
+        n = self.shared.get(req[0], 0)
+        if not n or self.prefixes is None or self.prefixes.holds(req[1][:n], self.pool):
+            return None
+        return tuple(req[1][:n])
 
     def _pause(self, n: int) -> list[Row]:
         """The newest ``n`` rows leave the batch with their state (they resume later)."""
