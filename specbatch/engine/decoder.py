@@ -115,7 +115,12 @@ class Decoder:
         waiting = deque(requests)
         self.forks = dict(forks or {})
         if self.prefixes is not None:
-            lengths = shared_prefixes([ids for _, ids, _ in waiting])
+            # a request counts once in the trie: its samples (forks) have its prompt, and
+            # prefill it once anyway (they fork from one), so they take its length, not a
+            # prefix of their own that n copies of one prompt would seem to share
+            own = [r for r in waiting if self.forks.get(r[0], r[0]) == r[0]]
+            by_request = dict(zip((i for i, _, _ in own), shared_prefixes([ids for _, ids, _ in own])))
+            lengths = [by_request.get(self.forks.get(i, i), 0) for i, _, _ in waiting]
             self.shared = {i: n for (i, _, _), n in zip(waiting, lengths) if n}
             # rows sharing a prefix join together (each group where its first request was)
             groups: dict[object, list[Request]] = {}
@@ -146,19 +151,37 @@ class Decoder:
         joining: list[Request] = []
         cols = max((self._columns(r) for r in self.rows), default=0)
         width = max((draft_width(r.params, self.default_gamma) for r in self.rows), default=MAX_DRAFT)
+        # the prefixes the joining rows compute are stored before the rows run: count them now
+        # (up to the store's budget: it evicts to make room)
+        computing: set[tuple[int, ...]] = set()
+        reserving = 0
         while len(self.rows) + len(resuming) + len(joining) < limit and (paused or waiting):
             need = self._columns(paused[0]) if paused \
                 else row_columns(len(waiting[0][1]), waiting[0][2], self.default_gamma)
             wide = draft_width(paused[0].params if paused else waiting[0][2], self.default_gamma)
             n = len(self.rows) + len(resuming) + len(joining) + 1
-            if self.memory is not None and not self.memory.fits(n, max(cols, need), max(width, wide)):
+            key = self._new_prefix(waiting[0]) if not paused else None
+            more = reserving
+            if key is not None and key not in computing and self.memory is not None and self.prefixes is not None:
+                more = min(reserving + len(key) * self.memory.kv_bytes_per_token,
+                           max(0, self.prefixes.budget - self.memory.reserved))
+            if self.memory is not None and not self.memory.fits(n, max(cols, need), max(width, wide), more):
                 break
-            cols, width = max(cols, need), max(width, wide)
+            if key is not None:
+                computing.add(key)
+            cols, width, reserving = max(cols, need), max(width, wide), more
             if paused:
                 resuming.append(paused.popleft())
             else:
                 joining.append(waiting.popleft())
         return resuming, joining
+
+    def _new_prefix(self, req: Request) -> tuple[int, ...] | None:
+        """The shared prefix ``req`` would compute on joining (one not stored yet), or None."""
+        n = self.shared.get(req[0], 0)
+        if not n or self.prefixes is None or self.prefixes.holds(req[1][:n], self.pool):
+            return None
+        return tuple(req[1][:n])
 
     def _pause(self, n: int) -> list[Row]:
         """The newest ``n`` rows leave the batch with their state (they resume later)."""

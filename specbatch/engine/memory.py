@@ -127,8 +127,15 @@ class MemoryBudget:
         long for the budget still runs, alone)."""
         return max(1, int(self.rows_budget // max(self.row_bytes(columns, gamma), 1.0)))
 
-    def fits(self, rows: int, columns: int, gamma: int) -> bool:
-        return rows <= 1 or rows * self.row_bytes(columns, gamma) <= self.rows_budget
+    def fits(self, rows: int, columns: int, gamma: int, reserving: int = 0) -> bool:
+        """``reserving``: bytes about to be reserved beside the rows (prefixes their admission
+        computes)."""
+        return rows <= 1 or rows * self.row_bytes(columns, gamma) <= self.rows_budget - reserving
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """One token's KV in every model (what a stored prefix holds per token)."""
+        return sum(s.kv_bytes_per_token for s in self.shapes)
 
     @property
     def rows_budget(self) -> int:

@@ -108,6 +108,11 @@ class PrefixStore:
                 return e
         return None
 
+    def holds(self, tokens: Sequence[int], models: tuple[str, ...]) -> bool:
+        """Whether exactly this prefix is stored for this pool (its place in the LRU order kept)."""
+        e = self.entries.get(tuple(tokens))
+        return e is not None and e.models == models
+
     def put(self, entry: PrefixEntry) -> bool:
         """Keep ``entry``, evicting the least recently used ones; False when it alone exceeds
         the budget (then nothing is evicted for it)."""

@@ -211,6 +211,7 @@ def _claim_ahead(s: Any, settings: Settings, claimed: list[Any], worker: str, ba
     chunk size follows the batch size): up to 2 x batch rows in all. The tasks that carry those
     ids find them finished (or held) and skip them."""
     from specbatch.jobs import store
+    from specbatch.jobs.prefix_order import ahead_ordered
 
     want = 2 * batch - len(claimed)
     if want <= 0:
@@ -223,7 +224,9 @@ def _claim_ahead(s: Any, settings: Settings, claimed: list[Any], worker: str, ba
     # only requests routed to the same pair (--model-map): another pair's worker owns the rest
     routes = store.request_routes(s, job_id, [first, *pending])
     same = next(ids for ids in routes.values() if first in ids)
-    ids = [i for i in same if i not in mine][:want]
+    # requests whose prompt shares the batch's prefix first (engine/prefix.py computes it once
+    # per decode): in id order a job's prefixes interleave
+    ids = ahead_ordered(s, [c.id for c in claimed], [i for i in same if i not in mine])[:want]
     return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
         if ids else []
 

@@ -17,6 +17,7 @@ from specbatch.engine.cache import BatchCache
 from specbatch.engine.decoder import Decoder
 from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.drafters import ModelDrafter
+from specbatch.engine.memory import MemoryBudget
 from specbatch.engine.policy import MeasuredPolicy
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from tests.tiny import CORPUS
@@ -191,3 +192,78 @@ def test_paused_rows_resume_from_the_stored_prefix(load):
             assert sum(f[:50] == prefix for f in CountingCache.feeds) == 1
     assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
     assert sorted(o.stats.cached_prompt_tokens for o in outs[True].values()) == [0] + [50] * 5
+
+
+@pytest.mark.parametrize("batch", [4, 8])
+def test_a_requests_samples_count_once_in_the_trie(load, batch):
+    """n samples of one request are one prompt, prefilled once and forked: not a prefix shared by
+    n requests (nothing stored for it). Two requests sharing a prefix, 3 samples each: the prefix
+    is computed once, stored once, and every sample of both reads it."""
+    target = load("llama")
+    prefix = corpus_ids(target, 40)
+    alone = corpus_ids(target, 30, skip=500)
+    prompts = [alone] * 4 + [prefix + [60] + corpus_ids(target, 3, skip=300)] * 3 \
+        + [prefix + [61] + corpus_ids(target, 5, skip=320)] * 3
+    forks = {0: 0, 1: 0, 2: 0, 3: 0, 4: 4, 5: 4, 6: 4, 7: 7, 8: 7, 9: 7}
+    params = GenerationParams(max_new_tokens=4, adaptive=False)
+    CountingCache.feeds = []
+    store = PrefixStore(10**9)
+    decoder = Decoder(target, [], MeasuredPolicy(batch, {}), backend=lambda n: CountingCache(target, n),
+                      prefixes=store)
+    with torch.inference_mode():
+        out = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)], forks=forks))
+    assert list(store.entries) == [tuple(prefix)]
+    assert [out[i].stats.cached_prompt_tokens for i in range(10)] == [0] * 5 + [40] * 5   # 4 computes it
+    assert sum(f[:29] == alone[:29] for f in CountingCache.feeds) == 1     # one prefill, forked
+    assert sum(f[:40] == prefix for f in CountingCache.feeds) == 1
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            ref = target.model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                        max_new_tokens=4, do_sample=False, pad_token_id=0)
+            assert out[i].token_ids == ref[0, len(p):].tolist()[: len(out[i].token_ids)]
+
+
+@pytest.mark.parametrize("batch", [2, 8])
+def test_a_job_with_more_distinct_prefixes_than_the_store_holds_keeps_its_budget(load, monkeypatch, batch):
+    """Six prompt prefixes, three requests each, one run under a memory cap whose prefix share
+    holds two: at every insertion the store is within its budget, the least recently used prefix
+    goes, the budget's rows get what the store does not hold, and outputs are those without it."""
+    target = load("llama")
+    per_entry = 128 * 2 * 2 * 16 * 2 * 4             # 128 tokens x layers x kv heads x head dim x (K, V) x fp32
+    cap = 780_000       # a quarter: room for two prefixes; the rest: two rows (256,000 B each, estimated)
+    puts: list[tuple[int, int, int]] = []
+    put = PrefixStore.put
+
+    def recording(self, entry):
+        kept = put(self, entry)
+        puts.append((self.nbytes, self.budget, self.evictions))
+        return kept
+
+    steps: list[tuple[int, float]] = []            # (rows, their estimated bytes + the store's)
+    check = MemoryBudget.check
+
+    def checking(self, measured, rows, columns, gamma):
+        steps.append((rows, rows * self.row_bytes(columns, gamma) + self.reserved))
+        return check(self, measured, rows, columns, gamma)
+
+    monkeypatch.setattr(PrefixStore, "put", recording)
+    monkeypatch.setattr(MemoryBudget, "check", checking)
+    groups = [corpus_ids(target, 128, skip=128 * g) for g in range(6)]
+    params = GenerationParams(max_new_tokens=3, adaptive=False)
+    reqs = [EngineRequest(input_ids=g + [50 + i] + corpus_ids(target, 3, skip=400 + 5 * i), params=params)
+            for g in groups for i in range(3)]
+    engine = Engine(target, [NGRAM], max_memory=cap)
+    on = dict(engine.generate_many(reqs, batch_size=batch))
+    off = dict(Engine(target, [NGRAM], max_memory=cap, prefix_cache=False).generate_many(reqs, batch_size=batch))
+    assert engine.prefixes is not None and engine.prefixes.budget == cap // 4
+    assert len(puts) == 6                                          # each prefix computed once
+    assert all(nbytes <= budget for nbytes, budget, _ in puts)
+    assert [e for _, _, e in puts] == [0, 0, 1, 2, 3, 4]            # from the third on, one out each
+    assert list(engine.prefixes.entries) == [tuple(groups[4]), tuple(groups[5])]   # the newest two
+    assert engine.memory is not None and engine.memory.reserved == engine.prefixes.nbytes == 2 * per_entry
+    assert engine.memory.rows_budget == cap - 2 * per_entry
+    # the run's peak as the budget counts it: every step's rows and the store within the cap
+    # (the process's resident set cannot tell: these prefixes are 64 KiB)
+    assert max(r for r, _ in steps) > 1 and all(r <= 1 or used <= cap for r, used in steps)
+    assert {i: o.token_ids for i, o in on.items()} == {i: o.token_ids for i, o in off.items()}
+    assert sorted(o.stats.cached_prompt_tokens for o in on.values()) == [0] * 6 + [128] * 12

@@ -9,7 +9,7 @@ from specbatch import db
 from specbatch.jobs import export, store
 from specbatch.jobs.batches import usage_of
 from specbatch.jobs.intake import ParsedRequest
-from specbatch.jobs.prefix_order import group_by_prefix
+from specbatch.jobs.prefix_order import group_by_prefix, mates_first
 from specbatch.jobs.stats import job_stats
 from tests.jobs.test_store import PARAMS, output
 
@@ -21,6 +21,13 @@ def test_requests_sharing_a_prompt_prefix_are_grouped_where_the_first_one_was():
     assert group_by_prefix([10, 11, 12, 13, 14, 15], texts) == [10, 13, 15, 11, 12, 14]
     # nothing shared: the order is kept as it was
     assert group_by_prefix([3, 1, 2], ["a" * 80, "b" * 80, "c" * 80]) == [3, 1, 2]
+
+
+def test_claiming_ahead_takes_the_batchs_prefix_mates_first_then_the_others_grouped():
+    other = "Z" * 70
+    texts = ["short", other + "1", SYSTEM + "Q2", "x" * 70, other + "2", SYSTEM + "Q3"]
+    assert mates_first([SYSTEM + "Q1"], [1, 2, 3, 4, 5, 6], texts) == [3, 6, 1, 2, 5, 4]
+    assert mates_first(["hi"], [1, 2, 3], ["hi", "hi", "hi"]) == [1, 2, 3]     # nothing long: as they came
 
 
 def _job(url: str, prompts: list[str]) -> tuple[str, list[int]]:

@@ -25,12 +25,12 @@ class FakeEngine:
             yield i, GenerationOutput("ok", [1, 2], "length", GenerationStats(new_tokens=2, verify_steps=1))
 
 
-def _job(tmp_path, n):
+def _job(tmp_path, n, prompt=lambda i: "hi"):
     from specbatch.db import session_factory
 
     settings = Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite'}")
     path = tmp_path / "p.jsonl"
-    path.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": "hi"}) + "\n" for i in range(n)))
+    path.write_text("".join(json.dumps({"custom_id": f"r{i}", "prompt": prompt(i)}) + "\n" for i in range(n)))
     parsed = intake.parse_file(path, {}, settings)
     with session_factory(settings.database_url).begin() as s:
         job = store.create_job(s, target="t", drafts=["d"], params={}, requests=parsed, queue="q")
@@ -75,6 +75,22 @@ def test_a_batch_larger_than_the_chunk_claims_ahead_and_tasks_skip_what_it_took(
     assert sorted(report.completed) == ids[:8]
     later = process_chunk(settings, engine, ids[2:6], "w2")     # the task that carried those ids
     assert later.completed == [] and sorted(later.finished) == ids[2:6]
+
+
+class PromptEngine(RecordingEngine):
+    def generate_many(self, requests, batch_size=None, on_start=None):
+        self.prompts = [r.prompt for r in requests]
+        yield from super().generate_many(requests, batch_size, on_start)
+
+
+def test_claiming_ahead_takes_the_requests_sharing_the_batchs_prompt_prefix_first(tmp_path):
+    """Two long system prompts alternate in id order; a chunk of two A requests (as prefix order
+    cuts them) tops its batch up with the other A requests first, then B ones, together."""
+    a, b = "A" * 80 + " question ", "B" * 80 + " question "
+    settings, _, ids = _job(tmp_path, 16, lambda i: (a if i % 2 == 0 else b) + str(i))
+    engine = PromptEngine(5)
+    process_chunk(settings, engine, [ids[0], ids[2]], "w1")       # 2 of its own + 8 claimed ahead
+    assert sorted(p[0] for p in engine.prompts) == ["A"] * 8 + ["B"] * 2
 
 
 def test_auto_passes_auto_and_batch_one_never_claims_ahead(tmp_path):
