@@ -30,11 +30,24 @@ def cache_length(cache: DynamicCache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+def _in_use(buf: str, used: str) -> Any:
+    """A layer's ``keys`` or ``values``: a view of the buffer's columns in use. Assigning a whole
+    tensor (transformers' own code, BatchCache's joins and compaction) makes it the buffer, with no
+    spare room."""
+    def get(layer: Any) -> torch.Tensor | None:
+        return _used(getattr(layer, buf), getattr(layer, used))
+
+    def put(layer: Any, value: torch.Tensor | None) -> None:
+        setattr(layer, buf, value)
+        setattr(layer, used, _width(value))
+    return property(get, put)
+
+
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that writes new columns in place into a buffer with spare columns.
 
     ``DynamicLayer.update`` concatenates: every step copies the whole cache of every layer, which
-    for 32 rows of 300 tokens is most of what a decode step moves through memory. Here a step
+    for 32 rows of 300 tokens is a large share of what a decode step moves through memory. Here a step
     writes its own columns only and the buffer grows by a quarter when full (each column is copied
     a few times in all, not once per step). Readers see ``keys`` / ``values`` as views of the
     first ``n`` columns: the same values in the same order, so attention computes the same sums.
@@ -42,23 +55,10 @@ class GrowingLayer(DynamicLayer):
 
     # columns in use, kept apart for keys and values: callers replace the two one after the other
     _nk = _nv = 0
-
-    @property                     # type: ignore[override]
-    def keys(self) -> torch.Tensor | None:
-        return _used(self._k, self._nk)
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        # a whole new tensor (from transformers or BatchCache's joins and compaction): no spare room
-        self._k, self._nk = value, _width(value)
-
-    @property                     # type: ignore[override]
-    def values(self) -> torch.Tensor | None:
-        return _used(self._v, self._nv)
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._v, self._nv = value, _width(value)
+    _k: torch.Tensor | None
+    _v: torch.Tensor | None
+    keys = _in_use("_k", "_nk")       # type: ignore[assignment]
+    values = _in_use("_v", "_nv")     # type: ignore[assignment]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
