@@ -31,7 +31,7 @@ import torch
 
 from specbatch.bench import bound as bnd
 from specbatch.bench.costs import CostSampler, CostTable
-from specbatch.bench.llamacpp import LlamaCppRunner, open_runner
+from specbatch.bench.llamacpp import LlamaCppRunner, open_for_target
 from specbatch.bench.llamacpp import summarise as llama_cpp_summary
 from specbatch.bench.prompts import BenchPrompt, load_prompts, select
 from specbatch.bench.runners import (
@@ -40,6 +40,7 @@ from specbatch.bench.runners import (
     EngineRunner,
     HFRunner,
     RunOutput,
+    first_difference,
 )
 from specbatch.engine.drafter_specs import DrafterSpec
 from specbatch.engine.loading import LoadedModel, load_model
@@ -194,13 +195,6 @@ class _Acc:
         self.runs += 1
         if out.stats is not None:
             self.stats.append(out.stats)
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def _acceptance(stats: list[Any]) -> dict[str, Any]:
@@ -454,11 +448,7 @@ def _open_llama_cpp(opts: BenchOptions, target: LoadedModel) -> tuple[LlamaCppRu
     it cannot run here (not installed: the build line)."""
     if not opts.llama_cpp:
         return None, {"status": "off"}
-    from specbatch.config import get_settings
-    from specbatch.engine.model_files import gguf_path
-
-    gguf = gguf_path(opts.target, opts.cache_dir or get_settings().cache_dir)
-    return open_runner(gguf, torch.get_num_threads(), target.eos_token_ids, opts.random_weights)
+    return open_for_target(opts.target, opts.cache_dir, target.eos_token_ids, opts.random_weights)
 
 
 def _compile_summary(plan: Any, opts: BenchOptions) -> dict[str, Any] | None:

@@ -38,6 +38,20 @@ def import_llama_cpp() -> tuple[Any, str | None]:
     return llama_cpp, None
 
 
+Limits = int | Sequence[int]      # new tokens: one limit for every prompt, or one per prompt
+
+
+def _limits(max_new_tokens: Limits, prompts: Sequence[Sequence[int]]) -> list[int]:
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * len(prompts)
+    return list(max_new_tokens)
+
+
+def _cells(prompts: Sequence[Sequence[int]], limits: list[int]) -> int:
+    """KV cells one sequence needs: the longest prompt plus its new tokens."""
+    return max(len(p) + n for p, n in zip(prompts, limits, strict=True))
+
+
 @dataclass
 class _Slot:
     """One sequence of the batch: its llama.cpp seq_id, the tokens still to feed, its output."""
@@ -89,16 +103,18 @@ class LlamaCpp:
         self.shape = (n_seq, per_seq)
         return self.ctx
 
-    def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int) -> None:
+    def prepare(self, prompts: Sequence[Sequence[int]], max_new_tokens: Limits, batch_size: int) -> None:
         """Make the context ``generate`` will use now, outside anything timed."""
-        self._context(min(batch_size, len(prompts)), max(len(p) for p in prompts) + max_new_tokens)
+        self._context(min(batch_size, len(prompts)), _cells(prompts, _limits(max_new_tokens, prompts)))
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int,
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: Limits, batch_size: int,
                  eos: frozenset[int]) -> list[list[int]]:
-        """Greedy continuations of every prompt (new tokens, cut before the first EOS), up to
-        ``batch_size`` sequences decoding together in each ``llama_decode``."""
+        """Greedy continuations of every prompt (new tokens, cut before the first EOS, at most
+        ``max_new_tokens``: one for all, or one per prompt), up to ``batch_size`` sequences decoding
+        together in each ``llama_decode``."""
         lib = self.lib
-        ctx = self._context(min(batch_size, len(prompts)), max(len(p) for p in prompts) + max_new_tokens)
+        limits = _limits(max_new_tokens, prompts)
+        ctx = self._context(min(batch_size, len(prompts)), _cells(prompts, limits))
         mem = lib.llama_get_memory(ctx)
         lib.llama_memory_clear(mem, True)
         outs: list[list[int]] = [[] for _ in prompts]
@@ -142,7 +158,7 @@ class LlamaCpp:
                     start(slot)
                     continue
                 slot.out.append(tok)
-                if len(slot.out) >= max_new_tokens:
+                if len(slot.out) >= limits[slot.row]:
                     start(slot)
                 else:
                     slot.pending = [tok]
@@ -179,7 +195,7 @@ class LlamaCppRunner:
         out = self.llama.generate([ids], max_new_tokens, 1, self.eos)
         return RunOutput(out[0], time.perf_counter() - t0)
 
-    def batch(self, batch_ids: list[list[int]], max_new_tokens: int, batch_size: int
+    def batch(self, batch_ids: list[list[int]], max_new_tokens: Limits, batch_size: int
               ) -> tuple[list[list[int]], float]:
         self.llama.prepare(batch_ids, max_new_tokens, batch_size)
         t0 = time.perf_counter()
@@ -212,6 +228,19 @@ def open_runner(gguf: Path | None, threads: int, eos: frozenset[int], random_wei
     info.update(status="ran", gguf=str(gguf), threads=threads, n_vocab=llama.n_vocab,
                 version=getattr(lib, "__version__", None))
     return LlamaCppRunner(llama, eos), info
+
+
+def open_for_target(target: str, cache_dir: str | None, eos: frozenset[int], random_weights: bool = False
+                    ) -> tuple[LlamaCppRunner | None, dict[str, Any]]:
+    """``open_runner`` on the target's own GGUF file (by its name, as the bench loads it) at this
+    process's torch threads: the threads ours decode with."""
+    import torch
+
+    from specbatch.config import get_settings
+    from specbatch.engine.model_files import gguf_path
+
+    gguf = gguf_path(target, cache_dir or get_settings().cache_dir)
+    return open_runner(gguf, torch.get_num_threads(), eos, random_weights)
 
 
 def summarise(info: dict[str, Any], configs: list[dict[str, Any]],

@@ -53,6 +53,14 @@ def cut_at_eos(tokens: Sequence[int], eos: frozenset[int]) -> list[int]:
     return out
 
 
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first position where two outputs differ (the shorter's length where one extends the other)."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

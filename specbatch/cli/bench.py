@@ -57,14 +57,16 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
                    "eager interleaved, compile time reported; auto: on when the compile cache holds it.")
 @click.option("--llama-cpp/--no-llama-cpp", "llama_cpp", default=True, show_default=True,
               help="The llama.cpp baseline on the target's GGUF file (B=1, and each --batch-sizes B in one "
-                   "llama_batch); skipped with the build line where llama-cpp-python is not installed.")
+                   "llama_batch; in job mode llama-cpp[B=b] per batch size); skipped with the build line "
+                   "where llama-cpp-python is not installed.")
 @click.option("--quick", is_flag=True, help="A small subset: about 2-3 minutes on the default pair.")
 @click.option("--telemetry", is_flag=True,
               help="Instead: the worker's chunk loop with tracing + metrics on vs off, interleaved "
                    "[6 prompts x 32 tokens, 3 repeats].")
 @click.option("--job", "job_file", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Job mode: this whole prompt file end to end per configuration (ours-auto, ours at fixed "
-                   "B with and without speculation, HF generate at the same B, HF assisted at B=1).")
+                   "B with and without speculation, HF generate and llama.cpp at the same B, HF assisted "
+                   "at B=1).")
 @click.option("--structured", is_flag=True,
               help="Instead: a JSON-schema job, grammar drafting on vs off and vs plain constrained decoding, "
                    "at the autopilot's choice and at each --batch-sizes [auto,1,4,16; quick auto,1,8].")
@@ -114,7 +116,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
 
         bench_job(settings, job_file, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
                   max_new_tokens, repeats, out_dir, as_json, device, dtype, quick,
-                  shared_prefix=shared_prefix, prefix_cache=not no_prefix_cache)
+                  shared_prefix=shared_prefix, prefix_cache=not no_prefix_cache, llama_cpp=llama_cpp)
         return
     if no_prefix_cache:
         raise click.UsageError("--no-prefix-cache is for job mode (--job FILE): the other modes' prompts "

@@ -16,7 +16,8 @@ from specbatch.config import Settings
 def bench_job(settings: Settings, file: str | None, target: str | None, drafts: tuple[str, ...],
               sizes: tuple[int, ...] | None, num_prompts: int | None, max_new_tokens: int | None,
               repeats: int | None, out_dir: str, as_json: bool, device: str | None, dtype: str | None,
-              quick: bool, *, shared_prefix: int | None = None, prefix_cache: bool = True) -> None:
+              quick: bool, *, shared_prefix: int | None = None, prefix_cache: bool = True,
+              llama_cpp: bool = True) -> None:
     """``file`` None: ``shared_prefix`` tokens, a generated file (specbatch/bench/shared_prefix.py)."""
     from specbatch.bench import shared_prefix as sp
     from specbatch.bench.job import (
@@ -51,7 +52,8 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
         "draft": drafts[0] if drafts else settings.default_draft, "batch_sizes": sizes,
         "max_new_tokens": max_new_tokens, "num_prompts": num_prompts, "repeats": repeats,
         "device": device or settings.device, "dtype": dtype or settings.dtype,
-        "cache_dir": settings.cache_dir or None, "shared_prefix": shared_prefix, "prefix_cache": prefix_cache}
+        "cache_dir": settings.cache_dir or None, "shared_prefix": shared_prefix, "prefix_cache": prefix_cache,
+        "llama_cpp": llama_cpp}
     opts = JobBenchOptions.quick_defaults(**given) if quick else \
         JobBenchOptions(**{k: v for k, v in given.items() if v is not None})
     try:
@@ -78,9 +80,15 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
     bad_ours = [r["name"] for r in result["job"] if not r["identical"] and r["kind"] == "ours"]
     if result.get("prefix_cache") is not None and not result["prefix_cache"]["identical"]:
         bad_ours.append("ours-auto with the prefix cache against without it")
+    # llama.cpp's differences are its numerics (Q4_1 vs fp32): counted in its paragraph, not warned of
     for r in result["job"]:
-        if not r["identical"] and r["kind"] != "ours":
+        if not r["identical"] and r["kind"] not in ("ours", "llama-cpp"):
             warn(f"{r['name']} differs from the target alone on prompts {r['mismatched_prompts'][:5]}")
+    llama = result.get("llama_cpp") or {}
+    if llama.get("status") == "skipped":
+        warn(f"llama.cpp baseline skipped: {llama['reason']}")
+    for name, errors in (llama.get("errors") or {}).items():
+        warn(f"{name}: {'; '.join(errors)}")
     if bad_ours:
         click.secho(f"FAILED: {', '.join(bad_ours)} differ from the target alone", err=True, fg="red")
         sys.exit(1)

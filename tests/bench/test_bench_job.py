@@ -27,6 +27,9 @@ def test_plan_covers_the_grid():
     assert names == ["ours-auto", "ours[B=1,spec]", "ours[B=1,plain]", "hf-generate[B=1]",
                      "ours[B=4,spec]", "ours[B=4,plain]", "hf-generate[B=4]", "hf-assisted[B=1]"]
     assert [c.name for c in plan((8,))] == ["ours-auto", "ours[B=8,spec]", "ours[B=8,plain]", "hf-generate[B=8]"]
+    assert [c.name for c in plan((8,), llama_cpp=True)][-1] == "llama-cpp[B=8]"
+    assert [c.name for c in plan((4, 8), shared_prefix=True, llama_cpp=True)][2:] == [
+        "hf-generate[B=4]", "llama-cpp[B=4]", "hf-generate[B=8]", "llama-cpp[B=8]"]
 
 
 def test_breakdown_buckets_tell_the_head_from_a_layer_gemm():
@@ -50,7 +53,9 @@ def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Pa
                                    "--threads", "1", "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert set(data) == {"job", "best_fixed"}
+    assert set(data) == {"job", "best_fixed", "llama_cpp"}
+    # the tiny models have no GGUF file: llama.cpp is skipped, and says why, whether or not it is installed
+    assert data["llama_cpp"]["status"] == "skipped" and "GGUF" in data["llama_cpp"]["reason"]
     names = [r["name"] for r in data["job"]]
     assert names == [c.name for c in plan((1, 2))]
     for r in data["job"]:
@@ -63,6 +68,7 @@ def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Pa
     assert ours["ours-auto"]["batch_size"] == "auto"
     report = (out / "job-report.md").read_text()
     assert "| ours-auto | auto |" in report and "ours-auto#1: kept B=" in report
+    assert "llama.cpp baseline: skipped: " in report and "vs best llama.cpp" not in report
     assert (out / "job-throughput.png").stat().st_size > 1000
     full = json.loads((out / "job-result.json").read_text())
     b = full["breakdown"]           # one profiled pass of ours-auto: buckets add up to its wall time

