@@ -22,7 +22,6 @@ dequantization.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from specbatch.bench import breakdown
 from specbatch.bench.llamacpp import LlamaCppRunner, open_for_target
-from specbatch.bench.runners import HF_ASSISTED_SETTINGS, HFRunner, cut_at_eos, first_difference
+from specbatch.bench.runners import HF_ASSISTED_SETTINGS, HFRunner, cut_at_eos, first_difference, generate_all
 from specbatch.engine.loading import LoadedModel
 
 Progress = Callable[[str, int, int], None]
@@ -99,11 +98,6 @@ def plan(sizes: tuple[int, ...], shared_prefix: bool = False, prefix_cache: bool
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _ours(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[list[int]],
           limits: list[int]) -> tuple[list[list[int]], float, dict[str, Any] | None, int]:
     """(outputs, seconds, the autopilot's report, prompt tokens read from the prefix cache)."""
@@ -112,17 +106,9 @@ def _ours(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[lis
     engine = Engine(target, [draft] if cfg.speculative else [], batch_size=cfg.batch_size,
                     prefix_cache=cfg.prefix_cache)
     reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n)) for x, n in zip(ids, limits)]
-    outs: list[list[int]] = [[] for _ in ids]
-    cached = 0
-    _sync(target.device)
-    t0 = time.perf_counter()
-    for i, out in engine.generate_many(reqs):
-        if isinstance(out, Exception):
-            raise RuntimeError(f"prompt {i}: {out}")
-        outs[i] = list(out.token_ids)
-        cached += out.stats.cached_prompt_tokens
-    _sync(target.device)
-    return outs, time.perf_counter() - t0, engine.batch_report(), cached
+    outs, seconds = generate_all(engine, reqs, target.device)
+    return ([list(o.token_ids) for o in outs], seconds, engine.batch_report(),
+            sum(o.stats.cached_prompt_tokens for o in outs))
 
 
 def _hf(target: LoadedModel, draft: LoadedModel, cfg: JobConfig, ids: list[list[int]],

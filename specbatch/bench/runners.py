@@ -61,6 +61,20 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return min(len(a), len(b))
 
 
+def generate_all(engine: Any, reqs: Sequence[Any], device: torch.device) -> tuple[list[Any], float]:
+    """Every request's ``EngineOutput`` through ``engine.generate_many``, in request order, and
+    the wall seconds; a request's exception ends the run (a benchmark of ours never drops one)."""
+    outs: list[Any] = [None] * len(reqs)
+    _sync(device)
+    t0 = time.perf_counter()
+    for i, out in engine.generate_many(reqs):
+        if isinstance(out, Exception):
+            raise RuntimeError(f"prompt {i}: {out}")
+        outs[i] = out
+    _sync(device)
+    return outs, time.perf_counter() - t0
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -17,11 +17,11 @@ goal: >= 1.3 at B=1 on the default pair, never below 0.98 at any B).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specbatch.bench.runners import generate_all
 from specbatch.engine.loading import LoadedModel
 
 Progress = Callable[[str, int, int], None]
@@ -70,15 +70,8 @@ def _run(target: LoadedModel, draft: LoadedModel, mode: str, batch_size: int | s
     engine.grammar_drafts = mode.endswith("grammar")
     params = GenerationParams(max_new_tokens=max_new_tokens, structured=GrammarSpec.json_schema(SCHEMA))
     reqs = [EngineRequest(messages=m, params=params) for m in messages]
-    outs: list[list[int]] = [[] for _ in reqs]
-    forced = 0
-    t0 = time.perf_counter()
-    for i, out in engine.generate_many(reqs):
-        if isinstance(out, Exception):
-            raise RuntimeError(f"prompt {i}: {out}")
-        outs[i] = list(out.token_ids)
-        forced += out.stats.grammar_accepted_tokens
-    return outs, time.perf_counter() - t0, forced
+    outs, seconds = generate_all(engine, reqs, target.device)
+    return [list(o.token_ids) for o in outs], seconds, sum(o.stats.grammar_accepted_tokens for o in outs)
 
 
 def run_structured_bench(opts: StructuredBenchOptions, target: LoadedModel, draft: LoadedModel,
