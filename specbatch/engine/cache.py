@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from specbatch.engine.backend import PrefixKV, TargetBackend
-from specbatch.engine.hf_cache import cache_length, kv_layers, new_cache
+from specbatch.engine.hf_cache import append_rows, cache_length, gather_columns, kv_layers, new_cache
 from specbatch.engine.loading import LoadedModel
 
 
@@ -156,18 +156,14 @@ class BatchCache:
             return
         la, lb = self.valid.shape[1], other.valid.shape[1]
         width = max(la, lb)
-        if la and lb:
-            for mine, theirs in zip(kv_layers(self.cache), kv_layers(other.cache)):
-                mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(theirs.keys, width)])
-                mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(theirs.values, width)])
-        elif la:           # the joining rows have cached nothing yet (one-token prompts)
-            for mine in kv_layers(self.cache):
-                mine.keys = torch.cat([mine.keys, _zero_rows(mine.keys, other.n_rows)])
-                mine.values = torch.cat([mine.values, _zero_rows(mine.values, other.n_rows)])
-        elif lb:
-            for theirs in kv_layers(other.cache):
-                theirs.keys = torch.cat([_zero_rows(theirs.keys, self.n_rows), theirs.keys])
-                theirs.values = torch.cat([_zero_rows(theirs.values, self.n_rows), theirs.values])
+        if la:             # (joining rows with nothing cached yet, one-token prompts: zeros)
+            theirs = kv_layers(other.cache) if lb else [None] * len(kv_layers(self.cache))
+            for mine, their in zip(kv_layers(self.cache), theirs, strict=True):
+                append_rows(mine, their, other.n_rows)
+        elif lb:           # these rows have cached nothing yet: theirs, after rows of zeros
+            for their in kv_layers(other.cache):
+                their.keys = torch.cat([_zero_rows(their.keys, self.n_rows), their.keys])
+                their.values = torch.cat([_zero_rows(their.values, self.n_rows), their.values])
             self.cache = other.cache
         else:   # no columns either side: a cache cropped to none still holds its old rows
             self.cache = new_cache(grow=self.model.compiled is None)
@@ -204,9 +200,7 @@ class BatchCache:
             return
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
         for layer in kv_layers(self.cache):
-            idx = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, idx.to(layer.keys.device))
-            layer.values = layer.values.gather(2, idx.to(layer.values.device))
+            gather_columns(layer, order)
         self.valid = self.valid.gather(1, order)
 
 
@@ -230,11 +224,6 @@ def _tree_block(parents: Sequence[Sequence[int]], pads: list[int], width: int,
             row[p + i] = True
     return (torch.tensor(depth, dtype=torch.long, device=dev),
             torch.tensor(seen, dtype=torch.bool, device=dev))
-
-
-def _left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """(B, H, L, D) -> (B, H, width, D) with zeros on the left."""
-    return torch.nn.functional.pad(x, (0, 0, width - x.shape[2], 0))
 
 
 def _left_pad_mask(valid: torch.Tensor, width: int) -> torch.Tensor:

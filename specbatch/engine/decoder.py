@@ -184,10 +184,11 @@ class Decoder:
         return tuple(req[1][:n])
 
     def _pause(self, n: int) -> list[Row]:
-        """The newest ``n`` rows leave the batch with their state (they resume later)."""
-        staying = list(range(len(self.rows) - n))
-        out = self.rows[len(staying):]
-        self.rows = self.rows[: len(staying)]
+        """The ``n`` rows that started last leave the batch with their state (they resume later)."""
+        newest = set(sorted(range(len(self.rows)), key=lambda i: self.rows[i].t_start)[len(self.rows) - n:])
+        staying = [i for i in range(len(self.rows)) if i not in newest]
+        out = [r for i, r in enumerate(self.rows) if i in newest]
+        self.rows = [self.rows[i] for i in staying]
         self.cache.select(staying)
         for d in self.drafters:
             d.retire(staying)
@@ -199,7 +200,11 @@ class Decoder:
     def _admit(self, arrivals: list[Request], resuming: Sequence[Row] = ()) -> None:
         now = time.perf_counter()
         new = [self._new_row(i, ids, p, now) for i, ids, p in arrivals] + list(resuming)
-        new, entries = self._prefixes(new, len(arrivals))
+        # where the policy decodes plainly now (a large CPU batch) the drafts would cache and load
+        # for nothing: they skip this admission, and a later proposal catches their rows up
+        speculating = self.policy.gamma_cap(len(self.rows) + len(new)) != 0 \
+            or any(r.ctl.fixed and r.ctl.gamma for r in (*self.rows, *new))   # (fixed rows draft anyway)
+        new, entries = self._prefixes(new, len(arrivals), speculating)
         t0 = time.perf_counter()     # (a prefix computed just now is its computing row's: _prefixes)
         # samples of one request joining together: one prefill (after their shared prefix, if
         # one is stored), forked to their rows
@@ -216,11 +221,8 @@ class Decoder:
         if shared:
             cache.fork(src)
         self.cache.extend(cache)
-        # a draft caches the joining prompts only where the policy speculates now: where it
-        # decodes plainly (a large CPU batch) that prefill would be wasted; if speculation comes
-        # back later, the draft's first proposal catches the rows up
-        draft_prefill = prefill and self.policy.gamma_cap(len(self.rows) + len(new)) != 0
-        draft_forwards = sum(d.admit(new, draft_prefill, [e.kv[j + 1] if e is not None else None
+        draft_prefill = prefill and speculating
+        draft_forwards = sum(d.admit(new, draft_prefill, [e.kv[j + 1] if e is not None and speculating else None
                                                           for e in entries])
                              for j, d in enumerate(self.drafters))
         self.drafts_behind |= prefill and not draft_prefill
@@ -231,7 +233,8 @@ class Decoder:
                 r.tally.batch_share(len(self.rows) + len(new), seconds / len(new))
         self.rows.extend(new)
 
-    def _prefixes(self, new: list[Row], n_joining: int) -> tuple[list[Row], list[PrefixEntry | None]]:
+    def _prefixes(self, new: list[Row], n_joining: int, drafts: bool = True
+                  ) -> tuple[list[Row], list[PrefixEntry | None]]:
         """Each row's longest stored prefix, or the prefix it shares with other requests of
         this decode, computed now; rows sharing one made adjacent (``joining`` loads each run
         once). The first ``n_joining`` rows are new: their statistics count what was cached."""
@@ -249,7 +252,7 @@ class Decoder:
                 entry = made.get(tuple(r.ids[:want]))
                 cached = entry is not None
                 if entry is None:
-                    entry = made[tuple(r.ids[:want])] = self._compute_prefix(r.ids[:want])
+                    entry = made[tuple(r.ids[:want])] = self._compute_prefix(r.ids[:want], drafts)
                     r.tally.prefill(entry.seconds, sum(k is not None for k in entry.kv[1:]))
                     r.tally.batch_share(1, entry.seconds)     # a forward of one row
                     store.put(entry)
@@ -264,12 +267,13 @@ class Decoder:
         order = [b for bs in groups.values() for b in bs]
         return [new[b] for b in order], [found[b] for b in order]
 
-    def _compute_prefix(self, tokens: list[int]) -> PrefixEntry:
-        """A prefix's KV for the target and every drafter, each computed alone in one forward."""
+    def _compute_prefix(self, tokens: list[int], drafts: bool = True) -> PrefixEntry:
+        """A prefix's KV for the target and (``drafts``) every drafter, each computed alone in one
+        forward; a drafter without one feeds the whole prompt when its rows speculate."""
         t0 = time.perf_counter()
         alone = self.backend(1)
         alone.forward([tokens], logits_to_keep=1)
-        kv = (alone.export_prefix(), *(d.prefix(tokens) for d in self.drafters))
+        kv = (alone.export_prefix(), *(d.prefix(tokens) if drafts else None for d in self.drafters))
         return PrefixEntry(tuple(tokens), kv, self.pool, time.perf_counter() - t0)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
@@ -473,7 +477,7 @@ class Decoder:
     def _retire(self) -> Iterator[tuple[int, GenerationOutput]]:
         if all(r.finish is None for r in self.rows):
             return
-        staying = [i for i, r in enumerate(self.rows) if r.finish is None]
+        staying = _refill([r.finish is None for r in self.rows])
         finished = [r for r in self.rows if r.finish is not None]
         self.rows = [self.rows[i] for i in staying]
         self.cache.select(staying)
@@ -484,6 +488,18 @@ class Decoder:
             s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)
             yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated,
                                             r.finish or "length", s, r.logprobs)
+
+
+def _refill(alive: Sequence[bool]) -> list[int]:
+    """The rows staying, in their new order: each place of a row leaving is taken by one of the
+    last rows staying, so the caches move only those rows (``GrowingLayer.batch_select_indices``)
+    instead of every row after the first that left."""
+    kept = sum(alive)
+    order = list(range(kept))
+    movers = [i for i in range(kept, len(alive)) if alive[i]]
+    for place, src in zip([i for i in range(kept) if not alive[i]], movers, strict=True):
+        order[place] = src
+    return order
 
 
 def _fork_sources(keys: Sequence[int | None]) -> list[int]:

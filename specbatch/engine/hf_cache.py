@@ -31,73 +31,186 @@ def cache_length(cache: DynamicCache | None) -> int:
 
 
 def _in_use(buf: str, used: str) -> Any:
-    """A layer's ``keys`` or ``values``: a view of the buffer's columns in use. Assigning a whole
-    tensor (transformers' own code, BatchCache's joins and compaction) makes it the buffer, with no
-    spare room."""
+    """A layer's ``keys`` or ``values``: a view of the buffer's rows and columns in use. Assigning a
+    whole tensor (transformers' own code, a caller's join) makes it the buffer, with no spare room."""
     def get(layer: Any) -> torch.Tensor | None:
-        return _used(getattr(layer, buf), getattr(layer, used))
+        b = getattr(layer, buf)
+        if b is None or b.dim() < 4:
+            return b
+        rows, cols = getattr(layer, used)
+        return b[:rows, :, :cols]
 
     def put(layer: Any, value: torch.Tensor | None) -> None:
         setattr(layer, buf, value)
-        setattr(layer, used, _width(value))
+        setattr(layer, used, (value.shape[0], value.shape[-2]) if value is not None and value.dim() == 4 else (0, 0))
     return property(get, put)
 
 
+# rows kept in place while at least this share of the buffer's rows stays in use (a batch shrinking
+# for good gives its memory back; one shrinking by a row and refilling copies nothing)
+SHRINK = 0.75
+
+
 class GrowingLayer(DynamicLayer):
-    """A ``DynamicLayer`` that writes new columns in place into a buffer with spare columns.
+    """A ``DynamicLayer`` that writes in place into a buffer with spare rows and columns.
 
     ``DynamicLayer.update`` concatenates: every step copies the whole cache of every layer, which
     for 32 rows of 300 tokens is a large share of what a decode step moves through memory. Here a step
     writes its own columns only and the buffer grows by a quarter when full (each column is copied
-    a few times in all, not once per step). Readers see ``keys`` / ``values`` as views of the
-    first ``n`` columns: the same values in the same order, so attention computes the same sums.
+    a few times in all, not once per step). Rows leaving move only the rows that fill their places
+    (``batch_select_indices``), and rows joining are written into the rows they left
+    (``append_rows``), so a continuous batch copies what changes, not the whole cache. Readers see
+    ``keys`` / ``values`` as views of the rows and columns in use: the same values in the same
+    order, so attention computes the same sums.
     """
 
-    # columns in use, kept apart for keys and values: callers replace the two one after the other
-    _nk = _nv = 0
+    # (rows, columns) in use, kept apart for keys and values: callers replace the two one after the other
+    _uk = _uv = (0, 0)
     _k: torch.Tensor | None
     _v: torch.Tensor | None
-    keys = _in_use("_k", "_nk")       # type: ignore[assignment]
-    values = _in_use("_v", "_nv")     # type: ignore[assignment]
+    keys = _in_use("_k", "_uk")       # type: ignore[assignment]
+    values = _in_use("_v", "_uv")     # type: ignore[assignment]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, new = self._nk, key_states.shape[-2]
-        assert self._k is not None and self._v is not None and self._nv == n, "initialized above"
-        if self._k.dim() < 4 or n + new > self._k.shape[-2]:
-            self._k, self._v = _regrow(self._k, key_states, n, new), _regrow(self._v, value_states, n, new)
-        self._k[:, :, n: n + new] = key_states
-        self._v[:, :, n: n + new] = value_states
-        self._nk = self._nv = n + new
-        return self._k[:, :, : n + new], self._v[:, :, : n + new]
+        rows, new = key_states.shape[0], key_states.shape[-2]
+        (r, n) = self._uk
+        assert self._k is not None and self._v is not None and self._uv == self._uk, "initialized above"
+        if not n:
+            r = rows
+        assert r == rows, "a forward feeds every row of the cache"
+        if self._k.dim() < 4 or rows > self._k.shape[0] or n + new > self._k.shape[-2]:
+            self._k, self._v = _regrow(self._k, key_states, rows, n, n + new), _regrow(self._v, value_states, rows, n, n + new)
+        self._k[:rows, :, n: n + new] = key_states
+        self._v[:rows, :, n: n + new] = value_states
+        self._uk = self._uv = (rows, n + new)
+        return self._k[:rows, :, : n + new], self._v[:rows, :, : n + new]
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized:
-            self._nk = self._nv = max(0, self._nk + tokens_to_remove)
+            rows, n = self._uk
+            self._uk = self._uv = (rows, max(0, n + tokens_to_remove))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self.get_seq_length() > 0:
-            assert self._k is not None and self._v is not None
-            self._k, self._v = self._k[indices], self._v[indices]
+        """Row i becomes old row ``indices[i]``. Where no row is read after it was overwritten
+        (rows leaving: the rows kept in order, or the last rows moved into the places of those
+        that left) only the moved rows are copied, within the buffer; else (a row repeated for
+        ``n`` samples), or once fewer than ``SHRINK`` of the buffer's rows stay (its memory is
+        given back), the rows are gathered into a new buffer."""
+        if not self.get_seq_length():
+            return
+        assert self._k is not None and self._v is not None
+        rows, n = self._uk
+        order = indices.tolist()
+        if _moves_in_place(order, rows) and len(order) >= SHRINK * self._k.shape[0]:
+            for i, src in enumerate(order):
+                if i != src:
+                    self._k[i, :, :n] = self._k[src, :, :n]
+                    self._v[i, :, :n] = self._v[src, :, :n]
+        else:
+            used_k, used_v = self._k[:rows, :, :n], self._v[:rows, :, :n]
+            self._k = _regrow(None, used_k, len(order), 0, n)
+            self._v = _regrow(None, used_v, len(order), 0, n)
+            torch.index_select(used_k, 0, indices, out=self._k[: len(order), :, :n])
+            torch.index_select(used_v, 0, indices, out=self._v[: len(order), :, :n])
+        self._uk = self._uv = (len(order), n)
+
+    def append_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, n_rows: int) -> None:
+        """Rows joining after this layer's rows: their keys and values (``n_rows`` rows, or None:
+        nothing cached yet), the narrower side left-padded with zero columns. The joining rows go
+        into the buffer's spare rows where it has them and is at least as wide."""
+        assert self._k is not None and self._v is not None
+        rows, n = self._uk
+        theirs = 0 if keys is None else keys.shape[-2]
+        width = max(n, theirs)
+        if n < theirs or rows + n_rows > self._k.shape[0] or width > self._k.shape[-2]:
+            like_k = self._k if keys is None else keys
+            like_v = self._v if values is None else values
+            k, v = _regrow(None, like_k, rows + n_rows, 0, width), _regrow(None, like_v, rows + n_rows, 0, width)
+            k[:rows, :, : width - n].zero_()
+            v[:rows, :, : width - n].zero_()
+            k[:rows, :, width - n: width] = self._k[:rows, :, :n]
+            v[:rows, :, width - n: width] = self._v[:rows, :, :n]
+            self._k, self._v = k, v
+        end = rows + n_rows
+        self._k[rows:end, :, : width - theirs].zero_()
+        self._v[rows:end, :, : width - theirs].zero_()
+        if keys is not None and values is not None and theirs:
+            self._k[rows:end, :, width - theirs: width] = keys
+            self._v[rows:end, :, width - theirs: width] = values
+        self._uk = self._uv = (end, width)
+
+    def gather_columns(self, index: torch.Tensor) -> None:
+        """Keep, per row, the columns ``index[b]`` (rows, width): compaction, written into a new
+        buffer that keeps spare columns."""
+        assert self._k is not None and self._v is not None
+        rows, n = self._uk
+        width = index.shape[1]
+        for name in ("_k", "_v"):
+            used = getattr(self, name)[:rows, :, :n]
+            idx = index[:, None, :, None].expand(-1, used.shape[1], -1, used.shape[3]).to(used.device)
+            out = _regrow(None, used, rows, 0, width)
+            torch.gather(used, 2, idx, out=out[:rows, :, :width])
+            setattr(self, name, out)
+        self._uk = self._uv = (rows, width)
 
 
-def _width(t: torch.Tensor | None) -> int:
-    return t.shape[-2] if t is not None and t.dim() == 4 else 0
+def _moves_in_place(order: list[int], rows: int) -> bool:
+    """Whether row i <- row order[i], for each i in turn, never reads a row already overwritten."""
+    if len(order) > rows:
+        return False
+    written: set[int] = set()
+    for i, src in enumerate(order):
+        if src in written:
+            return False
+        if src != i:
+            written.add(i)
+    return True
 
 
-def _used(buf: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    return buf if buf is None or buf.dim() < 4 else buf[:, :, :n]
-
-
-def _regrow(buf: torch.Tensor, like: torch.Tensor, n: int, new: int) -> torch.Tensor:
-    """A buffer for n + new columns and a quarter more (at least 32), holding buf's first n."""
-    cols = n + new + max(32, (n + new) // 4)
-    out = like.new_empty(like.shape[0], like.shape[1], cols, like.shape[3])
-    if n:
-        out[:, :, :n] = buf[:, :, :n]
+def _regrow(buf: torch.Tensor | None, like: torch.Tensor, rows: int, n: int, cols: int) -> torch.Tensor:
+    """A buffer shaped like ``like`` for ``rows`` rows (as many as buf holds, if more: its spare
+    rows stay) of ``cols`` columns and a quarter more (at least 32), holding buf's first ``rows``
+    rows of ``n`` columns."""
+    held = buf.shape[0] if buf is not None and buf.dim() == 4 else 0
+    out = like.new_empty(max(rows, held), like.shape[1], cols + max(32, cols // 4), like.shape[3])
+    if n and buf is not None:
+        out[:rows, :, :n] = buf[:rows, :, :n]
     return out
+
+
+def append_rows(layer: Any, theirs: Any | None, n_rows: int) -> None:
+    """``n_rows`` rows joining after ``layer``'s: ``theirs``, a layer of theirs (None: they cached
+    nothing yet); the narrower side left-padded with zero columns. In place for a
+    ``GrowingLayer``; a concatenating layer (a compiled forward's) gets new tensors."""
+    keys, values = (None, None) if theirs is None else (theirs.keys, theirs.values)
+    if isinstance(layer, GrowingLayer):
+        layer.append_rows(keys, values, n_rows)
+        return
+    width = max(layer.keys.shape[-2], 0 if keys is None else keys.shape[-2])
+    layer.keys = torch.cat([_left_pad(layer.keys, width), _left_pad(keys, width, layer.keys, n_rows)])
+    layer.values = torch.cat([_left_pad(layer.values, width), _left_pad(values, width, layer.values, n_rows)])
+
+
+def gather_columns(layer: Any, index: torch.Tensor) -> None:
+    """Keep, per row b, the columns ``index[b]`` (rows, width), in that order (compaction)."""
+    if isinstance(layer, GrowingLayer):
+        layer.gather_columns(index)
+        return
+    idx = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3]).to(layer.keys.device)
+    layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+
+
+def _left_pad(x: torch.Tensor | None, width: int, like: torch.Tensor | None = None, n_rows: int = 0
+              ) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, width, D) with zeros on the left; None: ``n_rows`` rows of zeros
+    shaped like ``like``'s."""
+    if x is None:
+        assert like is not None
+        return like.new_zeros(n_rows, like.shape[1], width, like.shape[3])
+    return torch.nn.functional.pad(x, (0, 0, width - x.shape[2], 0))
 
 
 def new_cache(grow: bool = True) -> DynamicCache:

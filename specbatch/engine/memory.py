@@ -6,7 +6,9 @@ Estimate, per row of the batch (``MemoryBudget.row_bytes``):
   the draft length, doubled because rejected drafts leave holes until the cache is compacted at
   half holes (``BatchCache.compact_share`` in ``specbatch.engine.cache``), and a quarter more
   for the spare columns a layer keeps to write new tokens in place (``GrowingLayer`` in
-  ``specbatch.engine.hf_cache``);
+  ``specbatch.engine.hf_cache``; its buffer may also keep up to a third more rows than are in
+  use, ``hf_cache.SHRINK``, which the holes factor and the measured scale below cover: every row
+  is planned at its final width, doubled);
   activations: the logits of one verify step (draft length + 1 positions x vocab x 4 bytes, once
   more for their softmax) plus the hidden states of the widest layer over those positions.
 The check: after each step the process's memory (``torch.cuda.memory_allocated`` on CUDA, the

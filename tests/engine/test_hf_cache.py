@@ -3,6 +3,7 @@
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from specbatch.engine import hf_cache
 from specbatch.engine.hf_cache import GrowingLayer, cache_length, kv_layers, new_cache
 
 
@@ -64,3 +65,93 @@ def test_new_cache_builds_growing_layers_on_first_update() -> None:
     cache.update(*_kv(2, 4, 1), 1)
     assert [type(x) for x in kv_layers(cache)] == [GrowingLayer, GrowingLayer]
     assert cache_length(cache) == 4
+
+
+def _buffer(layer: GrowingLayer) -> int:
+    assert layer.keys is not None
+    return layer.keys.untyped_storage().data_ptr()
+
+
+def test_rows_leaving_move_only_the_rows_that_fill_their_places_within_the_buffer() -> None:
+    plain, grow = DynamicLayer(), GrowingLayer()
+    for layer in (plain, grow):
+        layer.update(*_kv(8, 5, 0))
+    before = _buffer(grow)
+    for order in ([0, 1, 7, 3, 4, 5, 6], [0, 1, 2, 6, 4, 5]):    # decoder._refill's order, then kept in order
+        idx = torch.tensor(order)
+        plain.batch_select_indices(idx)
+        grow.batch_select_indices(idx)
+        _same(plain, grow)
+        assert _buffer(grow) == before, "rows leaving copy nothing out of the buffer"
+    k, v = _kv(6, 1, 7)
+    plain.update(k, v)
+    grow.update(k, v)
+    _same(plain, grow)
+    assert _buffer(grow) == before
+    idx = torch.tensor([0, 3, 5])                # under SHRINK of the buffer's rows: its memory goes back
+    plain.batch_select_indices(idx)
+    grow.batch_select_indices(idx)
+    _same(plain, grow)
+    assert _buffer(grow) != before and grow._k is not None and grow._k.shape[0] == 3
+
+
+def test_a_repeated_or_swapped_row_gathers_into_a_new_buffer() -> None:
+    plain, grow = DynamicLayer(), GrowingLayer()
+    for layer in (plain, grow):
+        layer.update(*_kv(3, 4, 0))
+    for order in ([1, 0, 2], [2, 2, 0, 1, 1]):
+        idx = torch.tensor(order)
+        plain.batch_select_indices(idx)
+        grow.batch_select_indices(idx)
+        _same(plain, grow)
+
+
+def _joined(a: torch.Tensor, b: torch.Tensor | None, n_b: int) -> torch.Tensor:
+    width = max(a.shape[2], 0 if b is None else b.shape[2])
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, width - x.shape[2], 0))   # noqa: E731
+    return torch.cat([pad(a), pad(b) if b is not None else a.new_zeros(n_b, a.shape[1], width, a.shape[3])])
+
+
+def test_rows_joining_go_into_the_rows_that_left_left_padded_either_side() -> None:
+    grow = GrowingLayer()
+    grow.update(*_kv(4, 6, 0))
+    grow.batch_select_indices(torch.tensor([0, 3, 2]))    # 3 rows in use, 4 in the buffer
+    before = _buffer(grow)
+    assert grow.keys is not None and grow.values is not None
+    k, v = grow.keys.clone(), grow.values.clone()
+    nk, nv = _kv(1, 3, 1)                                  # narrower: written in place
+    hf_cache.append_rows(grow, _Layer(nk, nv), 1)
+    want_k, want_v = _joined(k, nk, 1), _joined(v, nv, 1)
+    assert torch.equal(grow.keys, want_k) and torch.equal(grow.values, want_v)
+    assert _buffer(grow) == before
+    wk, wv = _kv(1, 9, 2)                                  # wider: a new buffer, this side padded
+    hf_cache.append_rows(grow, _Layer(wk, wv), 1)
+    assert torch.equal(grow.keys, _joined(want_k, wk, 1)) and torch.equal(grow.values, _joined(want_v, wv, 1))
+    k, v = grow.keys.clone(), grow.values.clone()
+    hf_cache.append_rows(grow, None, 2)                    # nothing cached yet: rows of zeros
+    assert torch.equal(grow.keys, _joined(k, None, 2)) and torch.equal(grow.values, _joined(v, None, 2))
+    plain = DynamicLayer()                                 # a concatenating layer joins the same
+    plain.update(k, v)
+    hf_cache.append_rows(plain, None, 2)
+    _same(plain, grow)
+
+
+def test_compaction_gathers_columns_into_a_buffer_with_spare_columns() -> None:
+    plain, grow = DynamicLayer(), GrowingLayer()
+    for layer in (plain, grow):
+        layer.update(*_kv(2, 7, 0))
+    index = torch.tensor([[0, 2, 3, 6], [1, 4, 5, 6]])
+    hf_cache.gather_columns(plain, index)
+    hf_cache.gather_columns(grow, index)
+    _same(plain, grow)
+    after = _buffer(grow)
+    k, v = _kv(2, 1, 3)
+    plain.update(k, v)
+    grow.update(k, v)
+    _same(plain, grow)
+    assert _buffer(grow) == after, "the next write needs no new buffer"
+
+
+class _Layer:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values

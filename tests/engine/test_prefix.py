@@ -267,3 +267,31 @@ def test_a_job_with_more_distinct_prefixes_than_the_store_holds_keeps_its_budget
     assert max(r for r, _ in steps) > 1 and all(r <= 1 or used <= cap for r, used in steps)
     assert {i: o.token_ids for i, o in on.items()} == {i: o.token_ids for i, o in off.items()}
     assert sorted(o.stats.cached_prompt_tokens for o in on.values()) == [0] * 6 + [128] * 12
+
+
+class Plain(MeasuredPolicy):
+    """Decodes plainly at every size (a large CPU batch): drafts are never asked for."""
+
+    def gamma_cap(self, n_rows: int) -> int | None:
+        return 0
+
+
+def test_a_draft_neither_computes_nor_loads_prefixes_while_the_batch_decodes_plainly(load, monkeypatch):
+    target, draft = load("llama"), load("llama-partial")
+    prefix = corpus_ids(target, 60)
+    prompts = [prefix + [70 + i] + corpus_ids(target, 3, skip=330 + 5 * i) for i in range(10)]
+    params = GenerationParams(max_new_tokens=6)
+    calls = []
+    real = type(draft).forward
+    monkeypatch.setattr(type(draft), "forward", lambda self, *a, **k: (calls.append(self.name) if self is draft else None,
+                                                                        real(self, *a, **k))[1])
+    outs = {}
+    for on in (True, False):
+        drafter = ModelDrafter(draft, target.vocab_size)
+        decoder = Decoder(target, [drafter], Plain(4), prefixes=PrefixStore(10**9) if on else None)
+        with torch.inference_mode():
+            outs[on] = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)]))
+    assert calls == []
+    assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
+    ref = dict(Engine(target).generate_many([EngineRequest(input_ids=p, params=params) for p in prompts], batch_size=1))
+    assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in ref.items()}
