@@ -57,6 +57,7 @@ class JobBenchOptions:
     shared_prefix: int | None = None       # the generated file's system prompt, tokens (plan above)
     prefix_cache: bool = True              # off: every one of ours prefills whole prompts
     llama_cpp: bool = True                 # llama-cpp[B=b] rows, where llama-cpp-python is installed
+    breakdown: bool = True                 # one more ours-auto pass, profiled: where the time goes
 
     @classmethod
     def quick_defaults(cls, **overrides: Any) -> JobBenchOptions:
@@ -201,7 +202,7 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
                                        if o != ref) if a["outputs"] else []
     auto = next((c for c in configs if c.name == "ours-auto"), None)
     profiled = None
-    if auto is not None:
+    if auto is not None and opts.breakdown:
         say("ours-auto once more, under the profiler (untimed)", total, total + 1)
         profiled = breakdown.profile_pass(lambda: _ours(target, draft, auto, ids, limits), target.model,
                                           target.vocab_size)

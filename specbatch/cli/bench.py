@@ -74,11 +74,14 @@ def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
               help="Job mode on a generated file (written to --out): 48 chat requests sharing one system "
                    "prompt of about TOKENS tokens, a short question each, 32-64 new tokens; ours-auto with "
                    "the prefix cache vs without it, interleaved, and HF generate at --batch-sizes [8].")
+@click.option("--breakdown/--no-breakdown", default=True, show_default=True,
+              help="Job mode: one more ours-auto pass under the profiler (untimed), for where the time goes "
+                   "and the share of the GEMM peak.")
 @click.option("--no-prefix-cache", is_flag=True,
               help="Job mode: ours prefills every prompt whole (no shared prefixes computed once).")
 def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, gamma_grid, hf_settings, batch_sizes,
           throughput_prompts, out_dir, as_json, device, dtype, random_weights, threads, quick, telemetry, compile_,
-          job_file, structured, shared_prefix, no_prefix_cache, llama_cpp) -> None:
+          job_file, structured, shared_prefix, no_prefix_cache, llama_cpp, breakdown) -> None:
     """Benchmark speculative decoding against the target alone and Hugging Face assisted generation.
 
     \b
@@ -116,7 +119,8 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
 
         bench_job(settings, job_file, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
                   max_new_tokens, repeats, out_dir, as_json, device, dtype, quick,
-                  shared_prefix=shared_prefix, prefix_cache=not no_prefix_cache, llama_cpp=llama_cpp)
+                  shared_prefix=shared_prefix, prefix_cache=not no_prefix_cache, llama_cpp=llama_cpp,
+                  breakdown=breakdown)
         return
     if no_prefix_cache:
         raise click.UsageError("--no-prefix-cache is for job mode (--job FILE): the other modes' prompts "

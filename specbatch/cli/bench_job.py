@@ -17,7 +17,7 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
               sizes: tuple[int, ...] | None, num_prompts: int | None, max_new_tokens: int | None,
               repeats: int | None, out_dir: str, as_json: bool, device: str | None, dtype: str | None,
               quick: bool, *, shared_prefix: int | None = None, prefix_cache: bool = True,
-              llama_cpp: bool = True) -> None:
+              llama_cpp: bool = True, breakdown: bool = True) -> None:
     """``file`` None: ``shared_prefix`` tokens, a generated file (specbatch/bench/shared_prefix.py)."""
     from specbatch.bench import shared_prefix as sp
     from specbatch.bench.job import (
@@ -53,7 +53,7 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
         "max_new_tokens": max_new_tokens, "num_prompts": num_prompts, "repeats": repeats,
         "device": device or settings.device, "dtype": dtype or settings.dtype,
         "cache_dir": settings.cache_dir or None, "shared_prefix": shared_prefix, "prefix_cache": prefix_cache,
-        "llama_cpp": llama_cpp}
+        "llama_cpp": llama_cpp, "breakdown": breakdown}
     opts = JobBenchOptions.quick_defaults(**given) if quick else \
         JobBenchOptions(**{k: v for k, v in given.items() if v is not None})
     try:

@@ -91,10 +91,12 @@ def test_bench_shared_prefix_runs_the_prefix_cache_on_and_off(tiny_models: Path,
     res = CliRunner().invoke(cli, ["bench", "--shared-prefix", "60", "--target", str(tiny_models / "llama"),
                                    "--draft", str(tiny_models / "llama-partial"), "--num-prompts", "6",
                                    "--max-new-tokens", "5", "--batch-sizes", "3", "--threads", "1",
-                                   "--out", str(out), "--json"])
+                                   "--no-breakdown", "--out", str(out), "--json"])
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert [r["name"] for r in data["job"]] == ["ours-auto", "ours-auto[no-prefix-cache]", "hf-generate[B=3]"]
+    full = json.loads((out / "job-result.json").read_text())
+    assert full["breakdown"] is None and "Where ours-auto's time goes" not in (out / "job-report.md").read_text()
     assert all(r["identical"] for r in data["job"])
     pc = data["prefix_cache"]
     assert pc["identical"] and pc["ratio"] > 0
