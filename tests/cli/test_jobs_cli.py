@@ -514,3 +514,20 @@ def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, mo
     result = run("status", job_id, "--json")
     assert "worker w1@h: compiling 2/4 (t graph 2/4), decoding eagerly until then" in result.stderr
     assert "no live worker" not in result.stderr and "starting" not in result.stderr
+
+
+def test_resume_of_a_cancelled_or_finished_job_says_so_without_the_broker(db_url):
+    """Not "re-enqueued 0 requests" (exit 0, after a worker check on the broker): a cancelled job is
+    refused as `retry` refuses it, one with nothing left says so (the broker here is unreachable)."""
+    cancelled, _ = make_job(db_url)
+    assert run("cancel", cancelled).exit_code == 0
+    result = run("resume", cancelled)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: job {cancelled} is cancelled; a cancelled job cannot be resumed (submit the file again)")
+
+    finished, _ = make_job(db_url, results=2, failures=1, pending=0)
+    result = run("resume", finished)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"job {finished} is completed_with_errors; nothing to resume"
+    assert result.stderr == ""
