@@ -29,7 +29,7 @@ MAX_JSON_BODY = 1 << 20
 
 def create_app(settings: Settings) -> FastAPI:
     from specbatch.api import batches, errors, files, health, metrics
-    from specbatch.api.auth import check_key, require_key
+    from specbatch.api.auth import check_key, require_docs_key, require_key
     from specbatch.api.guard import Guard
     from specbatch.api.upload import FORM_OVERHEAD
     from specbatch.jobs.files import sweep_incoming
@@ -59,7 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     # the schema lists every route and parameter: behind the key like the API itself, unless the
     # operator opens it (SPECBATCH_API_PUBLIC_DOCS=1, for a browser, which sends no bearer key)
-    _local_docs(app, [] if settings.api_public_docs else [Depends(require_key)])
+    _local_docs(app, [] if settings.api_public_docs else [Depends(require_docs_key)])
 
     def body_limit(scope: Any) -> int:
         # JSON bodies are small; only the upload streams (and bounds per line) a large one

@@ -84,6 +84,29 @@ def test_docs_and_schema_need_the_key_unless_public(public: bool, monkeypatch: p
         get_settings.cache_clear()
 
 
+def test_docs_refusal_names_the_setting_that_opens_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A browser opening /docs sends no key and got only "You didn't provide an API key": the 401
+    of /docs and /openapi.json names SPECBATCH_API_PUBLIC_DOCS; the API's own 401 does not."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_API_KEYS", "sk-docs")
+    monkeypatch.setenv("SPECBATCH_API_PUBLIC_DOCS", "0")
+    get_settings.cache_clear()
+    try:
+        with TestClient(create_app(get_settings())) as client:
+            for path, headers in [("/docs", {}), ("/openapi.json", {"Authorization": "Bearer wrong"})]:
+                refused = client.get(path, headers=headers)
+                assert refused.status_code == 401, path
+                assert "SPECBATCH_API_PUBLIC_DOCS=1" in refused.json()["error"]["message"], path
+            api = client.get("/v1/batches")
+            assert api.status_code == 401 and "PUBLIC_DOCS" not in api.json()["error"]["message"]
+    finally:
+        get_settings.cache_clear()
+
+
 def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> None:
     """Under load the routes' thread pool is full of list/retrieve calls; /healthz (and the key and
     state lookups every route makes) must not queue behind them (issue 32: 1.1-1.4 s under load)."""
