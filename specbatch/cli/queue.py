@@ -286,7 +286,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     """
     from specbatch.jobs import store
     from specbatch.observability import tracing
-    from specbatch.worker.embedded import release_dead_embedded
+    from specbatch.worker.embedded_names import release_dead_embedded
     from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()

@@ -531,3 +531,24 @@ def test_resume_of_a_cancelled_or_finished_job_says_so_without_the_broker(db_url
     assert result.exit_code == 0, result.output
     assert result.stdout.strip() == f"job {finished} is completed_with_errors; nothing to resume"
     assert result.stderr == ""
+
+
+def test_resume_imports_no_model_library(db_url):
+    """`specbatch resume` took 12 s where `status` took 2.5 s: it imported torch and transformers
+    (through the in-process runner) to release a dead `run` process's rows. A fresh interpreter, as a
+    user's shell starts it."""
+    import os
+    import subprocess
+    import sys
+
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=0)
+    code = ("import sys\n"
+            "from click.testing import CliRunner\n"
+            "from specbatch.cli.main import cli\n"
+            f"r = CliRunner().invoke(cli, ['resume', '{job_id}'], obj={{}})\n"
+            "print(r.exit_code, r.output.strip())\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    env = {**os.environ, "SPECBATCH_DATABASE_URL": db_url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"0 job {job_id} is completed; nothing to resume", "[]"]
