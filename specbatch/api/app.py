@@ -29,7 +29,7 @@ MAX_JSON_BODY = 1 << 20
 
 def create_app(settings: Settings) -> FastAPI:
     from specbatch.api import batches, errors, files, health, metrics
-    from specbatch.api.auth import check_key, require_key
+    from specbatch.api.auth import check_key, require_docs_key, require_key
     from specbatch.api.guard import Guard
     from specbatch.api.upload import FORM_OVERHEAD
     from specbatch.jobs.files import sweep_incoming
@@ -59,7 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
     errors.install(app)
     # the schema lists every route and parameter: behind the key like the API itself, unless the
     # operator opens it (SPECBATCH_API_PUBLIC_DOCS=1, for a browser, which sends no bearer key)
-    _local_docs(app, [] if settings.api_public_docs else [Depends(require_key)])
+    _local_docs(app, [] if settings.api_public_docs else [Depends(require_docs_key)], bool(settings.api_key_list))
 
     def body_limit(scope: Any) -> int:
         # JSON bodies are small; only the upload streams (and bounds per line) a large one
@@ -98,7 +98,7 @@ DOCS_ASSETS = "/docs-assets"
 OPENAPI_URL = "/openapi.json"
 
 
-def _local_docs(app: FastAPI, dependencies: list[Any]) -> None:
+def _local_docs(app: FastAPI, dependencies: list[Any], keyed: bool) -> None:
     """``/docs`` and ``/openapi.json``, each behind ``dependencies`` (the key, unless the docs are
     public). ``/docs``: Swagger UI served from the ``swagger-ui-py`` package's files (the ``api`` extra),
     so it works with no internet access (FastAPI, "Self-hosting JavaScript and CSS for docs").
@@ -111,7 +111,10 @@ def _local_docs(app: FastAPI, dependencies: list[Any]) -> None:
 
     @app.get(OPENAPI_URL, include_in_schema=False, dependencies=dependencies)
     async def openapi() -> JSONResponse:
-        return JSONResponse(app.openapi())
+        schema = app.openapi()      # built once and kept by FastAPI: marked once
+        if keyed and "security" not in schema:
+            _bearer_security(schema)
+        return JSONResponse(schema)
 
     @app.get("/docs", include_in_schema=False, dependencies=dependencies)
     async def docs() -> HTMLResponse:
@@ -119,6 +122,16 @@ def _local_docs(app: FastAPI, dependencies: list[Any]) -> None:
                                    swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png")
+
+
+def _bearer_security(schema: dict[str, Any]) -> None:
+    """Declare the bearer key in the schema (no route reads it from there: ``require_key`` checks
+    it), so Swagger UI shows its Authorize button and "Try it out" sends the key; /healthz needs none."""
+    schema.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http", "scheme": "bearer", "description": "one of SPECBATCH_API_KEYS"}
+    schema["security"] = [{"bearer": []}]
+    for operation in schema.get("paths", {}).get("/healthz", {}).values():
+        operation["security"] = []
 
 
 def swagger_ui_static() -> Path:

@@ -79,4 +79,15 @@ async def require_key(request: Request) -> str | None:
     return tenant
 
 
+async def require_docs_key(request: Request) -> None:
+    """``require_key`` for /docs and /openapi.json. Their usual caller is a browser, which sends no
+    bearer key, so the 401 also names the setting that opens them."""
+    try:
+        await require_key(request)
+    except ApiError as e:
+        e.message += (" A browser sends no key: SPECBATCH_API_PUBLIC_DOCS=1 on the server opens /docs "
+                      "and /openapi.json to anyone who reaches the port.")
+        raise
+
+
 Tenant = Annotated[str | None, Depends(require_key)]

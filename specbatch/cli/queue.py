@@ -286,7 +286,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     """
     from specbatch.jobs import store
     from specbatch.observability import tracing
-    from specbatch.worker.embedded import release_dead_embedded
+    from specbatch.worker.embedded_names import release_dead_embedded
     from specbatch.worker.enqueue import enqueue_routes
 
     settings = get_settings()
@@ -294,6 +294,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     with factory.begin() as s:
         job = store.get_job(s, job_id)
         job_id, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
+        job_status, stopping = job.status.value, job.status in store.STOPPING_JOB
         embedded = bool((job.meta or {}).get("embedded"))
         released = release_dead_embedded(s, job_id)
         leased = store.leased_requests(s, job_id)
@@ -301,6 +302,12 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
         routes = store.request_routes(s, job_id, ids, by_prefix=True)
     if in_process or embedded:
         run_in_process(job_id, as_json)
+        return
+    if stopping:        # as `retry`: a cancelled job's requests are dropped for good
+        raise SpecBatchError(f"job {job_id} is {job_status}; a cancelled job cannot be resumed "
+                             "(submit the file again)")
+    if not ids and not as_json:     # say so, rather than "re-enqueued 0 requests" after a worker check
+        click.echo(f"job {job_id} is {job_status}; nothing to resume")
         return
     tracing.configure("specbatch")
     with tracing.span("resume", {"specbatch.job.id": job_id}):

@@ -24,6 +24,11 @@ from sqlalchemy.pool import StaticPool
 
 from specbatch.redact import mask
 
+# alembic logs its plugin set-up and dialect at INFO on every start (nine lines per process in a
+# worker's log); specbatch says "migrating ..." itself when it migrates. Set here, before any
+# `from alembic import ...` below: the first import is what sets the plugins up and logs them
+logging.getLogger("alembic").setLevel(logging.WARNING)
+
 logger = logging.getLogger(__name__)
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
@@ -107,9 +112,6 @@ def _create(url: str, pool_size: int | None = None) -> Engine:
 def _alembic_config(engine: Engine) -> Any:
     from alembic.config import Config
 
-    # alembic logs its plugin set-up and dialect at INFO on every start (nine lines per process in
-    # a worker's log); specbatch says "migrating ..." itself when it migrates
-    logging.getLogger("alembic").setLevel(logging.WARNING)
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     # configparser reads "%" as interpolation: a percent-encoded password ("p%40ss") must be "%%"

@@ -310,7 +310,16 @@ def _check_metadata(v: Any, field: str) -> tuple[dict[str, str] | None, list[tup
 
 
 def _unknown(obj: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[tuple[str, str]]:
-    return [(prefix + k, f"unknown key; known keys: {', '.join(known)}") for k in obj if k not in known]
+    return [(prefix + k, f"unknown key{_did_you_mean(k, known)}; known keys: {', '.join(known)}")
+            for k in obj if k not in known]
+
+
+def _did_you_mean(key: str, known: tuple[str, ...]) -> str:
+    """' (did you mean "max_tokens"?)' for a key a typo away from a known one (``max_tokns``), else ""."""
+    import difflib
+
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    return f' (did you mean "{close[0]}"?)' if close else ""
 
 
 def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[tuple[str | None, str]]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
@@ -12,21 +10,15 @@ from specbatch.config import Settings
 from specbatch.observability import tracing
 from specbatch.observability.worker import Observer
 from specbatch.worker.chunk import ResultEvent, claim_rows, process_chunk
+from specbatch.worker.embedded_names import embedded_worker_name, release_dead_embedded
 from specbatch.worker.enqueue import chunks
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
-from specbatch.worker.pids import alive
 from specbatch.worker.transaction import transact
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
-
-EMBEDDED_PREFIX = "embedded@"
-
-
-def embedded_worker_name(pid: int | None = None) -> str:
-    return f"{EMBEDDED_PREFIX}{socket.gethostname()}:{pid or os.getpid()}"
 
 
 def run_embedded(settings: Settings, job_id: str, engine: Engine,
@@ -100,23 +92,3 @@ def _wrap_up(s: Any, job_id: str, worker: str, finished: bool) -> None:
         store.release_held_by(s, job_id, worker)
         store.set_interrupted(s, job_id, True)
     store.refresh_job(s, job_id)
-
-
-def release_dead_embedded(s: Any, job_id: str) -> list[int]:
-    """Release the requests of ``job_id`` held by a ``specbatch run`` process of this host that
-    no longer exists (killed, or exited on a second Ctrl-C); returns their ids."""
-    from specbatch.jobs import store
-
-    host_prefix = f"{EMBEDDED_PREFIX}{socket.gethostname()}:"
-    released: list[int] = []
-    for worker in store.running_workers(s, job_id):
-        if not worker.startswith(host_prefix):
-            continue
-        try:
-            pid = int(worker[len(host_prefix):])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not alive(pid):
-            released += store.release_held_by(s, job_id, worker)
-    return released
-

@@ -10,9 +10,10 @@ exchange is named after it), with its message count as Flower reads it.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
-from specbatch.config import get_settings
+from specbatch.config import Settings, get_settings
 from specbatch.worker.app import create_app
 from specbatch.worker.queues import PREFIX
 
@@ -57,5 +58,14 @@ def _list_broker_queues_too() -> None:
     BaseHandler.get_active_queue_names = get_active_queue_names
 
 
+def _basic_auth(settings: Settings) -> None:
+    """SPECBATCH_FLOWER_PASSWORD as Flower's own FLOWER_BASIC_AUTH, which Flower reads from the
+    environment after importing this app: `celery -A specbatch.worker.flower flower` (README's
+    second way) asks for the password too, not only `specbatch flower`. One given explicitly wins."""
+    if settings.flower_password:
+        os.environ.setdefault("FLOWER_BASIC_AUTH", f"{settings.flower_user}:{settings.flower_password}")
+
+
 app = create_app(get_settings())
+_basic_auth(get_settings())
 _list_broker_queues_too()

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
 from specbatch.worker.chunk import ResultEvent
-from specbatch.worker.embedded import release_dead_embedded, run_embedded
+from specbatch.worker.embedded import run_embedded
+from specbatch.worker.embedded_names import release_dead_embedded
 from specbatch.worker.interrupt import StopRequest
 from specbatch.worker.queues import route_drafters
 from specbatch.worker.transaction import transact

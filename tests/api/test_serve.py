@@ -84,6 +84,57 @@ def test_docs_and_schema_need_the_key_unless_public(public: bool, monkeypatch: p
         get_settings.cache_clear()
 
 
+def test_docs_refusal_names_the_setting_that_opens_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A browser opening /docs sends no key and got only "You didn't provide an API key": the 401
+    of /docs and /openapi.json names SPECBATCH_API_PUBLIC_DOCS; the API's own 401 does not."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_API_KEYS", "sk-docs")
+    monkeypatch.setenv("SPECBATCH_API_PUBLIC_DOCS", "0")
+    get_settings.cache_clear()
+    try:
+        with TestClient(create_app(get_settings())) as client:
+            for path, headers in [("/docs", {}), ("/openapi.json", {"Authorization": "Bearer wrong"})]:
+                refused = client.get(path, headers=headers)
+                assert refused.status_code == 401, path
+                assert "SPECBATCH_API_PUBLIC_DOCS=1" in refused.json()["error"]["message"], path
+            api = client.get("/v1/batches")
+            assert api.status_code == 401 and "PUBLIC_DOCS" not in api.json()["error"]["message"]
+    finally:
+        get_settings.cache_clear()
+
+
+@pytest.mark.parametrize("keys", ["sk-docs", ""])
+def test_schema_declares_the_bearer_key_for_swagger_uis_authorize_button(keys: str,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With keys and SPECBATCH_API_PUBLIC_DOCS=1, /docs had no Authorize button: every "Try it out"
+    got a 401. The schema declares the bearer key (not for /healthz); without keys, nothing."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_API_KEYS", keys)
+    monkeypatch.setenv("SPECBATCH_API_PUBLIC_DOCS", "1")
+    get_settings.cache_clear()
+    try:
+        with TestClient(create_app(get_settings())) as client:
+            for _ in range(2):      # the schema is built once and kept: marked once
+                schema = client.get("/openapi.json").json()
+                if not keys:
+                    assert "security" not in schema and "securitySchemes" not in schema.get("components", {})
+                    continue
+                assert schema["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+                assert schema["security"] == [{"bearer": []}]
+                assert schema["paths"]["/healthz"]["get"]["security"] == []
+                assert "security" not in schema["paths"]["/v1/batches"]["get"]    # the global one applies
+    finally:
+        get_settings.cache_clear()
+
+
 def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> None:
     """Under load the routes' thread pool is full of list/retrieve calls; /healthz (and the key and
     state lookups every route makes) must not queue behind them (issue 32: 1.1-1.4 s under load)."""

@@ -514,3 +514,41 @@ def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, mo
     result = run("status", job_id, "--json")
     assert "worker w1@h: compiling 2/4 (t graph 2/4), decoding eagerly until then" in result.stderr
     assert "no live worker" not in result.stderr and "starting" not in result.stderr
+
+
+def test_resume_of_a_cancelled_or_finished_job_says_so_without_the_broker(db_url):
+    """Not "re-enqueued 0 requests" (exit 0, after a worker check on the broker): a cancelled job is
+    refused as `retry` refuses it, one with nothing left says so (the broker here is unreachable)."""
+    cancelled, _ = make_job(db_url)
+    assert run("cancel", cancelled).exit_code == 0
+    result = run("resume", cancelled)
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: job {cancelled} is cancelled; a cancelled job cannot be resumed (submit the file again)")
+
+    finished, _ = make_job(db_url, results=2, failures=1, pending=0)
+    result = run("resume", finished)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"job {finished} is completed_with_errors; nothing to resume"
+    assert result.stderr == ""
+
+
+def test_resume_imports_no_model_library(db_url):
+    """`specbatch resume` took 12 s where `status` took 2.5 s: it imported torch and transformers
+    (through the in-process runner) to release a dead `run` process's rows. A fresh interpreter, as a
+    user's shell starts it."""
+    import os
+    import subprocess
+    import sys
+
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=0)
+    code = ("import sys\n"
+            "from click.testing import CliRunner\n"
+            "from specbatch.cli.main import cli\n"
+            f"r = CliRunner().invoke(cli, ['resume', '{job_id}'], obj={{}})\n"
+            "print(r.exit_code, r.output.strip())\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    env = {**os.environ, "SPECBATCH_DATABASE_URL": db_url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"0 job {job_id} is completed; nothing to resume", "[]"]

@@ -269,3 +269,18 @@ def test_0015_folds_the_ngram_flag_into_the_pool(db_url):
         ("alone", [], True), ("flag", ["d1"], True), ("plain", ["d1"], False)]
     db.forget_engines()
     db.upgrade(db_url)
+
+
+def test_migrating_logs_no_alembic_set_up_lines(tmp_path):
+    """A worker logs at INFO; alembic logged seven "setup plugin ..." lines per process there, as
+    importing alembic.config sets its plugins up. A fresh interpreter: alembic must not be imported yet."""
+    import subprocess
+    import sys
+
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from specbatch import db\n"
+            f"db.session_factory('sqlite:///{tmp_path / 'x.db'}')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "x.db").exists()
+    assert "INFO:alembic" not in done.stderr and "setup plugin" not in done.stderr, done.stderr

@@ -108,7 +108,11 @@ BAD_CASES = {
     "default_custom_id_taken": (L(custom_id="line-2", prompt="a") + L(prompt="b"),
                                 ['2: custom_id: missing, and the default "line-2" is taken by line 1; '
                                  "give this line a custom_id"]),
-    "unknown_key": (L(prompt="a", temprature=0.5), [f"1: temprature: unknown key; known keys: {KNOWN_LINE_KEYS}"]),
+    "unknown_key": (L(prompt="a", temprature=0.5),
+                    [f'1: temprature: unknown key (did you mean "temperature"?); known keys: {KNOWN_LINE_KEYS}']),
+    "unknown_key_typo": (L(prompt="a", max_tokns=8),
+                         [f'1: max_tokns: unknown key (did you mean "max_tokens"?); known keys: {KNOWN_LINE_KEYS}']),
+    "unknown_key_unlike_any": (L(prompt="a", colour="red"), [f"1: colour: unknown key; known keys: {KNOWN_LINE_KEYS}"]),
     "invalid_utf8": (GOOD + b'{"prompt": "caf\xe9"}\n',
                      ["2: invalid UTF-8 (byte 0xe9 at byte 16); save the file as UTF-8"]),
     "over_long_line": (GOOD + L(prompt="x" * 2000) + GOOD.replace(b"ok", b"ok2"),
