@@ -5,6 +5,8 @@ The route is ``async`` and never enters the routes' thread pool: under load that
 list/retrieve calls and a probe queued behind them took over a second (issue 32). The checks run
 on their own small executor; probes arriving together share one round of checks, and an answer
 is reused for a second (``deps.Probe``), so a burst of probes costs the database one ``SELECT 1``.
+Past that second a probe starts the next round and answers with the last one (at most 5 s old:
+a round ends within ``TIMEOUT``), so no probe waits for the checks once one round has ended.
 """
 
 from __future__ import annotations
