@@ -73,11 +73,17 @@ class Probe:
         age = time.monotonic() - self.at
         if self.answer is not None and age < self.fresh:
             return self.answer
-        if self.running is None or self.running.done():
-            self.running = asyncio.ensure_future(self._round(check))
+        running = self.start(check)
         if self.answer is not None and age < self.stale:
             return self.answer
-        return await asyncio.shield(self.running)     # a client gone away does not stop the round
+        return await asyncio.shield(running)     # a client gone away does not stop the round
+
+    def start(self, check: Callable[[], Awaitable[dict[str, str]]]) -> asyncio.Future[dict[str, str]]:
+        """The round in flight, started now if there is none (the app starts one as it starts
+        serving, so that the first probe finds an answer)."""
+        if self.running is None or self.running.done():
+            self.running = asyncio.ensure_future(self._round(check))
+        return self.running
 
     async def _round(self, check: Callable[[], Awaitable[dict[str, str]]]) -> dict[str, str]:
         answer = await check()

@@ -44,7 +44,7 @@ async def _check(sb: AppState, name: str, fn: Any, *args: Any) -> str:
         return f"unreachable ({type(e).__name__})"
 
 
-async def _probe(sb: AppState) -> dict[str, str]:
+async def probe_round(sb: AppState) -> dict[str, str]:
     database, broker = await asyncio.gather(_check(sb, "database", _database, sb),
                                             _check(sb, "broker", check_broker, sb.settings, TIMEOUT - 1))
     return {"database": database, "broker": broker}
@@ -52,6 +52,6 @@ async def _probe(sb: AppState) -> dict[str, str]:
 
 @router.get("/healthz")
 async def healthz(sb: State) -> JSONResponse:
-    out = await sb.probe.get(lambda: _probe(sb))
+    out = await sb.probe.get(lambda: probe_round(sb))
     ok = all(v == "ok" for v in out.values())
     return JSONResponse({"status": "ok" if ok else "unavailable", **out}, status_code=200 if ok else 503)

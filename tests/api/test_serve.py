@@ -235,3 +235,20 @@ def test_healthz_answers_from_its_last_round_while_the_next_one_runs() -> None:
         assert probe.answer == {"database": "ok 2"}
 
     asyncio.run(scenario())
+
+
+def test_the_first_round_of_health_checks_runs_as_the_app_starts(tmp_path: Path) -> None:
+    """The first probe under load waited for a whole round of checks (about a second, issue 32):
+    the app runs one as it starts, before any probe asks."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+    from tests.worker.services import wait_for
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    with TestClient(app):
+        assert wait_for(lambda: app.state.sb.probe.answer, 30, "the first round of health checks") == {
+            "database": "ok", "broker": "ok"}
