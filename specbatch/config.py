@@ -78,7 +78,10 @@ class Settings(BaseSettings):
     api_keys: str = Field(default="", repr=False)  # comma-separated bearer keys of `specbatch serve`
     files_dir: str = Field(default_factory=_default_files_dir)  # the HTTP API's uploads and outputs
     max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
-    api_threads: Positive = 40            # `specbatch serve`: routes run at once (threads, DB connections)
+    # `specbatch serve`: routes run at once per process (threads, DB connections). Not more: 40
+    # threads contending for the GIL cost ~10% more CPU per request and starved the event loop
+    # (/healthz p50 55-150 ms vs 15-25 ms under 200 clients, docs/bench/api-load.md)
+    api_threads: Positive = 16
     api_public_docs: bool = False         # `specbatch serve`: /docs and /openapi.json without a key
 
     @field_validator("database_url")

@@ -47,7 +47,12 @@ def create_app(settings: Settings) -> FastAPI:
         import anyio.to_thread
 
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
+        # the first round of /healthz's checks now: a probe that came first under load waited
+        # for a round that took about a second (later probes answer from the last round)
+        sb.probe.start(lambda: health.probe_round(sb))
         yield
+        if sb.probe.running is not None:
+            sb.probe.running.cancel()
         sb.finalizer.close()
         sb.checks.shutdown(wait=False, cancel_futures=True)
 

@@ -5,6 +5,8 @@ The route is ``async`` and never enters the routes' thread pool: under load that
 list/retrieve calls and a probe queued behind them took over a second (issue 32). The checks run
 on their own small executor; probes arriving together share one round of checks, and an answer
 is reused for a second (``deps.Probe``), so a burst of probes costs the database one ``SELECT 1``.
+Past that second a probe starts the next round and answers with the last one (at most 5 s old:
+a round ends within ``TIMEOUT``), so no probe waits for the checks once one round has ended.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ async def _check(sb: AppState, name: str, fn: Any, *args: Any) -> str:
         return f"unreachable ({type(e).__name__})"
 
 
-async def _probe(sb: AppState) -> dict[str, str]:
+async def probe_round(sb: AppState) -> dict[str, str]:
     database, broker = await asyncio.gather(_check(sb, "database", _database, sb),
                                             _check(sb, "broker", check_broker, sb.settings, TIMEOUT - 1))
     return {"database": database, "broker": broker}
@@ -50,6 +52,6 @@ async def _probe(sb: AppState) -> dict[str, str]:
 
 @router.get("/healthz")
 async def healthz(sb: State) -> JSONResponse:
-    out = await sb.probe.get(lambda: _probe(sb))
+    out = await sb.probe.get(lambda: probe_round(sb))
     ok = all(v == "ok" for v in out.values())
     return JSONResponse({"status": "ok" if ok else "unavailable", **out}, status_code=200 if ok else 503)

@@ -74,19 +74,24 @@ def serve(host: str, port: int, log_level: str, workers: int, allow_remote_model
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug")
         uvicorn.Server(config).run(sockets=[sock])
         return
-    # several processes: uvicorn starts each (spawned, so each builds its own app from the
-    # environment: the flag above travels as its variable) on the socket bound here
-    from uvicorn.supervisors import Multiprocess
+    # several processes, spawned: each builds its own app from the environment (the flag above
+    # travels as its variable) and, where the system allows, accepts on a socket of its own
+    from specbatch.api.processes import can_share_port, reuseport_sockets, supervise
 
     if allow_remote_models:
         os.environ["SPECBATCH_ALLOW_REMOTE_MODELS"] = "1"
     config = uvicorn.Config("specbatch.api.app:app_from_env", factory=True, host=host, port=port,
                             workers=workers, log_level=log_level, access_log=log_level == "debug")
+    if can_share_port():
+        if supervise(config, reuseport_sockets(sock, workers)):
+            raise click.ClickException("the server processes failed to start (their log is above)")
+        return
+    from uvicorn.supervisors import Multiprocess
+
     # uvicorn before 0.30 takes the process body as target=; later ones build it themselves
     takes_target = "target" in inspect.signature(Multiprocess).parameters
     extra = {"target": uvicorn.Server(config).run} if takes_target else {}
     Multiprocess(config, sockets=[sock], **extra).run()
-
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (as uvicorn binds one), or a one-line ClickException:

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import signal
 import socket
+import subprocess
 import sys
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -165,36 +173,133 @@ def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> Non
     assert anyio.run(probe) in (200, 503)      # an answer, whatever the broker says
 
 
-def test_serve_with_two_worker_processes_answers_and_stops(tmp_path: Path) -> None:
-    """--workers N: N processes on one socket (one Python process uses about one core), each
-    building its app from the environment; SIGTERM stops them all."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import urllib.request
-
+@contextlib.contextmanager
+def serving(workers: int, **env_extra: str) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
+    """``specbatch serve --workers N`` on a free port, answering ``/healthz``: (process, port,
+    [its output, once stopped]); SIGTERM at the end, which must stop it with status 0."""
     from tests.worker.services import free_port, wait_for
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
-           "SPECBATCH_BROKER_URL": "memory://", "SPECBATCH_API_KEYS": "k-two"}
+           "SPECBATCH_BROKER_URL": "memory://", **env_extra}
     proc = subprocess.Popen([sys.executable, "-c", "from specbatch.cli.main import main; main()", "serve",
-                             "--port", str(port), "--workers", "2"], env=env, stdout=subprocess.PIPE,
+                             "--port", str(port), "--workers", str(workers)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
-    def files() -> object:
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/files", headers={"Authorization": "Bearer k-two"})
+    def healthy() -> bool:
         try:
-            with urllib.request.urlopen(req, timeout=2) as r:
-                return json.loads(r.read())
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                return r.status == 200
         except OSError:
-            return None
+            return False
+    output: list[str] = []
     try:
-        assert wait_for(files, 60, "serve --workers 2 to answer") == {
-            "object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+        wait_for(healthy, 60, f"serve --workers {workers} to answer")
+        yield proc, port, output
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=30)
-    assert "2 processes" in out and "Traceback" not in out, out
-    assert proc.returncode == 0, out
+        output.append(proc.communicate(timeout=30)[0])
+    assert "Traceback" not in output[0], output[0]
+    assert proc.returncode == 0, output[0]
+
+
+def test_serve_with_two_worker_processes_answers_and_stops(tmp_path: Path) -> None:
+    """--workers N: N processes on one port (one Python process uses about one core), each
+    building its app from the environment; SIGTERM stops them all."""
+    with serving(2, SPECBATCH_API_KEYS="k-two") as (_, port, output):
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/files", headers={"Authorization": "Bearer k-two"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert json.loads(r.read()) == {
+                "object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False}
+    assert "2 processes" in output[0], output[0]
+
+
+def _answer(conn: socket.socket) -> bytes:
+    """One HTTP/1.1 answer with a Content-Length, read whole from a kept-alive connection."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536) or b"EOF"
+        assert not data.endswith(b"EOF"), data
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head.split(b"\r\n")[0]
+
+
+def _sockets_on(child: Any, port: int, status: str) -> dict[str, int]:
+    """{socket inode: fd} of ``child``'s TCP sockets on ``port`` in ``status`` (a psutil Process)."""
+    return {os.readlink(f"/proc/{child.pid}/fd/{c.fd}"): c.fd for c in child.net_connections("tcp")
+            if c.status == status and c.laddr.port == port}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT spreads connections on Linux")
+def test_serve_workers_each_accept_on_a_socket_of_their_own() -> None:
+    """With one listening socket shared by the processes, the one that woke first accepted a burst
+    of new connections (158 of 200 kept-alive clients under scripts/api_load.py) and its queue set
+    the tail latency (issue 32). Each process now accepts on a socket of its own (SO_REUSEPORT),
+    and the kernel spreads connections over them by address: a burst lands on both."""
+    import psutil
+
+    n = 128
+    with serving(2) as (proc, port, _):
+        children = [c for c in psutil.Process(proc.pid).children() if _sockets_on(c, port, psutil.CONN_LISTEN)]
+        listening = [set(_sockets_on(c, port, psutil.CONN_LISTEN)) for c in children]
+        assert len(listening) == 2 and all(len(s) == 1 for s in listening), listening
+        assert not listening[0] & listening[1], listening       # two accept queues, not one shared
+        conns = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(n)]
+        try:
+            for c in conns:         # every connection is in an accept queue before any is served
+                c.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert {_answer(c) for c in conns} == {b"HTTP/1.1 200 OK"}
+            held = sorted(len(_sockets_on(c, port, psutil.CONN_ESTABLISHED)) for c in children)
+        finally:
+            for c in conns:
+                c.close()
+    assert sum(held) == n and held[0] >= n // 4, held      # a binomial split: 32 of 128 is 5.7 sd off
+
+def test_healthz_answers_from_its_last_round_while_the_next_one_runs() -> None:
+    """Under load a round of checks took 0.5-3 s (issue 32): a probe past the fresh second starts
+    the next round and answers with the last one meanwhile, instead of waiting for it."""
+    import asyncio
+
+    from specbatch.api.deps import Probe
+
+    async def scenario() -> None:
+        probe = Probe(fresh=0.0, stale=3600.0)      # every probe past fresh: the next one runs a round
+        release = asyncio.Event()
+        rounds: list[str] = []
+
+        async def check() -> dict[str, str]:
+            rounds.append("ran")
+            if len(rounds) > 1:
+                await release.wait()        # the second round hangs until released
+            return {"database": f"ok {len(rounds)}"}
+
+        assert await probe.get(check) == {"database": "ok 1"}      # no answer yet: it waits
+        # the second round is hung; the probe answers with the first (fails on a probe that waits)
+        assert await asyncio.wait_for(probe.get(check), 30) == {"database": "ok 1"}
+        assert await asyncio.wait_for(probe.get(check), 30) == {"database": "ok 1"}
+        assert rounds == ["ran", "ran"]             # one round at a time, shared
+        release.set()
+        await asyncio.wait_for(probe.running, 30)   # type: ignore[arg-type]
+        assert probe.answer == {"database": "ok 2"}
+
+    asyncio.run(scenario())
+
+
+def test_the_first_round_of_health_checks_runs_as_the_app_starts(tmp_path: Path) -> None:
+    """The first probe under load waited for a whole round of checks (about a second, issue 32):
+    the app runs one as it starts, before any probe asks."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+    from tests.worker.services import wait_for
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    with TestClient(app):
+        assert wait_for(lambda: app.state.sb.probe.answer, 30, "the first round of health checks") == {
+            "database": "ok", "broker": "ok"}
