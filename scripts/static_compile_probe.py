@@ -50,13 +50,13 @@ LINEAR_SHAPES = {"q/o 576->576": (576, 576), "k/v 576->192": (576, 192),
 HEAD_SHAPE = {"head 576->49152": (576, 49152)}
 
 
-def configure(mode: str) -> None:
+def configure(mode: str, freezing: bool) -> None:
     """Inductor as the issue asks: frozen weights, and under max-autotune its C++ GEMM template
     timed against ATen per GEMM (Triton is GPU-only; leaving it in only costs probing)."""
     import torch._inductor.config as ic
 
     torch.set_num_threads(1)
-    ic.freezing = True
+    ic.freezing = freezing
     ic.compile_threads = 1              # no worker pool on a shared 2-core machine
     ic.fx_graph_cache = True
     ic.autotune_local_cache = True
@@ -268,7 +268,8 @@ def through(step: Callable[..., torch.Tensor],
 def probe_step(args: argparse.Namespace, lm: Any) -> list[dict[str, Any]]:
     from specbatch.engine.hf_cache import new_cache
     model, rows = lm.model, []
-    max_len = args.prompt_len + args.steps + 1
+    max_len = args.cache_len or args.prompt_len + args.steps + 1
+    assert max_len > args.prompt_len + args.steps, "the static cache must hold every decoded token"
     for batch in args.batch_sizes:
         ids = job_rows(lm.tokenizer, batch, args.prompt_len)
         with torch.inference_mode():
@@ -371,6 +372,7 @@ def probe_restart(args: argparse.Namespace) -> list[dict[str, Any]]:
                 cmd = [sys.executable, __file__, "step", "--batch-sizes", ",".join(map(str, args.batch_sizes)),
                        "--mode", args.mode, "--prompt-len", str(args.prompt_len), "--steps", str(args.steps),
                        "--rounds", str(args.rounds), "--compile-timeout", str(args.compile_timeout),
+                       "--cache-len", str(args.cache_len), *([] if args.freezing else ["--no-freezing"]),
                        "--no-eager-static", "--json", f.name]
                 t0 = time.perf_counter()
                 subprocess.run(cmd, env=env, check=True)
@@ -404,12 +406,16 @@ def main() -> None:
     p.add_argument("--no-eager-static", dest="eager_static", action="store_false",
                    help="step: leave out the eager forward over the static cache")
     p.add_argument("--compile-timeout", type=int, default=900, help="seconds per compile before giving up")
+    p.add_argument("--cache-len", type=int, default=0,
+                   help="step: static cache columns (default prompt-len + steps + 1; the graph's shape)")
+    p.add_argument("--no-freezing", dest="freezing", action="store_false",
+                   help="compile without freezing: weights stay inputs, linears stay ATen's (sgemm)")
     p.add_argument("--inductor-cache-dir", help="restart: reuse this TORCHINDUCTOR_CACHE_DIR (warm start only)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     if args.probe == "linears":
         args.rounds = max(args.rounds, 5)
-    configure(args.mode)
+    configure(args.mode, args.freezing)
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, mode {args.mode}, "
           f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
