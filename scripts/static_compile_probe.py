@@ -410,11 +410,15 @@ def main() -> None:
                    help="step: static cache columns (default prompt-len + steps + 1; the graph's shape)")
     p.add_argument("--no-freezing", dest="freezing", action="store_false",
                    help="compile without freezing: weights stay inputs, linears stay ATen's (sgemm)")
+    p.add_argument("--force-gqa", action="store_true",
+                   help="step: TRANSFORMERS_SDPA_FORCE_GQA=1, SDPA's enable_gqa instead of repeat_kv under dynamo")
     p.add_argument("--inductor-cache-dir", help="restart: reuse this TORCHINDUCTOR_CACHE_DIR (warm start only)")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args()
     if args.probe == "linears":
         args.rounds = max(args.rounds, 5)
+    if args.force_gqa:   # transformers reads it at each attention call; the restart's children inherit it
+        os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     configure(args.mode, args.freezing)
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread, mode {args.mode}, "
