@@ -19,8 +19,13 @@ Not a test: nothing here asserts on a time. Compiles are bounded by ``--compile-
 ``nice`` on a shared machine, one at a time.
 
     nice -n 5 python scripts/static_compile_probe.py linears --json /tmp/linears.json
-    nice -n 5 python scripts/static_compile_probe.py step --batch-sizes 1,8,32
-    nice -n 5 python scripts/static_compile_probe.py restart --batch-sizes 8
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) nice -n 5 python scripts/static_compile_probe.py step --batch-sizes 32,8,1
+    nice -n 5 python scripts/static_compile_probe.py step --force-gqa --batch-sizes 32,8 --steps 33 --rounds 4 --cache-len 258
+    nice -n 5 python scripts/static_compile_probe.py restart --batch-sizes 32 --steps 9 --rounds 2 --cache-len 258
+
+``--force-gqa``: under dynamo transformers' SDPA path expands the cache to every query head
+(``repeat_kv``) where eager folds the heads instead; this flag makes both call SDPA's own GQA.
+Measured results and what they mean: docs/COMPILE.md.
 """
 
 from __future__ import annotations
