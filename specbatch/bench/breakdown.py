@@ -7,7 +7,7 @@ One extra pass of a configuration under ``torch.profiler`` (not the timed one: t
 cost would bias the tokens/s). Operators are put in buckets by name; a matrix multiply whose
 weight has the vocabulary's width is the head, not a layer's GEMM. Operator times are self times on
 the calling thread (intra-op threads work inside them), so the buckets plus "Python and dispatch"
-add up to the pass's wall time. See specbatch/bench/README.md "Where the time goes".
+add up to the pass's wall time. See the section "Where the time goes" of specbatch/bench/README.md.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ class GrowingLayer(DynamicLayer):
             used_k, used_v = self._k[:rows, :, :n], self._v[:rows, :, :n]
             self._k = _regrow(None, used_k, len(order), 0, n)
             self._v = _regrow(None, used_v, len(order), 0, n)
-            torch.index_select(used_k, 0, indices, out=self._k[: len(order), :, :n])
-            torch.index_select(used_v, 0, indices, out=self._v[: len(order), :, :n])
+            self._k[: len(order), :, :n] = used_k.index_select(0, indices)
+            self._v[: len(order), :, :n] = used_v.index_select(0, indices)
         self._uk = self._uv = (len(order), n)
 
     def append_rows(self, keys: torch.Tensor | None, values: torch.Tensor | None, n_rows: int) -> None:
@@ -152,7 +152,7 @@ class GrowingLayer(DynamicLayer):
             used = getattr(self, name)[:rows, :, :n]
             idx = index[:, None, :, None].expand(-1, used.shape[1], -1, used.shape[3]).to(used.device)
             out = _regrow(None, used, rows, 0, width)
-            torch.gather(used, 2, idx, out=out[:rows, :, :width])
+            out[:rows, :, :width] = used.gather(2, idx)   # (not gather(out=): autograd refuses out=)
             setattr(self, name, out)
         self._uk = self._uv = (rows, width)
 
