@@ -233,7 +233,7 @@ class Decoder:
                 r.tally.batch_share(len(self.rows) + len(new), seconds / len(new))
         self.rows.extend(new)
 
-    def _prefixes(self, new: list[Row], n_joining: int, drafts: bool = True
+    def _prefixes(self, new: list[Row], n_joining: int, drafts: bool
                   ) -> tuple[list[Row], list[PrefixEntry | None]]:
         """Each row's longest stored prefix, or the prefix it shares with other requests of
         this decode, computed now; rows sharing one made adjacent (``joining`` loads each run
@@ -267,7 +267,7 @@ class Decoder:
         order = [b for bs in groups.values() for b in bs]
         return [new[b] for b in order], [found[b] for b in order]
 
-    def _compute_prefix(self, tokens: list[int], drafts: bool = True) -> PrefixEntry:
+    def _compute_prefix(self, tokens: list[int], drafts: bool) -> PrefixEntry:
         """A prefix's KV for the target and (``drafts``) every drafter, each computed alone in one
         forward; a drafter without one feeds the whole prompt when its rows speculate."""
         t0 = time.perf_counter()
