@@ -1,7 +1,7 @@
 """Does a static-cache compiled target pay on this CPU at the job's shapes? (issue 31; docs/COMPILE.md,
 "Static cache at the job's shapes (measured)").
 
-Three probes, each one process, eager and compiled interleaved round by round, 1 torch thread:
+Four probes, each one process, eager and compiled interleaved round by round, 1 torch thread:
 
 - ``linears``: one decoder linear of the default target per (K -> N, M rows), eager ``F.linear`` vs
   ``torch.compile`` with freezing and max-autotune (C++ GEMM template against ATen); ms, GFLOPS, and
@@ -11,6 +11,9 @@ Three probes, each one process, eager and compiled interleaved round by round, 1
   DynamicCache), eager over a transformers ``StaticCache``, and that static step compiled (fullgraph,
   static shapes). All three start from the same prefilled keys and values and decode greedily,
   each feeding its own argmax; the report says whether tokens and logits match eager.
+- ``verify``: T(k), one call scoring k new positions a row (a speculative verify of k - 1 drafts)
+  over a static cache rolled back after each call, eager and compiled, every k interleaved; the
+  report gives T(k)/T(1) for each (issue 31's goal: compiled <= 1.3 for k - 1 <= 4 at B = 1).
 - ``restart``: ``step`` at one batch size run twice in fresh processes sharing one empty
   ``TORCHINDUCTOR_CACHE_DIR``: time to the first compiled step cold and warm, and inductor's FX
   graph cache counters (frozen graphs may bypass it).
@@ -21,6 +24,7 @@ Not a test: nothing here asserts on a time. Compiles are bounded by ``--compile-
     nice -n 5 python scripts/static_compile_probe.py linears --json /tmp/linears.json
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) nice -n 5 python scripts/static_compile_probe.py step --batch-sizes 32,8,1
     nice -n 5 python scripts/static_compile_probe.py step --force-gqa --batch-sizes 32,8 --steps 33 --rounds 4 --cache-len 258
+    nice -n 5 python scripts/static_compile_probe.py verify --batch-sizes 1 --positions 1,2,3,4,5
     nice -n 5 python scripts/static_compile_probe.py restart --batch-sizes 32 --steps 9 --rounds 2 --cache-len 258
 
 ``--force-gqa``: under dynamo transformers' SDPA path expands the cache to every query head
@@ -362,6 +366,95 @@ STEP_HEADER = ("| B | eager ms/step | eager static ms/step | compiled static ms/
                "|---:|---:|---:|---:|---:|---:|---:|---|---|")
 
 
+# ---------------------------------------------------------------- verify: T(k)/T(1)
+
+
+def verify_inputs(n: int, batch: int, k: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, k) and the additive causal mask (B, 1, k, max_len) of k tokens scored after
+    ``n`` cached ones: position n + i sees columns 0..n + i."""
+    pos = torch.arange(n, n + k).expand(batch, k)
+    cols = torch.arange(max_len)
+    mask = torch.where(cols[None, :] <= pos[0][:, None], 0.0, torch.finfo(torch.float32).min)
+    return pos, mask.expand(batch, 1, k, max_len).contiguous()
+
+
+def probe_verify(args: argparse.Namespace, lm: Any) -> list[dict[str, Any]]:
+    """T(k): one target call scoring k new positions a row (what a speculative verify of k - 1
+    drafts costs), over a static cache rolled back after every call, eager and compiled, all k
+    interleaved round by round; the issue's goal is compiled T(k)/T(1) <= 1.3 for k - 1 <= 4."""
+    from specbatch.engine.hf_cache import new_cache
+    model, rows = lm.model, []
+    max_len = args.cache_len or args.prompt_len + max(args.positions) + 1
+    for batch in args.batch_sizes:
+        ids = job_rows(lm.tokenizer, batch, args.prompt_len + max(args.positions))
+        prompt, fed = ids[:, : args.prompt_len], ids[:, args.prompt_len:]
+        variants: dict[str, Callable[[], Any]] = {}
+        outs: dict[str, torch.Tensor] = {}
+        compile_s: dict[int, float] = {}
+        with torch.inference_mode():
+            cache = new_cache()
+            model(input_ids=prompt, use_cache=True, **{_kw(model): cache})
+            for k in args.positions:
+                pos, mask = verify_inputs(args.prompt_len, batch, k, max_len)
+                for kind in ("eager", "compiled"):
+                    sc = static_cache_from(model, cache, max_len)
+                    step = static_step_all(model, sc)
+                    if kind == "compiled":
+                        step = compiled(step, args.mode)
+                        t0 = time.perf_counter()
+                        try:
+                            with deadline(args.compile_timeout):
+                                rolled_back(step, sc, args.prompt_len, fed[:, :k], pos, mask)
+                        except CompileTimeout as e:
+                            print(f"B={batch} k={k}: {e}", flush=True)
+                            continue
+                        compile_s[k] = time.perf_counter() - t0
+                    variants[f"{kind} {k}"] = partial(rolled_back, step, sc, args.prompt_len, fed[:, :k], pos, mask)
+                    outs[f"{kind} {k}"] = variants[f"{kind} {k}"]()
+            ms = interleaved(variants, args.rounds, args.reps)
+        for k in args.positions:
+            if f"compiled {k}" not in variants:
+                continue
+            row = {"B": batch, "k": k, "compile_s": compile_s[k]}
+            for kind in ("eager", "compiled"):
+                row[f"{kind}_ms"] = statistics.median(ms[f"{kind} {k}"])
+                row[f"{kind}_over_1"] = ratio(ms[f"{kind} {k}"], ms[f"{kind} {args.positions[0]}"])
+            got, want = outs[f"compiled {k}"], outs[f"eager {k}"]
+            row["tokens_identical"] = bool(torch.equal(got.argmax(-1), want.argmax(-1)))
+            row["max_abs_logit_diff"] = float((got - want).abs().max())
+            rows.append(row)
+            print(f"| {batch} | {k} | {row['eager_ms']:.1f} | {row['eager_over_1']:.2f} | {row['compiled_ms']:.1f} | "
+                  f"{row['compiled_over_1']:.2f} | {row['compile_s']:.0f} | "
+                  f"{'yes' if row['tokens_identical'] else 'no'} ({row['max_abs_logit_diff']:.1e}) |", flush=True)
+        del variants, outs, cache
+        torch._dynamo.reset()
+        gc.collect()
+    return rows
+
+
+def static_step_all(model: Any, cache: Any) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``static_step`` keeping every fed position's logits: (B, k) ids -> (B, k, V)."""
+    from specbatch.engine.hf_cache import cache_kwarg
+    kw = cache_kwarg(model)
+
+    def step(ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{kw: cache}).logits
+    return step
+
+
+def rolled_back(step: Callable[..., torch.Tensor], cache: Any, n: int, *inputs: torch.Tensor) -> torch.Tensor:
+    """One call, then the cache back at ``n`` columns (a rejected draft's roll-back)."""
+    out = step(*inputs)
+    for layer in cache.layers:
+        layer.cumulative_length.fill_(n)
+    return out.clone()
+
+
+VERIFY_HEADER = ("| B | k scored | eager static ms | eager T(k)/T(1) | compiled static ms | compiled T(k)/T(1) | "
+                 "compile s | greedy equal to eager (max logit diff) |\n"
+                 "|---:|---:|---:|---:|---:|---:|---:|---|")
+
+
 # ---------------------------------------------------------------- restart
 
 
@@ -400,7 +493,7 @@ def ints(s: str) -> list[int]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("probe", choices=["linears", "step", "restart"])
+    p.add_argument("probe", choices=["linears", "step", "verify", "restart"])
     p.add_argument("--mode", default="max-autotune-no-cudagraphs", help="torch.compile mode, or 'default'")
     p.add_argument("--ms", type=ints, default=[1, 4, 8, 16, 32, 64], help="linears: rows per GEMM")
     p.add_argument("--with-head", action="store_true", help="linears: the 576->49152 LM head too")
@@ -408,6 +501,9 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=192, help="step: cache length at the first step")
     p.add_argument("--steps", type=int, default=65, help="step: decode steps per variant")
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--positions", type=ints, default=[1, 2, 3, 4, 5],
+                   help="verify: tokens scored a row per call (k; a verify of k - 1 drafts)")
+    p.add_argument("--reps", type=int, default=5, help="verify: calls per variant per round")
     p.add_argument("--no-eager-static", dest="eager_static", action="store_false",
                    help="step: leave out the eager forward over the static cache")
     p.add_argument("--compile-timeout", type=int, default=900, help="seconds per compile before giving up")
@@ -432,13 +528,13 @@ def main() -> None:
     if args.probe == "linears":
         print(LINEAR_HEADER, flush=True)
         result["linears"] = probe_linears(args)
-    elif args.probe == "step":
+    elif args.probe in ("step", "verify"):
         from specbatch.config import Settings
         from specbatch.engine.loading import load_model
         s = Settings()
         lm = load_model(s.default_target, device="cpu", dtype="float32", cache_dir=s.cache_dir or None)
-        print(STEP_HEADER, flush=True)
-        result["step"] = probe_step(args, lm)
+        print(STEP_HEADER if args.probe == "step" else VERIFY_HEADER, flush=True)
+        result[args.probe] = (probe_step if args.probe == "step" else probe_verify)(args, lm)
     else:
         print("| start | B | first compiled step s | process wall s | FX cache hit | miss | bypass |\n"
               "|---|---:|---:|---:|---:|---:|---:|", flush=True)
