@@ -5,8 +5,14 @@ again, once.
 
 A request is stranded when it is ``pending`` in a job that is neither stopping nor run in-process
 (``specbatch run``), was created over ``lease_sweep_seconds`` ago (``submit`` writes rows before it
-sends their tasks), its queue has no waiting task at all, and no task a worker took (Redis keeps
-those, unacked, in one hash) names it. Two guards keep the re-enqueue to one:
+sends their tasks), and no task of its queue names it: neither one waiting in the queue nor one a
+worker took (Redis keeps those, unacked, in one hash). Tasks submitted after the loss keep the
+queue busy, so the queue's tasks are read, not just counted: a Redis restart followed by new
+submissions strands the old job's requests behind the new job's tasks. A queue longer than
+``MAX_SCAN`` tasks is not read (nothing is concluded until it drains below). A look reads the
+candidates' ids, and whole rows only for ids no task names (usually none).
+
+Two guards keep the re-enqueue to one:
 
 - a request must be found stranded on two sweeps in a row: a task between the queue and the
   unacked hash (kombu moves it in two steps) is not mistaken for a lost one;
@@ -36,6 +42,8 @@ KOMBU_PRIORITY_SEP = "\x06\x16"     # kombu's Redis transport keeps priority p >
 KOMBU_PRIORITIES = (3, 6, 9)
 UNACKED_KEY = "unacked"             # kombu's Redis transport: delivered, not yet acknowledged messages
 BROKER_TIMEOUT = 2.0
+MAX_SCAN = 20_000                   # waiting tasks read from one queue per look (a few MB of JSON)
+MAX_IN = 1_000                      # ids given to SQL's IN (...); more are filtered here
 
 
 def queue_keys(queue: str) -> tuple[str, ...]:
@@ -55,56 +63,82 @@ def _request_ids(payload: Any) -> tuple[str, list[int]] | None:
 
 
 def broker_holds(settings: Settings, queue: str) -> set[int] | None:
-    """The request ids of ``queue``'s tasks that workers took and have not acknowledged, when the
-    queue has no waiting task; None when it has some, or the broker cannot be looked into."""
+    """The request ids of ``queue``'s tasks in the broker: waiting in the queue, or taken by a
+    worker and not acknowledged; None when the broker cannot be looked into or the queue holds
+    more than ``MAX_SCAN`` tasks."""
     if not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
         return None
     import redis
 
     client = redis.Redis.from_url(settings.broker_url, socket_timeout=BROKER_TIMEOUT,
                                   socket_connect_timeout=BROKER_TIMEOUT)
+    keys = queue_keys(queue)
     try:
         with client.pipeline(transaction=False) as pipe:
-            for key in queue_keys(queue):
+            for key in keys:
                 pipe.llen(key)
+            if sum(pipe.execute()) > MAX_SCAN:
+                return None
+        # one snapshot of the lists and the hash: a task popped between two reads would be in neither
+        with client.pipeline(transaction=True) as pipe:
+            for key in keys:
+                pipe.lrange(key, 0, -1)
             pipe.hvals(UNACKED_KEY)         # a few per worker (prefetch 1): small
-            *lengths, unacked = pipe.execute()
+            *waiting, unacked = pipe.execute()
     finally:
         client.close()
-    if any(lengths):
-        return None
     held: set[int] = set()
-    for raw in unacked:
-        try:
-            payload, _exchange, routing_key = json.loads(raw)
-        except (TypeError, ValueError):
-            continue
-        ids = _request_ids(payload) if routing_key == queue else None
+    for raw in (m for msgs in waiting for m in msgs):
+        ids = _request_ids(_json(raw))
         if ids is not None:
             held.update(ids[1])
+    for raw in unacked:
+        entry = _json(raw)
+        if isinstance(entry, list) and len(entry) == 3 and entry[2] == queue:
+            ids = _request_ids(entry[0])
+            if ids is not None:
+                held.update(ids[1])
     return held
 
 
-def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: str | None = None
-               ) -> dict[int, tuple[str, str]]:
-    """{request id: (job id, queue)} of the pending requests of ``queues`` (of ``job_id`` only, when
-    given) created over ``older_than`` ago, not marked as sent within it, in jobs that run on the
-    queue (not stopping, not in-process)."""
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+
+
+def _candidates(queues: Collection[str], older_than: timedelta, job_id: str | None, *columns: Any) -> Any:
+    """SELECT ``columns`` of the pending requests a look considers: created over ``older_than`` ago,
+    not marked as sent within it, in jobs that run (not stopping), on ``queues`` when they run on
+    their job's pair (a routed request's queue is worked out by ``pending_in``)."""
     from specbatch.db.models import Job, JobStatus, Request, RequestStatus, utcnow
-    from specbatch.worker.queues import route_queue
 
     now = utcnow()
-    stmt = (select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.drafts, Job.meta)
-            .join(Job, Job.id == Request.job_id)
+    stmt = (select(*columns).join(Job, Job.id == Request.job_id)
             .where(Request.status == RequestStatus.pending, Request.created_at <= now - older_than,
                    or_(Request.lease_expires_at.is_(None), Request.lease_expires_at <= now),
-                   Job.status.in_([JobStatus.queued, JobStatus.running])))
-    if job_id is not None:
-        stmt = stmt.where(Request.job_id == job_id)
+                   Job.status.in_([JobStatus.queued, JobStatus.running]),
+                   or_(Request.target.is_not(None), Job.queue.in_(list(queues)))))
+    return stmt if job_id is None else stmt.where(Request.job_id == job_id)
+
+
+def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: str | None = None,
+               among: Collection[int] | None = None) -> dict[int, tuple[str, str]]:
+    """{request id: (job id, queue)} of the pending requests of ``queues`` (of ``job_id`` only, and
+    of ``among`` only, when given) created over ``older_than`` ago, not marked as sent within it,
+    in jobs that run on the queue (not stopping, not in-process)."""
+    from specbatch.db.models import Job, Request
+    from specbatch.worker.queues import route_queue
+
+    stmt = _candidates(queues, older_than, job_id, Request.id, Request.job_id, Request.target,
+                       Request.drafts, Job.queue, Job.drafts, Job.meta)
+    if among is not None and len(among) <= MAX_IN:
+        stmt = stmt.where(Request.id.in_(list(among)))
     out: dict[int, tuple[str, str]] = {}
     for rid, jid, target, drafts, job_queue, job_drafters, meta in s.execute(stmt):
-        if (meta or {}).get("embedded"):
-            continue            # `specbatch run` holds it in its own process: no broker involved
+        if (meta or {}).get("embedded") or (among is not None and rid not in among):
+            continue            # embedded: `specbatch run` holds it in its own process, no broker involved
         queue = route_queue(None if target is None else (target, list(drafts or [])), job_queue,
                             list(job_drafters or []))
         if queue in queues:
@@ -114,14 +148,20 @@ def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: s
 
 def without_task(settings: Settings, s: Any, queues: Collection[str], job_id: str | None = None
                  ) -> dict[int, tuple[str, str]]:
-    """The stranded requests of ``queues`` as ``pending_in`` gives them. The broker is asked first:
-    a queue with waiting tasks (the usual case) costs no database read."""
-    held = {q: broker_holds(settings, q) for q in queues}
-    empty = [q for q, ids in held.items() if ids is not None]
-    if not empty:
+    """The stranded requests of ``queues`` as ``pending_in`` gives them. The broker is read first,
+    then the candidates' ids alone; rows are read only for ids no task names (usually none)."""
+    from specbatch.db.models import Request
+
+    held = {q: ids for q in queues if (ids := broker_holds(settings, q)) is not None}
+    if not held:
         return {}
-    candidates = pending_in(s, empty, timedelta(seconds=settings.lease_sweep_seconds), job_id)
-    return {rid: v for rid, v in candidates.items() if rid not in (held[v[1]] or ())}
+    older_than = timedelta(seconds=settings.lease_sweep_seconds)
+    named = set().union(*held.values())
+    unnamed = set(s.scalars(_candidates(held, older_than, job_id, Request.id)).all()) - named
+    if not unnamed:
+        return {}
+    return {rid: v for rid, v in pending_in(s, held, older_than, job_id, among=unnamed).items()
+            if rid not in held[v[1]]}
 
 
 def mark_sent(s: Any, request_ids: Collection[int], seconds: int) -> list[int]:

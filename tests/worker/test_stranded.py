@@ -43,5 +43,32 @@ def test_requests_the_broker_lost_are_queued_again_once_by_the_live_workers(clus
     assert "stranded" not in status.stderr, status.stderr
 
 
+def test_requests_lost_behind_a_later_jobs_tasks_are_found_and_run_once(cluster) -> None:  # noqa: ANN001
+    """The broker restarts empty and a new job is submitted at once: the queue is busy with the new
+    job's tasks while the old job's are gone. `status` names the old job's stranded requests, and a
+    worker recovers them before the queue drains."""
+    cluster.env.update({"SPECBATCH_LEASE_SWEEP_SECONDS": "1", "SPECBATCH_CHUNK_SIZE": "2"})
+    old_job, old_ids = cluster.submit([{"custom_id": f"o{i}", "prompt": f"Old text {i}", "max_tokens": 4}
+                                       for i in range(4)])
+    redis.Redis.from_url(cluster.redis.url).flushall()
+    new_job, new_ids = cluster.submit([{"custom_id": f"n{i}", "prompt": f"New text {i}", "max_tokens": 4}
+                                       for i in range(6)])
+    time.sleep(1.5)
+    status = subprocess.run([*_cli(), "status", old_job], env=cluster.env, capture_output=True, text=True,
+                            timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "4 requests stranded: 4 queued requests with no task in the broker" in status.stderr, status.stderr
+    status = subprocess.run([*_cli(), "status", new_job], env=cluster.env, capture_output=True, text=True,
+                            timeout=60)
+    assert "stranded" not in status.stderr, status.stderr
+
+    worker = cluster.worker("w1")
+    for job_id in (old_job, new_job):
+        assert cluster.wait_finished(job_id, timeout=180)["status"] == "completed"
+        assert all(r["results"] == 1 for r in cluster.rows(job_id)), cluster.rows(job_id)
+    requeued = [int(n) for n in re.findall(r"(\d+) queued request\(s\) had no task in the broker", worker.output())]
+    assert sum(requeued) == len(old_ids), requeued
+
+
 def _cli() -> list[str]:
     return list(CLI)

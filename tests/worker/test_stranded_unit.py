@@ -11,11 +11,12 @@ from sqlalchemy import update
 
 from specbatch.config import Settings
 from specbatch.db import session_factory
-from specbatch.db.models import Job, Request, utcnow
+from specbatch.db.models import Job, Request, RequestStatus, utcnow
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedRequest
+from specbatch.worker import stranded
 from specbatch.worker.enqueue import enqueue_requests
-from specbatch.worker.stranded import broker_holds, mark_sent, pending_in
+from specbatch.worker.stranded import broker_holds, mark_sent, pending_in, without_task
 from tests.db.databases import db_url, pg_database, pg_server  # noqa: F401 - fixtures
 
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
@@ -40,7 +41,7 @@ def test_broker_holds_waiting_and_taken_tasks(redis_server) -> None:  # noqa: AN
     settings = Settings.from_env({"SPECBATCH_BROKER_URL": redis_server.url, "SPECBATCH_CHUNK_SIZE": "2"})
     assert broker_holds(settings, "q.a") == set()              # empty queue, nothing taken
     enqueue_requests(settings, "job1", [11, 12, 13], "q.a")
-    assert broker_holds(settings, "q.a") is None               # tasks wait: nothing to conclude
+    assert broker_holds(settings, "q.a") == {11, 12, 13}       # waiting tasks name them
     with Connection(redis_server.url) as conn:
         queue = conn.SimpleQueue("q.a", no_ack=False)
         taken = [queue.get(timeout=5), queue.get(timeout=5)]   # not acknowledged: in Redis's unacked hash
@@ -80,3 +81,41 @@ def test_two_workers_marking_at_once_send_each_request_once(db_url: str) -> None
     with session_factory(db_url).begin() as s:
         assert pending_in(s, ["q.a"], timedelta(seconds=30)) == {}     # marked: not sent again meanwhile
         assert mark_sent(s, ids, 30) == []
+
+
+def test_a_queue_longer_than_the_scan_concludes_nothing(redis_server, monkeypatch) -> None:  # noqa: ANN001
+    settings = Settings.from_env({"SPECBATCH_BROKER_URL": redis_server.url, "SPECBATCH_CHUNK_SIZE": "1"})
+    enqueue_requests(settings, "job1", [1, 2, 3], "q.long")
+    monkeypatch.setattr(stranded, "MAX_SCAN", 2)
+    assert broker_holds(settings, "q.long") is None
+    monkeypatch.setattr(stranded, "MAX_SCAN", 3)
+    assert broker_holds(settings, "q.long") == {1, 2, 3}
+
+
+def test_requests_lost_behind_another_jobs_waiting_tasks_are_stranded(redis_server, db_url: str) -> None:  # noqa: ANN001, F811
+    """A Redis restart, then a new submission: the old job's tasks are gone while the new job's wait
+    in the same queue. Only the old job's requests are stranded, and a request whose task waits,
+    or a worker took, is not."""
+    from kombu import Connection
+
+    settings = Settings.from_env({"SPECBATCH_BROKER_URL": redis_server.url, "SPECBATCH_DATABASE_URL": db_url,
+                                  "SPECBATCH_CHUNK_SIZE": "2", "SPECBATCH_LEASE_SWEEP_SECONDS": "30"})
+    lost_job, lost = _job(db_url, "q.p", n=3)                  # its tasks were flushed with the broker
+    new_job, waiting = _job(db_url, "q.p", n=4)
+    enqueue_requests(settings, new_job, waiting, "q.p")
+    with session_factory(db_url).begin() as s:
+        assert sorted(without_task(settings, s, ["q.p"])) == lost
+        assert sorted(without_task(settings, s, ["q.p"], job_id=new_job)) == []
+        assert sorted(without_task(settings, s, ["q.p"], job_id=lost_job)) == lost
+    with Connection(redis_server.url) as conn:
+        queue = conn.SimpleQueue("q.p", no_ack=False)
+        taken = queue.get(timeout=5)                           # a worker took one task, not acknowledged
+        with session_factory(db_url).begin() as s:
+            assert sorted(without_task(settings, s, ["q.p"])) == lost
+            s.execute(update(Request).where(Request.id.in_(waiting[:2]))
+                      .values(status=RequestStatus.completed))
+        taken.ack()                                            # its requests are done
+        queue.close()
+    enqueue_requests(settings, lost_job, lost, "q.p")          # recovered
+    with session_factory(db_url).begin() as s:
+        assert without_task(settings, s, ["q.p"]) == {}
