@@ -64,7 +64,7 @@ def _expire(sb: AppState, batch_ids: list[str]) -> None:
 def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     """The tenant's Batch object (one read; an overdue batch is expired first)."""
     for _ in range(2):
-        with sb.reader.begin() as s:
+        with sb.reads.begin() as s:
             batch, job = batches.get_batch_and_job(s, batch_id, owner)
             objs, overdue = _read(sb, s, [batch], {job.id: job} if job is not None else {})
         if not overdue:
@@ -84,7 +84,7 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
     metadata = check_metadata(body.metadata)
     options = job_options(metadata, sb.settings)
     pair, defaults = options.pair, options.defaults
-    with sb.reader.begin() as s:
+    with sb.reads.begin() as s:
         f = files.get_file(s, body.input_file_id, owner)
         purpose, filename = f.purpose, f.filename
     if purpose != "batch":
@@ -124,9 +124,9 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
 @router.get("/batches", response_model=Object)
 def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
     for _ in range(2):
-        with sb.reader.begin() as s:
-            rows, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
-            data, overdue = _read(sb, s, rows)
+        with sb.reads.begin() as s:
+            pairs, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
+            data, overdue = _read(sb, s, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None})
         if not overdue:
             return answer(page(data, more))
         _expire(sb, overdue)

@@ -95,8 +95,11 @@ class Probe:
 class AppState:
     settings: Settings
     factory: sessionmaker
-    reader: sessionmaker
+    reader: sessionmaker    # one snapshot across statements (export, stats, metrics)
     finalizer: Finalizer
+    # the routes' short reads: no transaction, each statement its own snapshot (on PostgreSQL a
+    # transaction is two more round trips a read; db.session_factory's autocommit)
+    reads: sessionmaker
     checks: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
     probe: Probe = field(default_factory=lambda: Probe(fresh=1.0, stale=5.0))

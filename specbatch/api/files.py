@@ -55,7 +55,7 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> JSONRespons
 @router.get("/files", response_model=Object)
 def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
-    with sb.reader.begin() as s:
+    with sb.reads.begin() as s:
         rows, more = files.list_files(s, limit=limit, after=after, purpose=purpose, order=order, owner=owner)
         out = page([files.file_object(f) for f in rows], more)
     return answer(out)
@@ -63,14 +63,14 @@ def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=1000
 
 @router.get("/files/{file_id}", response_model=Object)
 def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    with sb.reader.begin() as s:
+    with sb.reads.begin() as s:
         out = files.file_object(files.get_file(s, file_id, owner))
     return answer(out)
 
 
 @router.get("/files/{file_id}/content")
 def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
-    with sb.reader.begin() as s:
+    with sb.reads.begin() as s:
         row = files.get_file(s, file_id, owner)
         filename = row.filename
     path = files.file_path(sb.settings, file_id)

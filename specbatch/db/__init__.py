@@ -35,7 +35,7 @@ SQLITE_BUSY_TIMEOUT_MS = 60_000
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 _engines: dict[str, Engine] = {}
-_factories: dict[tuple[str, bool], sessionmaker] = {}
+_factories: dict[tuple[str, bool, bool], sessionmaker] = {}
 _lock = threading.RLock()
 
 
@@ -171,18 +171,28 @@ def get_engine(url: str, pool_size: int | None = None) -> Engine:
         return engine
 
 
-def session_factory(url: str, readonly: bool = False, pool_size: int | None = None) -> sessionmaker:
+def session_factory(url: str, readonly: bool = False, pool_size: int | None = None,
+                    autocommit: bool = False) -> sessionmaker:
     """Use as ``with session_factory(url).begin() as s:`` (commits at the end, rolls back on error).
 
     ``readonly=True``: for long reads (export, status) that must not hold SQLite's write lock.
+    ``autocommit=True`` (read-only too): for the API's short reads, each statement its own
+    snapshot. On PostgreSQL a transaction is two more round trips (BEGIN, COMMIT) a read, as many
+    as its statements (issue 32); reads that need one snapshot across statements (exports) keep
+    ``readonly``. On SQLite this is ``readonly``: its BEGIN is no round trip, and SQLAlchemy's
+    AUTOCOMMIT there would reset each connection's isolation mode (a PRAGMA) on every checkin.
     ``pool_size``: see ``get_engine``.
     """
     with _lock:
         engine = get_engine(url, pool_size)     # a smaller pool: replaced, with its factories
-        factory = _factories.get((url, readonly))
+        readonly = readonly or autocommit
+        autocommit = autocommit and engine.dialect.name != "sqlite"
+        factory = _factories.get((url, readonly, autocommit))
         if factory is None:
             bind = engine.execution_options(specbatch_readonly=True) if readonly else engine
-            factory = _factories[(url, readonly)] = sessionmaker(bind, expire_on_commit=False)
+            if autocommit:
+                bind = bind.execution_options(isolation_level="AUTOCOMMIT")
+            factory = _factories[(url, readonly, autocommit)] = sessionmaker(bind, expire_on_commit=False)
         return factory
 
 
