@@ -1,13 +1,14 @@
 """The API's reads on SQLite and PostgreSQL (issue 32, item 7): a read opens no transaction on
 PostgreSQL (no BEGIN, no COMMIT: two round trips a read), a batch's request counts and usage come
-in one statement, and a page's statement is built once per shape."""
+in one statement, a page's statement is built once per shape, and a pooled PostgreSQL connection is
+pinged before use only after it sat idle."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, exc, text
 
 from specbatch import db
 from specbatch.db.models import ApiFile
@@ -122,3 +123,41 @@ def test_a_page_of_the_same_shape_reuses_its_statement(db_url: str, order: str) 
     assert [([f.id for f in rows], more) for rows, more in after] == [(expected[1:], False)] * 2
     # two of each shape: the second run of a shape is the first one's statement, not a new build
     assert len(run) == 5 and run[0] is run[1] and run[2] is run[3] and run[0] is not run[2]
+
+
+def test_a_postgresql_connection_is_pinged_only_after_it_sat_idle(pg_database: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ping is a round trip: a busy connection is not pinged; one idle past IDLE_PING_SECONDS is,
+    and one the server closed meanwhile (a restart) is replaced without failing the read."""
+    import psycopg
+
+    from tests.db.databases import PG_ADMIN_DSN
+
+    db.forget_engines()
+    engine = db.get_engine(pg_database)
+    pings: list[int] = []
+    ping = engine.dialect.do_ping
+    monkeypatch.setattr(engine.dialect, "do_ping", lambda conn: pings.append(1) or ping(conn))
+    reads = db.session_factory(pg_database, autocommit=True)
+
+    def read() -> int:
+        with reads.begin() as s:
+            return int(s.execute(text("SELECT 1")).scalar_one())
+
+    def restart() -> None:      # the server's side of a restart: every connection to the database closed
+        with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                          [engine.url.database])
+
+    try:
+        monkeypatch.setattr(db, "IDLE_PING_SECONDS", 3600.0)
+        assert [read(), read(), read()] == [1, 1, 1] and pings == []
+        restart()       # used a moment ago and not pinged: the first read fails, the pool drops the rest
+        with pytest.raises(exc.OperationalError):
+            read()
+        assert read() == 1
+        monkeypatch.setattr(db, "IDLE_PING_SECONDS", 0.0)
+        restart()
+        assert read() == 1 and pings == [1]
+    finally:
+        db.forget_engines()
