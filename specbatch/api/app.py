@@ -40,7 +40,8 @@ def create_app(settings: Settings) -> FastAPI:
     # a burst of requests neither waits for a connection nor opens one per request
     factory = session_factory(settings.database_url, pool_size=settings.api_threads)   # migrates on first use
     reader = session_factory(settings.database_url, readonly=True, pool_size=settings.api_threads)
-    sb = AppState(settings, factory, reader, Finalizer(settings, factory, reader))
+    reads = session_factory(settings.database_url, autocommit=True, pool_size=settings.api_threads)
+    sb = AppState(settings, factory, reader, Finalizer(settings, factory, reader), reads)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

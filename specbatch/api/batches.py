@@ -63,10 +63,12 @@ def _expire(sb: AppState, batch_ids: list[str]) -> None:
 
 def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     """The tenant's Batch object (one read; an overdue batch is expired first)."""
+    def read(s: Session) -> tuple[list[dict[str, Any]], list[str]]:
+        batch, job = batches.get_batch_and_job(s, batch_id, owner)
+        return _read(sb, s, [batch], {job.id: job} if job is not None else {})
+
     for _ in range(2):
-        with sb.reader.begin() as s:
-            batch, job = batches.get_batch_and_job(s, batch_id, owner)
-            objs, overdue = _read(sb, s, [batch], {job.id: job} if job is not None else {})
+        objs, overdue = sb.read(read)
         if not overdue:
             return objs[0]
         _expire(sb, overdue)
@@ -84,9 +86,8 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
     metadata = check_metadata(body.metadata)
     options = job_options(metadata, sb.settings)
     pair, defaults = options.pair, options.defaults
-    with sb.reader.begin() as s:
-        f = files.get_file(s, body.input_file_id, owner)
-        purpose, filename = f.purpose, f.filename
+    f = sb.read(lambda s: files.get_file(s, body.input_file_id, owner))
+    purpose, filename = f.purpose, f.filename
     if purpose != "batch":
         raise ApiError(400, f"input file {body.input_file_id} has purpose {purpose!r}, not 'batch'",
                        param="input_file_id")
@@ -123,10 +124,12 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
 
 @router.get("/batches", response_model=Object)
 def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
+    def read(s: Session) -> tuple[list[dict[str, Any]], list[str], bool]:
+        pairs, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
+        return *_read(sb, s, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None}), more
+
     for _ in range(2):
-        with sb.reader.begin() as s:
-            rows, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
-            data, overdue = _read(sb, s, rows)
+        data, overdue, more = sb.read(read)
         if not overdue:
             return answer(page(data, more))
         _expire(sb, overdue)

@@ -13,14 +13,17 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
-from sqlalchemy.orm import sessionmaker
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class Finalizer:
@@ -95,11 +98,29 @@ class Probe:
 class AppState:
     settings: Settings
     factory: sessionmaker
-    reader: sessionmaker
+    reader: sessionmaker    # one snapshot across statements (export, stats, metrics)
     finalizer: Finalizer
+    # the routes' short reads: no transaction, each statement its own snapshot (on PostgreSQL a
+    # transaction is two more round trips a read; db.session_factory's autocommit)
+    reads: sessionmaker
     checks: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
     probe: Probe = field(default_factory=lambda: Probe(fresh=1.0, stale=5.0))
+
+    def read(self, fn: Callable[[Session], T]) -> T:
+        """``fn(session)`` in a read session (``reads``), run once more on a new connection where the
+        pooled one was gone: a PostgreSQL restart within ``db.IDLE_PING_SECONDS`` of the
+        connection's last use, so not pinged. A read changes nothing: running it twice is safe."""
+        try:
+            with self.reads.begin() as s:
+                return fn(s)
+        except DBAPIError as e:
+            if not e.connection_invalidated:
+                raise
+            logger.info("a pooled database connection was gone (%s); reading again on a new one",
+                        type(e.orig).__name__)
+        with self.reads.begin() as s:
+            return fn(s)
 
 
 async def app_state(request: Request) -> AppState:

@@ -29,7 +29,7 @@ TIMEOUT = 3.0       # seconds per check; they run side by side
 
 
 def _database(sb: AppState) -> None:
-    with sb.reader.begin() as s:
+    with sb.reads.begin() as s:
         s.execute(text("SELECT 1"))
 
 

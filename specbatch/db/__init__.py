@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Engine, create_engine, event, exc, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -35,7 +36,7 @@ SQLITE_BUSY_TIMEOUT_MS = 60_000
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 _engines: dict[str, Engine] = {}
-_factories: dict[tuple[str, bool], sessionmaker] = {}
+_factories: dict[tuple[str, bool, bool], sessionmaker] = {}
 _lock = threading.RLock()
 
 
@@ -92,10 +93,38 @@ def _pool_args(pool_size: int | None) -> dict[str, int]:
     return {} if pool_size is None else {"pool_size": pool_size, "max_overflow": POOL_OVERFLOW}
 
 
+# a pooled server connection idle this long is pinged before use (a server restart meanwhile would
+# have closed it); one in use more recently is not. SQLAlchemy's pool_pre_ping pings on every
+# checkout: one round trip of a read's 2-3 on PostgreSQL (issue 32). What a busy connection risks:
+# a restart shorter than this fails the next read on it, once (the pool then drops every connection
+# older than the failure); a restart while requests run fails those anyway, ping or not
+IDLE_PING_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    def checkin(_dbapi_conn: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    def checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.pop("idle_since", None)
+        if since is None or time.monotonic() - since < IDLE_PING_SECONDS:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_conn)
+        except Exception as e:      # the pool reconnects (SQLAlchemy's "disconnect handling - pessimistic")
+            raise exc.DisconnectionError(f"a pooled connection idle for {time.monotonic() - since:.0f} s "
+                                         f"is gone: {e}") from e
+
+    event.listen(engine, "checkin", checkin)
+    event.listen(engine, "checkout", checkout)
+
+
 def _create(url: str, pool_size: int | None = None) -> Engine:
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True, **_pool_args(pool_size))
+        engine = create_engine(url, **_pool_args(pool_size))
+        _ping_when_idle(engine)
+        return engine
     path = sqlite_path(url)
     if path is None:    # in-memory: one shared connection, or the tables vanish
         engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
@@ -171,18 +200,28 @@ def get_engine(url: str, pool_size: int | None = None) -> Engine:
         return engine
 
 
-def session_factory(url: str, readonly: bool = False, pool_size: int | None = None) -> sessionmaker:
+def session_factory(url: str, readonly: bool = False, pool_size: int | None = None,
+                    autocommit: bool = False) -> sessionmaker:
     """Use as ``with session_factory(url).begin() as s:`` (commits at the end, rolls back on error).
 
     ``readonly=True``: for long reads (export, status) that must not hold SQLite's write lock.
+    ``autocommit=True`` (read-only too): for the API's short reads, each statement its own
+    snapshot. On PostgreSQL a transaction is two more round trips (BEGIN, COMMIT) a read, as many
+    as its statements (issue 32); reads that need one snapshot across statements (exports) keep
+    ``readonly``. On SQLite this is ``readonly``: its BEGIN is no round trip, and SQLAlchemy's
+    AUTOCOMMIT there would reset each connection's isolation mode (a PRAGMA) on every checkin.
     ``pool_size``: see ``get_engine``.
     """
     with _lock:
         engine = get_engine(url, pool_size)     # a smaller pool: replaced, with its factories
-        factory = _factories.get((url, readonly))
+        readonly = readonly or autocommit
+        autocommit = autocommit and engine.dialect.name != "sqlite"
+        factory = _factories.get((url, readonly, autocommit))
         if factory is None:
             bind = engine.execution_options(specbatch_readonly=True) if readonly else engine
-            factory = _factories[(url, readonly)] = sessionmaker(bind, expire_on_commit=False)
+            if autocommit:
+                bind = bind.execution_options(isolation_level="AUTOCOMMIT")
+            factory = _factories[(url, readonly, autocommit)] = sessionmaker(bind, expire_on_commit=False)
         return factory
 
 

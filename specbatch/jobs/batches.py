@@ -27,7 +27,16 @@ from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
-from specbatch.db.models import ApiBatch, Job, JobStatus, Result, utcnow
+from specbatch.db.models import (
+    REQUEST_STATUSES,
+    ApiBatch,
+    Job,
+    JobStatus,
+    Request,
+    RequestStatus,
+    Result,
+    utcnow,
+)
 from specbatch.errors import InputError, IntakeError, SpecBatchError
 from specbatch.jobs import export, files, intake, openai_output, store
 from specbatch.plural import plural
@@ -131,20 +140,34 @@ def get_batch_and_job(s: Session, batch_id: str, owner: str | None = None) -> tu
     return row[0], row[1]
 
 
+BATCHES_WITH_JOBS = select(ApiBatch, Job).outerjoin(Job, Job.id == ApiBatch.job_id)
+
+
 def list_batches(s: Session, *, limit: int, after: str | None = None,
-                 owner: str | None = None) -> tuple[list[ApiBatch], bool]:
-    """The tenant's batches, newest first, ``after`` a batch id (OpenAI's cursor)."""
-    return files.page_after(s, ApiBatch, select(ApiBatch), limit, after, descending=True, owner=owner)
+                 owner: str | None = None) -> tuple[list[tuple[ApiBatch, Job | None]], bool]:
+    """The tenant's batches with their jobs (one query), newest first, ``after`` a batch id
+    (OpenAI's cursor)."""
+    rows, more = files.page_after(s, ApiBatch, BATCHES_WITH_JOBS, limit, after, descending=True, owner=owner)
+    return [(b, j) for b, j in rows], more
 
 
 # the reads behind every Batch object, built once (building a statement and its cache key cost more
 # CPU than running it on SQLite)
 JOBS = select(Job).where(Job.id.in_(bindparam("ids", expanding=True)))
+_COUNTS = (select(Request.job_id,
+                  *(func.sum(case((Request.status == RequestStatus(status), 1), else_=0)).label(status)
+                    for status in REQUEST_STATUSES))
+           .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id).subquery())
 # a request's samples (parameter n) share its prompt: counted once, as OpenAI's usage does
-USAGE = (select(Result.job_id, func.sum(case((Result.sample_index == 0, Result.prompt_tokens), else_=0)),
-                func.sum(Result.completion_tokens),
-                func.sum(case((Result.sample_index == 0, Result.cached_prompt_tokens), else_=0)))
-         .where(Result.job_id.in_(bindparam("ids", expanding=True))).group_by(Result.job_id))
+_USAGE = (select(Result.job_id,
+                 func.sum(case((Result.sample_index == 0, Result.prompt_tokens), else_=0)).label("prompt"),
+                 func.sum(Result.completion_tokens).label("completion"),
+                 func.sum(case((Result.sample_index == 0, Result.cached_prompt_tokens), else_=0)).label("cached"))
+          .where(Result.job_id.in_(bindparam("ids", expanding=True))).group_by(Result.job_id).subquery())
+# request counts and token usage per job in one statement: on PostgreSQL each statement is a round
+# trip, and a Batch object's reads are most of a list or retrieve's time (issue 32)
+TALLIES = (select(_COUNTS, _USAGE.c.prompt, _USAGE.c.completion, _USAGE.c.cached)
+           .outerjoin(_USAGE, _USAGE.c.job_id == _COUNTS.c.job_id))
 
 
 def jobs_of(s: Session, batches: Sequence[ApiBatch]) -> dict[str, Job]:
@@ -233,19 +256,31 @@ class Usage:
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
+def tallies(s: Session, job_ids: Sequence[str]) -> tuple[dict[str, dict[str, int]], dict[str, Usage]]:
+    """Request counts ({total, pending, ...}, as ``store.request_counts``) and usage per job, one query."""
+    counts = {j: dict.fromkeys(store.COUNT_NAMES, 0) for j in job_ids}
     if not job_ids:
-        return {}
-    rows = s.execute(USAGE, {"ids": list(job_ids)})
-    return {j: Usage(int(p or 0), int(c or 0), int(k or 0)) for j, p, c, k in rows}
+        return counts, {}
+    usage = {}
+    for row in s.execute(TALLIES, {"ids": list(job_ids)}):
+        job_id, by_status, (p, c, k) = row[0], row[1:-3], row[-3:]
+        tally = counts[job_id]
+        for status, n in zip(REQUEST_STATUSES, by_status, strict=True):
+            tally[status] = int(n or 0)
+        tally["total"] = sum(tally[status] for status in REQUEST_STATUSES)
+        usage[job_id] = Usage(int(p or 0), int(c or 0), int(k or 0))
+    return counts, usage
+
+
+def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
+    return tallies(s, job_ids)[1]
 
 
 def batch_objects(s: Session, batches: Sequence[ApiBatch],
                   jobs: dict[str, Job] | None = None) -> list[dict[str, Any]]:
-    """OpenAI's Batch object for each batch (three queries for the lot; two given ``jobs_of``)."""
+    """OpenAI's Batch object for each batch (two queries for the lot; one given ``jobs_of``)."""
     jobs = jobs_of(s, batches) if jobs is None else jobs
-    counts = store.request_counts(s, list(jobs))
-    usage = usage_of(s, list(jobs))
+    counts, usage = tallies(s, list(jobs))
     return [batch_object(b, jobs.get(b.job_id or ""), counts.get(b.job_id or ""), usage.get(b.job_id or ""))
             for b in batches]
 

@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, bindparam, or_, select
 from sqlalchemy.orm import Session
 
 from specbatch.config import Settings
@@ -152,10 +152,6 @@ def visible(row: Any, owner: str | None) -> bool:
     return row is not None and (owner is None or row.owner == owner)
 
 
-def scoped(stmt: Any, model: Any, owner: str | None) -> Any:
-    return stmt if owner is None else stmt.where(model.owner == owner)
-
-
 def get_file(s: Session, file_id: str, owner: str | None = None) -> ApiFile:
     row = s.get(ApiFile, file_id) if ID_RE.match(file_id) else None
     if row is None or not visible(row, owner):
@@ -163,30 +159,58 @@ def get_file(s: Session, file_id: str, owner: str | None = None) -> ApiFile:
     return row
 
 
+# the statements behind a page, one per shape, built on first use: building a select with its
+# WHERE, ORDER BY and LIMIT (and SQLAlchemy's cache key of it) on every request cost more CPU than
+# SQLite's run of it (issue 32). Keyed by the caller's base statement itself: built once, at module level
+_PAGES: dict[tuple[Any, bool, bool, bool], Any] = {}
+
+
+def _page_query(model: Any, stmt: Any, descending: bool, owned: bool, after: bool) -> Any:
+    key = (stmt, descending, owned, after)
+    query = _PAGES.get(key)
+    if query is None:
+        if owned:
+            stmt = stmt.where(model.owner == bindparam("owner"))
+        if after:
+            t, i = bindparam("after_t", type_=model.created_at.type), bindparam("after_i", type_=model.id.type)
+            if descending:
+                stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
+            else:
+                stmt = stmt.where(or_(model.created_at > t, and_(model.created_at == t, model.id > i)))
+        order = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
+        query = _PAGES[key] = stmt.order_by(*order).limit(bindparam("limit"))
+    return query
+
+
 def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool,
-               owner: str | None = None) -> tuple[list[Any], bool]:
-    """``owner``'s rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more)."""
-    key = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
-    stmt = scoped(stmt, model, owner)
+               owner: str | None = None, params: dict[str, Any] | None = None) -> tuple[list[Any], bool]:
+    """``owner``'s rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more).
+    ``stmt``: a select of ``model`` (first) built once, at module level (the page's statements are
+    cached per ``stmt``), with ``params`` for its bind parameters. Rows are ``model`` objects, or
+    tuples where ``stmt`` selects more than one entity."""
+    values: dict[str, Any] = {**(params or {}), "limit": limit + 1}
+    if owner is not None:
+        values["owner"] = owner
     if after:
         cursor = s.get(model, after) if len(after) <= MAX_ID else None
         if cursor is None or not visible(cursor, owner):
             raise InputError(f"no object with id {shown_id(after)!r} to list after", field="after")
-        t, i = cursor.created_at, cursor.id
-        if descending:
-            stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
-        else:
-            stmt = stmt.where(or_(model.created_at > t, and_(model.created_at == t, model.id > i)))
-    rows = list(s.scalars(stmt.order_by(*key).limit(limit + 1)))
+        values["after_t"], values["after_i"] = cursor.created_at, cursor.id
+    result = s.execute(_page_query(model, stmt, descending, owner is not None, bool(after)), values)
+    rows = list(result.scalars() if len(stmt.column_descriptions) == 1 else result.tuples())
     return rows[:limit], len(rows) > limit
+
+
+FILES = select(ApiFile)
+FILES_OF_PURPOSE = select(ApiFile).where(ApiFile.purpose == bindparam("purpose"))
 
 
 def list_files(s: Session, *, limit: int, after: str | None = None, purpose: str | None = None,
                order: str = "desc", owner: str | None = None) -> tuple[list[ApiFile], bool]:
-    stmt = select(ApiFile)
     if purpose:
-        stmt = stmt.where(ApiFile.purpose == purpose)
-    return page_after(s, ApiFile, stmt, limit, after, order != "asc", owner=owner)
+        return page_after(s, ApiFile, FILES_OF_PURPOSE, limit, after, order != "asc", owner=owner,
+                          params={"purpose": purpose})
+    return page_after(s, ApiFile, FILES, limit, after, order != "asc", owner=owner)
 
 
 def delete_file(s: Session, file_id: str, owner: str | None = None) -> None:

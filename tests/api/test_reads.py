@@ -85,6 +85,72 @@ def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypat
     assert schema["content"]["application/json"]["schema"]["type"] == "object"
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_read_sends_the_fewest_statements(tmp_path: Path, request: pytest.FixtureRequest, backend: str) -> None:
+    """A list of batches reads them with their jobs in one statement and their request counts and
+    usage in another; a retrieve the same; the files' reads one each. On PostgreSQL no read opens a
+    transaction (BEGIN and COMMIT would be two more round trips each)."""
+    from tests.db.test_api_reads import Sent
+
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'r.db'}"
+    else:
+        from tests.db.databases import empty_tables
+
+        url = request.getfixturevalue("pg_database")
+        db.get_engine(url)
+        empty_tables(url)
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    file_id, running, failed = _seed(url)
+
+    async def read(path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get(path)).status_code
+
+    sent_per_read = {}
+    for path, fewest in (("/v1/batches", 2), (f"/v1/batches/{running}", 2), (f"/v1/batches/{failed}", 1),
+                         ("/v1/files", 1), (f"/v1/files/{file_id}", 1)):
+        with Sent(url) as sent:
+            assert anyio.run(read, path) == 200
+        sent_per_read[path] = (len(sent.statements), fewest)
+        assert not any(sent.in_transaction), path
+    assert all(n == fewest for n, fewest in sent_per_read.values()), sent_per_read
+    db.forget_engines()
+
+
+def test_a_read_survives_a_postgresql_restart_on_a_connection_not_pinged(
+        tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled connection used less than db.IDLE_PING_SECONDS ago is not pinged; when the server
+    closed it meanwhile, the read runs again on a new connection instead of answering 500."""
+    import psycopg
+
+    from tests.db.databases import PG_ADMIN_DSN, empty_tables
+
+    url = request.getfixturevalue("pg_database")
+    db.forget_engines()
+    db.get_engine(url)
+    empty_tables(url)
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    file_id, running, _ = _seed(url)
+    monkeypatch.setattr(db, "IDLE_PING_SECONDS", 3600.0)
+
+    async def read(path: str) -> int:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get(path)).status_code
+
+    try:
+        for path in ("/v1/batches", f"/v1/batches/{running}", "/v1/files", f"/v1/files/{file_id}"):
+            assert anyio.run(read, path) == 200, path
+            with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:     # a restart, as the pool sees it
+                admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                              [db.get_engine(url).url.database])
+            assert anyio.run(read, path) == 200, path
+    finally:
+        db.forget_engines()
+
+
 def test_fastapi_telemetry_is_off_unless_otel_asks_for_traces(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
                  "OTEL_SDK_DISABLED"):
