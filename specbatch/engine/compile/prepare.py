@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specbatch.engine.compile import decision, forward, inductor, warmup
-from specbatch.engine.compile.decision import MIN_SPEEDUP, CompilePlan, Shapes
+from specbatch.engine.compile.decision import MIN_SPEEDUP, CompilePlan, Shapes, pays
 from specbatch.engine.compile.forward import ModelHandle, compilable, key_class
 from specbatch.engine.compile.record import CompileReport
 
@@ -89,10 +89,11 @@ def _announce(lm: ModelHandle, shapes: Shapes, variant: bool | None, cache_dir: 
 
 
 def keep_what_pays(lm: ModelHandle, report: CompileReport) -> None:
-    """Send the shape classes whose graph measured no faster than eager here to the eager model."""
+    """Send the shape classes whose graph measured no more than ``MIN_SPEEDUP`` faster than eager
+    here to the eager model (``decision.pays``)."""
     assert lm.compiled is not None
     for key, speedup in report.speedups.items():
-        if speedup < MIN_SPEEDUP:
+        if not pays(speedup):
             lm.compiled.eager_classes.add(key_class(key))
             report.eager_shapes.append(key)
 
@@ -100,7 +101,7 @@ def keep_what_pays(lm: ModelHandle, report: CompileReport) -> None:
 def _log_speedups(name: str, report: CompileReport) -> None:
     """What compiling buys here, in every worker's log (data: the CLI words it for people)."""
     if report.speedups:
-        logger.info("%s: eager / compiled step time here: %s; under %sx, eager: %s; not-frozen / frozen: %s",
+        logger.info("%s: eager / compiled step time here: %s; at most %sx, eager: %s; not-frozen / frozen: %s",
                     name, _rounded(report.speedups), MIN_SPEEDUP, report.eager_shapes or "none",
                     _rounded(report.frozen_gain) or "not compared")
 
