@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -113,7 +113,7 @@ def one_start(mode: str, home: Path, work: Path, broker: str, database: str | No
     queue = queue_name(settings.default_target, [settings.default_draft])
     load_before = os.getloadavg()[0]
     log = (work / "worker.log").open("wb")
-    t0 = datetime.now(UTC)
+    t0 = datetime.now(timezone.utc)
     mono0 = time.monotonic()
     proc = subprocess.Popen([*SPECBATCH, "worker", "--compile", mode, "-n", f"{name}@%h", "--loglevel", "INFO"],
                             env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -169,14 +169,29 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(results, indent=2))
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    print("\n| --compile | round | cache | first claim s | 'starting' seen at s | last state seen | load before / at claim |")
+    print("\n| --compile | round | cache | first claim s | status: 'starting' at s | status: consuming at s, state "
+          "| load before / at claim |")
     print("|---|---:|---|---:|---:|---|---|")
     for res in results:
-        starting = min((t for s, t in res["states"].items() if "starting" in s), default=None)
-        last = max(res["states"].items(), key=lambda kv: kv[1], default=("-", 0))[0]
         claim_load = "-" if res["load_at_claim"] is None else f"{res['load_at_claim']:.1f}"
-        print(f"| {res['mode']} | {res['round']} | {res['cache']} | {res['first_claim_s']} | {starting} | "
-              f"{last} | {res['load_before']:.1f} / {claim_load} |")
+        print(f"| {res['mode']} | {res['round']} | {res['cache']} | {res['first_claim_s']} | "
+              f"{_first(res['states'], 'not consuming: starting')} | {_consuming(res['states'])} | "
+              f"{res['load_before']:.1f} / {claim_load} |")
+
+
+def _first(states: dict[str, float], prefix: str) -> str:
+    times = [t for s, t in states.items() if s.startswith(prefix)]
+    return f"{min(times)}" if times else "-"
+
+
+def _consuming(states: dict[str, float]) -> str:
+    """When status first showed it consuming, and what state it showed then (shortened)."""
+    seen = sorted((t, s) for s, t in states.items() if s.startswith("consuming: "))
+    if not seen:
+        return "-"
+    t, state = seen[0]
+    state = state.removeprefix("consuming: ")
+    return f"{t}: {state[:48]}{'...' if len(state) > 48 else ''}"
 
 
 if __name__ == "__main__":
