@@ -14,6 +14,7 @@ from specbatch.engine.background import BackgroundCompile
 from specbatch.engine.chat import encode
 from specbatch.engine.compile.decision import CompilePlan, resolve_mode
 from specbatch.engine.compile.prepare import CompileNotice
+from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
@@ -144,6 +145,13 @@ class Engine:
         if resolve_mode(compile) != "off" and not cache:
             raise ValueError(f"compile={compile!r} needs cache_dir: the compiled graphs and their records live there")
         if background is not False and resolve_mode(compile) != "off":
+            declined = compile_declined(t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
+                                        cache_dir=cache)
+            if declined is not None:   # nothing to compile: no thread, and the state says why at once
+                engine.compile_plan = declined
+                if callable(background):
+                    background(f"eager: {declined.reason}")
+                return engine
             engine.compile_plan = CompilePlan(resolve_mode(compile), False,
                                               "compiling in the background, decoding eagerly until then")
             engine.background = BackgroundCompile(

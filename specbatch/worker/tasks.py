@@ -135,7 +135,9 @@ def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
         return
     engine = task.engine
     if getattr(engine, "background", None) is None:   # compile off (or nothing to compile): that is all there is
-        _write_ready(conf.get("specbatch_state_file"), "ready (eager)\n")
+        plan = getattr(engine, "compile_plan", None)
+        state = f"eager: {plan.reason}" if plan is not None and plan.mode != "off" else "ready (eager)"
+        _write_ready(conf.get("specbatch_state_file"), state + "\n")
     _write_ready(ready, "ok\n")
 
 

@@ -119,7 +119,10 @@ def test_run_compile_auto_says_once_why_it_decodes_eagerly(tmp_path: Path, tiny_
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A 4-token job does not repay compiling: auto decodes eagerly and says so in one stderr line
     (nothing in --json's stdout); --compile off says nothing."""
+    from specbatch.engine.compile import decision
+
     monkeypatch.setenv("SPECBATCH_CACHE_DIR", str(tmp_path / "cache"))   # no recorded warm-up
+    monkeypatch.setitem(decision.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})   # a device where it pays
     args = ["run", str(_prompts(tmp_path, n=1, max_tokens=2)), "--target", str(tiny_models / "llama"),
             "--draft", str(tiny_models / "llama-partial"), "--json"]
     auto = CliRunner().invoke(cli, [*args, "--compile", "auto"])

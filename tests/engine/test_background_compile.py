@@ -11,6 +11,7 @@ import torch
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine import background as B
 from specbatch.engine.compile import decision as D
+from specbatch.engine.compile import record as R
 from specbatch.engine.compile import warmup as W
 from specbatch.engine.loading import load_model
 
@@ -126,3 +127,21 @@ def test_inductor_in_the_background_while_decoding_eagerly_then_switched(tiny_mo
     assert engine.compile_plan.enabled, engine.compile_plan.to_dict()
     compiled = engine.target.compiled
     assert compiled is not None and compiled.calls > 0 and compiled.misses == 0 and rounds > 0
+
+
+def test_a_cpu_worker_in_auto_compiles_nothing_where_the_prior_gains_only_the_margin(
+        tiny_models, tmp_path, dynamo_only, monkeypatch):
+    """A CPU worker planning 8 rows expects the margin itself (1.05x, the lowest host measured):
+    no background compile starts, and the state it announces says why from the start."""
+    warmed = []
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: warmed.append(shapes) or
+                        R.CompileReport(model=lm.name, enabled=True, seconds=1.0, speedups={"1x1:1": 1.3}))
+    states: list[str] = []
+    engine = Engine.load(str(tiny_models / "llama"), compile="auto", background=states.append, batch_size=8,
+                         cache_dir=str(tmp_path))
+    assert engine.background is None or engine.background.join(timeout=600)
+    _greedy(engine, PROMPTS[:1])
+    why = "the compiled forward gains 1.05x eager at 8 rows on cpu (the lowest host measured"
+    assert not warmed and engine.target.compiled is None and not engine.compile_plan.enabled
+    assert why in engine.compile_plan.reason
+    assert len(states) == 1 and states[0].startswith("eager: auto: ") and why in states[0], states

@@ -73,6 +73,7 @@ def test_an_int8_target_stays_eager_beside_a_draft_that_could_compile(tiny_model
 
 def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, tmp_path, monkeypatch):
     """A long-lived worker (no job size) compiles, before it consumes; a short job does not."""
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})   # a device where it pays
     target = load_model(str(tiny_models / "llama"))
     warmed = []
     monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: warmed.append(shapes) or
@@ -86,6 +87,7 @@ def test_a_worker_in_auto_compiles_where_compiling_measured_faster(tiny_models, 
 
 def test_auto_weighs_a_batched_job_by_a_step_at_its_rows(tiny_models, tmp_path, monkeypatch):
     """tokens / rows x the eager step at those rows (a step of 8 rows costs more than one of 1)."""
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})   # a device where it pays
     target = load_model(str(tiny_models / "llama"))
     real = D.eager_step_seconds
     assert real(target, rows=3) > 0               # the real measurement runs at several rows
@@ -104,6 +106,7 @@ def test_where_frozen_graphs_do_not_fit_cpu_compiles_them_not_frozen(tiny_models
     compiled without freezing (no copies); past it even so, auto declines and on warns."""
     import specbatch.engine.memory as memory
 
+    monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 1.8, 16: 1.4})   # a device where it pays
     target = load_model(str(tiny_models / "llama"))
     weights = D.weight_bytes(target.model)
     listed = sum(t.numel() * t.element_size() for t in (*target.model.parameters(), *target.model.buffers()))
@@ -199,7 +202,8 @@ def test_off_and_uncompilable_models_stay_eager(tiny_models, tmp_path, monkeypat
     monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {})
     for tokens in (8, None):
         plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=tokens)
-        assert not plan.enabled and "no faster than eager on cpu" in plan.reason and target.compiled is None
+        assert not plan.enabled and "gains 1.00x eager at 1 row on cpu (the lowest host" in plan.reason
+        assert target.compiled is None
     # where it measured faster, a short job in auto mode still does not repay a first compile
     monkeypatch.setitem(D.EXPECTED_SPEEDUP, "cpu", {1: 2.5})
     plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path, expected_new_tokens=8)
@@ -407,7 +411,62 @@ def test_auto_keeps_eager_the_shapes_that_measured_no_faster_here(tiny_models, t
     assert R.recorded_speedup(target, tmp_path, 1) == 1.01
     target.compiled = None
     plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path)
-    assert not plan.enabled and "no faster than eager here (1.01x" in plan.reason and target.compiled is None
+    assert not plan.enabled and "gains 1.01x eager at 1 row here (measured" in plan.reason and target.compiled is None
+
+
+def test_auto_compiles_only_where_the_gain_is_strictly_above_the_margin(tiny_models, tmp_path, monkeypatch):
+    """The CPU prior is the lowest host measured (1.17x at 1 row, 1.05x at 16): a CPU worker
+    planning 8 rows expects exactly MIN_SPEEDUP and must not spend a core compiling for a quarter
+    of an hour to gain that; at 1 row it compiles. A graph measured at exactly the margin stays
+    eager too."""
+    _eager_backend(monkeypatch)
+    _no_comparison(monkeypatch)
+    warmed = []
+    monkeypatch.setattr(W, "warm_up", lambda lm, shapes, cache_dir, **_: warmed.append(shapes) or
+                        R.CompileReport(model=lm.name, enabled=True, seconds=1.0))
+    target = load_model(str(tiny_models / "llama"))
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert not plan.enabled and not warmed and target.compiled is None
+    assert "gains 1.05x eager at 8 rows on cpu" in plan.reason and "not more than the 1.05x" in plan.reason
+    plan = P.prepare(target, [], mode="auto", batch_size=1, cache_dir=tmp_path)
+    assert plan.enabled and warmed == [W.warm_shapes(1)]
+    assert D.EXPECTED_SPEEDUP["cpu"] == {1: 1.17, 16: 1.05}
+    assert not D.pays(D.MIN_SPEEDUP) and D.pays(D.MIN_SPEEDUP + 1e-3)
+    report = R.CompileReport(model="m", enabled=True, speedups={"1x1:1": 1.06, "1x4:2": D.MIN_SPEEDUP})
+    P.keep_what_pays(target, report)
+    assert report.eager_shapes == ["1x4:2"]
+
+
+def test_an_on_start_records_the_gain_a_later_auto_start_uses(tiny_models, tmp_path, monkeypatch):
+    """Where the prior declines (8 rows on CPU), a --compile on start measures this host, and a
+    later auto start compiles on that measurement."""
+    _eager_backend(monkeypatch)
+    _no_comparison(monkeypatch)
+    target = load_model(str(tiny_models / "llama"))
+    assert not P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path).enabled
+    monkeypatch.setattr(W, "measure_speedup", lambda lm, cache, ids, keep: 1.8)
+    assert P.prepare(target, [], mode="on", batch_size=8, cache_dir=tmp_path).enabled
+    assert R.recorded_speedup(target, tmp_path, 8) == 1.8
+    target.compiled = None
+    assert P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path).enabled
+
+
+def test_a_gain_recorded_on_another_host_does_not_decide_here(tiny_models, tmp_path, monkeypatch):
+    """Four 2-core hosts measured 1.17x to 1.84x with the same code: a record another machine
+    wrote into a shared cache directory is not this host's measurement; the prior decides."""
+    _eager_backend(monkeypatch)
+    _no_comparison(monkeypatch)
+    monkeypatch.setattr(W, "measure_speedup", lambda lm, cache, ids, keep: 1.8)
+    target = load_model(str(tiny_models / "llama"))
+    monkeypatch.setattr(R, "host_key", lambda device: "another-host")
+    assert P.prepare(target, [], mode="on", batch_size=8, cache_dir=tmp_path).enabled
+    assert R.recorded_speedup(target, tmp_path, 8) == 1.8
+    monkeypatch.undo()
+    _eager_backend(monkeypatch)
+    target.compiled = None
+    assert R.recorded_speedup(target, tmp_path, 8) is None
+    plan = P.prepare(target, [], mode="auto", batch_size=8, cache_dir=tmp_path)
+    assert not plan.enabled and "on cpu (the lowest host measured" in plan.reason
 
 
 def test_measure_speedup_times_both_and_leaves_the_cache_as_it_was(tiny_models, monkeypatch):

@@ -56,3 +56,28 @@ def test_a_worker_logs_why_auto_decodes_eagerly(plan, logged, monkeypatch, caplo
     with caplog.at_level(logging.INFO, logger="specbatch.worker.tasks"):
         assert task.engine is task.engine       # loaded once: said once
     assert [r.getMessage() for r in caplog.records if "eager" in r.getMessage()] == logged
+
+
+def test_a_cpu_worker_in_auto_says_why_it_compiles_nothing_in_its_state_and_log(
+        tiny_models, tmp_path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """The CPU prior at the autopilot's rows is the margin itself (1.05x): the pool child starts no
+    background compile, and its state (what `status` and Flower show) and its log say why."""
+    from specbatch.config import get_settings
+    from specbatch.engine.compile import warmup
+    from specbatch.worker import tasks
+
+    monkeypatch.setenv("SPECBATCH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))   # restored after the test
+    get_settings.cache_clear()
+    monkeypatch.setattr(warmup, "warm_up", lambda *a, **k: pytest.fail("nothing compiles"))
+    state = tmp_path / "state"
+    conf = {"specbatch_engine": {"target": str(tiny_models / "llama"), "drafts": [], "compile": "auto",
+                                 "batch_size": 8, "threads": 1},
+            "specbatch_state_file": str(state)}
+    with caplog.at_level(logging.INFO, logger="specbatch.worker.tasks"):
+        engine = tasks.load_engine(conf)
+    get_settings.cache_clear()
+    why = "auto: the compiled forward gains 1.05x eager at 8 rows on cpu (the lowest host measured"
+    assert engine.background is None and not engine.compile_plan.enabled and why in engine.compile_plan.reason
+    assert state.read_text().startswith(f"eager: {why}"), state.read_text()
+    assert any(why in r.getMessage() and "decoding eagerly" in r.getMessage() for r in caplog.records), caplog.text

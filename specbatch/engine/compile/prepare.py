@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from specbatch.engine.compile import decision, forward, inductor, warmup
-from specbatch.engine.compile.decision import MIN_SPEEDUP, CompilePlan, Shapes
+from specbatch.engine.compile.decision import MIN_SPEEDUP, CompilePlan, Shapes, pays
 from specbatch.engine.compile.forward import ModelHandle, compilable, key_class
 from specbatch.engine.compile.record import CompileReport
 
@@ -38,15 +38,11 @@ def prepare(target: ModelHandle, drafts: Sequence[ModelHandle], *, mode: str, ba
     background compile stops through it). Inductor's caches go where the caller pointed them
     (``inductor.use_cache_dir``); the warm-up records live under ``cache_dir``."""
     mode = decision.resolve_mode(mode)
-    if mode == "off":
-        return CompilePlan(mode, False, "compile off")
-    if (why := compilable(target.model)) is not None:   # the decision weighs the target's own speedup
-        return CompilePlan(mode, False, f"the target is not compiled: {why}")
-    models = [(m, warmup.warm_shapes(batch_size)) for m in (target, *drafts) if compilable(m.model) is None]
-    chosen = decision.decide(target, models, mode, batch_size, cache_dir, expected_new_tokens)
+    models = _compilable(target, drafts, batch_size)
+    chosen = _decide(target, models, mode, batch_size, cache_dir, expected_new_tokens)
+    if isinstance(chosen, CompilePlan):
+        return chosen
     plan, variants = chosen.plan, chosen.variants
-    if not plan.enabled:
-        return plan
     inductor.configure_inductor(target.device)
     step = _counter(progress, sum(len(s) * (2 if variants[id(m)] is None else 1) for m, s in models))
     for lm, shapes in models:
@@ -63,6 +59,34 @@ def prepare(target: ModelHandle, drafts: Sequence[ModelHandle], *, mode: str, ba
         if report.error:  # the toolchain failed: nothing else will compile either
             return _eager_after_failure(plan, models, report.error)
     return plan
+
+
+def declined(target: ModelHandle, drafts: Sequence[ModelHandle], *, mode: str, batch_size: int,
+             cache_dir: str | os.PathLike[str]) -> CompilePlan | None:
+    """The plan when nothing will compile (off, a target that cannot be, auto's decision), decided
+    as ``prepare`` decides and at once (no job size: a worker); None when ``prepare`` would compile.
+    A worker asks before starting a background compile: where auto declines, its state says why
+    from the start instead of "compiling" for the moment the thread takes to decide."""
+    mode = decision.resolve_mode(mode)
+    chosen = _decide(target, _compilable(target, drafts, batch_size), mode, batch_size, cache_dir, None)
+    if isinstance(chosen, CompilePlan):
+        return chosen
+    return None if chosen.plan.enabled else chosen.plan
+
+
+def _compilable(target: ModelHandle, drafts: Sequence[ModelHandle], batch_size: int) -> list[tuple[ModelHandle, Shapes]]:
+    return [(m, warmup.warm_shapes(batch_size)) for m in (target, *drafts) if compilable(m.model) is None]
+
+
+def _decide(target: ModelHandle, models: list[tuple[ModelHandle, Shapes]], mode: str, batch_size: int,
+            cache_dir: str | os.PathLike[str], expected_new_tokens: int | None) -> decision.Decision | CompilePlan:
+    """A declined plan, or the decision (enabled or not) with the variants to compile."""
+    if mode == "off":
+        return CompilePlan(mode, False, "compile off")
+    if (why := compilable(target.model)) is not None:   # the decision weighs the target's own speedup
+        return CompilePlan(mode, False, f"the target is not compiled: {why}")
+    chosen = decision.decide(target, models, mode, batch_size, cache_dir, expected_new_tokens)
+    return chosen if chosen.plan.enabled else chosen.plan
 
 
 def _counter(progress: Callable[[str], None] | None, total: int) -> Callable[[str], None]:
@@ -89,10 +113,11 @@ def _announce(lm: ModelHandle, shapes: Shapes, variant: bool | None, cache_dir: 
 
 
 def keep_what_pays(lm: ModelHandle, report: CompileReport) -> None:
-    """Send the shape classes whose graph measured no faster than eager here to the eager model."""
+    """Send the shape classes whose graph measured no more than ``MIN_SPEEDUP`` faster than eager
+    here to the eager model (``decision.pays``)."""
     assert lm.compiled is not None
     for key, speedup in report.speedups.items():
-        if speedup < MIN_SPEEDUP:
+        if not pays(speedup):
             lm.compiled.eager_classes.add(key_class(key))
             report.eager_shapes.append(key)
 
@@ -100,7 +125,7 @@ def keep_what_pays(lm: ModelHandle, report: CompileReport) -> None:
 def _log_speedups(name: str, report: CompileReport) -> None:
     """What compiling buys here, in every worker's log (data: the CLI words it for people)."""
     if report.speedups:
-        logger.info("%s: eager / compiled step time here: %s; under %sx, eager: %s; not-frozen / frozen: %s",
+        logger.info("%s: eager / compiled step time here: %s; at most %sx, eager: %s; not-frozen / frozen: %s",
                     name, _rounded(report.speedups), MIN_SPEEDUP, report.eager_shapes or "none",
                     _rounded(report.frozen_gain) or "not compared")
 

@@ -4,8 +4,11 @@ later start knows whether it hits the cache, how long compiling takes and what i
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import platform
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -44,15 +47,41 @@ class CompileReport:
                 else round(self.first_start_seconds, 2), "error": self.error}
 
 
+@functools.cache
+def _processor(device_type: str, index: int | None) -> str:
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cuda"
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return f"{names[0] if names else platform.processor()} x{os.cpu_count()}"
+
+
+def host_key(device: torch.device | str) -> str:
+    """The machine a measurement was made on, as far as it decides what compiling buys: the
+    processor model and its core count (CPU) or the GPU's name. Four 2-core hosts measured 1.17x
+    to 1.84x with the same code (docs/COMPILE.md, "Measured on each host"), so a record one host
+    wrote in a shared cache directory must not decide for another. Not the host name: a
+    container gets a new one at every start, and its measurements would be lost each time."""
+    device = torch.device(device)
+    name = _processor(device.type, device.index)
+    tag = "".join(c if c.isalnum() else "_" for c in f"{platform.machine()}-{device.type}")
+    return f"{tag}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
+
+
 def marker(cache_dir: str | os.PathLike[str], lm: ModelHandle, frozen: bool = True) -> Path:
-    """Where the record of ``lm``'s warm-up (frozen or not) lives under ``cache_dir``."""
+    """Where the record of ``lm``'s warm-up (frozen or not) on this host (``host_key``) lives
+    under ``cache_dir``."""
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{lm.name}-{lm.info.get('source', '')}")
     # graphs compiled with other inductor options are not these (nor are their times and ratios)
     tag = "-".join(f"{v}" for k, v in sorted(inductor_options(lm.device).items()) if k != "freezing")
     tag = "".join(c if c.isalnum() else "_" for c in tag) or "default"
     if not frozen and torch.device(lm.device).type == "cpu":
         tag = "not_frozen"
-    return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}-{tag}.json"
+    host = host_key(lm.device)
+    return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}-{tag}-{host}.json"
 
 
 def write_marker(path: Path, report: CompileReport) -> float:
