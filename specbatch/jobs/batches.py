@@ -272,10 +272,6 @@ def tallies(s: Session, job_ids: Sequence[str]) -> tuple[dict[str, dict[str, int
     return counts, usage
 
 
-def usage_of(s: Session, job_ids: Sequence[str]) -> dict[str, Usage]:
-    return tallies(s, job_ids)[1]
-
-
 def batch_objects(s: Session, batches: Sequence[ApiBatch],
                   jobs: dict[str, Job] | None = None) -> list[dict[str, Any]]:
     """OpenAI's Batch object for each batch (two queries for the lot; one given ``jobs_of``)."""

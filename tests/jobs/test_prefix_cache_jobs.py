@@ -7,7 +7,7 @@ import json
 
 from specbatch import db
 from specbatch.jobs import export, store
-from specbatch.jobs.batches import usage_of
+from specbatch.jobs.batches import tallies
 from specbatch.jobs.intake import ParsedRequest
 from specbatch.jobs.prefix_order import group_by_prefix, mates_first
 from specbatch.jobs.stats import job_stats
@@ -59,7 +59,7 @@ def test_cached_prompt_tokens_reach_the_output_line_the_stats_and_the_batch_usag
     with db.session_factory(db_url, readonly=True).begin() as s:
         export.write_openai(s, job_id, buf)
         st = job_stats(s, job_id)
-        usage = usage_of(s, [job_id])[job_id].as_openai()
+        usage = tallies(s, [job_id])[1][job_id].as_openai()
     from openai.types import Completion
 
     lines = [json.loads(x) for x in buf.getvalue().splitlines()]
