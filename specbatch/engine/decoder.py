@@ -112,7 +112,10 @@ class Decoder:
         batch size) the newest rows pause: they leave the caches with their state and resume
         later, their context cached again. A row joins only if the memory budget holds it.
         """
-        waiting = deque(requests)
+        # longest budget first (a stable sort: a request's samples stay together): the rows that
+        # decode longest start first and the short ones take the places that free up, so the batch
+        # drains later and for fewer steps at the job's end (docs/DESIGN.md, "Admission order")
+        waiting = deque(sorted(requests, key=lambda r: -r[2].max_new_tokens))
         self.forks = dict(forks or {})
         if self.prefixes is not None:
             # a request counts once in the trie: its samples (forks) have its prompt, and

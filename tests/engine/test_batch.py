@@ -101,3 +101,21 @@ def test_batched_sampling_keeps_target_distribution(load, ngram):
     assert tv(large, joint) < tv(small, joint)
     assert tv(large, joint) < 0.08
     assert chi2_pvalue(large, joint) > 1e-3
+
+
+def test_longest_budgets_join_first_and_samples_stay_together(load):
+    """Admission order (docs/DESIGN.md): with 2 places, the two longest budgets start the batch and
+    the short ones fill places as they free up; the 3 samples of one request join together."""
+    target = load("llama")
+    engine = Engine(target)
+    budgets = [2, 3, 30, 4, 20]
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n))
+            for p, n in zip(PROMPTS, budgets)]
+    reqs.append(EngineRequest(prompt=PROMPTS[5], params=GenerationParams(max_new_tokens=8, n=3, temperature=1.0, seed=1)))
+    joined: list[list[int]] = []
+    got = dict(engine.generate_many(reqs, batch_size=2, on_start=joined.append))
+    assert joined[0] == [2, 4]                       # 30 and 20 tokens: first, in one join
+    assert [i for j in joined for i in j] == [2, 4, 5, 3, 1, 0]
+    for i, (p, n) in enumerate(zip(PROMPTS, budgets)):
+        assert got[i].token_ids == target_greedy(target, p, n)
+    assert len(got[5].siblings) == 2
