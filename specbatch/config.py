@@ -80,8 +80,9 @@ class Settings(BaseSettings):
     max_upload_bytes: Positive = 200_000_000  # per uploaded file (OpenAI's batch file limit)
     # `specbatch serve`: routes run at once per process (threads, DB connections). Not more: 40
     # threads contending for the GIL cost ~10% more CPU per request and starved the event loop
-    # (/healthz p50 55-150 ms vs 15-25 ms under 200 clients, docs/bench/api-load.md)
-    api_threads: Positive = 16
+    # (/healthz p50 55-150 ms vs 15-25 ms under 200 clients, docs/bench/api-load.md). Since the
+    # reads are plain rows (2026-12-03), 8 rather than 16: /healthz p50 0.41x on PostgreSQL, req/s 1.19x
+    api_threads: Positive = 8
     api_public_docs: bool = False         # `specbatch serve`: /docs and /openapi.json without a key
 
     @field_validator("database_url")

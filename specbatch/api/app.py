@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI
 
 from specbatch.api.deps import AppState, Finalizer
 from specbatch.config import Settings, otel_traces_exporters
-from specbatch.db import session_factory
+from specbatch.db import read_engine, session_factory
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def create_app(settings: Settings) -> FastAPI:
     # a burst of requests neither waits for a connection nor opens one per request
     factory = session_factory(settings.database_url, pool_size=settings.api_threads)   # migrates on first use
     reader = session_factory(settings.database_url, readonly=True, pool_size=settings.api_threads)
-    reads = session_factory(settings.database_url, autocommit=True, pool_size=settings.api_threads)
+    reads = read_engine(settings.database_url, pool_size=settings.api_threads)
     sb = AppState(settings, factory, reader, Finalizer(settings, factory, reader), reads)
 
     @asynccontextmanager

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection
 
 from specbatch.api.auth import Tenant
 from specbatch.api.deps import AppState, State
@@ -20,7 +20,6 @@ from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
 from specbatch.api.responses import Object, answer
-from specbatch.db.models import ApiBatch, Job
 from specbatch.errors import BrokerUnavailable, IntakeError
 from specbatch.jobs import batches, files, intake
 from specbatch.jobs.context import ContextCheck
@@ -40,18 +39,17 @@ class CreateBatch(BaseModel):
     output_expires_after: dict[str, Any] | None = None     # accepted; outputs are kept until deleted
 
 
-def _read(sb: AppState, s: Session, rows: list[ApiBatch],
-          jobs: dict[str, Job] | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+def _read(sb: AppState, c: Connection, rows: list[Any], jobs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """(Batch objects, []) and the output files of finished batches scheduled; or ([], ids of
-    batches past their window), to be expired first. ``jobs``: the rows' jobs, if read already."""
-    jobs = batches.jobs_of(s, rows) if jobs is None else jobs
+    batches past their window), to be expired first. ``rows`` and ``jobs`` (by id): plain rows
+    (``batches.read_batch_and_job``)."""
     overdue = [b.id for b in rows if batches.is_overdue(b, jobs.get(b.job_id or ""))]
     if overdue:
         return [], overdue
     for b in rows:
         if batches.needs_finalizing(b, jobs.get(b.job_id or "")):
             sb.finalizer.schedule(b.id)
-    return batches.batch_objects(s, rows, jobs), []
+    return batches.batch_objects(c, rows, jobs), []
 
 
 def _expire(sb: AppState, batch_ids: list[str]) -> None:
@@ -63,9 +61,9 @@ def _expire(sb: AppState, batch_ids: list[str]) -> None:
 
 def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     """The tenant's Batch object (one read; an overdue batch is expired first)."""
-    def read(s: Session) -> tuple[list[dict[str, Any]], list[str]]:
-        batch, job = batches.get_batch_and_job(s, batch_id, owner)
-        return _read(sb, s, [batch], {job.id: job} if job is not None else {})
+    def read(c: Connection) -> tuple[list[dict[str, Any]], list[str]]:
+        batch, job = batches.read_batch_and_job(c, batch_id, owner)
+        return _read(sb, c, [batch], {job.id: job} if job is not None else {})
 
     for _ in range(2):
         objs, overdue = sb.read(read)
@@ -86,7 +84,7 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
     metadata = check_metadata(body.metadata)
     options = job_options(metadata, sb.settings)
     pair, defaults = options.pair, options.defaults
-    f = sb.read(lambda s: files.get_file(s, body.input_file_id, owner))
+    f = sb.read(lambda c: files.read_file(c, body.input_file_id, owner))
     purpose, filename = f.purpose, f.filename
     if purpose != "batch":
         raise ApiError(400, f"input file {body.input_file_id} has purpose {purpose!r}, not 'batch'",
@@ -124,9 +122,9 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
 
 @router.get("/batches", response_model=Object)
 def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
-    def read(s: Session) -> tuple[list[dict[str, Any]], list[str], bool]:
-        pairs, more = batches.list_batches(s, limit=limit, after=after, owner=owner)
-        return *_read(sb, s, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None}), more
+    def read(c: Connection) -> tuple[list[dict[str, Any]], list[str], bool]:
+        pairs, more = batches.list_batches(c, limit=limit, after=after, owner=owner)
+        return *_read(sb, c, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None}), more
 
     for _ in range(2):
         data, overdue, more = sb.read(read)

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 
 from specbatch.config import Settings
 
@@ -100,27 +101,27 @@ class AppState:
     factory: sessionmaker
     reader: sessionmaker    # one snapshot across statements (export, stats, metrics)
     finalizer: Finalizer
-    # the routes' short reads: no transaction, each statement its own snapshot (on PostgreSQL a
-    # transaction is two more round trips a read; db.session_factory's autocommit)
-    reads: sessionmaker
+    # the routes' short reads: plain rows on a connection, no transaction, each statement its own
+    # snapshot (db.read_engine)
+    reads: Engine
     checks: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
     probe: Probe = field(default_factory=lambda: Probe(fresh=1.0, stale=5.0))
 
-    def read(self, fn: Callable[[Session], T]) -> T:
-        """``fn(session)`` in a read session (``reads``), run once more on a new connection where the
+    def read(self, fn: Callable[[Connection], T]) -> T:
+        """``fn(connection)`` on a connection of ``reads``, run once more on a new connection where the
         pooled one was gone: a PostgreSQL restart within ``db.IDLE_PING_SECONDS`` of the
         connection's last use, so not pinged. A read changes nothing: running it twice is safe."""
         try:
-            with self.reads.begin() as s:
-                return fn(s)
+            with self.reads.connect() as c:
+                return fn(c)
         except DBAPIError as e:
             if not e.connection_invalidated:
                 raise
             logger.info("a pooled database connection was gone (%s); reading again on a new one",
                         type(e.orig).__name__)
-        with self.reads.begin() as s:
-            return fn(s)
+        with self.reads.connect() as c:
+            return fn(c)
 
 
 async def app_state(request: Request) -> AppState:

@@ -55,19 +55,19 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> JSONRespons
 @router.get("/files", response_model=Object)
 def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
-    rows, more = sb.read(lambda s: files.list_files(s, limit=limit, after=after, purpose=purpose, order=order,
+    rows, more = sb.read(lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose, order=order,
                                                     owner=owner))
     return answer(page([files.file_object(f) for f in rows], more))
 
 
 @router.get("/files/{file_id}", response_model=Object)
 def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    return answer(files.file_object(sb.read(lambda s: files.get_file(s, file_id, owner))))
+    return answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner))))
 
 
 @router.get("/files/{file_id}/content")
 def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
-    filename = sb.read(lambda s: files.get_file(s, file_id, owner)).filename
+    filename = sb.read(lambda c: files.read_file(c, file_id, owner)).filename
     path = files.file_path(sb.settings, file_id)
     if not path.exists():
         raise ApiError(404, f"No such File object: {file_id} (its bytes are gone from {sb.settings.files_dir})",

@@ -29,8 +29,8 @@ TIMEOUT = 3.0       # seconds per check; they run side by side
 
 
 def _database(sb: AppState) -> None:
-    with sb.reads.begin() as s:
-        s.execute(text("SELECT 1"))
+    with sb.reads.connect() as c:
+        c.execute(text("SELECT 1"))
 
 
 async def _check(sb: AppState, name: str, fn: Any, *args: Any) -> str:

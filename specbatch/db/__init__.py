@@ -36,7 +36,8 @@ SQLITE_BUSY_TIMEOUT_MS = 60_000
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 
 _engines: dict[str, Engine] = {}
-_factories: dict[tuple[str, bool, bool], sessionmaker] = {}
+_read_engines: dict[str, Engine] = {}
+_factories: dict[tuple[str, bool], sessionmaker] = {}
 _lock = threading.RLock()
 
 
@@ -119,10 +120,14 @@ def _ping_when_idle(engine: Engine) -> None:
     event.listen(engine, "checkout", checkout)
 
 
-def _create(url: str, pool_size: int | None = None) -> Engine:
+def _create(url: str, pool_size: int | None = None, autocommit: bool = False) -> Engine:
     u = make_url(url)
     if u.get_backend_name() != "sqlite":
-        engine = create_engine(url, **_pool_args(pool_size))
+        # autocommit: every connection of the pool stays in autocommit, set once when it connects
+        # (an isolation_level execution option sets it at each checkout and resets it at each
+        # checkin), and nothing to roll back when it returns to the pool
+        extra: dict[str, Any] = {"isolation_level": "AUTOCOMMIT", "pool_reset_on_return": None} if autocommit else {}
+        engine = create_engine(url, **_pool_args(pool_size), **extra)
         _ping_when_idle(engine)
         return engine
     path = sqlite_path(url)
@@ -200,29 +205,40 @@ def get_engine(url: str, pool_size: int | None = None) -> Engine:
         return engine
 
 
-def session_factory(url: str, readonly: bool = False, pool_size: int | None = None,
-                    autocommit: bool = False) -> sessionmaker:
+def session_factory(url: str, readonly: bool = False, pool_size: int | None = None) -> sessionmaker:
     """Use as ``with session_factory(url).begin() as s:`` (commits at the end, rolls back on error).
 
     ``readonly=True``: for long reads (export, status) that must not hold SQLite's write lock.
-    ``autocommit=True`` (read-only too): for the API's short reads, each statement its own
-    snapshot. On PostgreSQL a transaction is two more round trips (BEGIN, COMMIT) a read, as many
-    as its statements (issue 32); reads that need one snapshot across statements (exports) keep
-    ``readonly``. On SQLite this is ``readonly``: its BEGIN is no round trip, and SQLAlchemy's
-    AUTOCOMMIT there would reset each connection's isolation mode (a PRAGMA) on every checkin.
     ``pool_size``: see ``get_engine``.
     """
     with _lock:
         engine = get_engine(url, pool_size)     # a smaller pool: replaced, with its factories
-        readonly = readonly or autocommit
-        autocommit = autocommit and engine.dialect.name != "sqlite"
-        factory = _factories.get((url, readonly, autocommit))
+        factory = _factories.get((url, readonly))
         if factory is None:
             bind = engine.execution_options(specbatch_readonly=True) if readonly else engine
-            if autocommit:
-                bind = bind.execution_options(isolation_level="AUTOCOMMIT")
-            factory = _factories[(url, readonly, autocommit)] = sessionmaker(bind, expire_on_commit=False)
+            factory = _factories[(url, readonly)] = sessionmaker(bind, expire_on_commit=False)
         return factory
+
+
+def read_engine(url: str, pool_size: int | None = None) -> Engine:
+    """The API's short reads: ``with read_engine(url).connect() as c: c.execute(...)``, each statement
+    its own snapshot, no ORM session. On PostgreSQL an engine of its own whose connections stay in
+    autocommit: a transaction is two more round trips (BEGIN, COMMIT) a read, and switching a
+    shared pool's connection to autocommit and back costs CPU at every checkout (issue 32). Reads
+    that need one snapshot across statements (exports) keep ``session_factory(readonly=True)``. On
+    SQLite the engine's read-only view: its BEGIN is no round trip and never blocks a writer.
+    ``pool_size``: see ``get_engine``."""
+    with _lock:
+        engine = get_engine(url, pool_size)     # migrated first
+        if engine.dialect.name == "sqlite":
+            return engine.execution_options(specbatch_readonly=True)
+        reads = _read_engines.get(url)
+        if reads is not None and _pool_smaller(reads, pool_size):
+            reads.dispose()
+            reads = None
+        if reads is None:
+            reads = _read_engines[url] = _create(url, pool_size, autocommit=True)
+        return reads
 
 
 def upgrade(url: str, revision: str = "head") -> None:
@@ -254,18 +270,19 @@ def current_revision(url: str) -> str | None:
 def dispose_engines(close: bool = False) -> None:
     """Drop pooled connections; call in a child after fork (``close=False`` leaves the parent's alone)."""
     with _lock:
-        for engine in _engines.values():
+        for engine in (*_engines.values(), *_read_engines.values()):
             engine.dispose(close=close)
 
 
 def forget_engines() -> None:
     """Dispose and forget every engine (tests, and before deleting a database)."""
     with _lock:
-        for engine in _engines.values():
+        for engine in (*_engines.values(), *_read_engines.values()):
             engine.dispose()
         _engines.clear()
+        _read_engines.clear()
         _factories.clear()
 
 
-__all__ = ["current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "session_factory",
-           "sqlite_path", "upgrade"]
+__all__ = ["current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
+           "session_factory", "sqlite_path", "upgrade"]

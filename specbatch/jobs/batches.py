@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import secrets
+from collections import namedtuple
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -35,6 +36,7 @@ from specbatch.db.models import (
     Request,
     RequestStatus,
     Result,
+    row_columns,
     utcnow,
 )
 from specbatch.errors import InputError, IntakeError, SpecBatchError
@@ -127,28 +129,38 @@ def get_batch(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
     return row
 
 
-BATCH_AND_JOB = (select(ApiBatch, Job).outerjoin(Job, Job.id == ApiBatch.job_id)
-                 .where(ApiBatch.id == bindparam("batch_id")))
+# a Batch object's rows, read as plain rows (no ORM entities: most of a read's CPU on PostgreSQL,
+# issue 32): every column of the batch, of its job only those the object shows
+JOB_FIELDS = ("id", "status", "target", "created_at", "finished_at", "cancel_requested_at", "cancelled_at")
+BatchRow = namedtuple("BatchRow", ApiBatch.__mapper__.columns.keys())    # type: ignore[misc]
+JobRow = namedtuple("JobRow", JOB_FIELDS)     # type: ignore[misc]
+_BATCH_TABLE, _JOB_TABLE = cast(Any, ApiBatch.__table__), cast(Any, Job.__table__)
+BATCHES_WITH_JOBS = (select(*row_columns(ApiBatch), *row_columns(Job, JOB_FIELDS, prefix="job_"))
+                     .select_from(_BATCH_TABLE.outerjoin(_JOB_TABLE, _JOB_TABLE.c.id == _BATCH_TABLE.c.job_id)))
+BATCH_AND_JOB = BATCHES_WITH_JOBS.where(_BATCH_TABLE.c.id == bindparam("batch_id"))
 
 
-def get_batch_and_job(s: Session, batch_id: str, owner: str | None = None) -> tuple[ApiBatch, Job | None]:
-    """``get_batch`` and its job in one query (a retrieve's reads are most of its CPU)."""
+def _batch_and_job(row: Any) -> tuple[Any, Any]:
+    """(BatchRow, JobRow or None) of a BATCHES_WITH_JOBS row: they read as ``ApiBatch`` and ``Job`` do."""
+    n = len(BatchRow._fields)
+    return BatchRow._make(row[:n]), (JobRow._make(row[n:]) if row[n] is not None else None)
+
+
+def read_batch_and_job(c: files.Reader, batch_id: str, owner: str | None = None) -> tuple[Any, Any]:
+    """The batch and its job as plain rows, in one statement; BatchNotFound as ``get_batch``."""
     ours = batch_id.startswith("batch_") and len(batch_id) <= files.MAX_ID
-    row = s.execute(BATCH_AND_JOB, {"batch_id": batch_id}).first() if ours else None
-    if row is None or not files.visible(row[0], owner):
+    row = c.execute(BATCH_AND_JOB, {"batch_id": batch_id}).first() if ours else None
+    if row is None or not files.visible(row, owner):
         raise BatchNotFound(f"No such Batch object: {files.shown_id(batch_id)}")
-    return row[0], row[1]
+    return _batch_and_job(row)
 
 
-BATCHES_WITH_JOBS = select(ApiBatch, Job).outerjoin(Job, Job.id == ApiBatch.job_id)
-
-
-def list_batches(s: Session, *, limit: int, after: str | None = None,
-                 owner: str | None = None) -> tuple[list[tuple[ApiBatch, Job | None]], bool]:
-    """The tenant's batches with their jobs (one query), newest first, ``after`` a batch id
-    (OpenAI's cursor)."""
-    rows, more = files.page_after(s, ApiBatch, BATCHES_WITH_JOBS, limit, after, descending=True, owner=owner)
-    return [(b, j) for b, j in rows], more
+def list_batches(c: files.Reader, *, limit: int, after: str | None = None,
+                 owner: str | None = None) -> tuple[list[tuple[Any, Any]], bool]:
+    """The tenant's batches with their jobs (one query), as ``read_batch_and_job``'s pairs, newest
+    first, ``after`` a batch id (OpenAI's cursor)."""
+    rows, more = files.page_after(c, ApiBatch, BATCHES_WITH_JOBS, limit, after, descending=True, owner=owner)
+    return [_batch_and_job(r) for r in rows], more
 
 
 # the reads behind every Batch object, built once (building a statement and its cache key cost more
@@ -256,7 +268,7 @@ class Usage:
                 "output_tokens_details": {"reasoning_tokens": 0}}
 
 
-def tallies(s: Session, job_ids: Sequence[str]) -> tuple[dict[str, dict[str, int]], dict[str, Usage]]:
+def tallies(s: files.Reader, job_ids: Sequence[str]) -> tuple[dict[str, dict[str, int]], dict[str, Usage]]:
     """Request counts ({total, pending, ...}, as ``store.request_counts``) and usage per job, one query."""
     counts = {j: dict.fromkeys(store.COUNT_NAMES, 0) for j in job_ids}
     if not job_ids:
@@ -272,16 +284,18 @@ def tallies(s: Session, job_ids: Sequence[str]) -> tuple[dict[str, dict[str, int
     return counts, usage
 
 
-def batch_objects(s: Session, batches: Sequence[ApiBatch],
-                  jobs: dict[str, Job] | None = None) -> list[dict[str, Any]]:
-    """OpenAI's Batch object for each batch (two queries for the lot; one given ``jobs_of``)."""
-    jobs = jobs_of(s, batches) if jobs is None else jobs
+def batch_objects(s: files.Reader, batches: Sequence[Any], jobs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """OpenAI's Batch object for each batch (two queries for the lot; one given the jobs, as
+    ``jobs_of`` or ``read_batch_and_job`` read them). Batches and jobs: objects or plain rows."""
+    if jobs is None:
+        assert isinstance(s, Session), "a Connection reads a batch with its job (read_batch_and_job)"
+        jobs = jobs_of(s, batches)
     counts, usage = tallies(s, list(jobs))
     return [batch_object(b, jobs.get(b.job_id or ""), counts.get(b.job_id or ""), usage.get(b.job_id or ""))
             for b in batches]
 
 
-def batch_object(batch: ApiBatch, job: Job | None, counts: dict[str, int] | None,
+def batch_object(batch: Any, job: Any, counts: dict[str, int] | None,
                  usage: Usage | None) -> dict[str, Any]:
     status = batch_status(batch, job)
     c = counts or {}

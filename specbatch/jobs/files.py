@@ -18,15 +18,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import and_, bindparam, or_, select
+from sqlalchemy import Connection, Row, and_, bindparam, or_, select
 from sqlalchemy.orm import Session
 
 from specbatch.config import Settings
-from specbatch.db.models import ApiFile, utcnow
+from specbatch.db.models import ApiFile, row_columns, utcnow
 from specbatch.errors import InputError, SpecBatchError
 
 ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 PURPOSES = ("batch", "batch_output")
+Reader = Connection | Session     # reads run Core statements on either (the API's: a Connection)
 MAX_ID = 64        # the id columns' width; every id we issue (file-..., batch_...) is shorter
 
 
@@ -153,7 +154,21 @@ def visible(row: Any, owner: str | None) -> bool:
 
 
 def get_file(s: Session, file_id: str, owner: str | None = None) -> ApiFile:
+    """The file's row as an object, for a write (``delete_file``); reads use ``read_file``."""
     row = s.get(ApiFile, file_id) if ID_RE.match(file_id) else None
+    if row is None or not visible(row, owner):
+        raise FileNotFound(f"No such File object: {shown_id(file_id)}")
+    return row
+
+
+FILE_COLUMNS = row_columns(ApiFile)
+_FILE = select(*FILE_COLUMNS).where(ApiFile.__table__.c.id == bindparam("file_id"))
+
+
+def read_file(c: Reader, file_id: str, owner: str | None = None) -> Row[Any]:
+    """The file as a plain row (``file_object`` takes it as it takes an ``ApiFile``); FileNotFound
+    if it is not the tenant's."""
+    row = c.execute(_FILE, {"file_id": file_id}).first() if ID_RE.match(file_id) else None
     if row is None or not visible(row, owner):
         raise FileNotFound(f"No such File object: {shown_id(file_id)}")
     return row
@@ -163,54 +178,65 @@ def get_file(s: Session, file_id: str, owner: str | None = None) -> ApiFile:
 # WHERE, ORDER BY and LIMIT (and SQLAlchemy's cache key of it) on every request cost more CPU than
 # SQLite's run of it (issue 32). Keyed by the caller's base statement itself: built once, at module level
 _PAGES: dict[tuple[Any, bool, bool, bool], Any] = {}
+_CURSORS: dict[Any, Any] = {}
 
 
-def _page_query(model: Any, stmt: Any, descending: bool, owned: bool, after: bool) -> Any:
+def _page_query(table: Any, stmt: Any, descending: bool, owned: bool, after: bool) -> Any:
     key = (stmt, descending, owned, after)
     query = _PAGES.get(key)
     if query is None:
+        c = table.c
         if owned:
-            stmt = stmt.where(model.owner == bindparam("owner"))
+            stmt = stmt.where(c.owner == bindparam("owner"))
         if after:
-            t, i = bindparam("after_t", type_=model.created_at.type), bindparam("after_i", type_=model.id.type)
+            t, i = bindparam("after_t", type_=c.created_at.type), bindparam("after_i", type_=c.id.type)
             if descending:
-                stmt = stmt.where(or_(model.created_at < t, and_(model.created_at == t, model.id < i)))
+                stmt = stmt.where(or_(c.created_at < t, and_(c.created_at == t, c.id < i)))
             else:
-                stmt = stmt.where(or_(model.created_at > t, and_(model.created_at == t, model.id > i)))
-        order = (model.created_at.desc(), model.id.desc()) if descending else (model.created_at, model.id)
+                stmt = stmt.where(or_(c.created_at > t, and_(c.created_at == t, c.id > i)))
+        order = (c.created_at.desc(), c.id.desc()) if descending else (c.created_at, c.id)
         query = _PAGES[key] = stmt.order_by(*order).limit(bindparam("limit"))
     return query
 
 
-def page_after(s: Session, model: Any, stmt: Any, limit: int, after: str | None, descending: bool,
-               owner: str | None = None, params: dict[str, Any] | None = None) -> tuple[list[Any], bool]:
-    """``owner``'s rows after the cursor ``after`` (an id) by (created_at, id); (rows, has_more).
-    ``stmt``: a select of ``model`` (first) built once, at module level (the page's statements are
-    cached per ``stmt``), with ``params`` for its bind parameters. Rows are ``model`` objects, or
-    tuples where ``stmt`` selects more than one entity."""
+def _cursor(table: Any) -> Any:
+    query = _CURSORS.get(table)
+    if query is None:
+        c = table.c
+        query = _CURSORS[table] = select(c.created_at, c.id, c.owner).where(c.id == bindparam("cursor"))
+    return query
+
+
+def page_after(c: Reader, model: Any, stmt: Any, limit: int, after: str | None, descending: bool,
+               owner: str | None = None, params: dict[str, Any] | None = None) -> tuple[list[Row[Any]], bool]:
+    """``owner``'s rows of ``model`` after the cursor ``after`` (an id) by (created_at, id);
+    (rows, has_more). ``stmt``: a Core select of ``model``'s table (its columns first, say
+    ``row_columns(model)``) built once, at module level (the page's statements are cached per
+    ``stmt``), with ``params`` for its bind parameters. Rows are plain rows."""
+    table = model.__table__
     values: dict[str, Any] = {**(params or {}), "limit": limit + 1}
     if owner is not None:
         values["owner"] = owner
     if after:
-        cursor = s.get(model, after) if len(after) <= MAX_ID else None
+        cursor = c.execute(_cursor(table), {"cursor": after}).first() if len(after) <= MAX_ID else None
         if cursor is None or not visible(cursor, owner):
             raise InputError(f"no object with id {shown_id(after)!r} to list after", field="after")
         values["after_t"], values["after_i"] = cursor.created_at, cursor.id
-    result = s.execute(_page_query(model, stmt, descending, owner is not None, bool(after)), values)
-    rows = list(result.scalars() if len(stmt.column_descriptions) == 1 else result.tuples())
+    rows = list(c.execute(_page_query(table, stmt, descending, owner is not None, bool(after)), values))
     return rows[:limit], len(rows) > limit
 
 
-FILES = select(ApiFile)
-FILES_OF_PURPOSE = select(ApiFile).where(ApiFile.purpose == bindparam("purpose"))
+FILES = select(*FILE_COLUMNS)
+FILES_OF_PURPOSE = FILES.where(ApiFile.__table__.c.purpose == bindparam("purpose"))
 
 
-def list_files(s: Session, *, limit: int, after: str | None = None, purpose: str | None = None,
-               order: str = "desc", owner: str | None = None) -> tuple[list[ApiFile], bool]:
+def list_files(c: Reader, *, limit: int, after: str | None = None, purpose: str | None = None,
+               order: str = "desc", owner: str | None = None) -> tuple[list[Row[Any]], bool]:
+    """A page of the tenant's files, as plain rows (``file_object`` takes them)."""
     if purpose:
-        return page_after(s, ApiFile, FILES_OF_PURPOSE, limit, after, order != "asc", owner=owner,
+        return page_after(c, ApiFile, FILES_OF_PURPOSE, limit, after, order != "asc", owner=owner,
                           params={"purpose": purpose})
-    return page_after(s, ApiFile, FILES, limit, after, order != "asc", owner=owner)
+    return page_after(c, ApiFile, FILES, limit, after, order != "asc", owner=owner)
 
 
 def delete_file(s: Session, file_id: str, owner: str | None = None) -> None:
@@ -224,8 +250,8 @@ def _ts(t: datetime) -> int:
     return int(t.timestamp())
 
 
-def file_object(f: ApiFile) -> dict[str, Any]:
-    """OpenAI's FileObject."""
+def file_object(f: ApiFile | Row[Any]) -> dict[str, Any]:
+    """OpenAI's FileObject, from the file's object or its plain row (``read_file``)."""
     return {"id": f.id, "object": "file", "bytes": f.bytes, "created_at": _ts(f.created_at),
             "filename": f.filename, "purpose": f.purpose, "status": "processed", "expires_at": None,
             "status_details": None}

@@ -186,3 +186,123 @@ def test_the_load_script_refuses_a_host_that_is_not_loopback() -> None:
     out = subprocess.run([*LOAD, "--url", "http://192.0.2.1:8000", "--seconds", "1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "only targets a loopback address" in out.stderr
+
+
+def _app_and_states(url: str, tmp_path: Path) -> tuple[FastAPI, list[str], str]:
+    """An app over ``url`` with batches in several states (running with usage, finished and
+    finalizing, cancelling, failed at intake): (app, batch ids, a file id)."""
+    from tests.jobs.test_store import output
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    app.state.sb.finalizer.schedule = lambda batch_id: None     # a finished batch stays `finalizing`
+    file_id, running, failed = _seed(url)
+    finished, cancelling = _seed(url)[1], _seed(url)[1]
+    with db.session_factory(url).begin() as s:
+        for batch_id in (running, finished):
+            job_id = batches.get_batch(s, batch_id).job_id
+            assert job_id is not None
+            ids = store.resumable_request_ids(s, job_id)
+            store.claim_requests(s, ids, "w", 60, 4)
+            store.record_result(s, ids[0], output(), "w")
+        store.refresh_job(s, batches.get_batch(s, running).job_id)
+        store.cancel_job(s, str(batches.get_batch(s, cancelling).job_id))
+    return app, [running, failed, finished, cancelling], file_id
+
+
+def _get(app: FastAPI, path: str) -> bytes:
+    async def get() -> bytes:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.get(path)
+            assert r.status_code == 200, (path, r.text)
+            return r.content
+    return anyio.run(get)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_read_answers_the_bytes_the_orm_objects_give(tmp_path: Path, request: pytest.FixtureRequest,
+                                                       backend: str) -> None:
+    """The routes read plain rows; their answers are byte for byte those built from the ORM's
+    objects of the same rows (every field of a Batch object, in every state here)."""
+    from sqlalchemy import select
+
+    from specbatch.api.files import page
+    from specbatch.api.responses import answer
+    from specbatch.db.models import ApiBatch
+
+    url = _url(tmp_path, request, backend)
+    app, ids, file_id = _app_and_states(url, tmp_path)
+    with db.session_factory(url).begin() as s:
+        every = sorted(s.scalars(select(ApiBatch)), key=lambda b: (b.created_at, b.id), reverse=True)
+        listed = batches.batch_objects(s, every)
+        orm = {b["id"]: b for b in listed}
+        the_file = files.file_object(files.get_file(s, file_id))
+    statuses = {orm[b]["status"] for b in ids}
+    assert statuses == {"in_progress", "failed", "finalizing", "cancelling"}, statuses
+    assert orm[ids[0]]["usage"]["output_tokens"] == 3
+    for b in ids:
+        assert _get(app, f"/v1/batches/{b}") == answer(orm[b]).body, b
+    assert _get(app, "/v1/batches") == answer(page(listed, False)).body
+    assert _get(app, f"/v1/batches?limit=2&after={listed[0]['id']}") == answer(page(listed[1:3], True)).body
+    assert _get(app, f"/v1/files/{file_id}") == answer(the_file).body
+    assert json.loads(_get(app, "/v1/files"))["data"][-1] == the_file
+    db.forget_engines()
+
+
+def _url(tmp_path: Path, request: pytest.FixtureRequest, backend: str) -> str:
+    if backend == "sqlite":
+        return f"sqlite:///{tmp_path / 'r.db'}"
+    from tests.db.databases import empty_tables
+
+    url = str(request.getfixturevalue("pg_database"))
+    db.forget_engines()
+    db.get_engine(url)
+    empty_tables(url)
+    return url
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_read_builds_no_orm_objects(tmp_path: Path, request: pytest.FixtureRequest, backend: str,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading rows into ORM objects (identity map, instance state) was most of a read's CPU on
+    PostgreSQL; the list and retrieve routes read plain rows."""
+    from sqlalchemy.orm import loading
+
+    url = _url(tmp_path, request, backend)
+    app, ids, file_id = _app_and_states(url, tmp_path)
+    loaded: list[Any] = []
+    instances = loading.instances
+    monkeypatch.setattr(loading, "instances", lambda *a, **k: loaded.append(a) or instances(*a, **k))
+    for path in ("/v1/batches", f"/v1/batches/{ids[0]}", f"/v1/batches/{ids[1]}", "/v1/files",
+                 f"/v1/files/{file_id}", f"/v1/files?after={file_id}"):
+        _get(app, path)
+        assert loaded == [], path
+    db.forget_engines()
+
+
+def test_a_postgresql_read_connection_stays_in_autocommit(tmp_path: Path, request: pytest.FixtureRequest,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API's reads run on connections that are in autocommit from the moment they connect; a
+    shared pool's connection was switched to autocommit at each checkout and back at each checkin
+    (CPU for every read). Writes keep their transactions."""
+    import psycopg
+
+    url = _url(tmp_path, request, "postgresql")
+    app, ids, file_id = _app_and_states(url, tmp_path)
+    paths = ("/v1/batches", f"/v1/batches/{ids[0]}", "/v1/files", f"/v1/files/{file_id}")
+    for path in paths:        # the pool's connections are made (and set once) here
+        _get(app, path)
+    switched: list[bool] = []
+    prop = psycopg.Connection.autocommit
+
+    def watch(self: Any, value: bool) -> None:
+        switched.append(value)
+        prop.fset(self, value)
+
+    monkeypatch.setattr(psycopg.Connection, "autocommit", property(prop.fget, watch))
+    for path in paths:
+        _get(app, path)
+    assert switched == []
+    with db.session_factory(url).begin() as s:      # a write: a transaction
+        assert s.connection().connection.dbapi_connection.autocommit is False
+    db.forget_engines()

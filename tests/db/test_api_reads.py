@@ -25,22 +25,28 @@ def _job(s: Any, n: int) -> tuple[str, list[int]]:
 
 
 class Sent:
-    """The statements an engine sends while counting (SQLite's BEGIN is in-process: not counted)."""
+    """The statements a database's engines (``get_engine``'s and, on PostgreSQL, ``read_engine``'s)
+    send while counting (SQLite's BEGIN is in-process: not counted)."""
 
     def __init__(self, url: str) -> None:
-        self.engine, self.statements, self.in_transaction = db.get_engine(url), [], []
+        main = db.get_engine(url)
+        self.engines = [main] if main.dialect.name == "sqlite" else [main, db.read_engine(url)]
+        self.statements: list[str] = []
+        self.in_transaction: list[bool] = []
         self.counting = False
 
     def __enter__(self) -> Sent:
-        event.listen(self.engine, "before_cursor_execute", self._before)
-        event.listen(self.engine, "after_cursor_execute", self._after)
+        for engine in self.engines:
+            event.listen(engine, "before_cursor_execute", self._before)
+            event.listen(engine, "after_cursor_execute", self._after)
         self.counting = True
         return self
 
     def __exit__(self, *_: Any) -> None:
         self.counting = False
-        event.remove(self.engine, "before_cursor_execute", self._before)
-        event.remove(self.engine, "after_cursor_execute", self._after)
+        for engine in self.engines:
+            event.remove(engine, "before_cursor_execute", self._before)
+            event.remove(engine, "after_cursor_execute", self._after)
 
     def _before(self, conn: Any, cursor: Any, statement: str, *_: Any) -> None:
         if self.counting and statement.strip().upper() != "BEGIN":
@@ -55,9 +61,9 @@ class Sent:
 
 
 def test_an_api_read_opens_no_transaction_on_postgresql(db_url: str) -> None:
-    reads = db.session_factory(db_url, autocommit=True)
-    with Sent(db_url) as sent, reads.begin() as s:
-        assert files.list_files(s, limit=5) == ([], False)
+    reads = db.read_engine(db_url)
+    with Sent(db_url) as sent, reads.connect() as c:
+        assert files.list_files(c, limit=5) == ([], False)
     assert len(sent.statements) == 1
     if db_url.startswith("postgresql"):
         assert sent.in_transaction == [False]
@@ -65,8 +71,8 @@ def test_an_api_read_opens_no_transaction_on_postgresql(db_url: str) -> None:
         with Sent(db_url) as sent, db.session_factory(db_url, readonly=True).begin() as s:
             files.list_files(s, limit=5)
         assert sent.in_transaction == [True]
-    else:   # SQLite's BEGIN costs no round trip: the read-only factory, whose BEGIN never blocks a writer
-        assert reads is db.session_factory(db_url, readonly=True)
+    else:   # SQLite's BEGIN costs no round trip: the read-only view, whose BEGIN never blocks a writer
+        assert reads.get_execution_options()["specbatch_readonly"] is True
 
 
 def test_request_counts_and_usage_come_in_one_statement(db_url: str) -> None:
@@ -81,8 +87,8 @@ def test_request_counts_and_usage_come_in_one_statement(db_url: str) -> None:
         store.record_result(s, ids[1], two, "w")
         store.record_failure(s, ids[2], "bad", "w")
         expected = store.request_counts(s, [busy, idle])
-    with Sent(db_url) as sent, db.session_factory(db_url, autocommit=True).begin() as s:
-        counts, usage = batches.tallies(s, [busy, idle, "job_none"])
+    with Sent(db_url) as sent, db.read_engine(db_url).connect() as c:
+        counts, usage = batches.tallies(c, [busy, idle, "job_none"])
     assert len(sent.statements) == 1
     assert counts == {**expected, "job_none": dict.fromkeys(store.COUNT_NAMES, 0)}
     assert counts[busy] == {"total": 5, "pending": 1, "running": 1, "completed": 2, "failed": 1, "cancelled": 0}
@@ -102,18 +108,18 @@ def test_a_page_of_the_same_shape_reuses_its_statement(db_url: str, order: str) 
 
     def invoked(conn: Any, clauseelement: Any, *_: Any) -> None:
         ordered = bool(getattr(clauseelement, "_order_by_clauses", ()))      # a page, not the cursor's get
-        if ordered and clauseelement.column_descriptions[0].get("entity") is ApiFile:
+        if ordered and ApiFile.__table__ in clauseelement.get_final_froms():
             run.append(clauseelement)
 
-    engine = db.get_engine(db_url)
+    engine = db.read_engine(db_url)
     event.listen(engine, "before_execute", invoked)
     try:
-        with db.session_factory(db_url, autocommit=True).begin() as s:
-            pages = [files.list_files(s, limit=1, order=order, owner="a", purpose="batch") for _ in range(2)]
+        with engine.connect() as c:
+            pages = [files.list_files(c, limit=1, order=order, owner="a", purpose="batch") for _ in range(2)]
             first = pages[0][0][0].id
-            after = [files.list_files(s, limit=5, order=order, owner="a", purpose="batch", after=first)
+            after = [files.list_files(c, limit=5, order=order, owner="a", purpose="batch", after=first)
                      for _ in range(2)]
-            every = files.list_files(s, limit=10, order=order)
+            every = files.list_files(c, limit=10, order=order)
     finally:
         event.remove(engine, "before_execute", invoked)
     listed = [f.id for f in every[0]]
@@ -134,15 +140,14 @@ def test_a_postgresql_connection_is_pinged_only_after_it_sat_idle(pg_database: s
     from tests.db.databases import PG_ADMIN_DSN
 
     db.forget_engines()
-    engine = db.get_engine(pg_database)
+    engine = db.read_engine(pg_database)
     pings: list[int] = []
     ping = engine.dialect.do_ping
     monkeypatch.setattr(engine.dialect, "do_ping", lambda conn: pings.append(1) or ping(conn))
-    reads = db.session_factory(pg_database, autocommit=True)
 
     def read() -> int:
-        with reads.begin() as s:
-            return int(s.execute(text("SELECT 1")).scalar_one())
+        with engine.connect() as c:
+            return int(c.execute(text("SELECT 1")).scalar_one())
 
     def restart() -> None:      # the server's side of a restart: every connection to the database closed
         with psycopg.connect(PG_ADMIN_DSN, autocommit=True) as admin:
