@@ -49,6 +49,13 @@ _MASKS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specbatch-grammar
 Request = tuple[int, list[int], GenerationParams]   # (caller's index, prompt ids, parameters)
 
 
+def longest_first(requests: Iterable[Request]) -> list[Request]:
+    """Admission order: longest ``max_new_tokens`` first, a stable sort (a request's samples stay
+    together). The rows that decode longest start first and the short ones take the places that
+    free up, so a batch drains later and for fewer steps (docs/DESIGN.md, "Admission order")."""
+    return sorted(requests, key=lambda r: -r[2].max_new_tokens)
+
+
 @dataclass
 class Row:
     """One request being decoded."""
@@ -97,9 +104,11 @@ class Decoder:
         self.prefixes = prefixes
         self.pool = (target.name, *(d.name for d in self.drafters))   # a stored prefix's owner
         self.shared: dict[int, int] = {}    # request index -> length of a prefix others share
+        self.known: set[tuple[int, ...]] = set()   # those prefixes (refilled requests read them too)
 
     def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None,
-            *, forks: Mapping[int, int] | None = None) -> Iterator[tuple[int, GenerationOutput]]:
+            *, forks: Mapping[int, int] | None = None,
+            refill: Callable[[int], list[Request]] | None = None) -> Iterator[tuple[int, GenerationOutput]]:
         """Yield (index, output) as each request finishes.
 
         ``on_start(indices)`` is called as requests join the batch, before any forward over them:
@@ -111,11 +120,13 @@ class Decoder:
         When the policy allows fewer rows than are active (the throughput autopilot lowering the
         batch size) the newest rows pause: they leave the caches with their state and resume
         later, their context cached again. A row joins only if the memory budget holds it.
+
+        ``refill(room)``: asked for up to ``room`` more requests while rows decode, nothing waits and
+        at least a quarter of the batch's places are free (a worker claims more of its job there),
+        so a batch stays full until the work runs out instead of draining at the end of every
+        claim. Its requests' samples must be in ``self.forks`` by then (the caller adds them).
         """
-        # longest budget first (a stable sort: a request's samples stay together): the rows that
-        # decode longest start first and the short ones take the places that free up, so the batch
-        # drains later and for fewer steps at the job's end (docs/DESIGN.md, "Admission order")
-        waiting = deque(sorted(requests, key=lambda r: -r[2].max_new_tokens))
+        waiting = deque(longest_first(requests))
         self.forks = dict(forks or {})
         if self.prefixes is not None:
             # a request counts once in the trie: its samples (forks) have its prompt, and
@@ -130,6 +141,7 @@ class Decoder:
             for req, n in zip(waiting, lengths):
                 groups.setdefault(tuple(req[1][:n]) if n else req[0], []).append(req)
             waiting = deque(r for g in groups.values() for r in g)
+            self.known = {tuple(ids[:self.shared[i]]) for i, ids, _ in waiting if i in self.shared}
         paused: deque[Row] = deque()
         if self.memory is not None:
             self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
@@ -137,6 +149,9 @@ class Decoder:
             limit = max(1, self.policy.max_rows(len(waiting) + len(paused)))
             if len(self.rows) > limit:
                 paused.extendleft(reversed(self._pause(len(self.rows) - limit)))
+            room = limit - len(self.rows)
+            if refill is not None and self.rows and not waiting and not paused and room >= max(1, limit // 4):
+                waiting.extend(self._refilled(refill(room)))
             resuming, joining = self._admissible(limit, waiting, paused)
             if resuming or joining:
                 if joining and on_start is not None:
@@ -145,6 +160,16 @@ class Decoder:
             else:
                 self._step()
             yield from self._retire()
+
+    def _refilled(self, requests: list[Request]) -> list[Request]:
+        """Refilled requests in admission order, each reading the longest shared prefix the
+        first requests found that its prompt starts with (no new trie: the prefixes of a job's
+        first claim are its system prompts, and a request of a later claim has the same)."""
+        for i, ids, _ in requests:
+            n = max((len(p) for p in self.known if len(p) < len(ids) and tuple(ids[:len(p)]) == p), default=0)
+            if n:
+                self.shared[i] = n
+        return longest_first(requests)
 
     def _admissible(self, limit: int, waiting: deque[Request], paused: deque[Row]
                     ) -> tuple[list[Row], list[Request]]:

@@ -66,19 +66,21 @@ def decodable_tokens(budgets: Sequence[int], context: int | None) -> int:
     return sum(n for n in budgets if context is None or n < context)
 
 
-def sample_rows(requests: Sequence[Request]) -> tuple[list[Request], list[tuple[int, int]], dict[int, int]]:
+def sample_rows(requests: Sequence[Request], start: int = 0
+                ) -> tuple[list[Request], list[tuple[int, int]], dict[int, int]]:
     """A request with ``n`` samples becomes n decoder rows (parameter ``n``): sample i seeded by
     ``sample_seed(seed, i)`` when the request is seeded. Returns the rows (their index: the
     position in this list), each row's (request index, sample index), and the forks (row ->
-    the row of its request's sample 0) that let the samples share one prefill."""
+    the row of its request's sample 0) that let the samples share one prefill. Row indices begin
+    at ``start`` (rows added to a running decode)."""
     rows: list[Request] = []
     owner: list[tuple[int, int]] = []
     forks: dict[int, int] = {}
     for i, ids, params in requests:
-        first = len(rows)
+        first = start + len(rows)
         for k in range(params.n):
             seed = params.seed if params.seed is None else sample_seed(params.seed, k)
-            rows.append((len(rows), ids, replace(params, seed=seed, n=1)))
+            rows.append((start + len(rows), ids, replace(params, seed=seed, n=1)))
             owner.append((i, k))
             if params.n > 1:
                 forks[first + k] = first
@@ -225,7 +227,8 @@ class Engine:
         raise AssertionError("generate_many yields one result per request")
 
     def generate_many(self, requests: Sequence[EngineRequest], batch_size: BatchSize | None = None, *,
-                      policy: Policy | None = None, on_start: Callable[[list[int]], None] | None = None
+                      policy: Policy | None = None, on_start: Callable[[list[int]], None] | None = None,
+                      more: Callable[[int], Sequence[EngineRequest]] | None = None
                       ) -> Iterator[tuple[int, GenerationOutput | SpecBatchError]]:
         """Yield (index, output or the request's own error) as each request finishes.
 
@@ -233,19 +236,16 @@ class Engine:
         throughput autopilot choose the batch size and whether to speculate by measurement
         (``specbatch.engine.autopilot``); ``policy`` replaces either. ``on_start(indices)``:
         called as requests start decoding (join the batch), before any forward over them.
+        ``more(room)``: up to ``room`` more requests, asked while the batch has free places and
+        nothing waits (``Decoder.run``'s refill: a worker claims more of its job); their indices
+        follow those of ``requests`` in the order given. It returns none when there are none.
         """
         self.adopt_compiled()
         size = check_batch_size(batch_size or self.batch_size)
-        valid: list[Request] = []
-        for i, req in enumerate(requests):
-            try:
-                params = req.params.validate(self.target.vocab_size)
-                ids = self._ids(req.prompt, req.messages, req.input_ids)
-                self._check_fits(ids, params)
-            except SpecBatchError as e:
-                yield i, e
-                continue
-            valid.append((i, ids, params))
+        refused: list[tuple[int, SpecBatchError]] = []
+        valid = self._valid(requests, 0, refused)
+        yield from refused
+        refused.clear()
         rows, owner, forks = sample_rows(valid)
         if policy is None:
             policy = self._policy(size, rows)
@@ -262,8 +262,23 @@ class Engine:
 
         samples: dict[int, dict[int, GenerationOutput]] = {}
         wanted = {i: p.n for i, _, p in valid}
+        given = len(requests)
+
+        def refill(room: int) -> list[Request]:
+            nonlocal given
+            extra = list(more(room)) if more is not None else []
+            fresh = self._valid(extra, given, refused)
+            given += len(extra)
+            new_rows, new_owner, new_forks = sample_rows(fresh, start=len(owner))
+            owner.extend(new_owner)
+            decoder.forks.update(new_forks)
+            wanted.update((i, p.n) for i, _, p in fresh)
+            return new_rows
+
         with torch.inference_mode():
-            for f, out in decoder.run(rows, start, forks=forks):
+            for f, out in decoder.run(rows, start, forks=forks, refill=refill if more is not None else None):
+                yield from refused
+                refused.clear()
                 i, k = owner[f]
                 out.sample_index = k
                 got = samples.setdefault(i, {})
@@ -273,6 +288,23 @@ class Engine:
                     first.siblings = rest
                     del samples[i]
                     yield i, first
+        yield from refused
+
+    def _valid(self, requests: Sequence[EngineRequest], start: int,
+               refused: list[tuple[int, SpecBatchError]]) -> list[Request]:
+        """The requests that can decode, as (index from ``start``, prompt ids, params); the others'
+        own errors go to ``refused``."""
+        valid: list[Request] = []
+        for i, req in enumerate(requests, start=start):
+            try:
+                params = req.params.validate(self.target.vocab_size)
+                ids = self._ids(req.prompt, req.messages, req.input_ids)
+                self._check_fits(ids, params)
+            except SpecBatchError as e:
+                refused.append((i, e))
+                continue
+            valid.append((i, ids, params))
+        return valid
 
     def score(self, tokens: Sequence[int], prompt: str | None = None,
               messages: list[dict[str, Any]] | None = None, *, input_ids: list[int] | None = None,

@@ -10,6 +10,8 @@ Claiming one request at a time means a request that kills its worker only burns 
 attempts; requests already attempted before (``attempts > 0``, suspects) always run alone.
 An attempt is charged when a request starts decoding (``store.start_requests``), not at its
 claim: requests claimed ahead of the batch and still queued in it are not blamed for a crash.
+A batch claims more of its job as its rows finish (``_claim_more``), so it stays full across
+chunks instead of draining at the end of each (docs/DESIGN.md, "Admission order").
 Transient database errors are retried here with backoff; what still fails propagates to the
 caller (the Celery task retries the whole chunk, finished requests are skipped then).
 """
@@ -37,6 +39,10 @@ if TYPE_CHECKING:   # the engine imports torch: only when a worker decodes
     from specbatch.engine.engine import Engine, EngineRequest
 
 logger = logging.getLogger(__name__)
+
+# a batch's claim for more work that found none is not repeated for this long: once a job's
+# pending requests run out, every finishing row would ask again (one transaction a step)
+REFILL_QUIET_SECONDS = 5.0
 
 
 @dataclass
@@ -77,6 +83,7 @@ class LeaseKeeper:
 
     def __init__(self, session_factory: Any, request_ids: Sequence[int], worker: str, lease_seconds: int):
         self._sf, self._ids, self._worker, self._lease = session_factory, list(request_ids), worker, lease_seconds
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-lease", daemon=True)
 
@@ -86,10 +93,17 @@ class LeaseKeeper:
         interval = max(self._lease / 3.0, 0.2)
         while not self._stop.wait(interval):
             try:
+                with self._lock:
+                    ids = list(self._ids)
                 with self._sf.begin() as s:
-                    store.renew_leases(s, self._ids, self._worker, self._lease)
+                    store.renew_leases(s, ids, self._worker, self._lease)
             except Exception as e:  # a missed renewal only risks a duplicate attempt, never a row
                 logger.warning("lease renewal failed for %s: %s", self._ids, e)
+
+    def add(self, request_ids: Sequence[int]) -> None:
+        """Renew these too (requests claimed while the block runs)."""
+        with self._lock:
+            self._ids.extend(request_ids)
 
     def __enter__(self) -> LeaseKeeper:
         self._thread.start()
@@ -178,7 +192,7 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         with LeaseKeeper(sf, cache.waiting_ids(), worker_name, settings.lease_seconds):
             for run in runs:
                 _generate_run(settings, engine, sf, run, worker_name, report, on_result, rows, claimed_ns,
-                              cache)
+                              cache, refill=not solo and batch > 1, should_stop=should_stop)
 
     if not_claimed:
         touched_jobs |= with_db_retry(_classify, sf, not_claimed, report)
@@ -233,8 +247,15 @@ def _claim_ahead(s: Any, settings: Settings, claimed: list[Any], worker: str, ba
 
 def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], worker: str,
                   report: ChunkReport, on_result: Callable[[ResultEvent], None] | None,
-                  batch: int | str = 1, claimed_ns: int = 0, cache: Any = None) -> None:
+                  batch: int | str = 1, claimed_ns: int = 0, cache: Any = None, *, refill: bool = False,
+                  should_stop: Callable[[], bool] | None = None) -> None:
     """Generate the claimed requests of ``run`` together, writing each result as it arrives.
+
+    ``refill``: as rows finish and nothing waits, claim more of the job's pending requests into
+    the running batch (``Engine.generate_many``'s ``more``), so the batch stays full until the
+    job's work runs out rather than draining at the end of every chunk; ``run`` grows with them.
+    After a claim that found none, none is asked for ``REFILL_QUIET_SECONDS``; none after a
+    quarter of the broker's visibility timeout.
 
     If anything else escapes (an engine bug, the database down for good), the unfinished claims
     are left as they are: their lease stops being renewed and expires, then a later claim takes
@@ -243,14 +264,37 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
     """
     from specbatch.jobs import store
 
-    with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds):
+    with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds) as keeper:
         requests = [_engine_request(c) for c in run]
         # rows, not requests: a request's n samples are n rows (decoded together, one prefill)
         rows = sum(getattr(c.params, "n", 1) for c in run)
-        size = batch if batch == "auto" else min(int(batch), rows)
+        size = batch if batch == "auto" or refill else min(int(batch), rows)
+        quiet_until = 0.0
+        # a task that claims on and on stays unacknowledged: past the visibility timeout Redis
+        # would hand it to another worker (harmless, its ids are held or done, but wasted)
+        claim_until = time.monotonic() + settings.visibility_timeout / 4
+
         def start(indices: list[int]) -> None:
             transact(sf, store.start_requests, [run[i].id for i in indices], worker)
-        for idx, out in engine.generate_many(requests, batch_size=size, on_start=start):
+
+        def more(room: int) -> list[EngineRequest]:
+            nonlocal quiet_until
+            now = time.monotonic()
+            if now < quiet_until or now > claim_until or (should_stop is not None and should_stop()):
+                return []
+            claimed = transact(sf, _claim_more, settings, run, worker, room)
+            keeper.add([c.id for c in claimed])
+            if cache is not None and claimed:
+                hits, claimed = with_db_retry(cache.serve, sf, claimed, worker)
+                for c, out in hits:
+                    _report_cached(report, on_result, c, out, time.time_ns())
+            if not claimed:
+                quiet_until = time.monotonic() + REFILL_QUIET_SECONDS
+            run.extend(claimed)
+            return [_engine_request(c) for c in claimed]
+
+        for idx, out in engine.generate_many(requests, batch_size=size, on_start=start,
+                                             more=more if refill else None):
             c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
@@ -281,6 +325,27 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
                             on_result(ResultEvent(dup.id, dup.job_id, error=msg, claimed_ns=claimed_ns))
                     else:
                         _report_cached(report, on_result, dup, dup_out, claimed_ns)
+
+
+def _claim_more(s: Any, settings: Settings, run: list[Any], worker: str, want: int) -> list[Any]:
+    """Up to ``want`` more of the job's pending requests for a running batch with free places:
+    never attempted (a suspect runs alone), routed to this pair (--model-map), a shared prompt
+    prefix first (as ``_claim_ahead``). The tasks that carry their ids find them finished or held."""
+    from specbatch.db.models import Request, RequestStatus
+    from specbatch.jobs import store
+    from specbatch.jobs.prefix_order import ahead_ordered
+
+    job_id, first = run[0].job_id, run[0].id
+    pending = list(s.scalars(select(Request.id).where(
+        Request.job_id == job_id, Request.status == RequestStatus.pending, Request.attempts == 0)
+        .order_by(Request.id).limit(4 * want)))
+    if not pending:
+        return []
+    routes = store.request_routes(s, job_id, [first, *pending])
+    same = next(ids for ids in routes.values() if first in ids)
+    ids = ahead_ordered(s, [c.id for c in run], [i for i in same if i != first])[:want]
+    return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
+        if ids else []
 
 
 def _store_result(s: Any, c: Any, out: Any, worker: str, models: Any, columns: dict[str, Any]) -> None:

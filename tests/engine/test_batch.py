@@ -119,3 +119,32 @@ def test_longest_budgets_join_first_and_samples_stay_together(load):
     for i, (p, n) in enumerate(zip(PROMPTS, budgets)):
         assert got[i].token_ids == target_greedy(target, p, n)
     assert len(got[5].siblings) == 2
+
+
+def test_a_batch_refills_from_more_as_rows_finish_and_every_row_matches_the_target(load):
+    """``more`` (a worker claiming more of its job): asked only while rows decode and places are
+    free, its requests join the running batch with the next indices; a refused one yields its own
+    error; samples of a refilled request fork as usual."""
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")])
+    first = [EngineRequest(prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=6)),
+             EngineRequest(prompt=PROMPTS[1], params=GenerationParams(max_new_tokens=30))]
+    later = [EngineRequest(prompt=PROMPTS[2], params=GenerationParams(max_new_tokens=12)),
+             EngineRequest(prompt=PROMPTS[3], params=GenerationParams(max_new_tokens=-1)),     # refused
+             EngineRequest(prompt=PROMPTS[4], params=GenerationParams(max_new_tokens=8, n=2, temperature=1.0, seed=3)),
+             EngineRequest(prompt=PROMPTS[5], params=GenerationParams(max_new_tokens=9))]
+    asked: list[int] = []
+
+    def more(room: int) -> list[EngineRequest]:
+        asked.append(room)
+        out = later[:room]
+        del later[:room]
+        return out
+
+    got = dict(engine.generate_many(first, batch_size=2, more=more))
+    assert sorted(got) == list(range(6)) and not later
+    assert all(0 < r <= 2 for r in asked)
+    assert isinstance(got[3], RequestError)
+    for i, (p, n) in {0: (PROMPTS[0], 6), 1: (PROMPTS[1], 30), 2: (PROMPTS[2], 12), 5: (PROMPTS[5], 9)}.items():
+        assert got[i].token_ids == target_greedy(target, p, n), i
+    assert len(got[4].siblings) == 1

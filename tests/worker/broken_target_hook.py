@@ -14,7 +14,7 @@ class _BrokenEngine:
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self._engine, name)
 
-    def generate_many(self, requests, batch_size=None, on_start=None):  # noqa: ANN001, ANN201
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):  # noqa: ANN001, ANN201
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
         yield  # a generator, like the real one
 

@@ -19,14 +19,22 @@ class _PoisonedEngine:
     def __getattr__(self, name: str):  # noqa: ANN204
         return getattr(self._engine, name)
 
-    def generate_many(self, requests, batch_size=None, on_start=None):  # noqa: ANN001, ANN201
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):  # noqa: ANN001, ANN201
+        given = list(requests)
+
         def start(indices):  # noqa: ANN001, ANN202
             if on_start is not None:
                 on_start(indices)
             # the worker dies as the poison request starts decoding (its attempt is charged)
-            if any(requests[i].prompt and "POISON" in requests[i].prompt for i in indices):
+            if any(given[i].prompt and "POISON" in given[i].prompt for i in indices):
                 os._exit(13)
-        return self._engine.generate_many(requests, batch_size=batch_size, on_start=start)
+
+        def claimed(room):  # noqa: ANN001, ANN202 - requests the batch claims join ``given``
+            out = more(room)
+            given.extend(out)
+            return out
+        return self._engine.generate_many(requests, batch_size=batch_size, on_start=start,
+                                          more=claimed if more is not None else None)
 
 
 def _build(spec, *args):  # noqa: ANN001, ANN002, ANN202

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import sqlalchemy.exc as sa_exc
+from sqlalchemy import select
 
 from specbatch.config import Settings
 from specbatch.engine.types import GenerationOutput, GenerationStats
@@ -18,11 +19,18 @@ class FakeEngine:
     def rows_now(self):   # as Engine's before the autopilot decoded anything
         return None if self.batch_size == "auto" else self.batch_size
 
-    def generate_many(self, requests, batch_size=None, on_start=None):
-        if on_start is not None:
-            on_start(list(range(len(requests))))
-        for i, _ in enumerate(requests):
-            yield i, GenerationOutput("ok", [1, 2], "length", GenerationStats(new_tokens=2, verify_steps=1))
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):
+        """Decodes what it is given, then (``more``) what a batch with free places claims, as the
+        real engine's refill does, until a claim finds none."""
+        requests, done = list(requests), 0
+        while done < len(requests):
+            if on_start is not None:
+                on_start(list(range(done, len(requests))))
+            for i in range(done, len(requests)):
+                yield i, GenerationOutput("ok", [1, 2], "length", GenerationStats(new_tokens=2, verify_steps=1))
+            done = len(requests)
+            if more is not None:
+                requests += more(batch_size if isinstance(batch_size, int) else 8)
 
 
 def _job(tmp_path, n, prompt=lambda i: "hi"):
@@ -62,9 +70,9 @@ class RecordingEngine(FakeEngine):
         self.batch_size = batch_size
         self.calls: list[tuple[int, object]] = []
 
-    def generate_many(self, requests, batch_size=None, on_start=None):
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):
         self.calls.append((len(requests), batch_size))
-        yield from super().generate_many(requests, batch_size, on_start)
+        yield from super().generate_many(requests, batch_size, on_start, more)
 
 
 def test_a_batch_larger_than_the_chunk_claims_ahead_and_tasks_skip_what_it_took(tmp_path):
@@ -72,13 +80,32 @@ def test_a_batch_larger_than_the_chunk_claims_ahead_and_tasks_skip_what_it_took(
     engine = RecordingEngine(4)
     report = process_chunk(settings, engine, ids[:2], "w1")     # an 8-request-chunk-like task, B=4
     assert engine.calls == [(8, 4)]                             # 2 of its own + 6 more: 2 x the batch
-    assert sorted(report.completed) == ids[:8]
+    assert sorted(report.completed) == ids                      # then the batch claimed the rest as rows finished
     later = process_chunk(settings, engine, ids[2:6], "w2")     # the task that carried those ids
     assert later.completed == [] and sorted(later.finished) == ids[2:6]
 
 
+def test_a_running_batch_claims_more_of_its_job_but_never_a_suspect_or_another_pairs_request(tmp_path):
+    """Refill (docs/DESIGN.md, "Admission order"): the batch stays full across chunks; a request
+    that was attempted before runs alone (its own task), and one routed to another pair is left."""
+    from sqlalchemy import update
+
+    from specbatch.db import session_factory
+    from specbatch.db.models import Request
+
+    settings, job_id, ids = _job(tmp_path, 14)
+    with session_factory(settings.database_url).begin() as s:
+        s.execute(update(Request).where(Request.id == ids[9]).values(attempts=1))
+        s.execute(update(Request).where(Request.id == ids[11]).values(target="other"))
+    report = process_chunk(settings, RecordingEngine(2), ids[:1], "w1")
+    assert sorted(report.completed) == [i for i in ids if i not in (ids[9], ids[11])]
+    with session_factory(settings.database_url).begin() as s:
+        left = dict(s.execute(select(Request.id, Request.status).where(Request.job_id == job_id)).all())
+    assert left[ids[9]].value == "pending" and left[ids[11]].value == "pending"
+
+
 class PromptEngine(RecordingEngine):
-    def generate_many(self, requests, batch_size=None, on_start=None):
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):
         self.prompts = [r.prompt for r in requests]
         yield from super().generate_many(requests, batch_size, on_start)
 
@@ -98,6 +125,7 @@ def test_auto_passes_auto_and_batch_one_never_claims_ahead(tmp_path):
     auto = RecordingEngine("auto")
     process_chunk(settings, auto, ids[:3], "w1")
     assert auto.calls == [(16, "auto")]                         # 2 x 8 before the autopilot measured
+    _, _, ids = _job(tmp_path, 30)          # a job of its own: the auto batch claimed all of the first
     one = RecordingEngine(1)
     report = process_chunk(settings, one, ids[16:18], "w2")
     assert one.calls == [(1, 1), (1, 1)] and sorted(report.completed) == ids[16:18]
@@ -117,15 +145,13 @@ class DiesMidBatch(FakeEngine):
     def __init__(self, batch_size) -> None:
         self.batch_size = batch_size
 
-    def generate_many(self, requests, batch_size=None, on_start=None):
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):
         on_start(list(range(self.batch_size)))
         raise RuntimeError("killed")
         yield  # a generator, like the real one
 
 
 def test_a_crash_charges_only_the_rows_being_decoded_not_those_claimed_ahead(tmp_path):
-    from sqlalchemy import select
-
     from specbatch.db import session_factory
     from specbatch.db.models import Request
 

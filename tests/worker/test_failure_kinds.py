@@ -18,7 +18,7 @@ class MixedEngine:
 
     batch_size = 1
 
-    def generate_many(self, requests, batch_size=None, on_start=None):
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):
         if on_start is not None:
             on_start(list(range(len(requests))))
         for i, _ in enumerate(requests):
@@ -73,7 +73,7 @@ def test_out_of_attempts_is_server_error_and_retry_clears_it(tmp_path):
 class _Ok:
     batch_size = 1
 
-    def generate_many(self, requests, batch_size=None, on_start=None):
+    def generate_many(self, requests, batch_size=None, on_start=None, more=None):
         if on_start is not None:
             on_start(list(range(len(requests))))
         for i, _ in enumerate(requests):
