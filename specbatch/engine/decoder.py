@@ -121,8 +121,8 @@ class Decoder:
         batch size) the newest rows pause: they leave the caches with their state and resume
         later, their context cached again. A row joins only if the memory budget holds it.
 
-        ``refill(room)``: asked for up to ``room`` more requests while rows decode, nothing waits and
-        at least a quarter of the batch's places are free (a worker claims more of its job there),
+        ``refill(room)``: asked for up to ``room`` more requests when nothing waits and at least a
+        quarter of the batch's places are free (the last time when the batch has emptied) (a worker claims more of its job there),
         so a batch stays full until the work runs out instead of draining at the end of every
         claim. Its requests' samples must be in ``self.forks`` by then (the caller adds them).
         """
@@ -145,13 +145,15 @@ class Decoder:
         paused: deque[Row] = deque()
         if self.memory is not None:
             self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
-        while waiting or paused or self.rows:
+        while True:
             limit = max(1, self.policy.max_rows(len(waiting) + len(paused)))
             if len(self.rows) > limit:
                 paused.extendleft(reversed(self._pause(len(self.rows) - limit)))
             room = limit - len(self.rows)
-            if refill is not None and self.rows and not waiting and not paused and room >= max(1, limit // 4):
+            if refill is not None and not waiting and not paused and room >= max(1, limit // 4):
                 waiting.extend(self._refilled(refill(room)))
+            if not (waiting or paused or self.rows):
+                break
             resuming, joining = self._admissible(limit, waiting, paused)
             if resuming or joining:
                 if joining and on_start is not None:

@@ -152,6 +152,9 @@ class ResultCache:
     target: str | None                                  # the target's fingerprint; None: off
     keys: dict[int, str] = field(default_factory=dict)  # request id -> key (cacheable requests)
     waiting: dict[int, list[Any]] = field(default_factory=dict)  # generated id -> its duplicates
+    # key -> the request of this chunk generating it, until its result is in (a batch claims more
+    # of its job as it runs: a duplicate claimed later waits for it too, not generated twice)
+    leading: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def for_engine(cls, engine: Any, cache_dir: str | None) -> ResultCache:
@@ -179,7 +182,8 @@ class ResultCache:
     def serve(self, sf: Any, claimed: Sequence[Any], worker: str) -> tuple[list[tuple[Any, GenerationOutput]],
                                                                           list[Any]]:
         """Serve ``claimed`` (ClaimedRequests) from the cache: returns (hits written, now completed,
-        with their outputs; the requests left to generate). Idempotent, so safe to retry whole."""
+        with their outputs; the requests left to generate). Idempotent, so safe to retry whole.
+        Called again for requests claimed later in the same chunk, it adds to what waits."""
         if self.target is None or not claimed:
             return [], list(claimed)
         for c in claimed:
@@ -192,7 +196,7 @@ class ResultCache:
             use = dict(s.execute(select(Job.id, Job.cache).where(Job.id.in_({c.job_id for c in claimed}))).all())
             keyed = {c.id for c in claimed if c.id in self.keys and use.get(c.job_id, False)}
             sources = _find_sources(s, {self.keys[i] for i in keyed})
-            first: dict[str, int] = {}
+            first = dict(self.leading)
             for c in claimed:
                 key = self.keys[c.id] if c.id in keyed else None
                 if key is None:
@@ -207,7 +211,10 @@ class ResultCache:
                     todo.append(c)
             for job_id in sorted({c.job_id for c, _ in hits}):
                 store.refresh_job(s, job_id)
-        self.waiting = waiting
+        self.leading = first
+        for leader, dups in waiting.items():
+            have = self.waiting.setdefault(leader, [])
+            have.extend(d for d in dups if all(d.id != h.id for h in have))
         return hits, todo
 
     def resolve(self, sf: Any, request_id: int, worker: str, error: str | None = None,
@@ -215,6 +222,9 @@ class ResultCache:
         """The duplicates waiting for ``request_id``, now that it is stored (copied as hits) or
         failed with ``error`` (they fail alike: the same input fails the same way; ``failure``:
         record_failure's keywords). Returns (request, output or None when failed)."""
+        key = self.keys.get(request_id)
+        if key is not None and self.leading.get(key) == request_id:
+            del self.leading[key]    # a duplicate claimed from now on finds the result, or leads
         waiting = self.waiting.get(request_id, [])
         if not waiting:
             return []

@@ -279,19 +279,22 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
 
         def more(room: int) -> list[EngineRequest]:
             nonlocal quiet_until
-            now = time.monotonic()
-            if now < quiet_until or now > claim_until or (should_stop is not None and should_stop()):
-                return []
-            claimed = transact(sf, _claim_more, settings, run, worker, room)
-            keeper.add([c.id for c in claimed])
-            if cache is not None and claimed:
-                hits, claimed = with_db_retry(cache.serve, sf, claimed, worker)
-                for c, out in hits:
-                    _report_cached(report, on_result, c, out, time.time_ns())
-            if not claimed:
-                quiet_until = time.monotonic() + REFILL_QUIET_SECONDS
-            run.extend(claimed)
-            return [_engine_request(c) for c in claimed]
+            while True:     # until a claim has something to decode (a claim served whole from the cache: again)
+                now = time.monotonic()
+                if now < quiet_until or now > claim_until or (should_stop is not None and should_stop()):
+                    return []
+                claimed = transact(sf, _claim_more, settings, run, worker, room)
+                if not claimed:
+                    quiet_until = now + REFILL_QUIET_SECONDS
+                    return []
+                keeper.add([c.id for c in claimed])
+                if cache is not None:
+                    hits, claimed = with_db_retry(cache.serve, sf, claimed, worker)
+                    for c, out in hits:
+                        _report_cached(report, on_result, c, out, time.time_ns())
+                if claimed:
+                    run.extend(claimed)
+                    return [_engine_request(c) for c in claimed]
 
         for idx, out in engine.generate_many(requests, batch_size=size, on_start=start,
                                              more=more if refill else None):

@@ -213,6 +213,21 @@ def test_duplicates_within_one_file_are_generated_once(db_url, tmp_path, engines
         assert store.job_summary(s, job)["status"] == "completed"
 
 
+def test_duplicates_claimed_by_a_refilling_batch_wait_for_their_leader(db_url, tmp_path, engines):
+    """A batch of 2 claims more of its job as rows finish (worker/chunk.py): a duplicate of a
+    request still decoding, claimed later, waits for it (not generated twice), and those waiting
+    from the first claim are still resolved (a later claim once replaced them: left running)."""
+    settings = _settings(db_url, tmp_path)
+    a, b, c, d = PROMPTS
+    job, ids = make_job(settings, lines([a, a, b, c, a, b, c, d]))
+    report = process_chunk(settings, Engine(engines["none-b3"].target, [], batch_size=2), ids[:2], "w1")
+    assert sorted(report.completed) == ids and sorted(report.cached) == [ids[i] for i in (1, 4, 5, 6)]
+    got = results(db_url, job)
+    assert [r.cached for r in got] == [False, True, False, False, True, True, True, False]
+    with db.session_factory(db_url).begin() as s:
+        assert store.job_summary(s, job)["status"] == "completed"
+
+
 def test_a_failing_request_fails_its_duplicates_alike(db_url, tmp_path, engines):
     settings = _settings(db_url, tmp_path)
     too_long = lines(["The quick brown fox"] * 2, max_tokens=600)   # the tiny model's context is 512
