@@ -84,7 +84,10 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
     metadata = check_metadata(body.metadata)
     options = job_options(metadata, sb.settings)
     pair, defaults = options.pair, options.defaults
-    f = sb.read(lambda c: files.read_file(c, body.input_file_id, owner))
+    try:
+        f = sb.read(lambda c: files.read_file(c, body.input_file_id, owner))
+    except files.FileNotFound as e:     # the body's field names it, not the URL's `id`
+        raise ApiError(404, str(e), param="input_file_id") from e
     purpose, filename = f.purpose, f.filename
     if purpose != "batch":
         raise ApiError(400, f"input file {body.input_file_id} has purpose {purpose!r}, not 'batch'",

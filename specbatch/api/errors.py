@@ -70,6 +70,12 @@ def install(app: FastAPI) -> None:
             reason = (first.get("ctx") or {}).get("error", "JSON decode error")
             return as_response(ApiError(400, f"the request body is not valid JSON ({reason} at character {where})",
                                         code="invalid_json"))
+        if tuple(first.get("loc", ())) == ("body",):   # the whole body: none, or not an object
+            # (a form or text/plain post reaches the model as a string: pydantic's words for that,
+            # "a valid dictionary or object to extract fields from", tell a client nothing)
+            what = "is empty" if first.get("type") == "missing" else "is not a JSON object"
+            return as_response(ApiError(400, f"the request body {what}: send a JSON object with "
+                                             "Content-Type: application/json", code="invalid_json"))
         loc = [str(x) for x in first.get("loc", ()) if x not in ("body", "query", "path")]
         param = ".".join(loc) or None
         message = f"{param}: {first.get('msg', 'invalid request')}" if param else first.get("msg", "invalid request")

@@ -132,7 +132,8 @@ def _status_view(d: dict[str, Any]) -> Any:
     parts: list[Any] = [info]
     if st["workers"]:
         workers = Table(title="workers", title_justify="left", box=None)
-        for col in ("worker", "requests", "tokens", "tokens/s", "busy tokens/s"):
+        # results rows, not requests: a line with n samples is one request and n results
+        for col in ("worker", "results", "tokens", "tokens/s", "busy tokens/s"):
             workers.add_column(col, justify="left" if col == "worker" else "right")
         for w in st["workers"]:
             workers.add_row(w["worker"], str(w["requests"]), str(w["tokens_generated"]),

@@ -146,9 +146,11 @@ def test_unknown_ids_are_404_in_openai_shape(api: Api) -> None:
             call()
     status, body = api.request("GET", "/v1/batches/batch_nope")
     assert status == 404 and _error(body)["message"] == "No such Batch object: batch_nope"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         c.batches.create(input_file_id="file-0123456789abcdef01234567", endpoint="/v1/chat/completions",
                          completion_window="24h")
+    # the field of the request that names the missing file, not the URL's `id`
+    assert missing.value.body["param"] == "input_file_id", missing.value.body
 
 
 def test_invalid_file_gives_a_failed_batch_with_line_errors(api: Api) -> None:

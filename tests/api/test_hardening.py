@@ -107,6 +107,20 @@ def test_small_bodies_and_public_routes_still_pass(api: Api) -> None:
     assert api.get("/healthz", key=None)[0] == 200
 
 
+def test_a_body_that_is_not_a_json_object_says_so(api: Api) -> None:
+    """A form post, a text/plain body, a JSON array and no body at all: one readable 400
+    (`invalid_json`), not pydantic's "valid dictionary or object to extract fields from"."""
+    fields = {"input_file_id": "file-0123456789abcdef01234567", "endpoint": "/v1/chat/completions",
+              "completion_window": "24h"}
+    for body, ctype in ((b"input_file_id=x", "application/x-www-form-urlencoded"),
+                        (json.dumps(fields).encode(), "text/plain"), (b"[]", "application/json"),
+                        (None, "application/json")):
+        status, raw = api.request("POST", "/v1/batches", body=body, headers={"Content-Type": ctype})
+        err = json.loads(raw)["error"]
+        assert status == 400 and err["code"] == "invalid_json", (ctype, body, err)
+        assert "JSON object" in err["message"] and "dictionary" not in err["message"], err
+
+
 def _batch(api: Api, key: str) -> tuple[str, str]:
     c = api.client(key)
     f = c.files.create(file=("in.jsonl", (json.dumps(chat_line(0)) + "\n").encode()), purpose="batch")

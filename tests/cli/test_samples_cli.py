@@ -56,6 +56,11 @@ def test_a_line_is_one_request_with_n_results(ran):
     assert ran["stats"]["results"] == 6
     status = json.loads(sb("status", ran["id"], "--json"))
     assert status["request_counts"]["total"] == 3
+    # the table's per-worker column counts results rows (6), so it must not be headed "requests"
+    # beside "requests total 3"
+    table = sb("status", ran["id"])
+    header = next(line for line in table.splitlines() if "busy tokens/s" in line)
+    assert header.split()[:2] == ["worker", "results"], table
 
 
 def test_openai_lines_carry_n_choices_and_usage_as_openai_sums_it(ran):

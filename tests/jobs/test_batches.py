@@ -160,3 +160,14 @@ def test_a_batch_is_never_in_progress_before_it_was_created(db_url: str, tmp_pat
         s.execute(update(Job).where(Job.id == batch.job_id).values(created_at=batch.created_at - timedelta(seconds=1)))
     got = _object(db_url, batch_id)
     assert got["status"] == "in_progress" and got["in_progress_at"] == got["created_at"]
+
+
+def test_a_line_that_is_not_utf8_is_an_invalid_json_line() -> None:
+    """A line that cannot be decoded cannot be JSON: OpenAI's `invalid_json_line`, as a JSON syntax
+    error is, not the `invalid_value` of a bad field (a binary upload was coded so)."""
+    from specbatch.errors import InputError, IntakeError
+
+    errors = [InputError("invalid UTF-8 (byte 0xa3 at byte 3); save the file as UTF-8", line_no=1),
+              InputError("invalid JSON: Expecting value (column 1)", line_no=2)]
+    codes = [e["code"] for e in batches.intake_errors(IntakeError(errors))]
+    assert codes == ["invalid_json_line", "invalid_json_line"]
