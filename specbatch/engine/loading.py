@@ -319,7 +319,7 @@ def _holding(loaded: Sequence[LoadedModel], path: Path, device: torch.device,
     """The first of ``loaded`` that holds the unquantized weights of ``path`` in ``dtype`` on ``device``."""
     for m in loaded:
         if (m.info.get("source") == str(path) and not m.info.get("int8") and m.device == device
-                and resolve_dtype(m.info.get("dtype", "")) == dtype):
+                and DTYPES.get(m.info.get("dtype", "")) == dtype):
             return m
     return None
 
