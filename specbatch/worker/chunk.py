@@ -296,8 +296,9 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
                     run.extend(claimed)
                     return [_engine_request(c) for c in claimed]
 
+        # a claim served whole from the cache leaves no request to claim more of the job for
         for idx, out in engine.generate_many(requests, batch_size=size, on_start=start,
-                                             more=more if refill else None):
+                                             more=more if refill and run else None):
             c, generated_ns = run[idx], time.time_ns()
             msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
             error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
