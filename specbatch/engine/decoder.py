@@ -122,9 +122,10 @@ class Decoder:
         later, their context cached again. A row joins only if the memory budget holds it.
 
         ``refill(room)``: asked for up to ``room`` more requests when nothing waits and at least a
-        quarter of the batch's places are free (the last time when the batch has emptied) (a worker claims more of its job there),
-        so a batch stays full until the work runs out instead of draining at the end of every
-        claim. Its requests' samples must be in ``self.forks`` by then (the caller adds them).
+        quarter of the batch's places are free, once more when the batch has emptied (a worker
+        claims more of its job there), so a batch stays full until the work runs out instead of
+        draining at the end of every claim. Its requests' samples must be in ``self.forks`` by
+        then (the caller adds them).
         """
         waiting = deque(longest_first(requests))
         self.forks = dict(forks or {})

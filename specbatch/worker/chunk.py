@@ -225,22 +225,30 @@ def _claim_ahead(s: Any, settings: Settings, claimed: list[Any], worker: str, ba
     chunk size follows the batch size): up to 2 x batch rows in all. The tasks that carry those
     ids find them finished (or held) and skip them."""
     from specbatch.jobs import store
-    from specbatch.jobs.prefix_order import ahead_ordered
 
     want = 2 * batch - len(claimed)
     if want <= 0:
         return []
-    job_id, first = claimed[0].job_id, claimed[0].id
     mine = {c.id for c in claimed}
-    pending = [i for i in store.resumable_request_ids(s, job_id) if i not in mine]
+    pending = [i for i in store.resumable_request_ids(s, claimed[0].job_id) if i not in mine]
+    return _claim_beside(s, settings, claimed, pending, worker, want)
+
+
+def _claim_beside(s: Any, settings: Settings, held: list[Any], pending: list[int], worker: str,
+                  want: int) -> list[Any]:
+    """Claim up to ``want`` of ``pending`` (ids of ``held``'s job) to decode beside ``held``."""
+    from specbatch.jobs import store
+    from specbatch.jobs.prefix_order import ahead_ordered
+
     if not pending:
         return []
+    job_id, first = held[0].job_id, held[0].id
     # only requests routed to the same pair (--model-map): another pair's worker owns the rest
     routes = store.request_routes(s, job_id, [first, *pending])
     same = next(ids for ids in routes.values() if first in ids)
     # requests whose prompt shares the batch's prefix first (engine/prefix.py computes it once
     # per decode): in id order a job's prefixes interleave
-    ids = ahead_ordered(s, [c.id for c in claimed], [i for i in same if i not in mine])[:want]
+    ids = ahead_ordered(s, [c.id for c in held], [i for i in same if i != first])[:want]
     return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
         if ids else []
 
@@ -333,23 +341,13 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
 
 def _claim_more(s: Any, settings: Settings, run: list[Any], worker: str, want: int) -> list[Any]:
     """Up to ``want`` more of the job's pending requests for a running batch with free places:
-    never attempted (a suspect runs alone), routed to this pair (--model-map), a shared prompt
-    prefix first (as ``_claim_ahead``). The tasks that carry their ids find them finished or held."""
+    never attempted (a suspect runs alone), as ``_claim_ahead`` picks them."""
     from specbatch.db.models import Request, RequestStatus
-    from specbatch.jobs import store
-    from specbatch.jobs.prefix_order import ahead_ordered
 
-    job_id, first = run[0].job_id, run[0].id
     pending = list(s.scalars(select(Request.id).where(
-        Request.job_id == job_id, Request.status == RequestStatus.pending, Request.attempts == 0)
+        Request.job_id == run[0].job_id, Request.status == RequestStatus.pending, Request.attempts == 0)
         .order_by(Request.id).limit(4 * want)))
-    if not pending:
-        return []
-    routes = store.request_routes(s, job_id, [first, *pending])
-    same = next(ids for ids in routes.values() if first in ids)
-    ids = ahead_ordered(s, [c.id for c in run], [i for i in same if i != first])[:want]
-    return list(store.claim_requests(s, ids, worker, settings.lease_seconds, settings.max_attempts)) \
-        if ids else []
+    return _claim_beside(s, settings, run, pending, worker, want)
 
 
 def _store_result(s: Any, c: Any, out: Any, worker: str, models: Any, columns: dict[str, Any]) -> None:
