@@ -552,3 +552,37 @@ def test_resume_imports_no_model_library(db_url):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"0 job {job_id} is completed; nothing to resume", "[]"]
+
+
+def _fresh_cli(db_url: str, args: list[str]) -> list[str]:
+    """``args`` through the real entry point in a fresh interpreter (as a user's shell starts it):
+    exit code, stderr's last line, and which model libraries it imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from click.testing import CliRunner\n"
+            "from specbatch.cli.main import cli\n"
+            f"r = CliRunner().invoke(cli, {args!r}, obj={{}})\n"
+            "print(r.exit_code, repr(r.exception) if not isinstance(r.exception, SystemExit) else None)\n"
+            "print(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '')\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    env = {**os.environ, "SPECBATCH_DATABASE_URL": db_url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_run_resume_of_no_job_answers_before_torch(db_url):
+    """`run --resume BADID` said "no job" after 19 s: it imported torch and transformers (threads,
+    the in-process runner) before reading the job. The id is checked first, in one line."""
+    make_job(db_url, results=1, failures=0, pending=0)       # a database with another job in it
+    assert _fresh_cli(db_url, ["run", "--resume", "BADID"]) == [
+        "1 None", "Error: no job 'BADID'; `specbatch jobs` lists the jobs", "[]"]
+
+
+def test_run_resume_of_a_finished_job_prints_its_summary_without_torch(db_url):
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=0)
+    out = _fresh_cli(db_url, ["run", "--resume", job_id, "--json"])
+    assert out == ["0 None", f"job {job_id}: nothing left to run (completed); its summary follows", "[]"]
