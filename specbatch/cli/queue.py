@@ -20,12 +20,12 @@ from specbatch.cli.common import (
     TOP_P,
     check_queue_workers,
     compile_option,
-    echo_json,
     nonempty_stops,
     open_db,
     warn,
 )
 from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
+from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options, no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
