@@ -365,9 +365,9 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
                                     check=False)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_,
-                                  device=device or settings.device, dtype=dtype or settings.dtype,
+                                  device=device, dtype=dtype,    # (None: run_worker reads the settings)
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
-                                  prefix_cache=tp.prefix_cache, compile=compile_ or settings.compile,
+                                  prefix_cache=tp.prefix_cache, compile=compile_,
                                   hostname=hostname,
                                   loglevel=loglevel, pool=pool,
                                   metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
