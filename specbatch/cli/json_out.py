@@ -32,7 +32,7 @@ def echo_json_error(ctx: click.Context, error: click.ClickException, cause: Base
     """With --json, a failure is a JSON document on stdout too, unless the command already printed
     its own (``submit --wait``'s summary): ``{"error": {"message", "exit_code", "errors": [{"file",
     "line", "field", "message"}], "total"}}``. ``errors`` lists each problem of a prompt file or an
-    option (empty for other failures); ``total`` counts them all (a file's list is cut at 50).
+    option (empty for other failures); ``total`` counts them all (intake keeps the first 1,000).
     The exit status and the line on stderr stay as they are. ``error``: what the CLI's edge prints;
     ``cause``: what was raised."""
     from specbatch.errors import InputError, IntakeError
