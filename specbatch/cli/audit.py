@@ -6,7 +6,8 @@ from typing import Any
 
 import click
 
-from specbatch.cli.common import echo_json, open_db
+from specbatch.cli.common import open_db
+from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options
 from specbatch.config import get_settings
 from specbatch.plural import plural

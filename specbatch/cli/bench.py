@@ -9,8 +9,9 @@ from pathlib import Path
 
 import click
 
-from specbatch.cli.common import echo_json, warn
+from specbatch.cli.common import warn
 from specbatch.cli.compile_text import compile_notice
+from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options
 from specbatch.config import get_settings
 

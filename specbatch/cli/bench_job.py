@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from specbatch.cli.common import echo_json, warn
+from specbatch.cli.common import warn
+from specbatch.cli.json_out import echo_json
 from specbatch.config import Settings
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from specbatch.cli.common import echo_json, open_db
+from specbatch.cli.common import open_db
+from specbatch.cli.json_out import echo_json
 from specbatch.config import get_settings
 from specbatch.plural import plural
 

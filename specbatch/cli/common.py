@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -54,11 +53,6 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
         hint = "" if from_env else " (set SPECBATCH_DATABASE_URL to use another)"
         click.echo(f"specbatch: created a new database at {path}{hint}", err=True)
     return factory
-
-
-def echo_json(data: Any) -> None:
-    """Machine output for ``--json``: one JSON document on stdout."""
-    click.echo(json.dumps(data, indent=2, default=str))
 
 
 def warn(message: str) -> None:

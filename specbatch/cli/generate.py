@@ -11,10 +11,10 @@ from specbatch.cli.common import (
     TOP_K,
     TOP_P,
     compile_option,
-    echo_json,
     nonempty_stops,
 )
 from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
+from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options, no_draft, threads_option
 from specbatch.config import get_settings
 from specbatch.plural import plural

@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from specbatch.cli.common import check_queue_workers, echo_json, open_db, warn
+from specbatch.cli.common import check_queue_workers, open_db, warn
+from specbatch.cli.json_out import echo_json
 from specbatch.cli.render import batching_line, counts_line, failure_lines, models, num, when
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES

@@ -10,6 +10,7 @@ import sys
 
 import click
 
+from specbatch.cli.json_out import JSON_ASKED, echo_json_error
 from specbatch.errors import SettingsError, SpecBatchError
 from specbatch.redact import install_log_redaction, mask
 
@@ -38,6 +39,11 @@ class LazyGroup(click.Group):
                 return getattr(importlib.import_module(module), cmd_name.replace("-", "_"))
         return None
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # noted before the command parses its own options: a usage error answers in JSON too
+        ctx.meta[JSON_ASKED] = "--json" in (args[:args.index("--")] if "--" in args else args)
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: click.Context):  # type: ignore[no-untyped-def]
         try:
             return super().invoke(ctx)
@@ -48,9 +54,11 @@ class LazyGroup(click.Group):
             error = click.ClickException(mask(str(e)))
             if isinstance(e, SettingsError):
                 error.exit_code = 2   # a usage error, like a bad option
+            echo_json_error(ctx, error, e)
             raise error from e
         except click.ClickException as e:
             e.message = mask(e.message)
+            echo_json_error(ctx, e, e)
             raise
         except BrokenPipeError:
             # the reader of stdout went away (`specbatch export JOB | head`): stop quietly, as a
@@ -64,8 +72,10 @@ class LazyGroup(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 _mask_chain(e)
                 raise
-            raise click.ClickException(mask(f"unexpected error ({type(e).__name__}: {e}); --debug shows "
-                                            "the stack trace; please report it")) from e
+            error = click.ClickException(mask(f"unexpected error ({type(e).__name__}: {e}); --debug shows "
+                                              "the stack trace; please report it"))
+            echo_json_error(ctx, error, e)
+            raise error from e
 
 
 def _mask_chain(error: BaseException | None) -> None:

@@ -20,12 +20,12 @@ from specbatch.cli.common import (
     TOP_P,
     check_queue_workers,
     compile_option,
-    echo_json,
     nonempty_stops,
     open_db,
     warn,
 )
 from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
+from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options, no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
 from specbatch.errors import SpecBatchError
@@ -34,6 +34,7 @@ from specbatch.redact import mask
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
+    from specbatch.worker.local import LocalJob
 
 
 def model_options(f: Any) -> Any:
@@ -364,9 +365,9 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
                                     check=False)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_,
-                                  device=device or settings.device, dtype=dtype or settings.dtype,
+                                  device=device, dtype=dtype,    # (None: run_worker reads the settings)
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
-                                  prefix_cache=tp.prefix_cache, compile=compile_ or settings.compile,
+                                  prefix_cache=tp.prefix_cache, compile=compile_,
                                   hostname=hostname,
                                   loglevel=loglevel, pool=pool,
                                   metrics_port=settings.metrics_port if metrics_port is None else metrics_port)
@@ -449,22 +450,30 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     from specbatch.worker.queues import queue_name
 
     settings = get_settings()
-    tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
     if no_draft(drafts, no_speculation):
         drafts, ngram = ("none",), False
-    configure_threads(tp.threads, settings.local_workers)
-    tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
-    options = LoadOptions(device or settings.device, dtype or settings.dtype, tp.batch_size,
-                          compile_ or settings.compile, tp.max_memory, tp.prefix_cache)
+    resumed = None
     if resume_job is not None:
         if file is not None:
             raise click.UsageError("give FILE or --resume JOB, not both")
         if target is not None or drafts or model_map:
             raise click.UsageError("a resumed job runs on its own models; drop --target/--draft/--model-map")
-        _run_here(settings, resume_job, options, as_json)
-        return
-    if file is None:
+        # the job before torch (configure_threads, the engine): a mistyped id is one line at once
+        resumed = _resumable(settings, resume_job)
+    elif file is None:
         raise click.UsageError("missing FILE (or --resume JOB)")
+    tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
+    if resumed is not None and not resumed.routes:    # nothing to generate: nothing to set up
+        _report(settings, resumed.job_id, True, as_json)
+        return
+    configure_threads(tp.threads, settings.local_workers)
+    tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
+    options = LoadOptions(device or settings.device, dtype or settings.dtype, tp.batch_size,
+                          compile_ or settings.compile, tp.max_memory, tp.prefix_cache)
+    if resumed is not None:
+        _run_here(settings, resumed, options, as_json)
+        return
+    assert file is not None
     target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     # a bad file: nothing loaded or written
@@ -506,14 +515,11 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
     with run's status (README "Exit status")."""
     from rich.console import Console
 
-    from specbatch.jobs import store
     from specbatch.worker.interrupt import stop_on_signals
-    from specbatch.worker.local import RunHooks, resumable_job, run_job
+    from specbatch.worker.local import RunHooks, run_job
 
     if isinstance(job, str):
-        job = resumable_job(open_db(settings), job)
-        if not job.routes:
-            click.echo(f"job {job.job_id}: nothing left to run ({job.status}); its summary follows", err=True)
+        job = _resumable(settings, job)
     job_id = job.job_id
     console = Console(stderr=True)
 
@@ -537,6 +543,13 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
                 f"job {job_id} stopped: decoding failed ({type(e).__name__}: {e}); finished results are "
                 f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
                 "trace)") from e
+    _report(settings, job_id, finished, as_json)
+
+
+def _report(settings: Settings, job_id: str, finished: bool, as_json: bool) -> None:
+    """Print the job's summary and exit with run's status (``finished`` False: interrupted)."""
+    from specbatch.jobs import store
+
     with open_db(settings).begin() as s:
         summary = store.job_summary(s, job_id)
     if as_json:
@@ -552,6 +565,17 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
         sys.exit(1)
     if summary["status"] == "completed_with_errors":
         sys.exit(EXIT_PARTIAL)
+
+
+def _resumable(settings: Settings, job_id: str) -> LocalJob:
+    """The existing job ``job_id`` as a LocalJob to finish here (a missing one: ``store.get_job``'s
+    one-line error); says so when nothing is left to run. Reads the database only: no torch."""
+    from specbatch.worker.local import resumable_job
+
+    job = resumable_job(open_db(settings), job_id)
+    if not job.routes:
+        click.echo(f"job {job.job_id}: nothing left to run ({job.status}); its summary follows", err=True)
+    return job
 
 
 def _load_shown(settings: Settings, options: Any, console: Any = None) -> Any:

@@ -264,19 +264,21 @@ class Engine:
         wanted = {i: p.n for i, _, p in valid}
         given = len(requests)
 
-        def refill(room: int) -> list[Request]:
-            nonlocal given
-            extra = list(more(room)) if more is not None else []
-            fresh = self._valid(extra, given, refused)
-            given += len(extra)
-            new_rows, new_owner, new_forks = sample_rows(fresh, start=len(owner))
-            owner.extend(new_owner)
-            decoder.forks.update(new_forks)
-            wanted.update((i, p.n) for i, _, p in fresh)
-            return new_rows
+        refill: Callable[[int], list[Request]] | None = None
+        if more is not None:     # (without ``more``, the decoder asks no one)
+            def refill(room: int) -> list[Request]:
+                nonlocal given
+                extra = list(more(room))
+                fresh = self._valid(extra, given, refused)
+                given += len(extra)
+                new_rows, new_owner, new_forks = sample_rows(fresh, start=len(owner))
+                owner.extend(new_owner)
+                decoder.forks.update(new_forks)
+                wanted.update((i, p.n) for i, _, p in fresh)
+                return new_rows
 
         with torch.inference_mode():
-            for f, out in decoder.run(rows, start, forks=forks, refill=refill if more is not None else None):
+            for f, out in decoder.run(rows, start, forks=forks, refill=refill):
                 yield from refused
                 refused.clear()
                 i, k = owner[f]

@@ -212,9 +212,13 @@ class ResultCache:
             for job_id in sorted({c.job_id for c, _ in hits}):
                 store.refresh_job(s, job_id)
         self.leading = first
-        for leader, dups in waiting.items():
-            have = self.waiting.setdefault(leader, [])
-            have.extend(d for d in dups if all(d.id != h.id for h in have))
+        for leader, dups in waiting.items():     # each request waits once (a set: thousands of
+            have = self.waiting.setdefault(leader, [])     # duplicates of one prompt were quadratic)
+            seen = {h.id for h in have}
+            for d in dups:
+                if d.id not in seen:
+                    seen.add(d.id)
+                    have.append(d)
         return hits, todo
 
     def resolve(self, sf: Any, request_id: int, worker: str, error: str | None = None,

@@ -92,13 +92,13 @@ class LeaseKeeper:
 
         interval = max(self._lease / 3.0, 0.2)
         while not self._stop.wait(interval):
+            with self._lock:        # (``add`` extends the list from the decoding thread)
+                ids = list(self._ids)
             try:
-                with self._lock:
-                    ids = list(self._ids)
                 with self._sf.begin() as s:
                     store.renew_leases(s, ids, self._worker, self._lease)
             except Exception as e:  # a missed renewal only risks a duplicate attempt, never a row
-                logger.warning("lease renewal failed for %s: %s", self._ids, e)
+                logger.warning("lease renewal failed for %s: %s", ids, e)
 
     def add(self, request_ids: Sequence[int]) -> None:
         """Renew these too (requests claimed while the block runs)."""

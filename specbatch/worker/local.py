@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
-from specbatch.worker.chunk import ResultEvent
-from specbatch.worker.embedded import run_embedded
 from specbatch.worker.embedded_names import release_dead_embedded
 from specbatch.worker.interrupt import StopRequest
 from specbatch.worker.queues import route_drafters
@@ -27,6 +25,7 @@ from specbatch.worker.transaction import transact
 if TYPE_CHECKING:
     from specbatch.engine.compile.prepare import CompileNotice
     from specbatch.engine.engine import Engine
+    from specbatch.worker.chunk import ResultEvent
 
 RUN_WORKER = "specbatch-run"   # who failed a route's requests (its pair could not load)
 
@@ -111,6 +110,10 @@ def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunH
     """Generate ``job``'s routes one pair at a time (``engine``: its own pair, already loaded);
     False when ``stop`` interrupted it (the job is then marked interrupted, see ``run_embedded``).
     A failure of the engine itself propagates; finished results are kept either way."""
+    # here, not at the top: it imports torch (seconds), and reading a job to resume must not wait
+    # for that (`run --resume BADID` answered after 19 s)
+    from specbatch.worker.embedded import run_embedded
+
     loaded = (job.target, job.drafts) if engine is not None else None
     for route, ids in job.routes.items():
         pair = (route[0], route_drafters(route[1], job.drafts)) if route is not None else (job.target, job.drafts)

@@ -62,15 +62,17 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
     from specbatch.engine.compile.inductor import use_cache_dir
     from specbatch.engine.threads import configure_threads
 
-    configure_threads(spec.get("threads"), get_settings().local_workers)   # before the first forward
-    if get_settings().cache_dir and (spec.get("compile") or "off") != "off":   # caches shared across starts
-        use_cache_dir(get_settings().cache_dir)
+    settings = get_settings()
+    mode = spec.get("compile") or "off"      # the compile decision, read once for both uses
+    configure_threads(spec.get("threads"), settings.local_workers)   # before the first forward
+    if settings.cache_dir and mode != "off":   # caches shared across starts
+        use_cache_dir(settings.cache_dir)
     return Engine.load(spec["target"], list(spec.get("drafts") or ()),
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
-                       cache_dir=get_settings().cache_dir or None, batch_size=spec.get("batch_size") or "auto",
+                       cache_dir=settings.cache_dir or None, batch_size=spec.get("batch_size") or "auto",
                        max_memory=spec.get("max_memory"), prefix_cache=bool(spec.get("prefix_cache", True)),
                        # a worker compiles in the background (auto: it is long-lived), eager meanwhile
-                       compile=spec.get("compile") or "off", background=on_state or True)
+                       compile=mode, background=on_state or True)
 
 
 def load_engine(conf: Any) -> Engine:

@@ -177,7 +177,8 @@ def test_bad_input_is_one_readable_line(tiny_models, case):
     assert r.exit_code != 0
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     assert "Traceback" not in r.output
-    assert r.stdout == "", "an error must not print JSON-looking output on stdout"
+    # --json: the failure is one JSON document on stdout too (README), never a result's shape
+    assert set(json.loads(r.stdout)) == {"error"} and json.loads(r.stdout)["error"]["exit_code"] == r.exit_code
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error")]
     assert len(errors) == 1, r.stderr
     for w in words:

@@ -99,7 +99,11 @@ def test_a_command_on_existing_jobs_does_not_create_the_database(command, db_url
     assert result.exit_code == 1, result.output
     path = tmp_path / "data" / "cli.db"
     assert result.stderr.strip() == NO_DATABASE.format(path=path, where="SPECBATCH_DATABASE_URL")
-    assert result.stdout == ""
+    if "--json" in command:     # the same failure, as JSON on stdout (README)
+        assert json.loads(result.stdout) == {"error": {
+            "message": result.stderr.strip().removeprefix("Error: "), "exit_code": 1, "errors": [], "total": 0}}
+    else:
+        assert result.stdout == ""
     assert not (tmp_path / "data").exists()            # neither the file nor its directory
 
 
@@ -451,6 +455,42 @@ def test_submit_of_a_bad_file_writes_nothing(db_url, tmp_path, monkeypatch):
     assert after == before
 
 
+def test_submit_json_answers_a_bad_file_in_json(db_url, tmp_path, monkeypatch):
+    """With --json, a file that fails validation is a JSON document on stdout (each problem with its
+    file, line and field), not only lines for people on stderr; the exit status stays 1."""
+    import specbatch.worker.enqueue as enqueue
+
+    monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y", "top_p": 0}\nnot json\n')
+    result = run("submit", str(bad), "--json")
+    assert result.exit_code == 1
+    assert json.loads(result.stdout) == {"error": {
+        "message": "3 errors; nothing was written", "exit_code": 1, "total": 3, "errors": [
+            {"file": str(bad), "line": 2, "field": "top_p", "message": "must be in (0, 1], got 0"},
+            {"file": str(bad), "line": 2, "field": "custom_id",
+             "message": 'duplicate "a" (first on line 1)'},
+            {"file": str(bad), "line": 3, "field": None, "message": "invalid JSON: Expecting value (column 1)"}]}}
+    assert f"{bad}:2: top_p: must be in (0, 1], got 0" in result.stderr      # people still read stderr
+
+
+@pytest.mark.parametrize("args, code, field, message", [
+    (["--temperature", "9"], 2, "--temperature",
+     "Invalid value for '--temperature': 9.0 is not in the range 0<=x<=2."),
+    (["--target", "gpt-9"], 1, None, "model 'gpt-9' not found"),
+], ids=["usage", "model"])
+def test_submit_json_answers_every_failure_in_json(db_url, tmp_path, args, code, field, message):
+    """A bad option (click refuses it before the command runs) or model: JSON on stdout too."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    result = run("submit", str(prompts), "--json", *args)
+    assert result.exit_code == code
+    error = json.loads(result.stdout)["error"]
+    assert error["exit_code"] == code and error["message"].startswith(message)
+    assert error["errors"] == ([{"file": None, "line": None, "field": field, "message": message}] if field else [])
+    assert not (tmp_path / "data").exists()             # nothing stored
+
+
 def test_status_shows_the_users_text_as_text_not_markup(db_url, no_worker_check):
     reqs = [ParsedRequest(1, "[/q1]", "completion", "p", None, PARAMS, model="[bold]m")]
     with db.session_factory(db_url).begin() as s:
@@ -552,3 +592,37 @@ def test_resume_imports_no_model_library(db_url):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [f"0 job {job_id} is completed; nothing to resume", "[]"]
+
+
+def _fresh_cli(db_url: str, args: list[str]) -> list[str]:
+    """``args`` through the real entry point in a fresh interpreter (as a user's shell starts it):
+    exit code, stderr's last line, and which model libraries it imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from click.testing import CliRunner\n"
+            "from specbatch.cli.main import cli\n"
+            f"r = CliRunner().invoke(cli, {args!r}, obj={{}})\n"
+            "print(r.exit_code, repr(r.exception) if not isinstance(r.exception, SystemExit) else None)\n"
+            "print(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '')\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    env = {**os.environ, "SPECBATCH_DATABASE_URL": db_url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_run_resume_of_no_job_answers_before_torch(db_url):
+    """`run --resume BADID` said "no job" after 19 s: it imported torch and transformers (threads,
+    the in-process runner) before reading the job. The id is checked first, in one line."""
+    make_job(db_url, results=1, failures=0, pending=0)       # a database with another job in it
+    assert _fresh_cli(db_url, ["run", "--resume", "BADID"]) == [
+        "1 None", "Error: no job 'BADID'; `specbatch jobs` lists the jobs", "[]"]
+
+
+def test_run_resume_of_a_finished_job_prints_its_summary_without_torch(db_url):
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=0)
+    out = _fresh_cli(db_url, ["run", "--resume", job_id, "--json"])
+    assert out == ["0 None", f"job {job_id}: nothing left to run (completed); its summary follows", "[]"]

@@ -228,6 +228,41 @@ def test_duplicates_claimed_by_a_refilling_batch_wait_for_their_leader(db_url, t
         assert store.job_summary(s, job)["status"] == "completed"
 
 
+class _Claimed:
+    """A claimed request that counts how often its id is read (the work of ``serve``'s dedupe)."""
+
+    reads = 0
+
+    def __init__(self, rid: int, job_id: str) -> None:
+        self.rid, self.job_id = rid, job_id
+
+    @property
+    def id(self) -> int:
+        type(self).reads += 1
+        return self.rid
+
+
+def test_many_duplicates_of_one_leader_wait_once_each_in_linear_work(db_url, tmp_path):
+    """Thousands of copies of one prompt in a chunk: each waits for the leader once, in the order
+    claimed, and a later claim of some of them again adds only the new ones; the dedupe reads each
+    id a few times (it compared every duplicate with every one before it: quadratic)."""
+    settings = _settings(db_url, tmp_path)
+    job, _ = make_job(settings, lines(PROMPTS[:1]))
+    cache = result_cache.ResultCache(engine=None, target="T")
+    n = 400
+    claimed = [_Claimed(i, job) for i in range(1, n + 1)]
+    cache.keys.update({c.rid: "same" for c in claimed})
+    _Claimed.reads = 0
+    hits, todo = cache.serve(db.session_factory(db_url), claimed, "w1")
+    assert _Claimed.reads < 20 * n, _Claimed.reads
+    assert hits == [] and todo == [claimed[0]]
+    assert [c.rid for c in cache.waiting[1]] == list(range(2, n + 1))
+    later = _Claimed(n + 1, job)
+    cache.keys[later.rid] = "same"
+    cache.serve(db.session_factory(db_url), claimed[n // 2:] + [later, later], "w1")
+    assert [c.rid for c in cache.waiting[1]] == list(range(2, n + 2))
+
+
 def test_a_failing_request_fails_its_duplicates_alike(db_url, tmp_path, engines):
     settings = _settings(db_url, tmp_path)
     too_long = lines(["The quick brown fox"] * 2, max_tokens=600)   # the tiny model's context is 512

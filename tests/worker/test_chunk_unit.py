@@ -164,3 +164,42 @@ def test_a_crash_charges_only_the_rows_being_decoded_not_those_claimed_ahead(tmp
         rows = s.execute(select(Request.id, Request.status, Request.attempts).order_by(Request.id)).all()
     assert [(r.status.value, r.attempts) for r in rows[:8]] == [("running", 1)] * 4 + [("running", 0)] * 4
     assert [r.attempts for r in rows[8:]] == [0] * 4
+
+
+def test_lease_keeper_reads_its_ids_under_its_lock_when_renewal_fails(caplog):
+    """The renewal thread's warning named ``self._ids`` outside the lock while the decoding thread
+    extends it (``add``): it names the ids it tried to renew, copied under the lock."""
+    import time
+
+    from specbatch.worker.chunk import LeaseKeeper
+
+    class Failing:
+        def begin(self):
+            raise RuntimeError("database gone")
+
+    keeper = LeaseKeeper(Failing(), [1, 2], "w1", lease_seconds=0)    # renews every 0.2 s
+    unlocked: list[str] = []
+
+    class Watched(list):
+        """The keeper's id list: notes each read made without the keeper's lock held."""
+
+        def _check(self, how):
+            if not keeper._lock.locked():
+                unlocked.append(how)
+
+        def __iter__(self):
+            self._check("iter")
+            return super().__iter__()
+
+        def __repr__(self):
+            self._check("repr")
+            return super().__repr__()
+
+    keeper._ids = Watched(keeper._ids)
+    with caplog.at_level("WARNING", logger="specbatch.worker.chunk"), keeper:
+        deadline = time.monotonic() + 30
+        while not caplog.records and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert caplog.records, "no renewal was attempted"
+    assert caplog.records[0].getMessage() == "lease renewal failed for [1, 2]: database gone"
+    assert unlocked == []
