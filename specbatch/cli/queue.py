@@ -603,6 +603,11 @@ def _progress(console: Any, job_id: str, total: int) -> Iterator[Callable[[Any],
 
     agg = {"tokens": 0, "drafted": 0, "accepted": 0, "failed": 0, "cached": 0}
     start = time.monotonic()
+    if not console.is_terminal:
+        # a bar redirected to a file is drawn only when it ends: say now which job runs, so a log
+        # watched during a long run names what `status` can be asked about
+        console.print(f"job {job_id}: {plural(total, 'request')} running; `specbatch status {job_id}` "
+                      "shows progress", soft_wrap=True, highlight=False)
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[speed]}"), TimeElapsedColumn(), console=console,
                   transient=False) as progress:

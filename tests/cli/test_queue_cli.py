@@ -190,3 +190,17 @@ def test_a_drafter_not_available_is_refused_in_one_line(tmp_path: Path, tiny_mod
     assert result.exit_code == 1, result.output
     assert "drafter 'eagle:/heads': EAGLE heads" in result.stderr and "Traceback" not in result.output
     assert not (tmp_path / "specbatch.db").exists() or _no_jobs()
+
+
+def test_run_with_stderr_redirected_names_its_job_before_it_ends(tmp_path: Path, tiny_models: Path) -> None:
+    """A bar written to a file is drawn only at its end: a redirected run says at its start which
+    job runs, so `status JOB` can be asked meanwhile."""
+    prompts = _prompts(tmp_path, n=1, max_tokens=4)
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"),
+                                      "--draft", str(tiny_models / "llama-partial"), "--json"])
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout[result.stdout.index("{"):])["id"]
+    early = [line for line in result.stderr.splitlines() if line.startswith(f"job {job_id}: 2 requests running")]
+    assert early and f"specbatch status {job_id}" in early[0], result.stderr
+    # before the bar's final line (which also names the job)
+    assert result.stderr.index(early[0]) < result.stderr.rindex(f"job {job_id}")
