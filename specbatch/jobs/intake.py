@@ -396,7 +396,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     if has_prompt and has_messages:
         problems.append((prefix + "prompt", "give \"prompt\" or \"messages\", not both"))
     elif not has_prompt and not has_messages and not prefix:
-        problems.append((None, "\"prompt\" or \"messages\" is required"))
+        problems.append(("prompt", "is required (or \"messages\")"))
 
     custom_id = obj.get("custom_id")
     if "custom_id" in obj and (why := _custom_id_problem(custom_id)):

@@ -54,7 +54,7 @@ BAD_CASES = {
     "not_an_object_array": (GOOD + b'["a", "b"]\n', ["2: must be a JSON object, got an array"]),
     "not_an_object_string": (GOOD + b'"hello"\n', ["2: must be a JSON object, got a string"]),
     "not_an_object_null": (b"null\n", ["1: must be a JSON object, got null"]),
-    "neither_prompt_nor_messages": (L(custom_id="x", max_tokens=5), ['1: "prompt" or "messages" is required']),
+    "neither_prompt_nor_messages": (L(custom_id="x", max_tokens=5), ['1: prompt: is required (or "messages")']),
     "both_prompt_and_messages": (L(prompt="a", messages=[{"role": "user", "content": "b"}]),
                                  ['1: prompt: give "prompt" or "messages", not both']),
     "prompt_wrong_type": (L(prompt=5), ["1: prompt: must be a string or an array of token ids, got the number 5"]),
@@ -226,7 +226,7 @@ def test_every_error_of_every_line_is_listed_in_line_order(seeded_url, tmp_path)
 
 @pytest.mark.parametrize("line, other_error", [
     (L(custom_id="a", prompt="y", top_k=-1), "top_k: must be >= 0, got -1"),
-    (L(custom_id="a"), '"prompt" or "messages" is required'),
+    (L(custom_id="a"), 'prompt: is required (or "messages")'),
     (L(custom_id="a", prompt="y\u0000"), "prompt: contains a NUL character (\\u0000), which text cannot hold"),
     (L(custom_id="a", method="POST", url="/v1/embeddings", body={"input": "x"}), "url: must be one of"),
 ])
