@@ -56,6 +56,7 @@ def create_app(settings: Settings) -> FastAPI:
             sb.probe.running.cancel()
         sb.finalizer.close()
         sb.checks.shutdown(wait=False, cancel_futures=True)
+        sb.threads.shutdown(wait=False, cancel_futures=True)
 
     # FastAPI's own /docs and /redoc load their scripts from a CDN (a blank page offline): /docs is
     # Swagger UI from the swagger-ui-py package instead, and ReDoc is off
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.add_middleware(Guard, limit=body_limit,
                        check_key=lambda headers: check_key(headers, settings.api_key_list))
+    app.add_middleware(health.HealthFirst, sb=sb)      # added last: the outermost, before Guard
 
     keyed = [Depends(require_key)]
     app.include_router(files.router, prefix="/v1", dependencies=keyed)

@@ -74,7 +74,11 @@ def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
 
 
 @router.post("/batches", response_model=Object)
-def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
+async def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
+    return await sb.run(_create, sb, body, owner)
+
+
+def _create(sb: AppState, body: CreateBatch, owner: str | None) -> JSONResponse:
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
                        param="endpoint")
@@ -124,7 +128,11 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
 
 
 @router.get("/batches", response_model=Object)
-def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
+async def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
+    return await sb.run(_list, sb, owner, limit, after)
+
+
+def _list(sb: AppState, owner: str | None, limit: int, after: str | None) -> JSONResponse:
     def read(c: Connection) -> tuple[list[dict[str, Any]], list[str], bool]:
         pairs, more = batches.list_batches(c, limit=limit, after=after, owner=owner)
         return *_read(sb, c, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None}), more
@@ -138,29 +146,36 @@ def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100),
 
 
 @router.get("/batches/{batch_id}", response_model=Object)
-def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
-    return answer(_object(sb, batch_id, owner))
+async def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+    return answer(await sb.run(_object, sb, batch_id, owner))
 
 
 @router.post("/batches/{batch_id}/cancel", response_model=Object)
-def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+async def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+    return answer(await sb.run(_cancel, sb, batch_id, owner))
+
+
+def _cancel(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     with sb.factory.begin() as s:
         batches.cancel(s, batch_id, owner)
-    return answer(_object(sb, batch_id, owner))
+    return _object(sb, batch_id, owner)
 
 
 @router.get("/batches/{batch_id}/stats", response_model=Object)
-def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+async def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
+    return answer(await sb.run(_stats, sb, batch_id, owner))
+
+
+def _stats(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     from specbatch.jobs import store
 
     with sb.reader.begin() as s:
         batch = batches.get_batch(s, batch_id, owner)
         if batch.job_id is None:
-            return answer({"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
-                           "request_counts": None, "stats": None})
+            return {"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
+                    "request_counts": None, "stats": None}
         summary = store.job_summary(s, batch.job_id)
-    return answer({"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
-                   "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
-                   "drafters": summary["drafters"],
-                   "request_counts": summary["request_counts"], "stats": summary["stats"]})
+    return {"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
+            "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
+            "drafters": summary["drafters"], "request_counts": summary["request_counts"], "stats": summary["stats"]}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 
 from specbatch.api import upload
@@ -49,25 +48,25 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> JSONRespons
             raise ApiError(400, "the 'file' part is missing", param="file")
         if form.tally.lines == 0:
             raise ApiError(400, "the file is empty; one JSON request per line is expected", param="file")
-        return answer(await run_in_threadpool(_save, sb, tmp, form, owner))
+        return answer(await sb.run(_save, sb, tmp, form, owner))
 
 
 @router.get("/files", response_model=Object)
-def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
-               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
-    rows, more = sb.read(lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose, order=order,
-                                                    owner=owner))
+async def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
+    rows, more = await sb.run(sb.read, lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose,
+                                                                  order=order, owner=owner))
     return answer(page([files.file_object(f) for f in rows], more))
 
 
 @router.get("/files/{file_id}", response_model=Object)
-def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    return answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner))))
+async def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
+    return answer(files.file_object(await sb.run(sb.read, lambda c: files.read_file(c, file_id, owner))))
 
 
 @router.get("/files/{file_id}/content")
-def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
-    filename = sb.read(lambda c: files.read_file(c, file_id, owner)).filename
+async def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
+    filename = (await sb.run(sb.read, lambda c: files.read_file(c, file_id, owner))).filename
     path = files.file_path(sb.settings, file_id)
     if not path.exists():
         raise ApiError(404, f"No such File object: {file_id} (its bytes are gone from {sb.settings.files_dir})",
@@ -76,7 +75,11 @@ def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
 
 
 @router.delete("/files/{file_id}", response_model=Object)
-def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
+async def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
+    return answer(await sb.run(_delete, sb, file_id, owner))
+
+
+def _delete(sb: AppState, file_id: str, owner: str | None) -> dict[str, Any]:
     with sb.factory.begin() as s:
         files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
         if live := batches.live_batches_of_file(s, file_id):
@@ -84,4 +87,4 @@ def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
                                 "cancel it or wait for it to end first", param="id", code="file_in_use")
         files.delete_file(s, file_id, owner)
     files.file_path(sb.settings, file_id).unlink(missing_ok=True)
-    return answer({"id": file_id, "object": "file", "deleted": True})
+    return {"id": file_id, "object": "file", "deleted": True}

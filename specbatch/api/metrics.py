@@ -150,8 +150,8 @@ def registry_for(settings: Settings, reader: sessionmaker) -> CollectorRegistry:
 
 
 @router.get("/metrics")
-def metrics(request: Request, sb: State) -> Response:
+async def metrics(request: Request, sb: State) -> Response:
     registry = getattr(request.app.state, "registry", None)
     if registry is None:
         registry = request.app.state.registry = registry_for(sb.settings, sb.reader)
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE)
+    return Response(await sb.run(generate_latest, registry), media_type=CONTENT_TYPE)

@@ -49,19 +49,27 @@ def _seed(url: str) -> tuple[str, str, str]:
 
 def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``def`` route returning a dict went through the pool twice: once to run, once more for
-    FastAPI to validate the dict against the return type. The answer is the same JSON."""
+    FastAPI to validate the dict against the return type. Then each read went through AnyIO's
+    ``to_thread`` (FastAPI's hop for a ``def`` route); now the routes are ``async`` and a read
+    takes one trip through the app's own threads (``AppState.run``). The answer is the same JSON."""
     url = f"sqlite:///{tmp_path / 'r.db'}"
     app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
                                         "SPECBATCH_BROKER_URL": "memory://"}))
     file_id, running, failed = _seed(url)
     trips: list[Any] = []
-    run_sync = anyio.to_thread.run_sync
+    hops: list[Any] = []
+    run_sync, submit = anyio.to_thread.run_sync, app.state.sb.threads.submit
 
     async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        trips.append(fn)
+        hops.append(fn)
         return await run_sync(fn, *args, **kwargs)
 
+    def submitted(fn: Any, *args: Any) -> Any:
+        trips.append(fn)
+        return submit(fn, *args)
+
     monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    monkeypatch.setattr(app.state.sb.threads, "submit", submitted)
 
     async def read(path: str) -> tuple[int, bytes, str]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -71,8 +79,9 @@ def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypat
     for path in ("/v1/batches", f"/v1/batches/{running}", f"/v1/batches/{failed}", "/v1/files",
                  f"/v1/files/{file_id}"):
         trips.clear()
+        hops.clear()
         status, body, kind = anyio.run(read, path)
-        assert (status, kind, len(trips)) == (200, "application/json", 1), path
+        assert (status, kind, len(trips), len(hops)) == (200, "application/json", 1, 0), path
         obj = json.loads(body)      # FastAPI's JSONResponse rendering: compact, UTF-8 as is
         assert body == json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     with db.session_factory(url).begin() as s:

@@ -144,8 +144,11 @@ def test_schema_declares_the_bearer_key_for_swagger_uis_authorize_button(keys: s
 
 
 def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> None:
-    """Under load the routes' thread pool is full of list/retrieve calls; /healthz (and the key and
-    state lookups every route makes) must not queue behind them (issue 32: 1.1-1.4 s under load)."""
+    """Under load the routes' threads are full of list/retrieve calls; /healthz (and the key and
+    state lookups every route makes) must not queue behind them (issue 32: 1.1-1.4 s under load).
+    Both pools taken: the app's own (``AppState.run``) and AnyIO's (FastAPI's, for ``def`` routes)."""
+    import threading
+
     import anyio
     import anyio.to_thread
     import httpx
@@ -156,6 +159,9 @@ def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> Non
     app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
                                         "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
                                         "SPECBATCH_BROKER_URL": "memory://"}))
+    sb = app.state.sb
+    release = threading.Event()
+    busy = [sb.threads.submit(release.wait, 30) for _ in range(sb.settings.api_threads)]
 
     async def probe() -> int:
         limiter = anyio.to_thread.current_default_thread_limiter()
@@ -170,7 +176,51 @@ def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> Non
             for h in holders:
                 limiter.release_on_behalf_of(h)
 
-    assert anyio.run(probe) in (200, 503)      # an answer, whatever the broker says
+    try:
+        assert anyio.run(probe) in (200, 503)      # an answer, whatever the broker says
+    finally:
+        release.set()
+        for f in busy:
+            f.result()
+
+
+def test_healthz_is_answered_before_the_middleware_and_routing(tmp_path: Path) -> None:
+    """``GET /healthz`` never reaches the router (route matching and FastAPI's dependency solving:
+    most of a probe's cost on the busy event loop); every other request does, with its answer
+    unchanged, and a method other than GET on /healthz is still the router's 405."""
+    import anyio
+    import httpx
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://", "SPECBATCH_API_KEYS": "k"}))
+    routed: list[str] = []
+    inner = app.router.middleware_stack
+
+    async def spy(scope: Any, receive: Any, send: Any) -> None:
+        routed.append(f"{scope['method']} {scope['path']}")
+        await inner(scope, receive, send)
+
+    app.router.middleware_stack = spy
+
+    async def calls() -> list[tuple[int, Any]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            out = []
+            for method, path, key in (("GET", "/healthz", None), ("GET", "/v1/files", "k"),
+                                      ("GET", "/v1/files", None), ("POST", "/healthz", None)):
+                r = await c.request(method, path, headers={"Authorization": f"Bearer {key}"} if key else {})
+                out.append((r.status_code, r.json()))
+            return out
+
+    (health, health_body), files, keyless, post = anyio.run(calls)
+    assert health in (200, 503) and set(health_body) == {"status", "database", "broker"}
+    assert files == (200, {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False})
+    assert keyless[0] == 401 and keyless[1]["error"]["code"] == "missing_api_key"
+    assert post[0] == 405 and post[1]["error"]["code"] == "method_not_allowed"
+    assert routed == ["GET /v1/files", "GET /v1/files", "POST /healthz"]
 
 
 @contextlib.contextmanager
