@@ -147,24 +147,24 @@ def _list(sb: AppState, owner: str | None, limit: int, after: str | None) -> JSO
 
 @router.get("/batches/{batch_id}", response_model=Object)
 async def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
-    return answer(await sb.run(_object, sb, batch_id, owner))
+    return await sb.run(lambda: answer(_object(sb, batch_id, owner)))
 
 
 @router.post("/batches/{batch_id}/cancel", response_model=Object)
 async def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
-    return answer(await sb.run(_cancel, sb, batch_id, owner))
+    return await sb.run(_cancel, sb, batch_id, owner)
 
 
-def _cancel(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
+def _cancel(sb: AppState, batch_id: str, owner: str | None) -> JSONResponse:
     with sb.factory.begin() as s:
         batches.cancel(s, batch_id, owner)
-    return _object(sb, batch_id, owner)
+    return answer(_object(sb, batch_id, owner))
 
 
 @router.get("/batches/{batch_id}/stats", response_model=Object)
 async def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
-    return answer(await sb.run(_stats, sb, batch_id, owner))
+    return await sb.run(lambda: answer(_stats(sb, batch_id, owner)))
 
 
 def _stats(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:

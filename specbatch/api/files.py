@@ -48,20 +48,23 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> JSONRespons
             raise ApiError(400, "the 'file' part is missing", param="file")
         if form.tally.lines == 0:
             raise ApiError(400, "the file is empty; one JSON request per line is expected", param="file")
-        return answer(await sb.run(_save, sb, tmp, form, owner))
+        return await sb.run(lambda: answer(_save(sb, tmp, form, owner)))
 
 
 @router.get("/files", response_model=Object)
 async def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                      order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
-    rows, more = await sb.run(sb.read, lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose,
-                                                                  order=order, owner=owner))
-    return answer(page([files.file_object(f) for f in rows], more))
+    def listed() -> JSONResponse:
+        rows, more = sb.read(lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose, order=order,
+                                                        owner=owner))
+        return answer(page([files.file_object(f) for f in rows], more))
+
+    return await sb.run(listed)
 
 
 @router.get("/files/{file_id}", response_model=Object)
 async def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    return answer(files.file_object(await sb.run(sb.read, lambda c: files.read_file(c, file_id, owner))))
+    return await sb.run(lambda: answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner)))))
 
 
 @router.get("/files/{file_id}/content")
@@ -76,7 +79,7 @@ async def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
 
 @router.delete("/files/{file_id}", response_model=Object)
 async def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    return answer(await sb.run(_delete, sb, file_id, owner))
+    return await sb.run(lambda: answer(_delete(sb, file_id, owner)))
 
 
 def _delete(sb: AppState, file_id: str, owner: str | None) -> dict[str, Any]:

@@ -154,4 +154,4 @@ async def metrics(request: Request, sb: State) -> Response:
     registry = getattr(request.app.state, "registry", None)
     if registry is None:
         registry = request.app.state.registry = registry_for(sb.settings, sb.reader)
-    return Response(await sb.run(generate_latest, registry), media_type=CONTENT_TYPE)
+    return await sb.run(lambda: Response(generate_latest(registry), media_type=CONTENT_TYPE))

@@ -4,10 +4,12 @@ stays off unless OTEL_* asks for traces; the load script's client and its loopba
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +94,42 @@ def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypat
     # the schema still documents each read's answer as an object
     schema = app.openapi()["paths"]["/v1/batches/{batch_id}"]["get"]["responses"]["200"]
     assert schema["content"]["application/json"]["schema"]["type"] == "object"
+
+
+def test_the_routes_hand_the_threads_one_call_each_at_a_time(tmp_path: Path) -> None:
+    """Calls past the thread count wait on the event loop, not in the executor's queue: a thread
+    that finishes one does not take the next by itself (and keep the GIL from the loop)."""
+    import threading
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "f"), "SPECBATCH_BROKER_URL": "memory://",
+                                        "SPECBATCH_API_THREADS": "2"}))
+    sb = app.state.sb
+    submit, lock = sb.threads.submit, threading.Lock()
+    outstanding, most = [0], [0]
+
+    def done(_: Any) -> None:
+        with lock:
+            outstanding[0] -= 1
+
+    def submitted(fn: Any, *args: Any) -> Any:
+        with lock:
+            outstanding[0] += 1
+            most[0] = max(most[0], outstanding[0])
+        future = submit(fn, *args)
+        future.add_done_callback(done)
+        return future
+
+    sb.threads.submit = submitted
+
+    async def many() -> list[int]:
+        return await asyncio.gather(*(sb.run(lambda i=i: time.sleep(0.02) or i) for i in range(10)))
+
+    try:
+        assert anyio.run(many) == list(range(10))
+    finally:
+        sb.threads.shutdown()
+    assert most[0] == 2
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
