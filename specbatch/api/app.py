@@ -1,9 +1,10 @@
 """The FastAPI app: ``create_app(settings)``; ``specbatch serve`` runs it under uvicorn.
 
-Every route is ``async``; what blocks (the database, an export, a stored upload) runs through
-``AppState.run`` on the app's ``SPECBATCH_API_THREADS`` threads, each with a kept connection, so
-the event loop never waits on SQL. The key and state dependencies are ``async`` (no hop), and
-``GET /healthz`` is answered by ``health.HealthFirst`` before the middleware and routing.
+Routes are plain ``def`` where they touch the database (FastAPI runs them in its thread pool of
+``SPECBATCH_API_THREADS``, each thread with a kept connection, so the event loop never waits on
+SQL); the upload is ``async`` because it streams the body; the key and state dependencies are
+``async`` so that they never queue for that pool, and ``GET /healthz`` is answered by
+``health.HealthFirst`` before the middleware and routing.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def create_app(settings: Settings) -> FastAPI:
 
     if swept := sweep_incoming(settings):
         logger.warning("removed %d unfinished upload(s) left in %s/.incoming", swept, settings.files_dir)
-    # the routes' blocking work runs on sb.threads (AppState.run): one kept DB connection per
-    # thread, so a burst of requests neither waits for a connection nor opens one per request
+    # routes are plain `def`s run in AnyIO's thread pool: one kept DB connection per thread, so
+    # a burst of requests neither waits for a connection nor opens one per request
     factory = session_factory(settings.database_url, pool_size=settings.api_threads)   # migrates on first use
     reader = session_factory(settings.database_url, readonly=True, pool_size=settings.api_threads)
     reads = read_engine(settings.database_url, pool_size=settings.api_threads)
@@ -47,7 +48,6 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         import anyio.to_thread
 
-        # AnyIO's threads now serve Starlette's own file reads (FileResponse) only
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.api_threads
         # the first round of /healthz's checks now: a probe that came first under load waited
         # for a round that took about a second (later probes answer from the last round)
@@ -57,7 +57,6 @@ def create_app(settings: Settings) -> FastAPI:
             sb.probe.running.cancel()
         sb.finalizer.close()
         sb.checks.shutdown(wait=False, cancel_futures=True)
-        sb.threads.shutdown(wait=False, cancel_futures=True)
 
     # FastAPI's own /docs and /redoc load their scripts from a CDN (a blank page offline): /docs is
     # Swagger UI from the swagger-ui-py package instead, and ReDoc is off

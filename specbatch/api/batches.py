@@ -74,11 +74,7 @@ def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
 
 
 @router.post("/batches", response_model=Object)
-async def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
-    return await sb.run(_create, sb, body, owner)
-
-
-def _create(sb: AppState, body: CreateBatch, owner: str | None) -> JSONResponse:
+def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
                        param="endpoint")
@@ -128,11 +124,7 @@ def _create(sb: AppState, body: CreateBatch, owner: str | None) -> JSONResponse:
 
 
 @router.get("/batches", response_model=Object)
-async def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
-    return await sb.run(_list, sb, owner, limit, after)
-
-
-def _list(sb: AppState, owner: str | None, limit: int, after: str | None) -> JSONResponse:
+def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
     def read(c: Connection) -> tuple[list[dict[str, Any]], list[str], bool]:
         pairs, more = batches.list_batches(c, limit=limit, after=after, owner=owner)
         return *_read(sb, c, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None}), more
@@ -146,36 +138,29 @@ def _list(sb: AppState, owner: str | None, limit: int, after: str | None) -> JSO
 
 
 @router.get("/batches/{batch_id}", response_model=Object)
-async def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
-    return await sb.run(lambda: answer(_object(sb, batch_id, owner)))
+def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+    return answer(_object(sb, batch_id, owner))
 
 
 @router.post("/batches/{batch_id}/cancel", response_model=Object)
-async def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
-    return await sb.run(_cancel, sb, batch_id, owner)
-
-
-def _cancel(sb: AppState, batch_id: str, owner: str | None) -> JSONResponse:
+def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
     with sb.factory.begin() as s:
         batches.cancel(s, batch_id, owner)
     return answer(_object(sb, batch_id, owner))
 
 
 @router.get("/batches/{batch_id}/stats", response_model=Object)
-async def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
-    return await sb.run(lambda: answer(_stats(sb, batch_id, owner)))
-
-
-def _stats(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     from specbatch.jobs import store
 
     with sb.reader.begin() as s:
         batch = batches.get_batch(s, batch_id, owner)
         if batch.job_id is None:
-            return {"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
-                    "request_counts": None, "stats": None}
+            return answer({"object": "batch.stats", "id": batch_id, "job_id": None, "status": "failed",
+                           "request_counts": None, "stats": None})
         summary = store.job_summary(s, batch.job_id)
-    return {"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
-            "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
-            "drafters": summary["drafters"], "request_counts": summary["request_counts"], "stats": summary["stats"]}
+    return answer({"object": "batch.stats", "id": batch_id, "job_id": summary["id"], "status": summary["status"],
+                   "model": summary["target"], "drafts": summary["drafts"], "ngram": summary["ngram"],
+                   "drafters": summary["drafters"],
+                   "request_counts": summary["request_counts"], "stats": summary["stats"]})

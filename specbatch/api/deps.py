@@ -7,16 +7,13 @@ finalizer (FastAPI, "Bigger Applications": shared dependencies in their own modu
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import functools
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy import Connection, Engine
@@ -110,32 +107,6 @@ class AppState:
     checks: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
     probe: Probe = field(default_factory=lambda: Probe(fresh=1.0, stale=5.0))
-    threads: ThreadPoolExecutor = field(init=False)
-    _slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = field(
-        default_factory=weakref.WeakKeyDictionary)
-
-    def __post_init__(self) -> None:
-        self.threads = ThreadPoolExecutor(max_workers=self.settings.api_threads, thread_name_prefix="specbatch-api")
-
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the app's ``SPECBATCH_API_THREADS`` threads, for an ``async`` route's
-        blocking work (the database). A plain ``def`` route pays FastAPI's hop, AnyIO's
-        ``to_thread`` (a capacity limiter, three context lookups): 85 us of CPU a call here
-        against 30 us for the executor, paid on the event loop, which also answers ``/healthz``.
-        The caller's context variables go with the call, as they do with AnyIO.
-
-        At most one call per thread is handed over at a time (the others wait here, on the loop):
-        with the executor's queue full, a thread that finished a call took the next at once and the
-        threads kept the GIL from the event loop; ``/healthz``'s p50 under 200 clients went from
-        10-15 ms to 50-130 ms (docs/bench/api-load.md). Give it the route's whole work, its answer
-        rendered included (``answer(...)``): what the route does itself runs on the loop."""
-        call = functools.partial(contextvars.copy_context().run, fn, *args)
-        loop = asyncio.get_running_loop()
-        slots = self._slots.get(loop)       # one per loop: an app may serve under several (tests)
-        if slots is None:
-            slots = self._slots[loop] = asyncio.Semaphore(self.settings.api_threads)
-        async with slots:
-            return await loop.run_in_executor(self.threads, call)
 
     def read(self, fn: Callable[[Connection], T]) -> T:
         """``fn(connection)`` on a connection of ``reads``, run once more on a new connection where the

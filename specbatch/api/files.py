@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 
 from specbatch.api import upload
@@ -48,28 +49,25 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> JSONRespons
             raise ApiError(400, "the 'file' part is missing", param="file")
         if form.tally.lines == 0:
             raise ApiError(400, "the file is empty; one JSON request per line is expected", param="file")
-        return await sb.run(lambda: answer(_save(sb, tmp, form, owner)))
+        return answer(await run_in_threadpool(_save, sb, tmp, form, owner))
 
 
 @router.get("/files", response_model=Object)
-async def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
-                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
-    def listed() -> JSONResponse:
-        rows, more = sb.read(lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose, order=order,
-                                                        owner=owner))
-        return answer(page([files.file_object(f) for f in rows], more))
-
-    return await sb.run(listed)
+def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+               order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
+    rows, more = sb.read(lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose, order=order,
+                                                    owner=owner))
+    return answer(page([files.file_object(f) for f in rows], more))
 
 
 @router.get("/files/{file_id}", response_model=Object)
-async def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    return await sb.run(lambda: answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner)))))
+def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
+    return answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner))))
 
 
 @router.get("/files/{file_id}/content")
-async def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
-    filename = (await sb.run(sb.read, lambda c: files.read_file(c, file_id, owner))).filename
+def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
+    filename = sb.read(lambda c: files.read_file(c, file_id, owner)).filename
     path = files.file_path(sb.settings, file_id)
     if not path.exists():
         raise ApiError(404, f"No such File object: {file_id} (its bytes are gone from {sb.settings.files_dir})",
@@ -78,11 +76,7 @@ async def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
 
 
 @router.delete("/files/{file_id}", response_model=Object)
-async def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
-    return await sb.run(lambda: answer(_delete(sb, file_id, owner)))
-
-
-def _delete(sb: AppState, file_id: str, owner: str | None) -> dict[str, Any]:
+def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
     with sb.factory.begin() as s:
         files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
         if live := batches.live_batches_of_file(s, file_id):
@@ -90,4 +84,4 @@ def _delete(sb: AppState, file_id: str, owner: str | None) -> dict[str, Any]:
                                 "cancel it or wait for it to end first", param="id", code="file_in_use")
         files.delete_file(s, file_id, owner)
     files.file_path(sb.settings, file_id).unlink(missing_ok=True)
-    return {"id": file_id, "object": "file", "deleted": True}
+    return answer({"id": file_id, "object": "file", "deleted": True})

@@ -150,8 +150,8 @@ def registry_for(settings: Settings, reader: sessionmaker) -> CollectorRegistry:
 
 
 @router.get("/metrics")
-async def metrics(request: Request, sb: State) -> Response:
+def metrics(request: Request, sb: State) -> Response:
     registry = getattr(request.app.state, "registry", None)
     if registry is None:
         registry = request.app.state.registry = registry_for(sb.settings, sb.reader)
-    return await sb.run(lambda: Response(generate_latest(registry), media_type=CONTENT_TYPE))
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE)

@@ -1,11 +1,10 @@
 """The JSON answer of a route, rendered once.
 
-A route that returns a dict has FastAPI validate it against the return type and then encode it:
-for a plain ``def`` route a second trip through the thread pool (about a fifth of a
-list/retrieve's CPU under load), for an ``async`` one work on the event loop. Our objects are
-built from columns as JSON-ready dicts, so routes render them as a ``JSONResponse`` on the
-thread that read them (``AppState.run``; the same bytes) and declare ``response_model=Object``
-for the schema that ``/openapi.json`` shows.
+A route that returns a dict has FastAPI validate it against the return type and then encode it;
+for a plain ``def`` route that validation is a second trip through the thread pool (FastAPI runs
+it there), about a fifth of a list/retrieve's CPU under load. Our objects are built from columns
+as JSON-ready dicts, so routes return them as a ``JSONResponse`` (the same bytes) and declare
+``response_model=Object`` for the schema that ``/openapi.json`` shows.
 """
 
 from __future__ import annotations

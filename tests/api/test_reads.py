@@ -4,12 +4,10 @@ stays off unless OTEL_* asks for traces; the load script's client and its loopba
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,27 +49,19 @@ def _seed(url: str) -> tuple[str, str, str]:
 
 def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A ``def`` route returning a dict went through the pool twice: once to run, once more for
-    FastAPI to validate the dict against the return type. Then each read went through AnyIO's
-    ``to_thread`` (FastAPI's hop for a ``def`` route); now the routes are ``async`` and a read
-    takes one trip through the app's own threads (``AppState.run``). The answer is the same JSON."""
+    FastAPI to validate the dict against the return type. The answer is the same JSON."""
     url = f"sqlite:///{tmp_path / 'r.db'}"
     app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
                                         "SPECBATCH_BROKER_URL": "memory://"}))
     file_id, running, failed = _seed(url)
     trips: list[Any] = []
-    hops: list[Any] = []
-    run_sync, submit = anyio.to_thread.run_sync, app.state.sb.threads.submit
+    run_sync = anyio.to_thread.run_sync
 
     async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        hops.append(fn)
+        trips.append(fn)
         return await run_sync(fn, *args, **kwargs)
 
-    def submitted(fn: Any, *args: Any) -> Any:
-        trips.append(fn)
-        return submit(fn, *args)
-
     monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
-    monkeypatch.setattr(app.state.sb.threads, "submit", submitted)
 
     async def read(path: str) -> tuple[int, bytes, str]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -81,9 +71,8 @@ def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypat
     for path in ("/v1/batches", f"/v1/batches/{running}", f"/v1/batches/{failed}", "/v1/files",
                  f"/v1/files/{file_id}"):
         trips.clear()
-        hops.clear()
         status, body, kind = anyio.run(read, path)
-        assert (status, kind, len(trips), len(hops)) == (200, "application/json", 1, 0), path
+        assert (status, kind, len(trips)) == (200, "application/json", 1), path
         obj = json.loads(body)      # FastAPI's JSONResponse rendering: compact, UTF-8 as is
         assert body == json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     with db.session_factory(url).begin() as s:
@@ -94,42 +83,6 @@ def test_a_read_takes_one_trip_through_the_thread_pool(tmp_path: Path, monkeypat
     # the schema still documents each read's answer as an object
     schema = app.openapi()["paths"]["/v1/batches/{batch_id}"]["get"]["responses"]["200"]
     assert schema["content"]["application/json"]["schema"]["type"] == "object"
-
-
-def test_the_routes_hand_the_threads_one_call_each_at_a_time(tmp_path: Path) -> None:
-    """Calls past the thread count wait on the event loop, not in the executor's queue: a thread
-    that finishes one does not take the next by itself (and keep the GIL from the loop)."""
-    import threading
-
-    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'r.db'}",
-                                        "SPECBATCH_FILES_DIR": str(tmp_path / "f"), "SPECBATCH_BROKER_URL": "memory://",
-                                        "SPECBATCH_API_THREADS": "2"}))
-    sb = app.state.sb
-    submit, lock = sb.threads.submit, threading.Lock()
-    outstanding, most = [0], [0]
-
-    def done(_: Any) -> None:
-        with lock:
-            outstanding[0] -= 1
-
-    def submitted(fn: Any, *args: Any) -> Any:
-        with lock:
-            outstanding[0] += 1
-            most[0] = max(most[0], outstanding[0])
-        future = submit(fn, *args)
-        future.add_done_callback(done)
-        return future
-
-    sb.threads.submit = submitted
-
-    async def many() -> list[int]:
-        return await asyncio.gather(*(sb.run(lambda i=i: time.sleep(0.02) or i) for i in range(10)))
-
-    try:
-        assert anyio.run(many) == list(range(10))
-    finally:
-        sb.threads.shutdown()
-    assert most[0] == 2
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
