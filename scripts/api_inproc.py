@@ -7,7 +7,8 @@ retrieve the file, list batches, retrieve each batch, in turn) from ``CONC`` con
 three rounds, and prints the process's CPU time per request for each round. It leaves out
 uvicorn, the sockets and the load generator, which ``scripts/api_load.py`` includes: a steadier
 figure on a shared machine for the app's own share (routing, dependencies, the hop to a thread, the
-read, the answer). ``ONLY=/v1/files/`` keeps the paths that contain that text.
+read, the answer). ``ONLY=/v1/files/`` keeps the paths that contain that text (default ``/v1/``;
+``ONLY=/healthz`` sends probes only).
 """
 
 from __future__ import annotations
@@ -69,8 +70,8 @@ def main() -> None:
                                          completion_window="24h", metadata={}, owner=None,
                                          errors=[{"code": "invalid_file", "line": 1, "param": None, "message": "m"}])
             paths = ["/v1/files?limit=20", f"/v1/files/{file_id}", "/v1/batches?limit=20",
-                     *[f"/v1/batches/{b}" for b in ids]]
-            paths = [p for p in paths if os.environ.get("ONLY", "") in p]
+                     *[f"/v1/batches/{b}" for b in ids], "/healthz"]
+            paths = [p for p in paths if os.environ.get("ONLY", "/v1/") in p]
 
             async def client(k: int) -> None:
                 for i in range(n // conc):
