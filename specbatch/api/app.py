@@ -2,8 +2,9 @@
 
 Routes are plain ``def`` where they touch the database (FastAPI runs them in its thread pool of
 ``SPECBATCH_API_THREADS``, each thread with a kept connection, so the event loop never waits on
-SQL); the upload is ``async`` because it streams the body; the key and state dependencies and
-``/healthz`` are ``async`` so that they never queue for that pool.
+SQL); the upload is ``async`` because it streams the body; the key and state dependencies are
+``async`` so that they never queue for that pool, and ``GET /healthz`` is answered by
+``health.HealthFirst`` before the middleware and routing.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app.add_middleware(Guard, limit=body_limit,
                        check_key=lambda headers: check_key(headers, settings.api_key_list))
+    app.add_middleware(health.HealthFirst, sb=sb)      # added last: the outermost, before Guard
 
     keyed = [Depends(require_key)]
     app.include_router(files.router, prefix="/v1", dependencies=keyed)

@@ -173,6 +173,45 @@ def test_healthz_answers_while_every_route_thread_is_busy(tmp_path: Path) -> Non
     assert anyio.run(probe) in (200, 503)      # an answer, whatever the broker says
 
 
+def test_healthz_is_answered_before_the_middleware_and_routing(tmp_path: Path) -> None:
+    """``GET /healthz`` never reaches the router (route matching and FastAPI's dependency solving:
+    most of a probe's cost on the busy event loop); every other request does, with its answer
+    unchanged, and a method other than GET on /healthz is still the router's 405."""
+    import anyio
+    import httpx
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://", "SPECBATCH_API_KEYS": "k"}))
+    routed: list[str] = []
+    inner = app.router.middleware_stack
+
+    async def spy(scope: Any, receive: Any, send: Any) -> None:
+        routed.append(f"{scope['method']} {scope['path']}")
+        await inner(scope, receive, send)
+
+    app.router.middleware_stack = spy
+
+    async def calls() -> list[tuple[int, Any]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            out = []
+            for method, path, key in (("GET", "/healthz", None), ("GET", "/v1/files", "k"),
+                                      ("GET", "/v1/files", None), ("POST", "/healthz", None)):
+                r = await c.request(method, path, headers={"Authorization": f"Bearer {key}"} if key else {})
+                out.append((r.status_code, r.json()))
+            return out
+
+    (health, health_body), files, keyless, post = anyio.run(calls)
+    assert health in (200, 503) and set(health_body) == {"status", "database", "broker"}
+    assert files == (200, {"object": "list", "data": [], "first_id": None, "last_id": None, "has_more": False})
+    assert keyless[0] == 401 and keyless[1]["error"]["code"] == "missing_api_key"
+    assert post[0] == 405 and post[1]["error"]["code"] == "method_not_allowed"
+    assert routed == ["GET /v1/files", "GET /v1/files", "POST /healthz"]
+
+
 @contextlib.contextmanager
 def serving(workers: int, **env_extra: str) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
     """``specbatch serve --workers N`` on a free port, answering ``/healthz``: (process, port,
