@@ -139,3 +139,37 @@ def test_outside_parsed_once_each_call_parses(tiny_pair):
     with parsed_once():
         assert gguf.GGUFReader(path) is gguf.GGUFReader(path)
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_gguf_is_its_own_again_once_the_last_block_closes():
+    """The wrappers live only while a block is open, on any thread: afterwards ``gguf.GGUFReader``
+    is gguf-py's class (code subclasses it: tests/jobs/test_context.py)."""
+    import threading
+
+    import gguf
+    import gguf.gguf_reader
+    import gguf.tensor_mapping
+
+    from specbatch.engine.gguf_once import parsed_once
+
+    own = (gguf.gguf_reader.GGUFReader, gguf.tensor_mapping.get_tensor_name_map)
+    with parsed_once():
+        inside, closed = threading.Event(), threading.Event()
+
+        def other() -> None:
+            with parsed_once():
+                inside.set()
+                closed.wait(30)
+
+        t = threading.Thread(target=other)
+        t.start()
+        assert inside.wait(30)
+        closed.set()
+        t.join(30)
+        # the other thread's block closed; this one is still open, so still wrapped
+        assert gguf.GGUFReader is not own[0] and gguf.get_tensor_name_map is not own[1]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == own
+
+    class Sub(gguf.GGUFReader):    # what failed while the wrapper outlived the block
+        pass
+    assert issubclass(Sub, own[0])
