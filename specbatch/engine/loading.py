@@ -14,6 +14,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -192,7 +193,7 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
     tmp.mkdir(parents=True)
     try:
         # the conversion keeps its own bar (once per machine, can be long); the file is parsed once
-        with _no_progress_bars(), parsed_once():
+        with _hf_load(), parsed_once():
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.float32)
@@ -331,7 +332,7 @@ def _read(name: str, source: _Source, dtype: torch.dtype, trust_remote_code: boo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        with _no_progress_bars():   # the CLI shows its own "loading" line; a bar per model is noise
+        with _hf_load():   # the CLI shows its own "loading" line; a bar per model is noise
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
             if source.fresh is not None and dtype == torch.float32:
                 return tokenizer, source.fresh
@@ -352,7 +353,7 @@ def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None
     if known is not None:
         path = _known_gguf(known, _cache(cache_dir, name))
     try:
-        with _no_progress_bars():
+        with _hf_load():
             if path.suffix == ".gguf":
                 return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             return AutoTokenizer.from_pretrained(path if path.is_dir() else name)
@@ -360,17 +361,27 @@ def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None
         raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {e}") from e
 
 
+# transformers' from_pretrained swaps process-wide state for its duration and puts back what it found:
+# PreTrainedModel.tie_weights (a no-op while loading), torch's default dtype, torch.nn.init's functions,
+# the progress-bar switch. Two loads overlapping in one process (threads: concurrent first loads, a
+# notebook) can put back the other's swap: tie_weights stayed a no-op for the rest of the process and
+# every later tied model loaded with a random head or embedding. One load at a time, then.
+_hf_lock = threading.RLock()
+
+
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def _hf_load() -> Iterator[None]:
+    """Around transformers' from_pretrained: one at a time in this process, with no progress bars."""
     from transformers.utils import logging as hf_logging
 
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
+    with _hf_lock:
+        was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was_on:
+                hf_logging.enable_progress_bar()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:
