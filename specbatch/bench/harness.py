@@ -161,9 +161,9 @@ def _random_like(lm: LoadedModel, seed: int) -> LoadedModel:
 
 def load_models(opts: BenchOptions) -> tuple[LoadedModel, dict[str, LoadedModel]]:
     """The target and each draft model by name; with random weights a self-draft is added."""
-    kw = {"device": opts.device, "dtype": opts.dtype, "cache_dir": opts.cache_dir}
+    kw: dict[str, Any] = {"device": opts.device, "dtype": opts.dtype, "cache_dir": opts.cache_dir}
     target = load_model(opts.target, **kw)
-    drafts = {d: load_model(d, **kw) for d in opts.drafts}
+    drafts = {d: load_model(d, **kw, loaded=[target]) for d in opts.drafts}
     if opts.random_weights:
         target = _random_like(target, seed=1234)
         drafts = {d: _random_like(lm, seed=1235 + i) for i, (d, lm) in enumerate(drafts.items())}

@@ -239,7 +239,8 @@ def _structured(settings, target, drafts, sizes, num_prompts, max_new_tokens, re
         StructuredBenchOptions(**{k: v for k, v in given.items() if v is not None})
     kw = {"device": device or settings.device, "dtype": dtype or settings.dtype,
           "cache_dir": settings.cache_dir or None}
-    tgt, drf = load_model(opts.target, **kw), load_model(opts.draft, **kw)
+    tgt = load_model(opts.target, **kw)
+    drf = load_model(opts.draft, **kw, loaded=[tgt])
     result = _run_with_progress(lambda o, say=None: run_structured_bench(o, tgt, drf, say), opts, quiet=as_json)
     command = "specbatch " + shlex.join(sys.argv[1:]) if Path(sys.argv[0]).name == "specbatch" else None
     out = Path(out_dir)

@@ -40,7 +40,7 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
                         ("--repeats", repeats)):
         if value is not None and value < 1:
             raise click.BadParameter("must be >= 1", param_hint=name)
-    kw = {"device": device or settings.device, "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None}
+    kw: dict[str, Any] = {"device": device or settings.device, "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None}
     tgt = None
     if file is None:        # (a file given is read before any model loads: a bad one costs nothing)
         assert shared_prefix is not None
@@ -62,7 +62,7 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
     except IntakeError as e:
         raise click.ClickException(str(e)) from e
     tgt = tgt or load_model(opts.target, **kw)
-    drf = load_model(opts.draft, **kw)
+    drf = load_model(opts.draft, **kw, loaded=[tgt])
     enc = Engine(tgt)
     requests = [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
 

@@ -139,7 +139,8 @@ class Engine:
               "trust_remote_code": trust_remote_code}
         specs = parse_drafters(drafters)
         t = load_model(target, **kw)
-        engine = cls(t, [load_model(s.arg, **kw) if s.loads_model else s for s in specs], gamma=gamma,
+        # a draft of the target's own weights (the default pair) is quantized from them in memory
+        engine = cls(t, [load_model(s.arg, **kw, loaded=[t]) if s.loads_model else s for s in specs], gamma=gamma,
                      batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)

@@ -8,14 +8,16 @@ Hugging Face id is given and the hub is reachable.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import importlib.util
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from specbatch.engine.compile.forward import CompiledForward
+from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
@@ -166,20 +169,31 @@ def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     return out
 
 
-def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
+@dataclass(frozen=True)
+class _Source:
+    """Where a model's files are, and the fp32 model a first load just dequantized into them (kept:
+    reading it back gives the same tensors, config and generation config; its tokenizer is read
+    back, as a later load does, since the one converted from the GGUF keeps different init kwargs)."""
+
+    path: Path
+    fresh: Any = None     # a PreTrainedModel, eval mode, float32, on the CPU; None when cached already
+
+
+def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
     """Dequantize a GGUF file once into a safetensors directory; returns that directory."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_dir / "dequantized" / gguf_cache_key(gguf)
     if (target / "model.safetensors").exists():
-        return target
+        return _Source(target)
     logger.info("dequantizing %s into %s (once)", gguf, target)
     # a private temp dir per loader: workers starting together on a fresh cache don't collide
     tmp = target.with_name(f"{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
     try:
-        with _no_progress_bars():   # the conversion keeps its own bar (once per machine, can be long)
+        # the conversion keeps its own bar (once per machine, can be long); the file is parsed once
+        with _hf_load(), parsed_once():
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.float32)
@@ -200,7 +214,8 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> Path:
         tmp.rename(target)
     except OSError:  # another loader finished first: use its copy
         shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    model.config._name_or_path = str(target)    # what from_pretrained(target) records
+    return _Source(target, fresh=model.eval())
 
 
 def _tie_missing_head(model: Any) -> None:
@@ -215,7 +230,9 @@ def _tie_missing_head(model: Any) -> None:
         model.config.get_text_config().tie_word_embeddings = True
 
 
-def _quantize_int8(model: Any, device: torch.device) -> Any:
+def _quantize_int8(model: Any, device: torch.device, *, inplace: bool = False) -> Any:
+    """``model`` with its Linear layers int8 dynamic quantized: a copy, or ``model`` itself changed
+    where ``inplace`` (a model nobody else holds: the copy would cost a fifth of the quantizing)."""
     if device.type != "cpu":
         logger.warning("int8 dynamic quantization is CPU-only; using the unquantized model on %s",
                        device)
@@ -227,7 +244,20 @@ def _quantize_int8(model: Any, device: torch.device) -> Any:
     # per-channel weight scales: measured 65% vs 50% argmax agreement with the fp32 SmolLM2-135M
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8)
+        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
+                                inplace=inplace)
+
+
+def _quantized_copy(model: Any, device: torch.device) -> Any:
+    """``_quantize_int8(model)`` without copying the Linear weights it replaces: the copy shares
+    them with ``model`` until quantizing swaps each Linear for an int8 one built from its weight, so
+    the result holds none of them (a weight tied to a non-Linear, the LM head to the embedding, is
+    copied as before). Same tensors as quantizing a separately loaded ``model``."""
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    kept = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear)
+            for p in m.parameters(recurse=False)}
+    memo = {id(p): p for p in model.parameters() if id(p) in linear - kept}
+    return _quantize_int8(copy.deepcopy(model, memo), device, inplace=True)
 
 
 def _cache(cache_dir: str | os.PathLike[str] | None, name: str) -> Path:
@@ -239,45 +269,78 @@ def _cache(cache_dir: str | os.PathLike[str] | None, name: str) -> Path:
 
 def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
                cache_dir: str | os.PathLike[str] | None = None,
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, loaded: Sequence[LoadedModel] = ()) -> LoadedModel:
     """Load a causal LM by known name, directory, ``.gguf`` file, or Hugging Face id. A known name
     or a ``.gguf`` file is dequantized once under ``cache_dir`` (the caller's settings: the CLI and
-    workers pass SPECBATCH_CACHE_DIR); a directory or hub id needs none."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    workers pass SPECBATCH_CACHE_DIR); a directory or hub id needs none.
 
+    ``loaded``: models this process already loaded and has not changed since (the target, when
+    ``Engine.load`` loads its drafts). An int8 model whose weights one of them holds unquantized
+    (same files, dtype and device) is quantized from it instead of read again, and shares its
+    tokenizer: the default pair is one GGUF file, fp32 target and int8 draft."""
     t0 = time.perf_counter()
     dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     known = KNOWN_MODELS.get(name)
     int8 = bool(known and known.int8)
-    path = Path(os.path.expanduser(name))
     if problem := name_problem(name):     # the same answer submit and the HTTP API give
         raise ModelLoadError(problem)
-    if known is not None:
-        cache = _cache(cache_dir, name)
-        source = _dequantize_to_cache(_known_gguf(known, cache), cache)
-    elif path.suffix == ".gguf" and path.is_file():
-        source = _dequantize_to_cache(path, _cache(cache_dir, name))
-    elif path.is_dir():
-        source = path
+    source = _source(name, known, cache_dir)
+    base = _holding(loaded, source.path, dev, torch_dtype) if int8 and dev.type == "cpu" else None
+    if base is not None:
+        tokenizer, model = base.tokenizer, _quantized_copy(base.model, dev)
     else:
-        source = Path(name)  # a hub id: transformers resolves it (from the local HF cache offline)
-    try:
-        with _no_progress_bars():   # the CLI shows its own "loading" line; a bar per model is noise
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype,
-                                                         trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as e:
-        raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
-    model.eval()
-    model = model.to(dev)  # type: ignore[arg-type]  # (transformers' stub for .to)
-    if int8:
-        model = _quantize_int8(model, dev)
+        tokenizer, model = _read(name, source, torch_dtype, trust_remote_code)
+        model = model.to(dev)  # type: ignore[arg-type]  # (transformers' stub for .to)
+        if int8:
+            model = _quantize_int8(model, dev, inplace=True)   # read for this load alone
     seconds = time.perf_counter() - t0
-    logger.info("loaded %s from %s in %.1fs", name, source, seconds)
+    logger.info("loaded %s from %s in %.1fs%s", name, source.path, seconds,
+                f" (quantized from {base.name} in memory)" if base is not None else "")
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev,
                        eos_token_ids=_eos_ids(model, tokenizer),
                        max_positions=_max_positions(model.config), load_seconds=seconds,
-                       info={"source": str(source), "int8": int8, "dtype": dtype})
+                       info={"source": str(source.path), "int8": int8, "dtype": dtype})
+
+
+def _source(name: str, known: KnownModel | None, cache_dir: str | os.PathLike[str] | None) -> _Source:
+    """Where ``name``'s files are: a known name or ``.gguf`` file dequantized once under the cache."""
+    path = Path(os.path.expanduser(name))
+    if known is not None:
+        cache = _cache(cache_dir, name)
+        return _dequantize_to_cache(_known_gguf(known, cache), cache)
+    if path.suffix == ".gguf" and path.is_file():
+        return _dequantize_to_cache(path, _cache(cache_dir, name))
+    if path.is_dir():
+        return _Source(path)
+    return _Source(Path(name))  # a hub id: transformers resolves it (from the local HF cache offline)
+
+
+def _holding(loaded: Sequence[LoadedModel], path: Path, device: torch.device,
+             dtype: torch.dtype) -> LoadedModel | None:
+    """The first of ``loaded`` that holds the unquantized weights of ``path`` in ``dtype`` on ``device``."""
+    for m in loaded:
+        if (m.info.get("source") == str(path) and not m.info.get("int8") and m.device == device
+                and DTYPES.get(m.info.get("dtype", "")) == dtype):
+            return m
+    return None
+
+
+def _read(name: str, source: _Source, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any]:
+    """(tokenizer, model in eval mode) from ``source``'s files; the model it just dequantized is not
+    read back where it is what reading would give (float32: a model read in another dtype keeps
+    some buffers in float32, a cast one would not)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        with _hf_load():   # the CLI shows its own "loading" line; a bar per model is noise
+            tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
+            if source.fresh is not None and dtype == torch.float32:
+                return tokenizer, source.fresh
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
+    return tokenizer, model.eval()
 
 
 def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None) -> Any:
@@ -290,7 +353,7 @@ def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None
     if known is not None:
         path = _known_gguf(known, _cache(cache_dir, name))
     try:
-        with _no_progress_bars():
+        with _hf_load():
             if path.suffix == ".gguf":
                 return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
             return AutoTokenizer.from_pretrained(path if path.is_dir() else name)
@@ -298,17 +361,27 @@ def load_tokenizer(name: str, *, cache_dir: str | os.PathLike[str] | None = None
         raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {e}") from e
 
 
+# transformers' from_pretrained swaps process-wide state for its duration and puts back what it found:
+# PreTrainedModel.tie_weights (a no-op while loading), torch's default dtype, torch.nn.init's functions,
+# the progress-bar switch. Two loads overlapping in one process (threads: concurrent first loads, a
+# notebook) can put back the other's swap: tie_weights stayed a no-op for the rest of the process and
+# every later tied model loaded with a random head or embedding. One load at a time, then.
+_hf_lock = threading.RLock()
+
+
 @contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
+def _hf_load() -> Iterator[None]:
+    """Around transformers' from_pretrained: one at a time in this process, with no progress bars."""
     from transformers.utils import logging as hf_logging
 
-    was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_on:
-            hf_logging.enable_progress_bar()
+    with _hf_lock:
+        was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was_on:
+                hf_logging.enable_progress_bar()
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

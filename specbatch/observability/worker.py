@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from specbatch.engine.compile.forward import forward_counts
 from specbatch.observability import tracing
 
 logger = logging.getLogger(__name__)
@@ -35,6 +34,8 @@ class Observer:
                     self.metrics.observe_completed(event.output, latency)
                 else:
                     self.metrics.observe_failed()
+                from specbatch.engine.compile.forward import forward_counts  # torch: not in the parent
+
                 self.metrics.observe_compiled(forward_counts())
             tracing.record_request(event, now)
         except Exception as e:  # telemetry never fails a request whose result is stored

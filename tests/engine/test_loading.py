@@ -273,6 +273,43 @@ def test_concurrent_first_loads_share_the_cache(gguf_file, tmp_path, monkeypatch
     assert not errors, [f"{type(e).__name__}: {e}" for e in errors]
 
 
+def test_overlapping_loads_leave_transformers_as_they_found_it(tiny_models, tied_llama, monkeypatch):
+    """from_pretrained makes PreTrainedModel.tie_weights a no-op while it builds a model and then puts
+    back what it found. Two loads overlapping in one process (concurrent first loads) put back each
+    other's no-op: every later load in the process left a tied head untied (random)."""
+    from transformers import LlamaForCausalLM, PreTrainedModel
+
+    monkeypatch.setattr(PreTrainedModel, "tie_weights", PreTrainedModel.tie_weights)  # undone after
+    real_tie, real_init = PreTrainedModel.tie_weights, LlamaForCausalLM.__init__
+    first_in, second_in, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def init(self, *a, **k):   # runs while its load has tie_weights swapped out
+        if threading.current_thread().name == "first":
+            first_in.set()
+            second_in.wait(3)      # the second load gets in here unless loads take turns
+        else:
+            second_in.set()
+            first_done.wait(30)    # ... and leaves after the first one did
+        real_init(self, *a, **k)
+
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", init)
+
+    def first():
+        load_model(str(tiny_models / "llama"))
+        first_done.set()
+
+    threads = [threading.Thread(target=first, name="first"),
+               threading.Thread(target=load_model, args=(str(tiny_models / "llama"),), name="second")]
+    threads[0].start()
+    assert first_in.wait(30)
+    threads[1].start()
+    for t in threads:
+        t.join(60)
+    assert PreTrainedModel.tie_weights is real_tie
+    model = load_model(str(tied_llama)).model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 # --- known models ------------------------------------------------------------------------------
 
 def test_known_model_status_lists_the_five_names():

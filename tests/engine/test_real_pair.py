@@ -174,3 +174,17 @@ def test_default_pair_processors_and_logprobs_match_hf(pair, references):
             assert t.logprob == pytest.approx(float(lp[j, t.token]), abs=1e-4)
     assert [o.token_ids for o in alone] == [t for _, t, _ in refs]
     assert [batched[i].token_ids for i in range(3)] == [t for _, t, _ in refs]
+
+
+def test_the_draft_quantized_from_the_loaded_target_equals_a_separate_load(pair, real_cache_dir):
+    """What ``Engine.load`` builds for the default pair: the int8 draft from the target in memory."""
+    from tests.engine.test_loading_reuse import assert_same_tensors
+
+    target, separate = pair
+    derived = load_model("smollm2-135m-int8", cache_dir=real_cache_dir, loaded=[target])
+    assert derived.tokenizer is target.tokenizer
+    assert_same_tensors(derived.model, separate.model)
+    outputs = [[Engine(m).generate(messages=[{"role": "user", "content": text}],
+                                   params=GenerationParams(max_new_tokens=32)).token_ids for text in CHATS[:3]]
+               for m in (derived, separate)]
+    assert outputs[0] == outputs[1]
