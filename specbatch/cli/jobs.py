@@ -256,6 +256,9 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
     implied = FORMAT_BY_SUFFIX.get(suffix)
     if fmt is not None and implied is not None and fmt != implied:
         raise click.UsageError(f"-f {fmt} but {output} ends in {suffix}: drop -f or change the name")
+    if fmt is None and implied is None and suffix:
+        # `-o answers.xlsx` must not pass for a spreadsheet: say what the file will hold
+        warn(f"{output}: {suffix} names no export format; writing jsonl (-f csv or -f parquet for those)")
     return fmt or implied or "jsonl"
 
 

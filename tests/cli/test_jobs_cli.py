@@ -327,9 +327,12 @@ def test_export_format_follows_the_output_extension(db_url, tmp_path):
     assert list(pd.read_parquet(pq_out)["custom_id"]) == ["c0", "c1"]
     assert run("export", job_id, "-o", str(tmp_path / "a.PQ"), "--json").stdout.count('"parquet"') == 1
 
-    other = tmp_path / "out.txt"        # an extension that names no format: jsonl, as before
-    assert run("export", job_id, "-o", str(other)).exit_code == 0
+    other = tmp_path / "out.xlsx"       # an extension that names no format: jsonl, and a warning says so
+    result = run("export", job_id, "-o", str(other))
+    assert result.exit_code == 0, result.output
+    assert f"warning: {other}: .xlsx names no export format; writing jsonl" in result.stderr
     assert json.loads(other.read_text().splitlines()[0])["custom_id"] == "c0"
+    assert "warning" not in run("export", job_id, "-o", str(tmp_path / "plain")).stderr
     assert run("export", job_id, "-f", "csv", "-o", str(tmp_path / "same.csv")).exit_code == 0
 
 
