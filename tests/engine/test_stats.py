@@ -399,9 +399,12 @@ def test_loop_switches_off_with_an_unrelated_draft(load):
 
 
 def test_measured_costs_random_draft_loose(load):
-    """Timing is noisy on a shared machine: only require that the controller reacted at all."""
+    """Timing is noisy on a shared machine: only require that the controller reacted at all (the
+    switching off itself is tested on frozen costs above). A loaded CI run measured the draft's step
+    cheap enough that gamma 1 kept drafting (343 tokens over 200 steps): not switching off is a
+    measurement's answer there, but staying at the default 4 a step would be no reaction at all."""
     engine = Engine(load("llama"), [load("llama-random")])
     out = engine.generate(prompt="Once upon a time", params=GenerationParams(max_new_tokens=200))
     s = out.stats
     assert s.speculation_disabled or s.final_gamma < 4
-    assert s.drafted_tokens < 200
+    assert s.drafted_tokens < 3 * s.verify_steps
