@@ -27,6 +27,7 @@ from specbatch.engine.memory import (
     ModelShape,
     default_budget,
     draft_width,
+    is_cuda,
     row_columns,
 )
 from specbatch.engine.model_files import context_problem
@@ -348,7 +349,7 @@ class Engine:
                 # what the compile running beside decoding will add (reset once it is adopted)
                 budget = max(budget - self.background.reserved_bytes(), budget // 2)
             shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
-            self.memory = MemoryBudget(budget, shapes)
+            self.memory = MemoryBudget(budget, shapes, high_water=not is_cuda(self.target.device))
         return self.memory
 
     def _prefix_store(self) -> PrefixStore | None:

@@ -13,8 +13,14 @@ Estimate, per row of the batch (``MemoryBudget.row_bytes``):
   more for their softmax) plus the hidden states of the widest layer over those positions.
 The check: after each step the process's memory (``torch.cuda.memory_allocated`` on CUDA, the
 resident set on CPU) above what it was before the first step, less ``SLACK`` for allocator caches
-and workspaces, against the estimate for the rows then active. When the measurement runs ahead of the estimate the estimate is scaled up by the
-same factor, so the cap follows what the machine really uses.
+and workspaces, against the estimate. When the measurement runs ahead of the estimate the
+estimate is scaled up by the same factor, so the cap follows what the machine really uses.
+On CUDA the measure is what is allocated now, so it is held against the estimate for the rows
+active now. On CPU it is a high-water mark: the resident set does not shrink when rows finish, so
+it is held against the largest estimate since the baseline (``MemoryBudget.high_water``). Against
+the rows active now, a draining batch would read as a growing under-estimate (32 rows' memory
+over 1 row's estimate: a scale of 32) and the next call on the same engine, a worker's next chunk,
+would admit a few rows where 32 fit.
 
 The default budget is a safe share of what is free when decoding starts: half of the available
 RAM on CPU, 80% of the free memory of the GPU.
@@ -116,6 +122,8 @@ class MemoryBudget:
     scale: float = 1.0              # measured / estimated, once a measurement ran ahead
     baseline: int | None = None     # process memory before the first step
     reserved: int = 0               # held outside the rows: the prefix cache (engine/prefix.py)
+    high_water: bool = False        # the measure never shrinks (a CPU resident set): module docstring
+    peak: float = 0.0               # the largest unscaled estimate since the baseline (high_water)
 
     def row_bytes(self, columns: int, gamma: int) -> float:
         """Estimated bytes one row needs with ``columns`` tokens of context and draft length gamma."""
@@ -155,15 +163,22 @@ class MemoryBudget:
             return
         used = measured - self.baseline - SLACK - self.reserved
         estimate = rows * self.row_bytes(columns, gamma)
+        if self.high_water:
+            self.peak = max(self.peak, estimate / self.scale)
+            estimate = self.peak * self.scale
         if used > estimate > 0:
             self.scale *= used / estimate
+
+
+def is_cuda(device: Any) -> bool:
+    return getattr(device, "type", str(device)) == "cuda"
 
 
 def measure(device: Any) -> int | None:
     """Memory in use by this process now: CUDA allocated bytes, else the resident set."""
     import torch
 
-    if getattr(device, "type", str(device)) == "cuda":
+    if is_cuda(device):
         return int(torch.cuda.memory_allocated(device))
     try:
         import psutil
@@ -176,7 +191,7 @@ def default_budget(device: Any) -> int:
     """A safe share of what is free now (see the module docstring)."""
     import torch
 
-    if getattr(device, "type", str(device)) == "cuda":
+    if is_cuda(device):
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * GPU_SHARE)
     try:

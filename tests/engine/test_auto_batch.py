@@ -127,6 +127,62 @@ def test_row_estimate_follows_the_model_config(load):
     assert b.row_bytes(100, 4) == pytest.approx(3 * before)
 
 
+def test_a_draining_batch_does_not_inflate_a_high_water_measure():
+    """A CPU resident set keeps the memory of finished rows: 8 rows' worth measured while one row
+    is left is not a 8x under-estimate. A measure that shrinks (CUDA) is held to the rows now."""
+    shape = ModelShape(layers=4, kv_heads=2, head_dim=16, hidden=64, vocab=100, dtype_bytes=4)
+    for high_water, rescaled in ((True, False), (False, True)):
+        b = MemoryBudget(10**12, (shape,), high_water=high_water)
+        b.check(1000, 0, 0, 0)                                    # baseline
+        peak = 1000 + SLACK + int(8 * b.row_bytes(100, 4))        # 8 rows, as estimated
+        for rows in (8, 8, 4, 2, 1):                              # the batch drains
+            b.check(peak, rows, 100, 4)
+        assert (b.scale > 1.0) is rescaled, high_water
+    # a real under-estimate is still found at the peak, and after it
+    b = MemoryBudget(10**12, (shape,), high_water=True)
+    b.check(1000, 0, 0, 0)
+    b.check(1000 + SLACK + int(3 * 8 * b.row_bytes(100, 4)), 8, 100, 4)
+    assert b.scale == pytest.approx(3.0)
+    b.check(1000 + SLACK + int(3 * 8 * b.row_bytes(100, 4) / 3), 1, 100, 4)   # draining: no change
+    assert b.scale == pytest.approx(3.0)
+
+
+def test_a_second_call_on_one_engine_is_admitted_at_full_batch(load, monkeypatch):
+    """A worker's next chunk runs on the engine its last chunk drained: with the process's memory
+    a high-water mark (CPU), the drain must not shrink the next call's batch."""
+    import specbatch.engine.decoder as decoder
+
+    target = load("llama")
+    shape = ModelShape.of(target.model)
+    width = MAX_DRAFT
+    one_row = MemoryBudget(0, (shape,)).row_bytes(120, width)
+    seen: list[int] = []
+    peak = {"bytes": 0}
+
+    def resident(device):   # what a resident set does: it grows with the rows, never shrinks
+        rows = max(seen[-1:] or [0])
+        peak["bytes"] = max(peak["bytes"], 10**9 + (SLACK + int(rows * one_row) if rows else 0))
+        return peak["bytes"]
+
+    class Rows(MeasuredPolicy):
+        def observe(self, report):
+            super().observe(report)
+            seen.append(report.rows)
+
+    monkeypatch.setattr(decoder, "measure", resident)
+    engine = Engine(target, [], batch_size=4, max_memory=int(4.5 * one_row))
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
+    firsts = []
+    for _ in range(2):
+        seen.clear()
+        got = dict(engine.generate_many(reqs, policy=Rows(limit=4)))
+        firsts.append(seen[0])
+        for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+            assert got[i].token_ids == target_greedy(target, p, n), i
+    assert min(seen) < 4              # the first call drained below full rows
+    assert firsts == [4, 4], engine.memory
+
+
 def test_a_fixed_gamma_wider_than_adaptation_reaches_is_in_the_memory_estimate(load):
     """Rules allow gamma up to 64 while adaptation stops at MAX_DRAFT: a row kept at 64 verifies
     64 drafted positions, which its columns and the step's activations must be counted for."""
