@@ -660,11 +660,10 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         from specbatch.cli.render import batching_line
 
         table.add_row("batch sizes", batching_line(stats["batching"]))
-    if summary.get("drafts") and (stats.get("batching") or {}).get("speculative_step_share") == 0:
-        # a first run with a draft that never drafted reads as broken without the reason
-        table.add_row("speculation", "none: plain batched steps measured faster here than verifying "
-                                     "drafts (the autopilot; README 'Throughput'); the text is the "
-                                     "target's either way")
+    from specbatch.cli.render import speculation_line
+
+    if line := speculation_line(summary):     # a first run with a draft that never drafted reads as broken
+        table.add_row("speculation", line)
     Console().print(table)
     from specbatch.cli.render import failure_lines
 
