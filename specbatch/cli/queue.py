@@ -357,6 +357,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
       specbatch worker --metrics-port 9400 # Prometheus scrapes http://HOST:9400/metrics
     """
     from specbatch.errors import ModelLoadError
+    from specbatch.worker.enqueue import wait_for_broker
     from specbatch.worker.runner import run_worker
 
     settings = get_settings()
@@ -364,6 +365,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     plain = no_draft(drafts, no_speculation)
     target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
                                     check=False)
+    # before the models load and Celery starts: its own start-up retries fill minutes with lines
+    wait_for_broker(settings, warn)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_,
                                   device=device, dtype=dtype,    # (None: run_worker reads the settings)
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
