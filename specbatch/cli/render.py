@@ -60,6 +60,8 @@ def speculation_line(d: dict[str, Any]) -> str | None:
                 f"prefill of the batch, fits 10% of the time spent: README 'Throughput'); {either}")
     tokens, cost = sp.get("tokens_per_drafted_step"), sp.get("drafted_step_cost")
     why = f"a drafted step emitted {num(tokens, '{:.2f}')} tokens"
+    if (acc := ((d.get("stats") or {}).get("acceptance_rate") or {}).get("token_weighted")) is not None:
+        why += f" (acceptance {acc:.0%})"
     if cost is not None:
         why += f" at about {cost:.1f}x a plain step's cost"
     off = sp.get("switched_off_requests") or 0

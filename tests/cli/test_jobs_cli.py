@@ -655,8 +655,8 @@ def test_status_says_in_numbers_why_speculation_was_switched_off(db_url):
     job_id = _job_with_steps(db_url, draft_steps=2, drafted=8, accepted=1, off=True)
     out = " ".join(run("status", job_id).stdout.split())
     assert ("speculation measured and switched off: drafted on 4 of 80 steps (5%); a drafted step emitted "
-            "1.50 tokens at about 2.0x a plain step's cost; the draft-length controller turned it off for "
-            "2 requests") in out, out
+            "1.50 tokens (acceptance 12%) at about 2.0x a plain step's cost; the draft-length controller "
+            "turned it off for 2 requests") in out, out
     data = json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]
     assert data == {"steps": 80, "drafted_steps": 4, "tokens_per_drafted_step": 1.5, "drafted_step_cost": 2.0,
                     "switched_off_requests": 2}
