@@ -72,6 +72,8 @@ class Settings(BaseSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535)  # `specbatch worker` serves /metrics here; 0: off
     metrics_address: str = "0.0.0.0"
     broker_timeout: float = Field(default=5.0, gt=0)  # seconds: connect/read bound on every broker call
+    # `specbatch worker` started while the broker is down: seconds it waits for it, then exits 1
+    broker_wait_seconds: float = Field(default=60.0, ge=0)
     breaker_max_backoff: float = Field(default=60.0, gt=0)  # seconds between outage probes, at most
     target_failure_limit: Positive = 3    # consecutive target (engine) failures before unhealthy
     ready_dir: str = ""                   # worker readiness files (default: a tmp dir per user)

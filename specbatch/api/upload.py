@@ -33,6 +33,14 @@ class Upload:
     tally: Tally = field(default_factory=Tally)
 
 
+def not_text(why: str) -> ApiError:
+    """A batch input file that is not UTF-8 JSON Lines text (a binary, a spreadsheet, UTF-16):
+    refused at upload, as OpenAI refuses one that is not UTF-8 ("Invalid file for Batch API. Must
+    be utf-8 encoded"); lines that are text but not JSON fail the batch instead, line by line."""
+    return ApiError(400, f"{why}; a batch input file is JSON Lines saved as UTF-8: one JSON request "
+                         "per line", param="file")
+
+
 class _Parts:
     """Callbacks of python-multipart's streaming parser: headers per part, data to file or field."""
 
@@ -87,6 +95,8 @@ class _Parts:
             self.error = ApiError(413, f"the file is over {self.settings.max_upload_bytes} bytes "
                                        "(SPECBATCH_MAX_UPLOAD_BYTES); split it into several batches",
                                   param="file", code="file_too_large")
+        elif tally.not_text is not None:
+            self.error = not_text(tally.not_text)
         elif tally.lines > self.settings.max_requests:
             self.error = ApiError(413, f"the file has over {self.settings.max_requests} lines "
                                        "(SPECBATCH_MAX_REQUESTS); split it into several batches",
@@ -99,6 +109,8 @@ class _Parts:
             self.upload.fields[self._name] = bytes(self._buf).decode("utf-8", "replace")
         elif self._name == "file":
             self.upload.tally.close()
+            if self.upload.tally.not_text is not None and self.error is None:
+                self.error = not_text(self.upload.tally.not_text)
             if self.upload.tally.lines > self.settings.max_requests and self.error is None:
                 self.error = ApiError(413, f"the file has over {self.settings.max_requests} lines "
                                            "(SPECBATCH_MAX_REQUESTS); split it into several batches",

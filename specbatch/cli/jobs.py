@@ -11,7 +11,15 @@ import click
 
 from specbatch.cli.common import check_queue_workers, open_db, warn
 from specbatch.cli.json_out import echo_json
-from specbatch.cli.render import batching_line, counts_line, failure_lines, models, num, when
+from specbatch.cli.render import (
+    batching_line,
+    counts_line,
+    failure_lines,
+    models,
+    num,
+    speculation_line,
+    when,
+)
 from specbatch.config import Settings, get_settings
 from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
@@ -130,6 +138,8 @@ def _status_view(d: dict[str, Any]) -> Any:
         batching = st.get("batching") or {}
         if batching.get("batch_size_share"):
             info.add_row("batch sizes", batching_line(batching))
+        if line := speculation_line(d):
+            info.add_row("speculation", line)
     parts: list[Any] = [info]
     if st["workers"]:
         workers = Table(title="workers", title_justify="left", box=None)

@@ -357,6 +357,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
       specbatch worker --metrics-port 9400 # Prometheus scrapes http://HOST:9400/metrics
     """
     from specbatch.errors import ModelLoadError
+    from specbatch.worker.enqueue import wait_for_broker
     from specbatch.worker.runner import run_worker
 
     settings = get_settings()
@@ -364,6 +365,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     plain = no_draft(drafts, no_speculation)
     target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
                                     check=False)
+    # before the models load and Celery starts: its own start-up retries fill minutes with lines
+    wait_for_broker(settings, warn)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_,
                                   device=device, dtype=dtype,    # (None: run_worker reads the settings)
                                   batch_size=tp.batch_size, max_memory=tp.max_memory, threads=tp.threads,
@@ -660,11 +663,10 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         from specbatch.cli.render import batching_line
 
         table.add_row("batch sizes", batching_line(stats["batching"]))
-    if summary.get("drafts") and (stats.get("batching") or {}).get("speculative_step_share") == 0:
-        # a first run with a draft that never drafted reads as broken without the reason
-        table.add_row("speculation", "none: plain batched steps measured faster here than verifying "
-                                     "drafts (the autopilot; README 'Throughput'); the text is the "
-                                     "target's either way")
+    from specbatch.cli.render import speculation_line
+
+    if line := speculation_line(summary):     # a first run with a draft that never drafted reads as broken
+        table.add_row("speculation", line)
     Console().print(table)
     from specbatch.cli.render import failure_lines
 

@@ -224,7 +224,8 @@ def read_engine(url: str, pool_size: int | None = None) -> Engine:
     """The API's short reads: ``with read_engine(url).connect() as c: c.execute(...)``, each statement
     its own snapshot, no ORM session. On PostgreSQL an engine of its own whose connections stay in
     autocommit: a transaction is two more round trips (BEGIN, COMMIT) a read, and switching a
-    shared pool's connection to autocommit and back costs CPU at every checkout (issue 32). Reads
+    shared pool's connection to autocommit and back costs CPU at every checkout (issue 32; one
+    pool for both measured 1.5x the CPU a read: docs/bench/api-load.md, "One pool"). Reads
     that need one snapshot across statements (exports) keep ``session_factory(readonly=True)``. On
     SQLite the engine's read-only view: its BEGIN is no round trip and never blocks a writer.
     ``pool_size``: see ``get_engine``."""

@@ -139,31 +139,30 @@ class Engine:
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         specs = parse_drafters(drafters)
+        mode, cache = resolve_mode(compile), str(cache_dir or "")    # (a bad mode: before any load)
+        if mode != "off" and not cache:
+            raise ValueError(f"compile={compile!r} needs cache_dir: the compiled graphs and their records live there")
         t = load_model(target, **kw)
         # a draft of the target's own weights (the default pair) is quantized from them in memory
         engine = cls(t, [load_model(s.arg, **kw, loaded=[t]) if s.loads_model else s for s in specs], gamma=gamma,
                      batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
-        cache = str(cache_dir or "")
-        if resolve_mode(compile) != "off" and not cache:
-            raise ValueError(f"compile={compile!r} needs cache_dir: the compiled graphs and their records live there")
-        if background is not False and resolve_mode(compile) != "off":
-            declined = compile_declined(t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
+        if background is not False and mode != "off":
+            declined = compile_declined(t, engine.drafts, mode=mode, batch_size=engine.planned_batch_size(),
                                         cache_dir=cache)
             if declined is not None:   # nothing to compile: no thread, and the state says why at once
                 engine.compile_plan = declined
                 if callable(background):
                     background(f"eager: {declined.reason}")
                 return engine
-            engine.compile_plan = CompilePlan(resolve_mode(compile), False,
-                                              "compiling in the background, decoding eagerly until then")
+            engine.compile_plan = CompilePlan(mode, False, "compiling in the background, decoding eagerly until then")
             engine.background = BackgroundCompile(
-                t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(), cache_dir=cache,
+                t, engine.drafts, mode=mode, batch_size=engine.planned_batch_size(), cache_dir=cache,
                 on_state=background if callable(background) else None).start()
             return engine
         engine.compile_plan = prepare_compiled(
-            t, engine.drafts, mode=compile, batch_size=engine.planned_batch_size(),
+            t, engine.drafts, mode=mode, batch_size=engine.planned_batch_size(),
             cache_dir=cache, expected_new_tokens=expected_new_tokens, notify=notify)
         return engine
 

@@ -7,6 +7,7 @@ A file is written beside its final place (``files_dir/.incoming``), fsynced, the
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import re
@@ -59,14 +60,19 @@ def file_path(settings: Settings, file_id: str) -> Path:
 
 @dataclass
 class Tally:
-    """Size, non-blank line count and sha256 of bytes fed in chunks (lines split across chunks too)."""
+    """Size, non-blank line count and sha256 of bytes fed in chunks (lines split across chunks too),
+    and ``not_text``: why the bytes are not JSON Lines text, naming the first line at fault (invalid
+    UTF-8, or a NUL byte, which no JSON text holds raw), else None."""
 
     size: int = 0
     lines: int = 0
     longest_line: int = 0
+    not_text: str | None = None
+    _line_no: int = 1
     _line_len: int = 0
     _line_blank: bool = True
     _sha: Any = field(default_factory=hashlib.sha256)
+    _utf8: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")())
 
     def feed(self, chunk: bytes) -> None:
         self.size += len(chunk)
@@ -76,16 +82,31 @@ class Tally:
             self._line_len += len(part)
             if self._line_blank and part.strip():
                 self._line_blank = False
+            if self.not_text is None:
+                self._check_text(part, final=i < len(parts) - 1)
             if i < len(parts) - 1:      # a newline ends this line
                 self._end_line()
+
+    def _check_text(self, part: bytes, final: bool) -> None:
+        """(a sequence split across chunks is held by the incremental decoder until it completes)"""
+        try:
+            self._utf8.decode(part, final=final)
+        except UnicodeDecodeError as e:
+            self.not_text = f"line {self._line_no} is not UTF-8 text (byte 0x{e.object[e.start]:02x})"
+            return
+        if b"\0" in part:
+            self.not_text = f"line {self._line_no} holds a NUL byte: binary data, not JSON text"
 
     def _end_line(self) -> None:
         self.longest_line = max(self.longest_line, self._line_len)
         if not self._line_blank:
             self.lines += 1
+        self._line_no += 1
         self._line_len, self._line_blank = 0, True
 
     def close(self) -> Tally:
+        if self.not_text is None:
+            self._check_text(b"", final=True)     # a sequence cut short by the end of the file
         self._end_line()
         return self
 

@@ -56,6 +56,25 @@ def _prefix_cache(rows: list[Any]) -> dict[str, Any]:
             "prefill_seconds_saved_sum": sum(r.prefill_seconds_saved or 0.0 for r in rows)}
 
 
+def _speculation(rows: list[Any]) -> dict[str, Any]:
+    """What speculation measured over generated results: the steps that drafted, the tokens such a
+    step emitted, and its cost in plain steps (1 + draft seconds per drafted step / verify seconds
+    per step: a lower bound, a drafted step's verify being the wider one). Speculation pays where
+    ``tokens_per_drafted_step`` exceeds ``drafted_step_cost``; ``switched_off_requests``: requests
+    whose gamma controller found it did not (``speculation_disabled``)."""
+    steps = sum(r.verify_steps for r in rows)
+    drafted = sum(r.draft_steps or 0 for r in rows)
+    draft_per_step = _ratio(sum(r.draft_seconds for r in rows), drafted)
+    verify_per_step = _ratio(sum(r.verify_seconds for r in rows), steps)
+    return {
+        "steps": steps, "drafted_steps": drafted,
+        "tokens_per_drafted_step": _ratio(sum(r.accepted_tokens for r in rows) + drafted, drafted),
+        "drafted_step_cost": None if draft_per_step is None or not verify_per_step
+                             else 1 + draft_per_step / verify_per_step,
+        "switched_off_requests": sum(1 for r in rows if r.speculation_disabled),
+    }
+
+
 def job_stats(s: Session, job_id: str) -> dict[str, Any]:
     """Aggregate statistics over the job's results (see the module docstring)."""
     cols = (Result.worker, Result.prompt_tokens, Result.cached_prompt_tokens, Result.prefill_seconds_saved,
@@ -159,6 +178,7 @@ def job_stats(s: Session, job_id: str) -> dict[str, Any]:
             "speculative_step_share": _ratio(sum(r.draft_steps or 0 for r in rows), steps),
             "decode_tokens_per_second": _ratio(tokens, size_total),
         },
+        "speculation": _speculation(generated),
         "pool_wins": dict(sorted(pool_wins.items())),
         "workers": workers,
     }

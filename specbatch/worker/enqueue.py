@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from specbatch.config import Settings
@@ -29,14 +30,52 @@ def broker_error(settings: Settings, error: BaseException, job_id: str | None = 
     return BrokerUnavailable(mask(f"cannot reach the broker at {settings.broker_url} ({error}); {fix}"))
 
 
-def check_broker(settings: Settings, timeout: float = 3.0) -> None:
-    """Raise BrokerUnavailable unless the broker answers within about ``timeout`` seconds."""
+def check_broker(settings: Settings, timeout: float = 3.0, retries: int = 1) -> None:
+    """Raise BrokerUnavailable unless the broker answers within about ``timeout`` seconds (a refused
+    connection is tried ``retries`` more times, 2 s apart)."""
     app = app_for(settings)
     try:
         with app.connection_for_write() as conn:
-            conn.ensure_connection(max_retries=1, timeout=timeout)
+            conn.ensure_connection(max_retries=retries, timeout=timeout)
     except Exception as e:
         raise broker_error(settings, e) from e
+
+
+WAIT_PROBE_SECONDS = 2.0     # a worker waiting for the broker tries this often ...
+WAIT_LINE_SECONDS = 10.0     # ... and says so at most this often
+
+
+def wait_for_broker(settings: Settings, say: Callable[[str], None], *,
+                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                    check: Callable[[Settings], None] = lambda s: check_broker(s, retries=0)) -> None:
+    """Return once the broker answers. While it does not: one line through ``say`` naming it
+    (password masked), then a line at most every ``WAIT_LINE_SECONDS`` while it is tried every
+    ``WAIT_PROBE_SECONDS``; BrokerUnavailable once ``settings.broker_wait_seconds`` have passed.
+    (Celery's own start-up retries print several lines a try, for up to 100 tries, minutes.)"""
+    start = said = clock()
+    first = True
+    while True:
+        try:
+            check(settings)
+            if not first:
+                say(f"the broker answers after {clock() - start:.0f}s; starting")
+            return
+        except BrokerUnavailable as e:
+            cause = e.__cause__ if e.__cause__ is not None else e
+            waited = clock() - start
+            if waited >= settings.broker_wait_seconds:
+                raise BrokerUnavailable(mask(
+                    f"cannot reach the broker at {settings.broker_url} ({cause}) after waiting "
+                    f"{waited:.0f}s (SPECBATCH_BROKER_WAIT_SECONDS); start Redis or set SPECBATCH_BROKER_URL")) from e
+            if first:
+                say(mask(f"cannot reach the broker at {settings.broker_url} ({cause}); waiting up to "
+                         f"{settings.broker_wait_seconds:.0f}s for it (SPECBATCH_BROKER_WAIT_SECONDS), "
+                         f"trying every {WAIT_PROBE_SECONDS:.0f}s"))
+                first = False
+            elif clock() - said >= WAIT_LINE_SECONDS:
+                say(f"still no broker after {waited:.0f}s of {settings.broker_wait_seconds:.0f}s")
+                said = clock()
+        sleep(min(WAIT_PROBE_SECONDS, max(0.0, settings.broker_wait_seconds - (clock() - start))))
 
 
 def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], queue: str) -> int:

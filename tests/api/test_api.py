@@ -205,6 +205,32 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
     assert e.value.body["param"] == "purpose"
 
 
+def test_a_binary_upload_is_refused_naming_its_line_and_leaves_nothing(api: Api) -> None:
+    """A PNG, a UTF-16 file and a file with a NUL byte were stored as "processed" batch input."""
+    c = api.client()
+    files_dir = Path(api.env["SPECBATCH_FILES_DIR"])
+    before, n_files = {p.name for p in files_dir.iterdir()}, len(list(c.files.list()))
+    good = (json.dumps(chat_line(0)) + "\n").encode()
+    cases = [(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR", "line 1 is not UTF-8 text (byte 0x89)"),
+             ((json.dumps(chat_line(1)) + "\n").encode("utf-16"), "line 1 is not UTF-8 text (byte 0xff)"),
+             (good + b'{"custom_id": "a\0"}\n', "line 2 holds a NUL byte"),
+             (good + b"\n" + good[:20] + "é".encode()[:1] + good[20:], "line 3 is not UTF-8 text (byte 0xc3)"),
+             (good + "é".encode()[:1], "line 2 is not UTF-8 text (byte 0xc3)")]      # cut at the end
+    for data, why in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.files.create(file=("in.jsonl", data), purpose="batch")
+        assert e.value.status_code == 400 and e.value.body["param"] == "file", e.value.body
+        assert e.value.body["message"].startswith(why), (why, e.value.body)
+        assert "UTF-8" in e.value.body["message"] and "JSON Lines" in e.value.body["message"]
+    assert {p.name for p in files_dir.iterdir()} == before
+    assert not list((files_dir / ".incoming").iterdir())
+    assert len(list(c.files.list())) == n_files
+    # UTF-8 text split anywhere by the transfer, and a BOM, are text
+    text = "\ufeff" + "".join(json.dumps(chat_line(i, content="é" * 3000), ensure_ascii=False) + "\n"
+                               for i in range(3))
+    assert c.files.create(file=("ok.jsonl", text.encode()), purpose="batch").status == "processed"
+
+
 def test_oversize_uploads_are_refused_and_leave_nothing(api: Api) -> None:
     c = api.client()
     files_dir = Path(api.env["SPECBATCH_FILES_DIR"])

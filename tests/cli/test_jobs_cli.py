@@ -629,3 +629,41 @@ def test_run_resume_of_a_finished_job_prints_its_summary_without_torch(db_url):
     job_id, _ = make_job(db_url, results=2, failures=0, pending=0)
     out = _fresh_cli(db_url, ["run", "--resume", job_id, "--json"])
     assert out == ["0 None", f"job {job_id}: nothing left to run (completed); its summary follows", "[]"]
+
+
+def _job_with_steps(url: str, draft_steps: int, drafted: int, accepted: int, off: bool) -> str:
+    """Two completed requests of 40 steps each, ``draft_steps`` of them drafting (0.1 s a verify)."""
+    from specbatch.engine.types import GenerationOutput, GenerationStats
+
+    reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(2)]
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs, queue="sb.q1").id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids, "w1", 60, 3)
+        for i in ids:
+            st = GenerationStats(prompt_tokens=5, new_tokens=40 + accepted, verify_steps=40, draft_steps=draft_steps,
+                                 drafted_tokens=drafted, accepted_tokens=accepted, draft_seconds=0.1 * draft_steps,
+                                 verify_seconds=4.0, wall_seconds=4.0 + 0.1 * draft_steps,
+                                 speculation_disabled=off, batch_size_seconds={"2": 2.0})
+            store.record_result(s, i, GenerationOutput("out", list(range(40 + accepted)), "length", st), "w1")
+        store.refresh_job(s, job_id)
+    return job_id
+
+
+def test_status_says_in_numbers_why_speculation_was_switched_off(db_url):
+    """A job whose draft drafted on 5% of its steps showed 'speculated 5% of steps' and no reason."""
+    job_id = _job_with_steps(db_url, draft_steps=2, drafted=8, accepted=1, off=True)
+    out = " ".join(run("status", job_id).stdout.split())
+    assert ("speculation measured and switched off: drafted on 4 of 80 steps (5%); a drafted step emitted "
+            "1.50 tokens (acceptance 12%) at about 2.0x a plain step's cost; the draft-length controller "
+            "turned it off for 2 requests") in out, out
+    data = json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]
+    assert data == {"steps": 80, "drafted_steps": 4, "tokens_per_drafted_step": 1.5, "drafted_step_cost": 2.0,
+                    "switched_off_requests": 2}
+
+
+def test_status_says_why_a_draft_never_drafted(db_url):
+    job_id = _job_with_steps(db_url, draft_steps=0, drafted=0, accepted=0, off=False)
+    out = " ".join(run("status", job_id).stdout.split())
+    assert "speculation off: none of 80 steps drafted; plain batched steps were measured" in out, out
+    assert json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]["drafted_steps"] == 0

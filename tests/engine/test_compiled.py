@@ -654,3 +654,17 @@ def test_auto_weighs_only_what_the_requests_can_decode(tiny_models, monkeypatch,
     E.Engine.load(target, compile="auto", expected_new_tokens=[100_000, 5, context, 7], cache_dir=str(tmp_path))
     E.Engine.load(target, compile="auto", expected_new_tokens=100_000, cache_dir=str(tmp_path))   # a total: as given
     assert seen[-2:] == [12, 100_000]
+
+
+@pytest.mark.parametrize(("compile_", "message"), [("sometimes", "compile mode 'sometimes'"),
+                                                   (" ON ", "needs cache_dir")])
+def test_a_bad_compile_setting_fails_before_any_model_loads(compile_, message, monkeypatch):
+    """The mode was read (three times) only after the target and its drafts had loaded: minutes
+    of loading on a real pair before the error."""
+    import specbatch.engine.engine as engine_module
+
+    loads: list[str] = []
+    monkeypatch.setattr(engine_module, "load_model", lambda name, **_: loads.append(name))
+    with pytest.raises(ValueError, match=message):
+        Engine.load("some-target", ["some-draft"], compile=compile_)
+    assert loads == []

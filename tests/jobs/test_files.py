@@ -22,6 +22,22 @@ def test_tally_is_independent_of_chunking(size: int) -> None:
     assert (t.size, t.lines, t.longest_line, t.sha256) == (len(TEXT), 3, 9, hashlib.sha256(TEXT).hexdigest())
 
 
+def _tally(data: bytes, size: int) -> Tally:
+    t = Tally()
+    for i in range(0, len(data), size):
+        t.feed(data[i:i + size])
+    return t.close()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_utf8_split_by_the_chunks_is_text_and_the_first_bad_line_is_named(size: int) -> None:
+    good = '\ufeff{"a": "é€𝄞"}\n\n{"b": "ü"}\n'.encode()
+    assert _tally(good, size).not_text is None
+    assert _tally(good + b'{"c": "\xff"}\n{"d": "\0"}', size).not_text == "line 4 is not UTF-8 text (byte 0xff)"
+    assert _tally(good + b'{"d": "\0"}\n', size).not_text == "line 4 holds a NUL byte: binary data, not JSON text"
+    assert _tally(good + "€".encode()[:2], size).not_text == "line 4 is not UTF-8 text (byte 0xe2)"   # cut short
+
+
 def test_ids_never_become_paths(tmp_path) -> None:  # noqa: ANN001
     from specbatch.jobs.files import FileNotFound
 
