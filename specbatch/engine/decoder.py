@@ -259,6 +259,8 @@ class Decoder:
         self.drafts_behind |= prefill and not draft_prefill
         if prefilled:   # (the samples of a request each count the prefill they share)
             seconds = time.perf_counter() - t0
+            if self.prefixes is not None:
+                self.prefixes.observe(seconds, sum(len(f) for f in feeds))
             for r in new:   # (the prefill's time is the job's time too)
                 r.tally.prefill(seconds, draft_forwards)
                 r.tally.batch_share(len(self.rows) + len(new), seconds / len(new))
@@ -284,13 +286,14 @@ class Decoder:
                 cached = entry is not None
                 if entry is None:
                     entry = made[tuple(r.ids[:want])] = self._compute_prefix(r.ids[:want], drafts)
+                    store.observe(entry.seconds, len(entry.tokens))
                     r.tally.prefill(entry.seconds, sum(k is not None for k in entry.kv[1:]))
                     r.tally.batch_share(1, entry.seconds)     # a forward of one row
                     store.put(entry)
                     if self.memory is not None:
                         self.memory.reserved = store.nbytes
             if entry is not None and cached and b < n_joining:
-                r.tally.cached(len(entry.tokens), entry.seconds)
+                r.tally.cached(len(entry.tokens))
             found.append(entry)
         groups: dict[int, list[int]] = {}
         for b, e in enumerate(found):
@@ -369,6 +372,8 @@ class Decoder:
         verdicts = self._verify(trees, logits)
         self._logprobs(trees, raw, verdicts)
         t2 = time.perf_counter()
+        if with_prompts and self.prefixes is not None:     # a fresh batch's prefill: a rate too
+            self.prefixes.observe(t2 - t1, sum(len(p) for p in pending))
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
         self.cache.reject([[len(p) + j - 1 for j in range(1, t.n_nodes + 1) if j not in v.path]
                            for p, t, v in zip(pending, trees, verdicts)])
@@ -516,6 +521,8 @@ class Decoder:
             d.retire(staying)
         now = time.perf_counter()
         for r in finished:
+            if r.tally.stats.cached_prompt_tokens and self.prefixes is not None:
+                r.tally.saved(self.prefixes.saved(r.tally.stats.cached_prompt_tokens))
             s = r.tally.close(len(r.generated), r.ctl.gamma, r.ctl.ever_off, now - r.t_start)
             yield r.index, GenerationOutput(r.stop.final_text(r.generated), r.generated,
                                             r.finish or "length", s, r.logprobs)

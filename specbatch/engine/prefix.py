@@ -31,7 +31,7 @@ class PrefixEntry:
     tokens: tuple[int, ...]
     kv: tuple[PrefixKV | None, ...]
     models: tuple[str, ...]       # the pool it was computed with (target, drafters): a key part
-    seconds: float                # what computing it took: each later use saves about that
+    seconds: float                # what computing it took (the computing row's prefill time)
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +96,20 @@ class PrefixStore:
         self.nbytes = 0
         self.lengths: dict[int, int] = {}    # prefix length -> entries of that length
         self.evictions = 0
+        # the fastest prefill this worker measured, seconds a token: what a cached token saves
+        self.seconds_per_token: float | None = None
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        """A prefill of ``tokens`` tokens took ``seconds`` (a prefix computed, rows joining)."""
+        if tokens > 0 and seconds > 0:
+            rate = seconds / tokens
+            self.seconds_per_token = rate if self.seconds_per_token is None else min(self.seconds_per_token, rate)
+
+    def saved(self, tokens: int) -> float:
+        """What reading ``tokens`` cached tokens saved: their prefill at the fastest rate measured.
+        Not the time their prefix took to compute: that may be a cold first forward (a worker that
+        just started, a compile beside it), which would count tens of seconds for every later hit."""
+        return tokens * (self.seconds_per_token or 0.0)
 
     def longest(self, ids: Sequence[int], models: tuple[str, ...], limit: int) -> PrefixEntry | None:
         """The longest stored prefix of ``ids`` no longer than ``limit`` tokens, for this pool."""

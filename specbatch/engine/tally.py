@@ -27,10 +27,14 @@ class Tally:
         s.draft_forwards += draft_forwards
         s.verify_seconds += seconds
 
-    def cached(self, tokens: int, seconds_saved: float) -> None:
+    def cached(self, tokens: int) -> None:
         """The request's first ``tokens`` prompt tokens came from the prefix cache (engine/prefix.py)."""
         self.stats.cached_prompt_tokens = tokens
-        self.stats.prefill_seconds_saved = seconds_saved
+
+    def saved(self, seconds: float) -> None:
+        """What reading the cached tokens saved (``PrefixStore.saved``, when the request ends:
+        the store's rate by then is its best measure)."""
+        self.stats.prefill_seconds_saved = seconds
 
     def batch_share(self, rows: int, seconds: float) -> None:
         """The request's share of a forward over ``rows`` rows (job statistics: time by batch size)."""

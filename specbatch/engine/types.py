@@ -90,7 +90,7 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0       # of those, read from the prefix cache (not prefilled)
-    prefill_seconds_saved: float = 0.0  # what computing that prefix took: saved by reading it
+    prefill_seconds_saved: float = 0.0  # its prefill at the fastest rate measured (PrefixStore.saved)
     new_tokens: int = 0
     verify_steps: int = 0               # target forwards that verified a draft (or decoded plainly)
     draft_steps: int = 0                # verify steps that drafted at least one token (vLLM num_drafts)

@@ -295,3 +295,35 @@ def test_a_draft_neither_computes_nor_loads_prefixes_while_the_batch_decodes_pla
     assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in outs[False].items()}
     ref = dict(Engine(target).generate_many([EngineRequest(input_ids=p, params=params) for p in prompts], batch_size=1))
     assert {i: o.token_ids for i, o in outs[True].items()} == {i: o.token_ids for i, o in ref.items()}
+
+
+def test_a_cold_first_prefix_does_not_count_as_saved_by_every_later_hit(load, monkeypatch):
+    """A worker's first forward can be slow (just started, a compile beside it): the prefix it
+    computed then must not count those seconds again for each request that reads it. A hit saves
+    its tokens' prefill at the fastest rate the worker measured."""
+    target = load("llama")
+    prefix = corpus_ids(target, 40)
+    prompts = [prefix + [50 + i] + corpus_ids(target, 3, skip=400 + 7 * i) for i in range(6)]
+    compute = Decoder._compute_prefix
+    cold = 2.0
+
+    def slow_first(self, tokens, drafts):
+        entry = compute(self, tokens, drafts)
+        return PrefixEntry(entry.tokens, entry.kv, entry.models, entry.seconds + cold)   # as if it were cold
+
+    monkeypatch.setattr(Decoder, "_compute_prefix", slow_first)
+    engine = Engine(target, [])
+    reqs = [EngineRequest(input_ids=p, params=GenerationParams(max_new_tokens=4)) for p in prompts]
+    out = dict(engine.generate_many(reqs, batch_size=2))
+    hits = [o.stats for o in out.values() if o.stats.cached_prompt_tokens]
+    assert len(hits) == 5 and all(s.cached_prompt_tokens == 40 for s in hits)
+    assert all(0 < s.prefill_seconds_saved < cold for s in hits)
+
+
+def test_the_prefix_store_counts_a_hit_at_its_fastest_measured_rate():
+    store = PrefixStore(10**6)
+    assert store.saved(40) == 0.0                  # nothing measured yet
+    store.observe(20.0, 40)                        # a cold first prefix: 0.5 s a token
+    store.observe(0.3, 100)                        # rows joining later: 3 ms a token
+    store.observe(0.0, 0)                          # (nothing fed: no measure)
+    assert store.saved(40) == pytest.approx(0.12)
