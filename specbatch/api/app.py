@@ -30,7 +30,7 @@ MAX_JSON_BODY = 1 << 20
 
 def create_app(settings: Settings) -> FastAPI:
     from specbatch.api import batches, errors, files, health, metrics
-    from specbatch.api.auth import check_key, require_docs_key, require_key
+    from specbatch.api.auth import check_key, require_docs_key
     from specbatch.api.guard import Guard
     from specbatch.api.upload import FORM_OVERHEAD
     from specbatch.jobs.files import sweep_incoming
@@ -78,10 +78,11 @@ def create_app(settings: Settings) -> FastAPI:
                        check_key=lambda headers: check_key(headers, settings.api_key_list))
     app.add_middleware(health.HealthFirst, sb=sb)      # added last: the outermost, before Guard
 
-    keyed = [Depends(require_key)]
-    app.include_router(files.router, prefix="/v1", dependencies=keyed)
-    app.include_router(batches.router, prefix="/v1", dependencies=keyed)
-    app.include_router(metrics.router, dependencies=keyed)
+    # every route of these routers takes `caller: auth.Keyed` (the key and the state as one
+    # dependency); a router-level `Depends(require_key)` would be solved again beside it
+    app.include_router(files.router, prefix="/v1")
+    app.include_router(batches.router, prefix="/v1")
+    app.include_router(metrics.router)
     app.include_router(health.router)
     return app
 
