@@ -28,7 +28,7 @@ from specbatch.worker.submission import submit_job
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(tags=["batches"])
+router = APIRouter(prefix="/v1", tags=["batches"])
 
 
 class CreateBatch(BaseModel):

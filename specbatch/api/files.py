@@ -15,7 +15,7 @@ from specbatch.api.errors import ApiError
 from specbatch.api.responses import Object, answer
 from specbatch.jobs import batches, files
 
-router = APIRouter(tags=["files"])
+router = APIRouter(prefix="/v1", tags=["files"])
 
 
 def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
