@@ -17,7 +17,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.routing import APIRoute
 
 from specbatch.api.deps import AppState, Finalizer
 from specbatch.config import Settings, otel_traces_exporters
@@ -69,7 +70,7 @@ def create_app(settings: Settings) -> FastAPI:
     # request against a flat list's matching. Each router carries its own prefix and tags, and every
     # keyed route takes `caller: auth.Keyed` (the key and the state as one dependency: a router-level
     # `Depends(require_key)` would be solved again beside it). The hot routes come first.
-    for router in (files.router, batches.router, metrics.router, health.router):
+    for router in (keyed(files.router), keyed(batches.router), keyed(metrics.router), health.router):
         app.router.routes.extend(router.routes)
     # the schema lists every route and parameter: behind the key like the API itself, unless the
     # operator opens it (SPECBATCH_API_PUBLIC_DOCS=1, for a browser, which sends no bearer key)
@@ -85,6 +86,20 @@ def create_app(settings: Settings) -> FastAPI:
                        check_key=lambda headers: check_key(headers, settings.api_key_list))
     app.add_middleware(health.HealthFirst, sb=sb)      # added last: the outermost, before Guard
     return app
+
+
+def keyed(router: APIRouter) -> APIRouter:
+    """``router``, checked: every route of it takes ``auth.Keyed``. The key used to be the router's
+    own dependency, which no route could leave out; as each route's, one that forgot it would be
+    answered to anyone."""
+    from specbatch.api.auth import require_key
+
+    for route in router.routes:
+        calls = [d.call for d in route.dependant.dependencies] if isinstance(route, APIRoute) else []
+        if require_key not in calls:
+            raise AssertionError(f"route {getattr(route, 'path', route)!r} does not take `caller: Keyed`: "
+                                 "it would answer without the key")
+    return router
 
 
 def _telemetry_off() -> dict[str, Any]:
