@@ -2,9 +2,9 @@
 
 Routes are plain ``def`` where they touch the database (FastAPI runs them in its thread pool of
 ``SPECBATCH_API_THREADS``, each thread with a kept connection, so the event loop never waits on
-SQL); the upload is ``async`` because it streams the body; the key and state dependencies are
-``async`` so that they never queue for that pool, and ``GET /healthz`` is answered by
-``health.HealthFirst`` before the middleware and routing.
+SQL); the upload is ``async`` because it streams the body; a keyed route's one dependency
+(``auth.Keyed``: the key, the state and the tenant) is ``async`` so that it never queues for that
+pool, and ``GET /healthz`` is answered by ``health.HealthFirst`` before the middleware and routing.
 """
 
 from __future__ import annotations
