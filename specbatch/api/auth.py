@@ -18,6 +18,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from specbatch.api.deps import Caller
 from specbatch.api.errors import ApiError
 
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
@@ -69,14 +70,18 @@ def _authenticate(headers: Mapping[str, str], entries: tuple[str, ...]) -> tuple
     return None, tenant
 
 
-async def require_key(request: Request) -> str | None:
-    """FastAPI dependency: the request's tenant (None: sees every tenant), or a 401. Routes with a
-    body meet ``guard.Guard``'s check first. ``async`` though it never waits: a sync dependency
-    costs each request a hop through the thread pool (under load, a third of the server's time)."""
-    refusal, tenant = _authenticate(request.headers, request.app.state.sb.settings.api_key_list)
+async def require_key(request: Request) -> Caller:
+    """FastAPI dependency, the only one of a keyed route: the app's state and the request's tenant
+    (None: sees every tenant), or a 401. One dependency, not the key, the state and the tenant as
+    three: FastAPI solves each sub-dependency in full (its parameters, its cache key) on every
+    request, even one whose value it has cached, and three were a fifth of a list/retrieve's CPU.
+    Routes with a body meet ``guard.Guard``'s check first. ``async`` though it never waits: a sync
+    dependency costs each request a hop through the thread pool."""
+    sb = request.app.state.sb
+    refusal, tenant = _authenticate(request.headers, sb.settings.api_key_list)
     if refusal is not None:
         raise refusal
-    return tenant
+    return Caller(sb, tenant)
 
 
 async def require_docs_key(request: Request) -> None:
@@ -90,4 +95,5 @@ async def require_docs_key(request: Request) -> None:
         raise
 
 
-Tenant = Annotated[str | None, Depends(require_key)]
+Keyed = Annotated[Caller, Depends(require_key)]
+"""A keyed route's one dependency: ``def route(caller: Keyed)``, then ``caller.sb`` and ``caller.owner``."""

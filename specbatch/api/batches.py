@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from sqlalchemy import Connection
 
-from specbatch.api.auth import Tenant
-from specbatch.api.deps import AppState, State
+from specbatch.api.auth import Keyed
+from specbatch.api.deps import AppState
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
@@ -28,7 +28,7 @@ from specbatch.worker.submission import submit_job
 
 logger = logging.getLogger(__name__)
 
-router = APIRouter(tags=["batches"])
+router = APIRouter(prefix="/v1", tags=["batches"])
 
 
 class CreateBatch(BaseModel):
@@ -74,7 +74,8 @@ def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
 
 
 @router.post("/batches", response_model=Object)
-def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
+def create_batch(caller: Keyed, body: CreateBatch) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     if body.endpoint not in batches.ENDPOINTS:
         raise ApiError(400, f"endpoint must be one of {', '.join(batches.ENDPOINTS)} (got {body.endpoint!r})",
                        param="endpoint")
@@ -124,7 +125,8 @@ def create_batch(sb: State, body: CreateBatch, owner: Tenant) -> JSONResponse:
 
 
 @router.get("/batches", response_model=Object)
-def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
+def list_batches(caller: Keyed, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     def read(c: Connection) -> tuple[list[dict[str, Any]], list[str], bool]:
         pairs, more = batches.list_batches(c, limit=limit, after=after, owner=owner)
         return *_read(sb, c, [b for b, _ in pairs], {j.id: j for _, j in pairs if j is not None}), more
@@ -138,22 +140,25 @@ def list_batches(sb: State, owner: Tenant, limit: int = Query(20, ge=1, le=100),
 
 
 @router.get("/batches/{batch_id}", response_model=Object)
-def retrieve_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+def retrieve_batch(caller: Keyed, batch_id: str) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     return answer(_object(sb, batch_id, owner))
 
 
 @router.post("/batches/{batch_id}/cancel", response_model=Object)
-def cancel_batch(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+def cancel_batch(caller: Keyed, batch_id: str) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     with sb.factory.begin() as s:
         batches.cancel(s, batch_id, owner)
     return answer(_object(sb, batch_id, owner))
 
 
 @router.get("/batches/{batch_id}/stats", response_model=Object)
-def batch_stats(sb: State, batch_id: str, owner: Tenant) -> JSONResponse:
+def batch_stats(caller: Keyed, batch_id: str) -> JSONResponse:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
     from specbatch.jobs import store
 
+    sb, owner = caller.sb, caller.owner
     with sb.reader.begin() as s:
         batch = batches.get_batch(s, batch_id, owner)
         if batch.job_id is None:

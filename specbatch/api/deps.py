@@ -1,7 +1,8 @@
 """What routes share, given through ``Depends``: the app's settings, sessions and background
 finalizer (FastAPI, "Bigger Applications": shared dependencies in their own module).
 
-``create_app`` (api/app.py) builds one ``AppState`` per app; routes take it as ``sb: State``.
+``create_app`` (api/app.py) builds one ``AppState`` per app; a keyed route takes it with its tenant as
+``caller: auth.Keyed`` (one dependency), a public one as ``sb: State``.
 """
 
 from __future__ import annotations
@@ -122,6 +123,13 @@ class AppState:
                         type(e.orig).__name__)
         with self.reads.connect() as c:
             return fn(c)
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What a keyed route is given (``auth.Keyed``): the app's state and the key's tenant."""
+    sb: AppState
+    owner: str | None       # the tenant; None: an admin key, or no keys: sees every tenant
 
 
 async def app_state(request: Request) -> AppState:

@@ -9,13 +9,13 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
 
 from specbatch.api import upload
-from specbatch.api.auth import Tenant
-from specbatch.api.deps import AppState, State
+from specbatch.api.auth import Keyed
+from specbatch.api.deps import AppState
 from specbatch.api.errors import ApiError
 from specbatch.api.responses import Object, answer
 from specbatch.jobs import batches, files
 
-router = APIRouter(tags=["files"])
+router = APIRouter(prefix="/v1", tags=["files"])
 
 
 def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
@@ -38,7 +38,8 @@ def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dic
 
 
 @router.post("/files", response_model=Object)
-async def create_file(request: Request, sb: State, owner: Tenant) -> JSONResponse:
+async def create_file(request: Request, caller: Keyed) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     with files.incoming(sb.settings) as tmp:
         form = await upload.receive(request, tmp, sb.settings)
         purpose = form.fields.get("purpose")
@@ -53,20 +54,23 @@ async def create_file(request: Request, sb: State, owner: Tenant) -> JSONRespons
 
 
 @router.get("/files", response_model=Object)
-def list_files(sb: State, owner: Tenant, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+def list_files(caller: Keyed, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     rows, more = sb.read(lambda c: files.list_files(c, limit=limit, after=after, purpose=purpose, order=order,
                                                     owner=owner))
     return answer(page([files.file_object(f) for f in rows], more))
 
 
 @router.get("/files/{file_id}", response_model=Object)
-def retrieve_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
+def retrieve_file(caller: Keyed, file_id: str) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     return answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner))))
 
 
 @router.get("/files/{file_id}/content")
-def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
+def file_content(caller: Keyed, file_id: str) -> FileResponse:
+    sb, owner = caller.sb, caller.owner
     filename = sb.read(lambda c: files.read_file(c, file_id, owner)).filename
     path = files.file_path(sb.settings, file_id)
     if not path.exists():
@@ -76,7 +80,8 @@ def file_content(sb: State, file_id: str, owner: Tenant) -> FileResponse:
 
 
 @router.delete("/files/{file_id}", response_model=Object)
-def delete_file(sb: State, file_id: str, owner: Tenant) -> JSONResponse:
+def delete_file(caller: Keyed, file_id: str) -> JSONResponse:
+    sb, owner = caller.sb, caller.owner
     with sb.factory.begin() as s:
         files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
         if live := batches.live_batches_of_file(s, file_id):

@@ -46,6 +46,10 @@ def url_refusal(scope: Scope) -> ApiError | None:
         return ApiError(400, "the URL path holds a control character (such as NUL); no id contains one",
                         param="id", code="invalid_url")
     query = scope.get("query_string", b"").decode("latin-1")
+    if "%" not in query and not _control(query):
+        # decoding can make a control character only out of a %-escape: nothing to parse (the
+        # parse was ~10 us of every list request's CPU)
+        return None
     for name, value in parse_qsl(query, keep_blank_values=True):
         if _control(name) or _control(value):
             param = None if _control(name) else name

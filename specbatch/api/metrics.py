@@ -29,7 +29,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from specbatch.api.deps import State
+from specbatch.api.auth import Keyed
 from specbatch.config import Settings
 from specbatch.db.models import Job, JobStatus, RequestStatus, Result
 from specbatch.db.models import Request as RequestRow
@@ -150,7 +150,8 @@ def registry_for(settings: Settings, reader: sessionmaker) -> CollectorRegistry:
 
 
 @router.get("/metrics")
-def metrics(request: Request, sb: State) -> Response:
+def metrics(request: Request, caller: Keyed) -> Response:
+    sb = caller.sb
     registry = getattr(request.app.state, "registry", None)
     if registry is None:
         registry = request.app.state.registry = registry_for(sb.settings, sb.reader)

@@ -342,3 +342,22 @@ def test_the_first_round_of_health_checks_runs_as_the_app_starts(tmp_path: Path)
     with TestClient(app):
         assert wait_for(lambda: app.state.sb.probe.answer, 30, "the first round of health checks") == {
             "database": "ok", "broker": "ok"}
+
+
+def test_a_keyed_router_refuses_a_route_that_does_not_take_the_key() -> None:
+    """The key is each keyed route's own dependency (``auth.Keyed``), no longer its router's: a route
+    that left it out would answer anyone. ``create_app`` checks every route of the keyed routers."""
+    from fastapi import APIRouter
+
+    from specbatch.api import batches, files, metrics
+    from specbatch.api.app import keyed
+
+    for router in (files.router, batches.router, metrics.router):
+        assert keyed(router) is router
+    router = APIRouter(prefix="/v1")
+
+    @router.get("/things")
+    def things() -> None: ...
+
+    with pytest.raises(AssertionError, match="/v1/things"):
+        keyed(router)
