@@ -41,9 +41,9 @@ PROCESSOR_KEYS = ("presence_penalty", "frequency_penalty", "repetition_penalty",
 # samples per line (GenerationParams.n): stored in a request's params only when given
 SAMPLE_KEYS = ("n",)
 MAX_TOKENS_KEYS = ("max_tokens", "max_new_tokens", "max_completion_tokens")
-LINE_KEYS = ("custom_id", "prompt", "messages", "max_tokens", "max_new_tokens", "temperature", "top_p",
+LINE_KEYS = ("custom_id", "prompt", "messages", *MAX_TOKENS_KEYS, "temperature", "top_p",
              "top_k", "seed", "stop", *PROCESSOR_KEYS, *SAMPLE_KEYS, "logprobs", "top_logprobs",
-             *structured.FIELDS)
+             "model", "metadata", *structured.FIELDS)
 BATCH_KEYS = ("custom_id", "method", "url", "body")
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}   # url -> the line kind it runs
 ROLES = openai_fields.ROLES
@@ -97,7 +97,7 @@ class ParsedFile:
         others = {k: n for k, n in self.models.items() if k != target}   # naming the target is no surprise
         if others and self.model_map is None:
             listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(others.items()))
-            out.append(f"body.model is ignored without --model-map: {listed}; every request runs on {target}")
+            out.append(f"model is ignored without --model-map: {listed}; every request runs on {target}")
         return out
 
 
@@ -354,7 +354,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     ``noop``, the accepted fields that cannot change the text."""
     problems: list[tuple[str | None, str]] = []
     noop: set[str] = set()
-    model = metadata = route = None
+    route = None
     if any(k in obj for k in ("method", "url", "body")):      # an OpenAI Batch API line
         problems += _unknown(obj, BATCH_KEYS, "")
         if obj.get("method", "POST") != "POST":
@@ -369,19 +369,6 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
                              if "body" in obj else "is required"))
             raise _Problems(problems)
         problems += _check_body(body, kind, noop)
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            problems.append(("body.model", f"must be a string, got {json_type(model)}"))
-            model = None
-        if model_map is not None and model is not None:
-            route = model_map.get(model)
-            if route is None:
-                problems.append(("body.model", f"{json.dumps(model)} is not in --model-map (mapped: "
-                                               f"{', '.join(sorted(model_map))})"))
-        metadata, more = _check_metadata(body.get("metadata"), "body.metadata")
-        problems += more
-        if "metadata" in body:
-            noop.add("metadata")
         fields_, prefix = body, "body."
         has_prompt = kind != "chat" and "prompt" in body        # the other URL's key: refused above
         has_messages = kind != "completion" and "messages" in body
@@ -393,6 +380,20 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         problems += _unknown(obj, LINE_KEYS, "")
         fields_, prefix = obj, ""
         has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    # model and metadata, as OpenAI's body has them: a native line may give them too
+    model = fields_.get("model")
+    if model is not None and not isinstance(model, str):
+        problems.append((prefix + "model", f"must be a string, got {json_type(model)}"))
+        model = None
+    if model_map is not None and model is not None:
+        route = model_map.get(model)
+        if route is None:
+            problems.append((prefix + "model", f"{json.dumps(model)} is not in --model-map (mapped: "
+                                               f"{', '.join(sorted(model_map))})"))
+    metadata, more = _check_metadata(fields_.get("metadata"), prefix + "metadata")
+    problems += more
+    if "metadata" in fields_:
+        noop.add("metadata")
     if has_prompt and has_messages:
         problems.append((prefix + "prompt", "give \"prompt\" or \"messages\", not both"))
     elif not has_prompt and not has_messages and not prefix:
@@ -747,7 +748,7 @@ def read_file(path: str | Path, defaults: dict[str, Any] | None, settings: Setti
               model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None,
               vocab_of: Callable[[str | None], int | None] | None = None) -> ParsedFile:
     """Every request of a JSONL prompt file with the job's warnings, or IntakeError listing every
-    problem found. ``model_map`` (from parse_model_map) routes OpenAI lines by body.model;
+    problem found. ``model_map`` (from parse_model_map) routes lines by their model (body.model);
     ``limits`` refuses a line whose prompt and max_new_tokens exceed its pair's context;
     ``vocab_of(route target)`` (None: the job's target) a logit_bias key outside the vocabulary
     (``vocab_lookup``; an unknown size is left to ``check_token_ids`` or the worker)."""

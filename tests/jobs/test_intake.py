@@ -15,7 +15,7 @@ from specbatch.errors import IntakeError
 from specbatch.jobs import intake, store
 
 BOM = b"\xef\xbb\xbf"
-KNOWN_LINE_KEYS = "custom_id, prompt, messages, max_tokens, max_new_tokens, temperature, top_p, top_k, seed, stop"
+KNOWN_LINE_KEYS = "custom_id, prompt, messages, max_tokens, max_new_tokens, max_completion_tokens, temperature, top_p, top_k, seed, stop"
 
 
 def submit(settings: Settings, path: Path | str, defaults: dict | None = None) -> str:
@@ -375,3 +375,21 @@ def test_temperature_is_openais_range_everywhere_params_are_checked() -> None:
     for command in (["generate", "--prompt", "x"], ["run", "nothing.jsonl"]):
         result = CliRunner().invoke(cli, [*command, "--temperature", "5"])
         assert result.exit_code == 2 and "--temperature" in result.output, result.output
+
+
+def test_a_native_line_takes_the_openai_aliases_model_and_metadata(tmp_path):
+    """README's per-line parameters name ``max_completion_tokens`` an alias, and ``model`` and
+    ``metadata`` as supported: a native line takes them as an OpenAI body does."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="a", prompt="x", max_completion_tokens=7, model="small", metadata={"k": "v"})
+                     + L(custom_id="b", messages=[{"role": "user", "content": "y"}], model="big"))
+    settings = Settings(database_url="sqlite://")
+    parsed = intake.read_file(path, None, settings, model_map={"small": ("t1", ["d1"]), "big": ("t2", [])})
+    a, b = parsed.requests
+    assert a.params["max_new_tokens"] == 7 and a.metadata == {"k": "v"} and a.model == "small"
+    assert (a.target, a.drafts, b.target, b.drafts) == ("t1", ["d1"], "t2", [])
+    path.write_bytes(L(prompt="x", model=3, metadata={"k": 1}, max_tokens=4, max_completion_tokens=5))
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, None, settings)
+    fields = {err.field for err in e.value.errors}
+    assert {"model", "metadata.k", "max_completion_tokens"} <= fields, fields

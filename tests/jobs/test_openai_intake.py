@@ -108,10 +108,10 @@ def test_the_guides_input_lines():
     assert (r1.model, r3.model, r1.target) == ("gpt-3.5-turbo-0125", "gpt-4o-mini", None)
     assert got.noop_fields == {}
     assert got.warnings("smollm2-135m") == [
-        "body.model is ignored without --model-map: gpt-3.5-turbo-0125 (2 lines), gpt-4o-mini (1 line); "
+        "model is ignored without --model-map: gpt-3.5-turbo-0125 (2 lines), gpt-4o-mini (1 line); "
         "every request runs on smollm2-135m"]
     assert got.warnings("gpt-4o-mini") == [          # a line naming the target itself is no surprise
-        "body.model is ignored without --model-map: gpt-3.5-turbo-0125 (2 lines); every request runs on gpt-4o-mini"]
+        "model is ignored without --model-map: gpt-3.5-turbo-0125 (2 lines); every request runs on gpt-4o-mini"]
 
 
 def test_the_line_model_accepts_the_guides_output_lines():
