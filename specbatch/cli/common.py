@@ -75,9 +75,17 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
             click.echo(f"worker {w.name} is starting for queue {queue} ({w.state}); "
                        "tasks wait in the queue until it consumes", err=True)
         elif states and w.state and not w.state.startswith("ready"):
-            click.echo(f"worker {w.name}: {w.state}", err=True)
+            click.echo(f"worker {w.name}: {worker_state(w.state)}", err=True)
     if not workers:
         warn(f"no live worker consumes queue {queue}: {advice}")
+
+
+def worker_state(state: str) -> str:
+    """A worker's state for people: "eager: WHY" (the engine's word for not compiled) reads as
+    decoding, which is what the worker does."""
+    if state.startswith("eager: "):
+        return f"decoding, not compiled ({state.removeprefix('eager: ')})"
+    return state
 
 
 class FiniteFloatRange(click.FloatRange):
