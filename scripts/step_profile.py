@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--reference", action="store_true",
+                    help="compare the last pass's outputs with the target alone (HF generate, one prompt at a time)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -64,6 +66,7 @@ def main() -> None:
         return outs, time.perf_counter() - t0
 
     once(jobs[:2])
+    outs: list[list[int]] = []
     for r in range(a.repeats):
         load0 = os.getloadavg()[0]
         outs, seconds = once(jobs)
@@ -72,8 +75,25 @@ def main() -> None:
         print("RESULT " + json.dumps({"repeat": r, "tokens": tokens, "seconds": round(seconds, 2),
                                       "tok_s": round(tokens / seconds, 2), "load0": round(load0, 2),
                                       "load1": round(os.getloadavg()[0], 2), "outputs": digest}), flush=True)
+    if a.reference:
+        _reference(target, jobs, outs)
     if a.profile:
         _profile(lambda: once(jobs), target, breakdown, a.top)
+
+
+def _reference(target: Any, jobs: list[tuple[list[int], int]], outs: list[list[int]]) -> None:
+    """Each output against the target's own greedy decoding, cut at EOS (as bench --job compares)."""
+    from specbatch.bench.runners import HFRunner, cut_at_eos
+
+    hf = HFRunner(target)
+    eos = target.eos_token_ids
+    differ = []
+    for i, ((x, n), got) in enumerate(zip(jobs, outs)):
+        ref = cut_at_eos(hf.batch([x], n)[0][0], eos)[:n]
+        if cut_at_eos(got, eos)[:n] != ref:
+            differ.append(i)
+    print("REFERENCE " + json.dumps({"requests": len(jobs), "identical": len(jobs) - len(differ), "differ": differ}),
+          flush=True)
 
 
 def _profile(run: Any, target: Any, breakdown: Any, top: int) -> None:
@@ -95,7 +115,7 @@ def _profile(run: Any, target: Any, breakdown: Any, top: int) -> None:
     print(f"PROFILE wall {wall:.1f}s, {forwards} embedding calls (target + draft forwards)")
     for b in breakdown.BUCKETS:
         print(f"  {b:22s} {seconds.get(b, 0):7.2f}s {seconds.get(b, 0) / wall:5.1%}")
-    for b in ("cache_management", "elementwise"):
+    for b in ("cache_management", "elementwise", "attention", "head_and_sampling"):
         by_op: dict[str, float] = {}
         for s, _, k, _ in per_bucket.get(b, []):
             by_op[k] = by_op.get(k, 0) + s

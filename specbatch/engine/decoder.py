@@ -268,6 +268,9 @@ class Decoder:
         self.drafts_behind |= prefill and not draft_prefill
         if forwards:    # (the samples of a request each count the prefill they share)
             seconds = time.perf_counter() - t0
+            if not self.rows:   # a fresh batch's prompts, which its first step caches otherwise:
+                # the policy learns what a prefill costs (the autopilot prices a draft's catch-up so)
+                self.policy.observe(StepReport(len(new), 0, 0, 0, 0.0, seconds, True))
             for r in new:   # (the prefill's time is the job's time too)
                 r.tally.prefill(seconds, draft_forwards)
                 r.tally.batch_share(len(self.rows) + len(new), seconds / len(new))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specbatch.engine import drafters
+from specbatch.engine.autopilot import Autopilot, AutopilotPolicy
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.decoder import Decoder
 from specbatch.engine.drafters import ModelDrafter
@@ -118,3 +119,16 @@ def test_a_draft_model_prefills_in_runs_too(load, monkeypatch):
         assert got[i].token_ids == greedy(target, p, n), i
     # (a proposal's catch-up feeds up to gamma + 1 tokens a row: a few pads)
     assert max(RecordingDraft.pads) <= 40, RecordingDraft.pads
+
+
+def test_a_fresh_batch_prefilled_at_admission_still_tells_the_autopilot_its_cost(load):
+    """Where its first step no longer caches the prompts (they came in runs), the admission
+    reports the prefill: the autopilot prices a speculation trial's draft catch-up from it (unpriced,
+    it started one at once on the default job). A guard for the seam moved, so it passes on main."""
+    target = load("llama")
+    prompts = [corpus_ids(target, n, skip=37 * i) for i, n in enumerate(LENGTHS)]
+    pilot = Autopilot(speculation=False)
+    decoder = Decoder(target, [], AutopilotPolicy(limit=8, pilot=pilot))
+    with torch.inference_mode():
+        dict(decoder.run([(i, p, GenerationParams(max_new_tokens=2)) for i, p in enumerate(prompts)]))
+    assert pilot.prefill_per_row is not None and pilot.prefill_seconds > 0
