@@ -226,8 +226,9 @@ class Decoder:
             d.retire(staying)
         return out
 
-    # -- admission: a fresh batch caches its prompts in its first step; rows joining a running
-    #    batch cache theirs (all but the last token) in a forward of their own, then merge
+    # -- admission: a fresh batch caches its prompts in its first step (unless they would pad
+    #    it: then as joining rows do); rows joining a running batch cache theirs (all but the
+    #    last token) in forwards of their own, rows of similar length together, then merge
     #    (resumed rows alike: their ids are prompt + what they generated so far)
     def _admit(self, arrivals: list[Request], resuming: Sequence[Row] = ()) -> None:
         now = time.perf_counter()
