@@ -32,6 +32,7 @@ from specbatch.engine.grammar import Matcher, vocab_for
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, draft_width, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
+from specbatch.engine.prefill import length_runs, prefilled
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Verdict, Warp
@@ -225,8 +226,9 @@ class Decoder:
             d.retire(staying)
         return out
 
-    # -- admission: a fresh batch caches its prompts in its first step; rows joining a running
-    #    batch cache theirs (all but the last token) in a forward of their own, then merge
+    # -- admission: a fresh batch caches its prompts in its first step (unless they would pad
+    #    it: then as joining rows do); rows joining a running batch cache theirs (all but the
+    #    last token) in forwards of their own, rows of similar length together, then merge
     #    (resumed rows alike: their ids are prompt + what they generated so far)
     def _admit(self, arrivals: list[Request], resuming: Sequence[Row] = ()) -> None:
         now = time.perf_counter()
@@ -240,15 +242,23 @@ class Decoder:
         # samples of one request joining together: one prefill (after their shared prefix, if
         # one is stored), forked to their rows
         resumed = {id(r) for r in resuming}
-        src = _fork_sources([None if id(r) in resumed else self.forks.get(r.index, r.index) for r in new])
+        keys = [None if id(r) in resumed else self.forks.get(r.index, r.index) for r in new]
+        # the distinct prompts shortest first, each request's samples after it: the prefill
+        # runs over rows of similar length (engine/prefill.py), not one forward padded to the longest
+        new, entries, keys = _by_length(new, entries, keys)
+        src = _fork_sources(keys)
         reps = [src.index(u) for u in range(max(src, default=-1) + 1)]
         shared = len(reps) < len(src)
-        prefill = bool(self.rows) or shared       # (a fresh batch would cache each row's prompt)
-        cache = joining(self.backend, [None if (e := entries[b]) is None else e.kv[0] for b in reps])
-        feeds = [new[b].ids[int(m):-1] for b, m in zip(reps, cache.n_valid.tolist())]
-        prefilled = prefill and any(feeds)        # (one-token prompts have nothing to cache yet)
-        if prefilled:
-            cache.forward(feeds, logits_to_keep=1)
+        fed = [len(new[b].ids) - 1 - (0 if (e := entries[b]) is None else len(e.tokens)) for b in reps]
+        runs = length_runs(fed)
+        # (a fresh batch caches each row's prompt in its first step, unless pads would waste it)
+        prefill = bool(self.rows) or shared or len(runs) > 1
+        prefixes = [None if (e := entries[b]) is None else e.kv[0] for b in reps]
+        forwards = 0
+        if prefill:
+            cache, forwards = prefilled(self.backend, prefixes, [new[b].ids for b in reps], runs)
+        else:
+            cache = joining(self.backend, prefixes)
         if shared:
             cache.fork(src)
         self.cache.extend(cache)
@@ -257,10 +267,13 @@ class Decoder:
                                                           for e in entries])
                              for j, d in enumerate(self.drafters))
         self.drafts_behind |= prefill and not draft_prefill
-        if prefilled:   # (the samples of a request each count the prefill they share)
+        if forwards:    # (the samples of a request each count the prefill they share)
             seconds = time.perf_counter() - t0
-            if self.prefixes is not None:
-                self.prefixes.observe(seconds, sum(len(f) for f in feeds))
+            if self.prefixes is not None:     # a prefill's rate: what a cached token saves
+                self.prefixes.observe(seconds, sum(fed))
+            if not self.rows:   # a fresh batch's prompts, which its first step caches otherwise:
+                # the policy learns what a prefill costs (the autopilot prices a draft's catch-up so)
+                self.policy.observe(StepReport(len(new), 0, 0, 0, 0.0, seconds, True))
             for r in new:   # (the prefill's time is the job's time too)
                 r.tally.prefill(seconds, draft_forwards)
                 r.tally.batch_share(len(self.rows) + len(new), seconds / len(new))
@@ -538,6 +551,23 @@ def _refill(alive: Sequence[bool]) -> list[int]:
     for place, src in zip([i for i in range(kept) if not alive[i]], movers, strict=True):
         order[place] = src
     return order
+
+
+def _by_length(rows: list[Row], entries: list[PrefixEntry | None], keys: list[int | None]
+               ) -> tuple[list[Row], list[PrefixEntry | None], list[int | None]]:
+    """Joining rows reordered: each distinct prompt (key; None: a row of its own) by the length
+    it has to feed after its prefix, shortest first (a stable sort), its other rows (a request's
+    samples) right after it."""
+    def feed(b: int) -> int:
+        return len(rows[b].ids) - (0 if (e := entries[b]) is None else len(e.tokens))
+
+    first: dict[int, int] = {}          # key -> its first row
+    groups: dict[int, list[int]] = {}   # first row -> its rows
+    for b, k in enumerate(keys):
+        lead = b if k is None else first.setdefault(k, b)
+        groups.setdefault(lead, []).append(b)
+    order = [b for lead in sorted(groups, key=feed) for b in groups[lead]]
+    return [rows[b] for b in order], [entries[b] for b in order], [keys[b] for b in order]
 
 
 def _fork_sources(keys: Sequence[int | None]) -> list[int]:

@@ -18,6 +18,7 @@ from specbatch.engine.backend import PrefixKV, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
+from specbatch.engine.prefill import length_runs, prefilled
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Warp
 
@@ -162,11 +163,16 @@ class ModelDrafter(Drafter):
         first: dict[tuple[tuple[int, ...], int], int] = {}
         src = [first.setdefault((tuple(r.ids), id(p)), len(first)) for r, p in zip(rows, prefixes)]
         reps = [src.index(u) for u in range(len(first))]
-        cache = joining(lambda n: BatchCache(self.draft, n), [prefixes[b] for b in reps])
-        feeds = [rows[b].ids[int(m):-1] for b, m in zip(reps, cache.n_valid.tolist())]
-        forwards = int(prefill and any(feeds))
-        if forwards:
-            cache.forward(feeds, logits_to_keep=1)
+        def factory(n: int) -> BatchCache:
+            return BatchCache(self.draft, n)
+
+        forwards = 0
+        if prefill:   # (runs of similar length, engine/prefill.py: the decoder sorted the rows so)
+            runs = length_runs([len(rows[b].ids) - 1 - (0 if (p := prefixes[b]) is None else p.n_tokens)
+                                for b in reps])
+            cache, forwards = prefilled(factory, [prefixes[b] for b in reps], [rows[b].ids for b in reps], runs)
+        else:
+            cache = joining(factory, [prefixes[b] for b in reps])
         assert isinstance(cache, BatchCache)
         if len(reps) < len(rows):
             cache.fork(src)

@@ -163,11 +163,9 @@ def test_forked_rows_over_a_second_backend(toy_target, batch):
     """Samples of one request (rows 0-3 fork from row 0, rows 5-6 from row 5): one prefill each
     group, forked by the backend, and every row still the toy target's greedy text."""
     made: list[ToyBackend] = []
-    sizes: list[int] = []
 
     def factory(n: int) -> TargetBackend:
         made.append(ToyBackend(n))
-        sizes.append(n)
         return made[-1]
 
     decoder = Decoder(toy_target, [NoisyOracle()], MeasuredPolicy(batch, {}), default_gamma=3, backend=factory)
@@ -178,8 +176,9 @@ def test_forked_rows_over_a_second_backend(toy_target, batch):
         out = dict(decoder.run([(i, list(p), params) for i, p in enumerate(prompts)], forks=forks))
     for i, p in enumerate(prompts):
         assert out[i].token_ids == toy_greedy(p, 12), (batch, i)
-    if batch == 8:   # all joined at once: three distinct prompts prefilled in one forward, then forked
-        assert sizes[:2] == [0, 3] and made[1].forwards == 1
+    if batch == 8:   # all joined at once: three distinct prompts prefilled in one forward (lengths
+        # close enough for one run, engine/prefill.py), then forked; made[0] is the batch's backend
+        assert sum(len(m.feeds) for m in made[1:]) == 3 and sum(m.forwards for m in made[1:]) == 1
 
 
 @pytest.mark.parametrize("batch", [1, 3])

@@ -1,0 +1,131 @@
+"""A job file through ``Engine.generate_many`` in one process: tokens/s, or where the time goes.
+
+    PYTHONPATH=TREE python scripts/step_profile.py examples/job-mixed-48.jsonl --batch auto --threads 1
+    PYTHONPATH=TREE python scripts/step_profile.py FILE --batch 32 --plain --profile   # buckets + top ops
+
+Loads the default pair once (as ``specbatch bench --job`` does), decodes the file once untimed (a
+warm-up of 2 requests first), then ``--repeats`` timed passes, printing one ``RESULT`` JSON line per
+pass (new tokens, seconds, tokens/s, the 1-minute load average before and after, and a digest of
+the outputs, so two trees' runs can be compared token for token). ``--profile``: one more pass
+under ``torch.profiler`` with bench/breakdown.py's buckets, and the operators of the cache and
+element-wise buckets by self time with their input shapes. For the Python callers, run the timed
+mode under py-spy (``py-spy record -r 50 -f raw -o prof.txt -- python scripts/step_profile.py ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("file")
+    ap.add_argument("--batch", default="auto", help="auto or a fixed batch size")
+    ap.add_argument("--plain", action="store_true", help="the target alone (no draft)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--reference", action="store_true",
+                    help="compare the last pass's outputs with the target alone (HF generate, one prompt at a time)")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from specbatch.bench import breakdown
+    from specbatch.config import Settings
+    from specbatch.engine import Engine, EngineRequest, GenerationParams
+    from specbatch.engine.loading import load_model
+    from specbatch.jobs import intake
+
+    settings = Settings.from_env()
+    kw: dict[str, Any] = {"device": "cpu", "dtype": "float32", "cache_dir": settings.cache_dir or None}
+    target = load_model(settings.default_target, **kw)
+    draft = load_model(settings.default_draft, **kw, loaded=[target])
+    parsed = intake.parse_file(a.file, None, settings)
+    enc = Engine(target)
+    jobs = [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
+    size: int | str = a.batch if a.batch == "auto" else int(a.batch)
+
+    def once(items: list[tuple[list[int], int]]) -> tuple[list[list[int]], float]:
+        engine = Engine(target, [] if a.plain else [draft], batch_size=size)
+        reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n)) for x, n in items]
+        outs: list[list[int]] = [[] for _ in reqs]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i, out in engine.generate_many(reqs):
+                if isinstance(out, Exception):
+                    raise RuntimeError(f"request {i}: {out}")
+                outs[i] = list(out.token_ids)
+        return outs, time.perf_counter() - t0
+
+    once(jobs[:2])
+    outs: list[list[int]] = []
+    for r in range(a.repeats):
+        load0 = os.getloadavg()[0]
+        outs, seconds = once(jobs)
+        tokens = sum(len(o) for o in outs)
+        digest = hashlib.sha256(json.dumps(outs).encode()).hexdigest()[:16]
+        print("RESULT " + json.dumps({"repeat": r, "tokens": tokens, "seconds": round(seconds, 2),
+                                      "tok_s": round(tokens / seconds, 2), "load0": round(load0, 2),
+                                      "load1": round(os.getloadavg()[0], 2), "outputs": digest}), flush=True)
+    if a.reference:
+        _reference(target, jobs, outs)
+    if a.profile:
+        _profile(lambda: once(jobs), target, breakdown, a.top)
+
+
+def _reference(target: Any, jobs: list[tuple[list[int], int]], outs: list[list[int]]) -> None:
+    """Each output against the target's own greedy decoding, cut at EOS (as bench --job compares)."""
+    from specbatch.bench.runners import HFRunner, cut_at_eos
+
+    hf = HFRunner(target)
+    eos = target.eos_token_ids
+    differ = []
+    for i, ((x, n), got) in enumerate(zip(jobs, outs)):
+        ref = cut_at_eos(hf.batch([x], n)[0][0], eos)[:n]
+        if cut_at_eos(got, eos)[:n] != ref:
+            differ.append(i)
+    print("REFERENCE " + json.dumps({"requests": len(jobs), "identical": len(jobs) - len(differ), "differ": differ}),
+          flush=True)
+
+
+def _profile(run: Any, target: Any, breakdown: Any, top: int) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        run()
+        wall = time.perf_counter() - t0
+    forwards = sum(e.count for e in prof.key_averages() if e.key == "aten::embedding")
+    per_bucket: dict[str, list[tuple[float, int, str, str]]] = {}
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key.startswith(("aten::", "quantized::")):
+            b = breakdown._bucket(e.key, list(e.input_shapes or []), target.vocab_size)
+            per_bucket.setdefault(b, []).append((e.self_cpu_time_total / 1e6, e.count, e.key,
+                                                 str(e.input_shapes)[:110]))
+    seconds = {b: sum(x[0] for x in v) for b, v in per_bucket.items()}
+    seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))
+    print(f"PROFILE wall {wall:.1f}s, {forwards} embedding calls (target + draft forwards)")
+    for b in breakdown.BUCKETS:
+        print(f"  {b:22s} {seconds.get(b, 0):7.2f}s {seconds.get(b, 0) / wall:5.1%}")
+    for b in ("cache_management", "elementwise", "attention", "head_and_sampling"):
+        by_op: dict[str, float] = {}
+        for s, _, k, _ in per_bucket.get(b, []):
+            by_op[k] = by_op.get(k, 0) + s
+        print(f"{b}: by operator")
+        for k, s in sorted(by_op.items(), key=lambda x: -x[1])[:top]:
+            print(f"  {s:7.2f}s {k}")
+        print(f"{b}: by operator and shapes")
+        for s, n, k, shapes in sorted(per_bucket.get(b, []), reverse=True)[:top]:
+            print(f"  {s:7.2f}s {n:6d}x {k} {shapes}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Prompts cached in forwards of rows of similar length, not one forward padded to the longest.
+
+A batched forward left-pads every row to the longest feed: rows of 10 and of 117 prompt tokens in
+one forward cost 2 x 117 positions of GEMMs, element-wise work and attention. The default job's
+first batch (32 prompts of 8-117 tokens after their shared prefix) spent 60% of its prefill, a
+quarter of the whole job, on pad positions (docs/bench/report-job-default-pair.md, "Where a
+step's time goes"). Here the joining rows are cut into runs of similar length, each prefilled in
+a forward of its own, and the runs' caches are joined: a row's KV does not depend on the rows
+beside it or on pads (masked), so the cache holds what one padded forward would have cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from specbatch.engine.backend import BackendFactory, PrefixKV, TargetBackend, joining
+
+# what one more forward costs, in fed positions (a row's position through every layer): the
+# model's Python per layer, smaller GEMMs, and each row's head at its last position
+RUN_OVERHEAD = 32
+
+
+def length_runs(lengths: Sequence[int], overhead: int = RUN_OVERHEAD) -> list[int]:
+    """Sizes of the consecutive runs that ``lengths`` (in this order) is cut into, so that the
+    padded positions plus ``overhead`` per run, sum of (rows x longest + overhead), is least.
+    Sorted lengths give the best cut; a run of one row or of equal lengths is never padded."""
+    n = len(lengths)
+    best = [0.0] + [float("inf")] * n       # best[i]: least cost of the first i rows
+    cut = [0] * (n + 1)                     # cut[i]: where the last run of that best starts
+    for i in range(1, n + 1):
+        longest = 0
+        for j in range(i - 1, -1, -1):      # the last run is rows j .. i - 1
+            longest = max(longest, lengths[j])
+            cost = best[j] + (i - j) * longest + overhead
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    sizes: list[int] = []
+    i = n
+    while i:
+        sizes.append(i - cut[i])
+        i = cut[i]
+    return sizes[::-1]
+
+
+def prefilled(factory: BackendFactory, prefixes: Sequence[PrefixKV | None], ids: Sequence[Sequence[int]],
+              runs: Sequence[int]) -> tuple[TargetBackend, int]:
+    """A backend for rows about to join, in the order given: row b starts with ``prefixes[b]``
+    (None: nothing) and then caches ``ids[b]`` but its last token (fed by the step that scores
+    it), one forward per run of ``runs`` consecutive rows. Returns it and the forwards made."""
+    out = factory(0)
+    forwards = start = 0
+    for n in runs:
+        part = joining(factory, prefixes[start: start + n])
+        feeds = [list(x[int(m):-1]) for x, m in zip(ids[start: start + n], part.n_valid.tolist())]
+        if any(feeds):       # (one-token prompts have nothing to cache yet)
+            part.forward(feeds, logits_to_keep=1)
+            forwards += 1
+        out.extend(part)
+        start += n
+    return out, forwards
