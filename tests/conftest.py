@@ -13,6 +13,11 @@ from tests.tiny import build_tiny_models
 # Compiling takes minutes on a small CPU: every process the tests start (workers, `specbatch run`)
 # decodes eagerly unless a test asks otherwise; tests/engine/test_compiled.py compiles on purpose.
 os.environ.setdefault("SPECBATCH_COMPILE", "off")
+# One torch thread per test process (and the subprocesses that inherit this environment): the tiny
+# models gain nothing from a second intra-op thread, and on a busy 2-core machine two threads spin
+# against each other (tests/engine/test_sampling_distribution.py + test_processors_distribution.py
+# at load 2.4-3: 131-216 s with 2 threads, 20-22 s with 1, A B B A). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
