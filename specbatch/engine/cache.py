@@ -143,6 +143,16 @@ class BatchCache:
         self.valid, self.n_valid = self.valid[idx], self.n_valid[idx]
         self._invalidate([])
 
+    def take(self, rows: list[int]) -> BatchCache:
+        """A new cache of copies of these rows, in this order; this one is left as it was."""
+        out = type(self)(self.model)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.valid.device)
+        if cache_length(self.cache):
+            for i, layer in enumerate(kv_layers(self.cache)):
+                out.cache.update(layer.keys.index_select(0, idx), layer.values.index_select(0, idx), i)
+        out.valid, out.n_valid = self.valid[idx], self.n_valid[idx]
+        return out
+
     def fork(self, rows: list[int]) -> None:
         """Row i becomes a copy of old row rows[i] (rows may repeat): index_select copies the
         KV of a repeated row, so the copies then advance independently."""
