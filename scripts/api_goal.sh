@@ -1,5 +1,6 @@
 #!/bin/bash
 # the API goal (issue 32 item 7) on a quieter machine: main, 200 clients, 15 s, SQLite then PostgreSQL, twice
+# (run from an activated venv with specbatch installed; Redis and PostgreSQL on their default ports)
 
 cd "$(dirname "$0")/.."
 for round in 1 2; do
