@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from celery import Task, signals
-from celery.exceptions import Reject
+from celery.exceptions import Ignore, Reject
 from kombu.exceptions import OperationalError as KombuOperationalError
 
 from specbatch.config import get_settings
@@ -347,7 +347,10 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             dropped = _release_mine(settings, job_id, worker)
             logger.info("job %s cancelled: dropped %d request(s) this worker was generating", job_id,
                         len(dropped))
-            return {"cancelled": dropped}
+            # a revoked task, as Flower and `celery events` show one: returning would report it
+            # SUCCESS; Ignore acknowledges the message and sends no task-succeeded after this
+            self.send_event("task-revoked", terminated=False, signum=None, expired=False)
+            raise Ignore() from None
         except Exception as e:
             fallback = self.after_target_failure(settings, job_id, worker, fallback, e)
     self.health.ok()

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import requests
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -149,3 +151,13 @@ class Proc:
 
 def python_argv(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+def get_json(url: str, auth):  # noqa: ANN001, ANN201
+    """A JSON body (``{}`` for another OK body), or None when the server is not there or refused."""
+    try:
+        r = requests.get(url, auth=auth, timeout=5)
+        return r.json() if r.ok and r.headers.get("content-type", "").startswith("application/json") \
+            else ({} if r.ok else None)
+    except requests.RequestException:
+        return None

@@ -11,13 +11,14 @@ from click.testing import CliRunner
 
 from specbatch.cli.main import cli
 from specbatch.config import get_settings
-from tests.worker.services import wait_for
+from tests.worker.services import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def test_cancel_drops_rows_the_worker_is_generating(cluster, monkeypatch) -> None:  # noqa: ANN001
     cluster.env["SPECBATCH_CHUNK_SIZE"] = "8"
+    flower, port = cluster.flower(password="s3cret")
     # slow steps: on a quiet machine the tiny model ended all six rows within the cancel watch's
     # first second, and the test saw nothing to drop
     w1 = cluster.worker("w1", imports=("tests.worker.slow_step_hook",))
@@ -44,6 +45,13 @@ def test_cancel_drops_rows_the_worker_is_generating(cluster, monkeypatch) -> Non
     assert dropped and all(r["results"] == 0 for r in dropped), final
     assert all(r["results"] == 1 for r in final if r["status"] == "completed"), final
     assert "cancelled: dropped" in w1.output()
+
+    # Flower shows the chunk that was cut short as revoked, not as a success
+    def chunk_states() -> list[str] | None:
+        tasks = get_json(f"http://127.0.0.1:{port}/api/tasks", ("admin", "s3cret")) or {}
+        mine = [t["state"] for t in tasks.values() if job_id in str(t.get("args"))]
+        return mine if mine and all(state in ("REVOKED", "SUCCESS") for state in mine) else None
+    assert wait_for(chunk_states, 60, "flower to show the chunk ended") == ["REVOKED"]
 
 
 def test_cancel_ends_at_once_the_rows_of_a_worker_killed_on_this_machine(cluster) -> None:  # noqa: ANN001

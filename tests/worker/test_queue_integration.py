@@ -8,7 +8,7 @@ import time
 import pytest
 import requests
 
-from tests.worker.services import wait_for
+from tests.worker.services import get_json, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -49,31 +49,22 @@ def test_end_to_end_duplicate_message_and_flower(cluster) -> None:  # noqa: ANN0
 
     # Flower, with basic auth, lists the worker and the job's tasks as SUCCESS
     base = f"http://127.0.0.1:{port}"
-    assert wait_for(lambda: _get(base + "/healthcheck", None) is not None, 60, "flower to start")
+    assert wait_for(lambda: get_json(base + "/healthcheck", None) is not None, 60, "flower to start")
     assert requests.get(base + "/api/workers", timeout=5).status_code == 401
     auth = ("admin", "s3cret")
     workers = wait_for(lambda: _workers(base, auth), 60, "flower to list the worker")
     assert any(name.startswith("w1@") for name in workers), workers
 
     def job_tasks() -> dict | None:
-        tasks = _get(base + "/api/tasks", auth) or {}
+        tasks = get_json(base + "/api/tasks", auth) or {}
         mine = {k: v for k, v in tasks.items() if job_id in str(v.get("args"))}
         return mine if len(mine) >= 2 and all(v["state"] == "SUCCESS" for v in mine.values()) else None
     tasks = wait_for(job_tasks, 60, "flower to show the job's tasks SUCCESS")
     assert all(t["name"] == TASK_NAME for t in tasks.values())
 
 
-def _get(url: str, auth):  # noqa: ANN001, ANN202
-    try:
-        r = requests.get(url, auth=auth, timeout=5)
-        return r.json() if r.ok and r.headers.get("content-type", "").startswith("application/json") \
-            else ({} if r.ok else None)
-    except requests.RequestException:
-        return None
-
-
 def _workers(base: str, auth) -> dict | None:  # noqa: ANN001
-    data = _get(base + "/api/workers?refresh=1", auth)
+    data = get_json(base + "/api/workers?refresh=1", auth)
     return data or None
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from specbatch.worker.monitor import active_queues, queue_workers
 from tests.worker.conftest import CLI
-from tests.worker.services import Proc, wait_for
+from tests.worker.services import Proc, get_json, wait_for
 
 pytestmark = pytest.mark.slow   # each starts a worker: spawning its child alone is seconds here
 
@@ -107,17 +107,15 @@ def test_flower_shows_the_starting_worker_its_state_and_the_pair_queue_holding_t
     listed only specbatch.default while the job's tasks waited in the pair queue."""
     import requests
 
-    from tests.worker.test_queue_integration import _get
-
     flower, port = cluster.flower(password="s3cret")
     job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
     proc = _worker(cluster, "w1", "tests.worker.gated_load_hook")
     wait_for(lambda: _state(cluster, proc, "starting"), 120, "the worker to announce itself")
     base, auth = f"http://127.0.0.1:{port}", ("admin", "s3cret")
-    assert wait_for(lambda: _get(base + "/healthcheck", None) is not None, 60, "flower to start")
+    assert wait_for(lambda: get_json(base + "/healthcheck", None) is not None, 60, "flower to start")
 
     def starting() -> dict | None:
-        workers = _get(base + "/api/workers?refresh=1", auth) or {}
+        workers = get_json(base + "/api/workers?refresh=1", auth) or {}
         return next((w for name, w in workers.items() if name.startswith("w1@")
                      and (w.get("conf") or {}).get("specbatch_state")), None)
     worker = wait_for(starting, 60, "flower to list the starting worker with its state")
