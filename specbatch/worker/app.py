@@ -15,8 +15,10 @@ Everything the queue promises is configuration here:
 from __future__ import annotations
 
 import functools
+import warnings
 
-from celery import Celery
+from celery import Celery, signals
+from celery.exceptions import CPendingDeprecationWarning
 
 from specbatch.config import Settings, get_settings
 
@@ -53,11 +55,22 @@ def celery_config(settings: Settings) -> dict:
         "task_send_sent_event": True,
         "worker_proc_alive_timeout": 900.0,
         "worker_hijack_root_logger": False,
+        # a chunk keeps decoding through a broker loss (its rows are leased in our tables); its
+        # message, restored unacked, runs again and skips the rows that are done or still leased
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_create_missing_queues": True,
         "task_default_queue": "specbatch.default",
         "include": ["specbatch.worker.tasks"],
     }
+
+
+@signals.celeryd_after_setup.connect
+def _quiet_the_settled_warning(**_: object) -> None:
+    """Celery warns at every broker loss (10 lines in the worker's log) that the default of
+    ``worker_cancel_long_running_tasks_on_connection_loss`` changes in Celery 6: it is set above.
+    (After the worker's log setup, whose own filters show every Celery deprecation warning.)"""
+    warnings.filterwarnings("ignore", message=r"\s*In Celery 5.1 we introduced an optional breaking change",
+                            category=CPendingDeprecationWarning)
 
 
 def create_app(settings: Settings) -> Celery:

@@ -138,7 +138,7 @@ def test_redis_restarted_mid_job_completes_with_resume(cluster) -> None:  # noqa
 
     from specbatch.cli.main import cli
 
-    cluster.worker("w1")
+    w1 = cluster.worker("w1")
     job_id, ids = cluster.submit(_rows(6, max_tokens=300))   # long enough to be seen running
     _wait_running(cluster, job_id)
     cluster.redis.restart(down_seconds=1.0)  # no persistence: every queued message is gone
@@ -148,6 +148,9 @@ def test_redis_restarted_mid_job_completes_with_resume(cluster) -> None:  # noqa
     summary = cluster.wait_finished(job_id, timeout=180)
     assert summary["status"] == "completed", summary
     _one_result_each(cluster.rows(job_id))
+    # the loss is logged in a line or two, without Celery's warning about its own next version
+    log = w1.output()
+    assert "Connection to broker lost" in log and "Celery 6.0" not in log and "Traceback" not in log, log
 
 
 def test_two_pairs_are_routed_to_their_own_workers(cluster) -> None:  # noqa: ANN001
