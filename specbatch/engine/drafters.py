@@ -18,7 +18,7 @@ from specbatch.engine.backend import PrefixKV, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.prefill import length_runs, prefilled
+from specbatch.engine.prefill import feed_lengths, length_runs, prefilled
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Warp
 
@@ -168,9 +168,8 @@ class ModelDrafter(Drafter):
 
         forwards = 0
         if prefill:   # (runs of similar length, engine/prefill.py: the decoder sorted the rows so)
-            runs = length_runs([len(rows[b].ids) - 1 - (0 if (p := prefixes[b]) is None else p.n_tokens)
-                                for b in reps])
-            cache, forwards = prefilled(factory, [prefixes[b] for b in reps], [rows[b].ids for b in reps], runs)
+            firsts, ids = [prefixes[b] for b in reps], [rows[b].ids for b in reps]
+            cache, forwards = prefilled(factory, firsts, ids, length_runs(feed_lengths(ids, firsts)))
         else:
             cache = joining(factory, [prefixes[b] for b in reps])
         assert isinstance(cache, BatchCache)

@@ -42,6 +42,12 @@ def length_runs(lengths: Sequence[int], overhead: int = RUN_OVERHEAD) -> list[in
     return sizes[::-1]
 
 
+def feed_lengths(ids: Sequence[Sequence[int]], prefixes: Sequence[PrefixKV | None]) -> list[int]:
+    """Per joining row, the tokens its prefill feeds: its ids less the prefix loaded first
+    (``prefixes[b]``; None: none) and less its last token (fed by the step that scores it)."""
+    return [len(x) - 1 - (0 if p is None else p.n_tokens) for x, p in zip(ids, prefixes, strict=True)]
+
+
 def prefilled(factory: BackendFactory, prefixes: Sequence[PrefixKV | None], ids: Sequence[Sequence[int]],
               runs: Sequence[int]) -> tuple[TargetBackend, int]:
     """A backend for rows about to join, in the order given: row b starts with ``prefixes[b]``
