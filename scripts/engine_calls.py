@@ -14,21 +14,13 @@ import argparse
 import json
 import os
 import time
-from collections import Counter
 
-import specbatch.engine.decoder as decoder
+from step_rows import count_steps, summary
+
 from specbatch.config import get_settings
 from specbatch.engine import Engine, EngineRequest
 from specbatch.engine.threads import configure_threads
 from specbatch.jobs.intake import parse_file
-
-steps: Counter[int] = Counter()
-_step = decoder.Decoder._step
-
-
-def _counted(self: decoder.Decoder) -> None:
-    steps[len(self.rows)] += 1
-    _step(self)
 
 
 def main() -> None:
@@ -45,16 +37,16 @@ def main() -> None:
     lines = parse_file(args.file, None, settings)
     reqs = [EngineRequest(prompt=r.prompt, messages=r.messages, params=r.generation_params(),
                           input_ids=r.prompt_ids) for r in lines]
-    decoder.Decoder._step = _counted    # type: ignore[method-assign]
+    steps = count_steps()
     for call in range(args.calls):
         steps.clear()
         t0 = time.perf_counter()
         tokens = sum(len(out.token_ids) for _, out in engine.generate_many(reqs) if hasattr(out, "token_ids"))
         wall = time.perf_counter() - t0
-        n = sum(steps.values())
+        s = summary(steps)
         print("CALL " + json.dumps({
-            "call": call + 1, "steps": n, "mean_rows": round(sum(k * v for k, v in steps.items()) / max(n, 1), 2),
-            "by_rows": dict(sorted(steps.items())), "tok_s": round(tokens / wall, 1), "wall_s": round(wall, 1),
+            "call": call + 1, "steps": s["steps"], "mean_rows": s["mean_rows"], "by_rows": s["by_rows"],
+            "tok_s": round(tokens / wall, 1), "wall_s": round(wall, 1),
             "scale": round(engine.memory.scale, 2) if engine.memory else None,
             "load": round(os.getloadavg()[0], 1)}), flush=True)
 

@@ -17,31 +17,21 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from collections import Counter
 
-import specbatch.engine.decoder as decoder
+from step_rows import count_steps, summary
+
 from specbatch.cli.main import main
 
-count: dict[str, Any] = {"steps": 0, "row_steps": 0, "by_rows": {}}
-_step = decoder.Decoder._step
 
-
-def _counted(self: decoder.Decoder) -> None:
-    rows = len(self.rows)
-    count["steps"] += 1
-    count["row_steps"] += rows
-    count["by_rows"][rows] = count["by_rows"].get(rows, 0) + 1
-    _step(self)
-
-
-def _report(t0: float, load0: float) -> None:
-    count.update(wall_s=round(time.time() - t0, 1), load0=round(load0, 1), load1=round(os.getloadavg()[0], 1),
-                 mean_rows=round(count["row_steps"] / max(1, count["steps"]), 2))
+def _report(steps: Counter[int], t0: float, load0: float) -> None:
+    count = summary(steps) | {"wall_s": round(time.time() - t0, 1), "load0": round(load0, 1),
+                              "load1": round(os.getloadavg()[0], 1)}
     print("STEPS " + json.dumps(count), file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
-    decoder.Decoder._step = _counted    # type: ignore[method-assign]
-    atexit.register(_report, time.time(), os.getloadavg()[0])
+    steps = count_steps()
+    atexit.register(_report, steps, time.time(), os.getloadavg()[0])
     sys.argv = ["specbatch", *sys.argv[1:]]
     main()

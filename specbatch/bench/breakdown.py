@@ -5,7 +5,9 @@ job's useful work is from it.
 
 One extra pass of a configuration under ``torch.profiler`` (not the timed one: the profiler's own
 cost would bias the tokens/s). Operators are put in buckets by name; a matrix multiply whose
-weight has the vocabulary's width is the head, not a layer's GEMM. Operator times are self times on
+weight has the vocabulary's width is the head, not a layer's GEMM, and a cache-management operator
+called from the rotary embedding (RoPE's ``rotate_half`` concatenates the halves of q and k) is
+element-wise work: the profiler records the Python callers for that. Operator times are self times on
 the calling thread (intra-op threads work inside them), so the buckets plus "Python and dispatch"
 add up to the pass's wall time. See the section "Where the time goes" of specbatch/bench/README.md.
 """
@@ -13,7 +15,7 @@ add up to the pass's wall time. See the section "Where the time goes" of specbat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +30,11 @@ CACHE_OPS = frozenset({"aten::cat", "aten::index", "aten::index_select", "aten::
                        "aten::index_put_", "aten::masked_fill_", "aten::constant_pad_nd", "aten::zeros",
                        "aten::empty", "aten::new_zeros", "aten::new_empty", "aten::fill_", "aten::clone",
                        "aten::contiguous", "aten::sum", "aten::nonzero", "aten::full"})
+# Python callers (the profiler's frames, "file.py(line): function") whose operators are the rotary
+# embedding's: transformers' rotate_half / apply_rotary_pos_emb and the rotary module's forward
+# (wrapped by modeling_rope_utils' dynamic_rope_update), other models' apply_rotary_emb
+ROTARY_FUNCTIONS = frozenset({"rotate_half", "apply_rotary_pos_emb", "apply_rotary_emb"})
+ROTARY_FILE = "modeling_rope_utils.py"
 BUCKETS = ("gemm", "attention", "head_and_sampling", "cache_management", "elementwise", "python_and_dispatch")
 
 
@@ -48,7 +55,9 @@ def gemm_peak_gflops(k: int, n: int, rows: tuple[int, ...] = (32, 64), repeats: 
     return best
 
 
-def _bucket(name: str, shapes: list[Any], vocab: int) -> str:
+def _bucket(name: str, shapes: list[Any], vocab: int, callers: Sequence[str] = ()) -> str:
+    """``callers``: the names of the events enclosing this operator, innermost first (Python frames
+    when the profiler records stacks); only read for cache-management operators."""
     if name in GEMM_OPS:
         return "head_and_sampling" if any(vocab in s for s in shapes if isinstance(s, list)) else "gemm"
     if name.startswith(ATTENTION_PREFIX):
@@ -56,7 +65,7 @@ def _bucket(name: str, shapes: list[Any], vocab: int) -> str:
     if name in SAMPLING_OPS:
         return "head_and_sampling"
     if name in CACHE_OPS:
-        return "cache_management"
+        return "elementwise" if any(_rotary(frame) for frame in callers) else "cache_management"
     return "elementwise"
 
 
@@ -73,21 +82,38 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int) -> 
 
     hook = model.register_forward_pre_hook(count)
     try:
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        # (with_stack: Python callers are events too, the parents of the operators they call)
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
             t0 = time.perf_counter()
             run()
             wall = time.perf_counter() - t0
     finally:
         hook.remove()
     seconds = dict.fromkeys(BUCKETS, 0.0)
-    for e in prof.key_averages(group_by_input_shape=True):
-        if e.key.startswith("aten::") or e.key.startswith("quantized::"):
-            seconds[_bucket(e.key, list(e.input_shapes or []), vocab)] += e.self_cpu_time_total / 1e6
+    for e in prof.events():
+        if e.name.startswith(("aten::", "quantized::")):
+            callers = _callers(e) if e.name in CACHE_OPS else []
+            seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))
     n = max(forwards, 1)
     return {"wall_seconds": wall, "target_forwards": forwards,
             "ms_per_forward": {k: 1000 * v / n for k, v in seconds.items()},
             "share": {k: v / wall if wall else 0.0 for k, v in seconds.items()}}
+
+
+def _rotary(frame: str) -> bool:
+    path, _, function = frame.rpartition("): ")
+    return function in ROTARY_FUNCTIONS or path.split("(")[0].endswith(ROTARY_FILE)
+
+
+def _callers(event: Any) -> list[str]:
+    """The names of the events enclosing a profiler event, innermost first."""
+    out = []
+    parent = event.cpu_parent
+    while parent is not None:
+        out.append(parent.name)
+        parent = parent.cpu_parent
+    return out
 
 
 def peak_share(tokens_per_second: float | None, parameters: int, peak_gflops: float) -> float | None:

@@ -32,7 +32,7 @@ from specbatch.engine.grammar import Matcher, vocab_for
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.memory import MAX_DRAFT, MemoryBudget, draft_width, measure, row_columns
 from specbatch.engine.policy import Policy, StepReport
-from specbatch.engine.prefill import length_runs, prefilled
+from specbatch.engine.prefill import feed_lengths, length_runs, prefilled
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Verdict, Warp
@@ -249,11 +249,11 @@ class Decoder:
         src = _fork_sources(keys)
         reps = [src.index(u) for u in range(max(src, default=-1) + 1)]
         shared = len(reps) < len(src)
-        fed = [len(new[b].ids) - 1 - (0 if (e := entries[b]) is None else len(e.tokens)) for b in reps]
+        prefixes = [None if (e := entries[b]) is None else e.kv[0] for b in reps]
+        fed = feed_lengths([new[b].ids for b in reps], prefixes)
         runs = length_runs(fed)
         # (a fresh batch caches each row's prompt in its first step, unless pads would waste it)
         prefill = bool(self.rows) or shared or len(runs) > 1
-        prefixes = [None if (e := entries[b]) is None else e.kv[0] for b in reps]
         forwards = 0
         if prefill:
             cache, forwards = prefilled(self.backend, prefixes, [new[b].ids for b in reps], runs)
@@ -558,15 +558,13 @@ def _by_length(rows: list[Row], entries: list[PrefixEntry | None], keys: list[in
     """Joining rows reordered: each distinct prompt (key; None: a row of its own) by the length
     it has to feed after its prefix, shortest first (a stable sort), its other rows (a request's
     samples) right after it."""
-    def feed(b: int) -> int:
-        return len(rows[b].ids) - (0 if (e := entries[b]) is None else len(e.tokens))
-
+    feed = feed_lengths([r.ids for r in rows], [None if e is None else e.kv[0] for e in entries])
     first: dict[int, int] = {}          # key -> its first row
     groups: dict[int, list[int]] = {}   # first row -> its rows
     for b, k in enumerate(keys):
         lead = b if k is None else first.setdefault(k, b)
         groups.setdefault(lead, []).append(b)
-    order = [b for lead in sorted(groups, key=feed) for b in groups[lead]]
+    order = [b for lead in sorted(groups, key=feed.__getitem__) for b in groups[lead]]
     return [rows[b] for b in order], [entries[b] for b in order], [keys[b] for b in order]
 
 

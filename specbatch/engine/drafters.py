@@ -18,7 +18,7 @@ from specbatch.engine.backend import PrefixKV, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
-from specbatch.engine.prefill import length_runs, prefilled
+from specbatch.engine.prefill import feed_lengths, forward_in_runs, length_runs, prefilled
 from specbatch.engine.processors import RowProcessors
 from specbatch.engine.sampling import Warp
 
@@ -168,9 +168,8 @@ class ModelDrafter(Drafter):
 
         forwards = 0
         if prefill:   # (runs of similar length, engine/prefill.py: the decoder sorted the rows so)
-            runs = length_runs([len(rows[b].ids) - 1 - (0 if (p := prefixes[b]) is None else p.n_tokens)
-                                for b in reps])
-            cache, forwards = prefilled(factory, [prefixes[b] for b in reps], [rows[b].ids for b in reps], runs)
+            firsts, ids = [prefixes[b] for b in reps], [rows[b].ids for b in reps]
+            cache, forwards = prefilled(factory, firsts, ids, length_runs(feed_lengths(ids, firsts)))
         else:
             cache = joining(factory, [prefixes[b] for b in reps])
         assert isinstance(cache, BatchCache)
@@ -252,13 +251,7 @@ class ModelDrafter(Drafter):
         if len(runs) <= 1:
             return self.cache.forward(feeds, logits_to_keep=1)[:, -1]
         joined = BatchCache(self.draft)
-        parts, start = [], 0
-        for n in runs:
-            rows = order[start: start + n]
-            part = self.cache.take(rows)
-            parts.append(part.forward([feeds[b] for b in rows], logits_to_keep=1)[:, -1])
-            joined.extend(part)
-            start += n
+        parts = forward_in_runs(joined, runs, lambda s: self.cache.take(order[s]), [feeds[b] for b in order])
         back = sorted(range(len(order)), key=order.__getitem__)   # row b sits at back[b] in joined
         joined.select(back)
         self.cache = joined

@@ -11,7 +11,9 @@ beside it or on pads (masked), so the cache holds what one padded forward would 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+import torch
 
 from specbatch.engine.backend import BackendFactory, PrefixKV, TargetBackend, joining
 
@@ -42,19 +44,34 @@ def length_runs(lengths: Sequence[int], overhead: int = RUN_OVERHEAD) -> list[in
     return sizes[::-1]
 
 
+def feed_lengths(ids: Sequence[Sequence[int]], prefixes: Sequence[PrefixKV | None]) -> list[int]:
+    """Per joining row, the tokens its prefill feeds: its ids less the prefix loaded first
+    (``prefixes[b]``; None: none) and less its last token (fed by the step that scores it)."""
+    return [len(x) - 1 - (0 if p is None else p.n_tokens) for x, p in zip(ids, prefixes, strict=True)]
+
+
 def prefilled(factory: BackendFactory, prefixes: Sequence[PrefixKV | None], ids: Sequence[Sequence[int]],
               runs: Sequence[int]) -> tuple[TargetBackend, int]:
     """A backend for rows about to join, in the order given: row b starts with ``prefixes[b]``
     (None: nothing) and then caches ``ids[b]`` but its last token (fed by the step that scores
     it), one forward per run of ``runs`` consecutive rows. Returns it and the forwards made."""
     out = factory(0)
-    forwards = start = 0
+    feeds = [list(x[0 if p is None else p.n_tokens: -1]) for x, p in zip(ids, prefixes, strict=True)]
+    return out, len(forward_in_runs(out, runs, lambda s: joining(factory, prefixes[s]), feeds))
+
+
+def forward_in_runs(out: TargetBackend, runs: Sequence[int], part: Callable[[slice], TargetBackend],
+                    feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Rows cut into ``runs`` consecutive runs, each a backend of its own (``part(s)``: rows
+    ``s``), fed ``feeds[s]`` in one forward (none where nothing is to be fed: one-token prompts)
+    and appended to ``out`` in order. Returns each forward's last fed position's logits (n, V)."""
+    logits: list[torch.Tensor] = []
+    start = 0
     for n in runs:
-        part = joining(factory, prefixes[start: start + n])
-        feeds = [list(x[int(m):-1]) for x, m in zip(ids[start: start + n], part.n_valid.tolist())]
-        if any(feeds):       # (one-token prompts have nothing to cache yet)
-            part.forward(feeds, logits_to_keep=1)
-            forwards += 1
-        out.extend(part)
+        s = slice(start, start + n)
+        rows = part(s)
+        if any(feeds[s]):
+            logits.append(rows.forward(feeds[s], logits_to_keep=1)[:, -1])
+        out.extend(rows)
         start += n
-    return out, forwards
+    return logits

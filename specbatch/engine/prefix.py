@@ -96,7 +96,11 @@ class PrefixStore:
         self.nbytes = 0
         self.lengths: dict[int, int] = {}    # prefix length -> entries of that length
         self.evictions = 0
-        # the fastest prefill this worker measured, seconds a token: what a cached token saves
+        # the fastest prefill this worker measured, seconds a token: what a cached token saves.
+        # Not the policy's costs (engine/policy.py): MeasuredPolicy learns no prefill at all, the
+        # autopilot an average per row (tokens unknown, draft catch-ups in it), and neither sees
+        # the prefills of rows joining a running batch or of a prefix computed alone; a per-token
+        # minimum over all of them is what keeps ``saved`` a lower bound
         self.seconds_per_token: float | None = None
 
     def observe(self, seconds: float, tokens: int) -> None:

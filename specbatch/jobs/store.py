@@ -490,8 +490,9 @@ def _complete(s: Session, req: Request, now: datetime) -> None:
 def record_cached_result(s: Session, request_id: int, source: Result, worker: str) -> bool:
     """Complete a request with a copy of the result ``source`` (a results-cache hit): the same text
     and tokens (and the models that produced them), marked ``cached``, referring to the generated
-    row, with zero generation statistics; ``started_at`` = ``finished_at`` = when the copy is
-    written. Idempotent like record_result."""
+    row, with zero generation statistics (docs/statistics.md, "Results-cache hits": no prompt token
+    read from the prefix cache either, 0 not NULL, which marks a row older than the column);
+    ``started_at`` = ``finished_at`` = when the copy is written. Idempotent like record_result."""
     req = s.get(Request, request_id)
     if req is None:
         return False
@@ -502,6 +503,7 @@ def record_cached_result(s: Session, request_id: int, source: Result, worker: st
     values = {
         "request_id": req.id, "job_id": req.job_id, "text": source.text, "token_ids": list(source.token_ids),
         "prompt_tokens": source.prompt_tokens, "completion_tokens": source.completion_tokens,
+        "cached_prompt_tokens": 0, "prefill_seconds_saved": 0.0,
         "finish_reason": source.finish_reason, "worker": worker, "started_at": started, "finished_at": now,
         "latency_seconds": (now - started).total_seconds(),
         "accepted_per_position": [], "pool_wins": {}, "target": source.target, "drafts": source.drafts,

@@ -6,9 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
-from specbatch.bench.breakdown import BUCKETS, _bucket
+from specbatch.bench.breakdown import BUCKETS, _bucket, profile_pass
 from specbatch.bench.job import PUBLIC_KEYS, plan
 from specbatch.cli.main import cli
 
@@ -39,6 +40,40 @@ def test_breakdown_buckets_tell_the_head_from_a_layer_gemm():
     assert _bucket("aten::_scaled_dot_product_flash_attention_for_cpu", [], vocab) == "attention"
     assert _bucket("aten::cat", [], vocab) == "cache_management"
     assert _bucket("aten::silu", [], vocab) == "elementwise"
+
+
+def test_a_cat_called_by_the_rotary_embedding_is_elementwise():
+    rope = ["<built-in method cat of type object at 0x7f>",
+            "transformers/models/llama/modeling_llama.py(119): rotate_half",
+            "transformers/models/llama/modeling_llama.py(126): apply_rotary_pos_emb"]
+    assert _bucket("aten::cat", [], 49152, rope) == "elementwise"
+    cache = ["<built-in method cat of type object at 0x7f>", "transformers/cache_utils.py(120): update"]
+    assert _bucket("aten::cat", [], 49152, cache) == "cache_management"
+
+
+def rotate_half(x):
+    """RoPE's rotation, as transformers writes it (the profiler sees this function's name)."""
+    a, b = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-b, a), dim=-1)
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, cache: bool) -> None:
+        super().__init__()
+        self.cache = cache
+
+    def forward(self, x):
+        return torch.cat((x, x), dim=-2) if self.cache else rotate_half(x)
+
+
+def test_the_profiled_pass_buckets_rotary_cats_by_their_caller():
+    x = torch.randn(2, 4, 8, 16)
+    for cache, bucket in ((False, "elementwise"), (True, "cache_management")):
+        layer = _Layer(cache)
+        b = profile_pass(lambda m=layer: [m(x) for _ in range(5)], layer, vocab=1000)
+        assert b["target_forwards"] == 5
+        assert (b["ms_per_forward"]["cache_management"] > 0) == cache, (cache, b["ms_per_forward"])
+        assert b["ms_per_forward"][bucket] > 0
 
 
 def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Path):

@@ -12,11 +12,12 @@ import torch
 
 from specbatch.engine import drafters
 from specbatch.engine.autopilot import Autopilot, AutopilotPolicy
+from specbatch.engine.backend import PrefixKV
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.decoder import Decoder
 from specbatch.engine.drafters import ModelDrafter
 from specbatch.engine.policy import MeasuredPolicy
-from specbatch.engine.prefill import length_runs
+from specbatch.engine.prefill import feed_lengths, length_runs
 from specbatch.engine.types import GenerationParams
 from tests.engine.test_prefix import corpus_ids
 
@@ -35,6 +36,11 @@ def test_a_cut_that_saves_less_than_a_forward_is_not_made():
     # (splitting off the 3-token row saves 8 - 3 = 5 padded positions, a forward costs 32)
     assert length_runs([3, 8, 8], overhead=32) == [3]
     assert length_runs([3, 8, 8], overhead=4) == [1, 2]
+
+
+def test_a_row_feeds_its_ids_less_its_prefix_and_its_last_token():
+    prefix = PrefixKV(n_tokens=4, nbytes=0, data=None)
+    assert feed_lengths([[1] * 10, [1] * 10, [1]], [None, prefix, None]) == [9, 5, 0]
 
 
 def test_the_cut_is_the_cheapest():

@@ -169,6 +169,34 @@ def test_hit_across_drafts_and_batch_sizes_is_exact(db_url, tmp_path, engines):
     assert [r.token_ids for r in results(db_url, fresh)] == [g.token_ids for g in generated]
 
 
+def test_a_hit_carries_zeros_for_what_it_did_not_do_and_the_job_leaves_it_out(db_url, tmp_path, engines):
+    """docs/statistics.md, results-cache hits: 0 prompt tokens read from the prefix cache (not
+    NULL, a row older than the column) and no verify step; the job's means count generated rows."""
+    settings = _settings(db_url, tmp_path)
+    first, ids = make_job(settings, lines(PROMPTS[:2]))
+    process_chunk(settings, engines["partial-b1"], ids, "w1")
+    generated = results(db_url, first)
+    assert all(g.cached_prompt_tokens == 0 and g.mean_acceptance_length >= 1.0 for g in generated)
+    job, ids = make_job(settings, lines(PROMPTS[:2]), name="again.jsonl")
+    events = []
+    process_chunk(settings, engines["none-b3"], ids, "w2", on_result=events.append)
+    hits = results(db_url, job)
+    assert [h.cached for h in hits] == [True, True]
+    for h, e in zip(hits, events, strict=True):     # the row says what the worker's event says
+        st = e.output.stats
+        assert (h.cached_prompt_tokens, h.prefill_seconds_saved) == (st.cached_prompt_tokens,
+                                                                     st.prefill_seconds_saved) == (0, 0.0)
+        assert (h.verify_steps, h.mean_acceptance_length, h.acceptance_rate) == (0, 0.0, 0.0)
+    with db.session_factory(db_url, readonly=True).begin() as s:
+        nulls = s.scalar(text(f"SELECT count(*) FROM {RESULTS_VIEW} WHERE job_id = :j "
+                              "AND (cached_prompt_tokens IS NULL OR prefill_seconds_saved IS NULL)"), {"j": job})
+    assert nulls == 0
+    stats = stats_of(db_url, job)
+    assert stats["mean_acceptance_length"] == {"token_weighted": None, "request_mean": None}
+    assert stats["acceptance_rate"] == {"token_weighted": None, "request_mean": None}
+    assert stats["prefix_cache"]["cached_prompt_tokens"] == 0
+
+
 @pytest.mark.parametrize("change", [{"max_tokens": 7}, {"stop": ["e"]}, {"temperature": 0.7, "seed": 1}])
 def test_a_changed_parameter_misses(db_url, tmp_path, engines, change):
     settings = _settings(db_url, tmp_path)
