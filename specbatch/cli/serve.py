@@ -66,7 +66,7 @@ def serve(host: str, port: int, log_level: str, workers: int, allow_remote_model
                                "(comma-separated) or bind 127.0.0.1")
     sock = bind(host, port)         # a busy port fails here, as one line, before anything is opened
     open_db(settings, create=True)      # a bad database URL fails here, as one line
-    app = create_app(settings) if workers == 1 else None
+    app = create_app(settings, freeze_heap=True) if workers == 1 else None
     click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
                f"{'no authentication' if not keys else 'bearer keys required'}"
                f"{f'; {workers} processes' if workers > 1 else ''})", err=True)
