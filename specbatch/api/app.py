@@ -9,6 +9,7 @@ pool, and ``GET /healthz`` is answered by ``health.HealthFirst`` before the midd
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import importlib.util
 import inspect
@@ -30,9 +31,7 @@ logger = logging.getLogger(__name__)
 MAX_JSON_BODY = 1 << 20
 
 
-def create_app(settings: Settings, freeze_heap: bool = False) -> FastAPI:
-    """The app; ``freeze_heap`` (``specbatch serve``, not tests that build many apps in one process):
-    the start-up heap is moved out of the collector's reach as the app starts (``freeze_startup_heap``)."""
+def create_app(settings: Settings) -> FastAPI:
     from specbatch.api import batches, errors, files, health, metrics
     from specbatch.api.auth import check_key, require_docs_key
     from specbatch.api.guard import Guard
@@ -56,9 +55,14 @@ def create_app(settings: Settings, freeze_heap: bool = False) -> FastAPI:
         # the first round of /healthz's checks now: a probe that came first under load waited
         # for a round that took about a second (later probes answer from the last round)
         sb.probe.start(lambda: health.probe_round(sb))
-        if freeze_heap:
-            freeze_startup_heap()
+        port = (health.HealthPort(sb, asyncio.get_running_loop(), settings.health_host, settings.health_port)
+                if settings.health_port is not None else None)
+        app.state.health_port = port
+        freeze_startup_heap()
         yield
+        gc.unfreeze()       # collectable again: an app stopped in a process that goes on (tests)
+        if port is not None:
+            port.close()
         if sb.probe.running is not None:
             sb.probe.running.cancel()
         sb.finalizer.close()
@@ -133,7 +137,7 @@ def app_from_env() -> FastAPI:
     """The app of one ``specbatch serve --workers N`` process (uvicorn imports it by name)."""
     from specbatch.config import get_settings
 
-    return create_app(get_settings(), freeze_heap=True)
+    return create_app(get_settings())
 
 
 DOCS_ASSETS = "/docs-assets"
