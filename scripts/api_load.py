@@ -275,6 +275,14 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             received, sender = spawn.Pipe(duplex=False)
             prober = spawn.Process(target=health_process, args=(health_url, args.health_every, args.seconds, sender))
             prober.start()
+        if args.also_health_url:        # a second probe, side by side with the first (same run, same load)
+            import multiprocessing
+
+            spawn2 = multiprocessing.get_context("spawn")
+            received2, sender2 = spawn2.Pipe(duplex=False)
+            prober2 = spawn2.Process(target=health_process,
+                                     args=(args.also_health_url, args.health_every, args.seconds, sender2))
+            prober2.start()
         lags: list[float] = []
         lag = asyncio.create_task(loop_lag(lags, stop))
         t0 = time.monotonic()
@@ -293,6 +301,11 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
             tally.health += times
             for k, v in health_errors.items():
                 tally.errors[k] = tally.errors.get(k, 0) + v
+        also: dict[str, object] = {}
+        if args.also_health_url:
+            times2, errors2 = await asyncio.to_thread(received2.recv)
+            prober2.join()
+            also = {"healthz2_url": args.also_health_url, **health_stats("healthz2", times2), "healthz2_errors": errors2}
     lat, health = tally.latencies, tally.health
     cpu_after = cpu_seconds(args.server_pid) if args.server_pid else None
     # the server's CPU per answered request: steadier than req/s on a shared machine
@@ -304,17 +317,21 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
         "p99_ms": round(1000 * percentile(lat, 0.99), 1),
         "max_ms": round(1000 * max(lat), 1) if lat else None,
-        "healthz_n": len(health), "healthz_p50_ms": round(1000 * statistics.median(health), 1) if health else None,
-        "healthz_p95_ms": round(1000 * percentile(health, 0.95), 1),
-        "healthz_p99_ms": round(1000 * percentile(health, 0.99), 1),
-        "healthz_max_ms": round(1000 * max(health), 1) if health else None,
-        "healthz_from": args.health_from,
+        **health_stats("healthz", health), "healthz_from": args.health_from, **also,
         "client_loop_lag_p99_ms": round(1000 * percentile(lags, 0.99), 1),
         "client_loop_lag_max_ms": round(1000 * max(lags), 1) if lags else None,
         "server_cpu_ms_per_req": cpu_ms,
         "client_cpu_ms_per_req": round(1000 * own / max(1, tally.sent), 2),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
+
+
+def health_stats(name: str, times: list[float]) -> dict[str, object]:
+    return {f"{name}_n": len(times),
+            f"{name}_p50_ms": round(1000 * statistics.median(times), 1) if times else None,
+            f"{name}_p95_ms": round(1000 * percentile(times, 0.95), 1),
+            f"{name}_p99_ms": round(1000 * percentile(times, 0.99), 1),
+            f"{name}_max_ms": round(1000 * max(times), 1) if times else None}
 
 
 def run(coro: Any) -> Any:
@@ -344,14 +361,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="probe /healthz from a process of its own (as a load balancer does) or from the "
                         "clients' event loop (the figures before 2026-12-03 16:00)")
     p.add_argument("--health-url", default="", help="probe /healthz here (loopback only; default --url)")
+    p.add_argument("--also-health-url", default="",
+                   help="a second /healthz probe process beside the first, at this URL (serve --health-port's)")
     args = p.parse_args(argv)
     if not 1 <= args.clients <= 1000 or not 0 < args.seconds <= 600 or args.requests < 1:
         p.error("--clients 1..1000, --seconds up to 600, --requests at least 1")
     if not 0.01 <= args.health_every <= 60:
         p.error("--health-every 0.01..60")
     loopback_only(args.url)
-    if args.health_url:
-        loopback_only(args.health_url)
+    for extra in (args.health_url, args.also_health_url):
+        if extra:
+            loopback_only(extra)
     return args
 
 
