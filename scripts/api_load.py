@@ -7,9 +7,12 @@ It uploads one small batch file and creates ``--batches`` batches from it (a bat
 broker up; with none, only files are read; a later run reuses them), then runs ``--clients`` clients side by side, each
 sending its next request as soon as the last one is answered (a closed loop: the worst case for
 latency): list batches, retrieve a batch, list files, retrieve a file, in turn. Beside them one
-probe asks ``/healthz`` every 250 ms. It stops after ``--seconds`` or ``--requests`` requests,
-whichever comes first, and prints req/s, p50/p99 latency, /healthz latency and errors, plus the
-load average (the machine may be shared: read the figures next to it).
+probe asks ``/healthz`` every ``--health-every`` seconds (250 ms) from a process of its own, as a
+load balancer would (``--health-from loop``: from the clients' event loop, whose own lag then
+counts; ``--also-health-url``: a second probe, e.g. on ``serve --health-port``). It stops after
+``--seconds`` or ``--requests`` requests, whichever comes first, and prints req/s, p50/p99
+latency, /healthz p50/p95/p99/max and errors, the clients' loop lag, plus the load average (the
+machine may be shared: read the figures next to it).
 
 Loopback only: it refuses any other host (it is a load generator, not a tool to point at others).
 """
