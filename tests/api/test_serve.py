@@ -450,11 +450,13 @@ def test_serve_answers_healthz_on_the_health_port_of_every_process(tmp_path: Pat
     process listening on P (a probe reaches whichever the kernel picks)."""
     import psutil
 
-    from tests.worker.services import free_port
+    from tests.worker.services import free_port, wait_for
 
     health = free_port()
     with serving(2, "--health-port", str(health)) as (proc, port, _):
-        children = psutil.Process(proc.pid).children()
-        assert len([c for c in children if _sockets_on(c, health, psutil.CONN_LISTEN)]) == 2
+        # the API port answered from the first process up; the second may still be starting
+        wait_for(lambda: len([c for c in psutil.Process(proc.pid).children()
+                              if _sockets_on(c, health, psutil.CONN_LISTEN)]) == 2,
+                 60, "both server processes to listen on the health port")
         for p in (port, health):
             assert _get_healthz(p) == (b"HTTP/1.1 200 OK", {"status": "ok", "database": "ok", "broker": "ok"})
