@@ -7,9 +7,12 @@ It uploads one small batch file and creates ``--batches`` batches from it (a bat
 broker up; with none, only files are read; a later run reuses them), then runs ``--clients`` clients side by side, each
 sending its next request as soon as the last one is answered (a closed loop: the worst case for
 latency): list batches, retrieve a batch, list files, retrieve a file, in turn. Beside them one
-probe asks ``/healthz`` every 250 ms. It stops after ``--seconds`` or ``--requests`` requests,
-whichever comes first, and prints req/s, p50/p99 latency, /healthz latency and errors, plus the
-load average (the machine may be shared: read the figures next to it).
+probe asks ``/healthz`` every ``--health-every`` seconds (250 ms) from a process of its own, as a
+load balancer would (``--health-from loop``: from the clients' event loop, whose own lag then
+counts; ``--also-health-url``: a second probe, e.g. on ``serve --health-port``). It stops after
+``--seconds`` or ``--requests`` requests, whichever comes first, and prints req/s, p50/p99
+latency, /healthz p50/p95/p99/max and errors, the clients' loop lag, plus the load average (the
+machine may be shared: read the figures next to it).
 
 Loopback only: it refuses any other host (it is a load generator, not a tool to point at others).
 """
@@ -181,7 +184,9 @@ async def client_loop(args: argparse.Namespace, headers: dict[str, str], paths: 
         conn.close()
 
 
-async def health_probe(url: str, tally: Tally, stop: asyncio.Event) -> None:
+async def health_probe(url: str, every: float, tally: Tally, stop: asyncio.Event) -> None:
+    """``/healthz`` every ``every`` seconds from the clients' own event loop (``--health-from loop``):
+    a probe's time then includes the wait for this loop, busy with the clients' answers."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as probe:
         while not stop.is_set():
             t0 = time.perf_counter()
@@ -194,9 +199,62 @@ async def health_probe(url: str, tally: Tally, stop: asyncio.Event) -> None:
             except httpx.HTTPError as e:
                 tally.error(f"/healthz {type(e).__name__}")
             try:
-                await asyncio.wait_for(stop.wait(), 0.25)
+                await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:
                 pass
+
+
+def health_process(url: str, every: float, seconds: float, out: Any) -> None:
+    """``/healthz`` every ``every`` seconds for ``seconds`` from a process of its own, on a kept-alive
+    connection with blocking sockets (``--health-from process``, the default): as a load balancer
+    probes, so that a probe's time is the server's, not the wait for the clients' busy loop. Sends
+    ([seconds of each 200], {error: count}) on ``out``."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    request = f"GET /healthz HTTP/1.1\r\nHost: {parts.netloc}\r\n\r\n".encode()
+    times: list[float] = []
+    errors: dict[str, int] = {}
+    sock: socket.socket | None = None
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        try:
+            if sock is None:
+                sock = socket.create_connection((host, port), timeout=30)
+            sock.sendall(request)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise OSError("connection closed")
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            lines = head.decode("latin-1").split("\r\n")
+            length = next(int(x.split(":")[1]) for x in lines if x.lower().startswith("content-length"))
+            while len(body) < length:
+                body += sock.recv(65536)
+            status = int(lines[0].split()[1])
+            if status == 200:
+                times.append(time.perf_counter() - t0)
+            else:
+                errors[f"/healthz HTTP {status}"] = errors.get(f"/healthz HTTP {status}", 0) + 1
+        except OSError as e:
+            errors[f"/healthz {type(e).__name__}"] = errors.get(f"/healthz {type(e).__name__}", 0) + 1
+            if sock is not None:
+                sock.close()
+            sock = None
+        time.sleep(max(0.0, every - (time.perf_counter() - t0)))
+    if sock is not None:
+        sock.close()
+    out.send((times, errors))
+
+
+async def loop_lag(lags: list[float], stop: asyncio.Event) -> None:
+    """How late the clients' own loop wakes a 10 ms sleep: how busy the load generator is."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        await asyncio.sleep(0.01)
+        lags.append(time.perf_counter() - t0 - 0.01)
 
 
 async def main(args: argparse.Namespace) -> dict[str, object]:
@@ -210,7 +268,26 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         load_before = os.getloadavg()
         cpu_before = cpu_seconds(args.server_pid) if args.server_pid else None
         own_before = time.process_time()
-        probe = asyncio.create_task(health_probe(args.url, tally, stop))
+        health_url = args.health_url or args.url
+        if args.health_from == "loop":
+            probe = asyncio.create_task(health_probe(health_url, args.health_every, tally, stop))
+        else:
+            import multiprocessing
+
+            spawn = multiprocessing.get_context("spawn")
+            received, sender = spawn.Pipe(duplex=False)
+            prober = spawn.Process(target=health_process, args=(health_url, args.health_every, args.seconds, sender))
+            prober.start()
+        if args.also_health_url:        # a second probe, side by side with the first (same run, same load)
+            import multiprocessing
+
+            spawn2 = multiprocessing.get_context("spawn")
+            received2, sender2 = spawn2.Pipe(duplex=False)
+            prober2 = spawn2.Process(target=health_process,
+                                     args=(args.also_health_url, args.health_every, args.seconds, sender2))
+            prober2.start()
+        lags: list[float] = []
+        lag = asyncio.create_task(loop_lag(lags, stop))
         t0 = time.monotonic()
         deadline, budget = t0 + args.seconds, [args.requests]
         await asyncio.gather(*(client_loop(args, headers, paths, tally, deadline, budget, n)
@@ -218,7 +295,20 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         elapsed = time.monotonic() - t0
         own = time.process_time() - own_before
         stop.set()
-        await probe
+        await lag
+        if args.health_from == "loop":
+            await probe
+        else:
+            times, health_errors = await asyncio.to_thread(received.recv)
+            prober.join()
+            tally.health += times
+            for k, v in health_errors.items():
+                tally.errors[k] = tally.errors.get(k, 0) + v
+        also: dict[str, object] = {}
+        if args.also_health_url:
+            times2, errors2 = await asyncio.to_thread(received2.recv)
+            prober2.join()
+            also = {"healthz2_url": args.also_health_url, **health_stats("healthz2", times2), "healthz2_errors": errors2}
     lat, health = tally.latencies, tally.health
     cpu_after = cpu_seconds(args.server_pid) if args.server_pid else None
     # the server's CPU per answered request: steadier than req/s on a shared machine
@@ -230,12 +320,21 @@ async def main(args: argparse.Namespace) -> dict[str, object]:
         "p50_ms": round(1000 * statistics.median(lat), 1) if lat else None,
         "p99_ms": round(1000 * percentile(lat, 0.99), 1),
         "max_ms": round(1000 * max(lat), 1) if lat else None,
-        "healthz_n": len(health), "healthz_p50_ms": round(1000 * statistics.median(health), 1) if health else None,
-        "healthz_max_ms": round(1000 * max(health), 1) if health else None,
+        **health_stats("healthz", health), "healthz_from": args.health_from, **also,
+        "client_loop_lag_p99_ms": round(1000 * percentile(lags, 0.99), 1),
+        "client_loop_lag_max_ms": round(1000 * max(lags), 1) if lags else None,
         "server_cpu_ms_per_req": cpu_ms,
         "client_cpu_ms_per_req": round(1000 * own / max(1, tally.sent), 2),
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
+
+
+def health_stats(name: str, times: list[float]) -> dict[str, object]:
+    return {f"{name}_n": len(times),
+            f"{name}_p50_ms": round(1000 * statistics.median(times), 1) if times else None,
+            f"{name}_p95_ms": round(1000 * percentile(times, 0.95), 1),
+            f"{name}_p99_ms": round(1000 * percentile(times, 0.99), 1),
+            f"{name}_max_ms": round(1000 * max(times), 1) if times else None}
 
 
 def run(coro: Any) -> Any:
@@ -260,10 +359,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=30.0, help="per-request timeout, seconds")
     p.add_argument("--server-pid", type=int, default=0, help="the server's pid: report its CPU per request")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    p.add_argument("--health-every", type=float, default=0.25, help="seconds between /healthz probes")
+    p.add_argument("--health-from", choices=("process", "loop"), default="process",
+                   help="probe /healthz from a process of its own (as a load balancer does) or from the "
+                        "clients' event loop (the figures before 2026-12-03 16:00)")
+    p.add_argument("--health-url", default="", help="probe /healthz here (loopback only; default --url)")
+    p.add_argument("--also-health-url", default="",
+                   help="a second /healthz probe process beside the first, at this URL (serve --health-port's)")
     args = p.parse_args(argv)
     if not 1 <= args.clients <= 1000 or not 0 < args.seconds <= 600 or args.requests < 1:
         p.error("--clients 1..1000, --seconds up to 600, --requests at least 1")
+    if not 0.01 <= args.health_every <= 60:
+        p.error("--health-every 0.01..60")
     loopback_only(args.url)
+    for extra in (args.health_url, args.also_health_url):
+        if extra:
+            loopback_only(extra)
     return args
 
 

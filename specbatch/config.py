@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     # reads are plain rows (2026-12-03), 8 rather than 16: /healthz p50 0.41x on PostgreSQL, req/s 1.19x
     api_threads: Positive = 8
     api_public_docs: bool = False         # `specbatch serve`: /docs and /openapi.json without a key
+    # `specbatch serve --health-port`: GET /healthz also on this port, answered by a thread of its
+    # own (api/health.HealthPort); set by the flag, with the API's host, for every server process
+    health_port: int | None = None
+    health_host: str = "127.0.0.1"
 
     @field_validator("database_url")
     @classmethod

@@ -70,17 +70,30 @@ class Probe:
 
     def __init__(self, fresh: float, stale: float) -> None:
         self.fresh, self.stale = fresh, stale
-        self.answer: dict[str, str] | None = None
-        self.at = 0.0
+        # (answer, when): one attribute, so that another thread (``health.HealthPort``) reads a pair
+        self.last: tuple[dict[str, str], float] | None = None
         self.running: asyncio.Future[dict[str, str]] | None = None
 
+    @property
+    def answer(self) -> dict[str, str] | None:
+        return self.last[0] if self.last is not None else None
+
+    def peek(self) -> tuple[dict[str, str] | None, bool]:
+        """(the last answer while younger than ``stale``, else None; whether a round is due).
+        Reads only: safe from any thread."""
+        last = self.last
+        if last is None:
+            return None, True
+        age = time.monotonic() - last[1]
+        return (last[0] if age < self.stale else None), age >= self.fresh
+
     async def get(self, check: Callable[[], Awaitable[dict[str, str]]]) -> dict[str, str]:
-        age = time.monotonic() - self.at
-        if self.answer is not None and age < self.fresh:
-            return self.answer
+        answer, due = self.peek()
+        if not due and answer is not None:
+            return answer
         running = self.start(check)
-        if self.answer is not None and age < self.stale:
-            return self.answer
+        if answer is not None:
+            return answer
         return await asyncio.shield(running)     # a client gone away does not stop the round
 
     def start(self, check: Callable[[], Awaitable[dict[str, str]]]) -> asyncio.Future[dict[str, str]]:
@@ -92,7 +105,7 @@ class Probe:
 
     async def _round(self, check: Callable[[], Awaitable[dict[str, str]]]) -> dict[str, str]:
         answer = await check()
-        self.answer, self.at = answer, time.monotonic()
+        self.last = (answer, time.monotonic())
         return answer
 
 

@@ -30,10 +30,14 @@ def is_loopback(host: str) -> bool:
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Server processes sharing the port (one Python process uses about one core).")
+@click.option("--health-port", type=click.IntRange(1, 65535), default=None,
+              help="Also answer GET /healthz on this port (same host), from a thread of each server "
+                   "process: not queued behind the API's requests under load. /healthz stays on the API port.")
 @click.option("--allow-remote-models", is_flag=True,
               help="Take specbatch_target/specbatch_draft names this machine cannot check (paths only "
                    "the workers hold); same as SPECBATCH_ALLOW_REMOTE_MODELS=1.")
-def serve(host: str, port: int, log_level: str, workers: int, allow_remote_models: bool) -> None:
+def serve(host: str, port: int, log_level: str, workers: int, health_port: int | None,
+          allow_remote_models: bool) -> None:
     """Serve OpenAI's Files and Batches API (plus /healthz and /metrics) over the job queue.
 
     Clients use the official `openai` package with base_url="http://HOST:PORT/v1" and one of the
@@ -45,6 +49,7 @@ def serve(host: str, port: int, log_level: str, workers: int, allow_remote_model
       specbatch serve                                   # 127.0.0.1:8000, no key needed
       SPECBATCH_API_KEYS=k1,k2 specbatch serve --host 0.0.0.0 --port 8000
       specbatch serve --workers 2                       # both cores of a 2-core machine
+      specbatch serve --workers 2 --health-port 8001    # probes: /healthz on 8000 and 8001
     """
     try:
         import uvicorn
@@ -60,6 +65,10 @@ def serve(host: str, port: int, log_level: str, workers: int, allow_remote_model
     settings = get_settings()
     if allow_remote_models:
         settings = settings.model_copy(update={"allow_remote_models": True})
+    if health_port is not None:
+        if health_port == port:
+            raise click.UsageError("--health-port must differ from --port")
+        settings = settings.model_copy(update={"health_port": health_port, "health_host": host})
     keys = settings.api_key_list
     if not keys and not is_loopback(host):
         raise click.UsageError(f"refusing to serve on {host} without keys: set SPECBATCH_API_KEYS "
@@ -80,6 +89,8 @@ def serve(host: str, port: int, log_level: str, workers: int, allow_remote_model
 
     if allow_remote_models:
         os.environ["SPECBATCH_ALLOW_REMOTE_MODELS"] = "1"
+    if health_port is not None:
+        os.environ.update(SPECBATCH_HEALTH_PORT=str(health_port), SPECBATCH_HEALTH_HOST=host)
     config = uvicorn.Config("specbatch.api.app:app_from_env", factory=True, host=host, port=port,
                             workers=workers, log_level=log_level, access_log=log_level == "debug")
     if can_share_port():

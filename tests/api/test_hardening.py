@@ -82,7 +82,8 @@ def test_a_chunked_body_over_the_limit_is_refused_while_it_streams(api: Api) -> 
     assert set(body["error"]) == {"message", "type", "param", "code"}
     # a route that takes no body answers without reading it
     status, body = _unfinished_chunked(api, "/v1/batches/batch_x/cancel", KEYS[0], MiB + 128 * 1024)
-    assert status == 404, body
+    # a 500 here once (2026-12-03, not reproduced in 20 runs alone): the server's log says why
+    assert status == 404, (body, api.procs[0].output()[-4000:])
     # the upload's own limit is the file's (here 60 kB) plus the form around it
     status, body = _unfinished_chunked(api, "/v1/files", KEYS[0], int(api.env["SPECBATCH_MAX_UPLOAD_BYTES"])
                                        + 128 * 1024)

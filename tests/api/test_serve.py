@@ -213,7 +213,7 @@ def test_healthz_is_answered_before_the_middleware_and_routing(tmp_path: Path) -
 
 
 @contextlib.contextmanager
-def serving(workers: int, **env_extra: str) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
+def serving(workers: int, *args: str, **env_extra: str) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
     """``specbatch serve --workers N`` on a free port, answering ``/healthz``: (process, port,
     [its output, once stopped]); SIGTERM at the end, which must stop it with status 0."""
     from tests.worker.services import free_port, wait_for
@@ -222,7 +222,7 @@ def serving(workers: int, **env_extra: str) -> Iterator[tuple[subprocess.Popen[s
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
            "SPECBATCH_BROKER_URL": "memory://", **env_extra}
     proc = subprocess.Popen([sys.executable, "-c", "from specbatch.cli.main import main; main()", "serve",
-                             "--port", str(port), "--workers", str(workers)], env=env, stdout=subprocess.PIPE,
+                             "--port", str(port), "--workers", str(workers), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
     def healthy() -> bool:
@@ -361,3 +361,102 @@ def test_a_keyed_router_refuses_a_route_that_does_not_take_the_key() -> None:
 
     with pytest.raises(AssertionError, match="/v1/things"):
         keyed(router)
+
+
+def test_the_heap_alive_as_the_app_starts_is_out_of_the_collectors_reach_while_it_serves(tmp_path: Path) -> None:
+    """Under load a full collection traversed the ~150k objects of the start-up heap with the GIL
+    held (0.3-0.65 s of wall time at load 8): no request and no /healthz was answered meanwhile
+    (docs/bench/api-load.md). The app freezes what is alive as it starts (``gc.freeze``), so a
+    collection no longer visits it, and unfreezes it as it stops."""
+    import gc
+
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://"}))
+    routes = app.router.routes          # built before the app starts: one of the heap's objects
+    assert gc.get_freeze_count() == 0
+    try:
+        with TestClient(app) as client:
+            assert gc.get_freeze_count() > 0
+            assert not any(o is routes for o in gc.get_objects())     # in no generation: frozen
+            assert client.get("/healthz").status_code in (200, 503)
+        assert gc.get_freeze_count() == 0
+        assert any(o is routes for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+
+
+def _get_healthz(port: int) -> tuple[bytes, dict[str, Any]]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as c:
+        c.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                data.lower().split(b"content-length:")[1].split(b"\r\n")[0]):
+            chunk = c.recv(65536)
+            assert chunk, data
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0], json.loads(body)
+
+
+def test_the_health_port_answers_while_the_event_loop_is_blocked(tmp_path: Path) -> None:
+    """Under load a probe on the API port waits for the requests the event loop read before it
+    (docs/bench/api-load.md). ``--health-port``'s thread answers from the last round of checks
+    without the loop: here the loop is held by a callback that waits until the probe has its
+    answer. The body is the API port's, and anything but GET /healthz is refused there."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import Settings
+    from tests.worker.services import free_port, wait_for
+
+    app = create_app(Settings.from_env({"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'h.db'}",
+                                        "SPECBATCH_FILES_DIR": str(tmp_path / "files"),
+                                        "SPECBATCH_BROKER_URL": "memory://",
+                                        "SPECBATCH_HEALTH_PORT": str(free_port())}))
+    with TestClient(app) as client:
+        port = app.state.health_port
+        app.state.sb.probe.stale = 3600.0       # however slow this machine, the last answer stands
+        wait_for(lambda: app.state.sb.probe.answer, 30, "the first round of health checks")
+        api_body = client.get("/healthz").json()
+        assert api_body == {"status": "ok", "database": "ok", "broker": "ok"}
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            held.set()
+            release.wait(60)
+        port.loop.call_soon_threadsafe(hold)
+        try:
+            assert held.wait(30)
+            assert _get_healthz(port.port) == (b"HTTP/1.1 200 OK", api_body)   # the loop is still held
+            assert not release.is_set()
+        finally:
+            release.set()
+        for request, status in ((b"GET /v1/files HTTP/1.1", b"404"), (b"POST /healthz HTTP/1.1", b"405")):
+            with socket.create_connection(("127.0.0.1", port.port), timeout=30) as c:
+                c.sendall(request + b"\r\nHost: t\r\n\r\n")
+                assert c.recv(65536).split(b" ")[1] == status
+
+
+def test_serve_answers_healthz_on_the_health_port_of_every_process(tmp_path: Path) -> None:
+    """``serve --workers 2 --health-port P``: /healthz on the API port as before and on P, each
+    process listening on P (a probe reaches whichever the kernel picks)."""
+    import psutil
+
+    from tests.worker.services import free_port, wait_for
+
+    health = free_port()
+    with serving(2, "--health-port", str(health)) as (proc, port, _):
+        # the API port answered from the first process up; the second may still be starting
+        wait_for(lambda: len([c for c in psutil.Process(proc.pid).children()
+                              if _sockets_on(c, health, psutil.CONN_LISTEN)]) == 2,
+                 60, "both server processes to listen on the health port")
+        for p in (port, health):
+            assert _get_healthz(p) == (b"HTTP/1.1 200 OK", {"status": "ok", "database": "ok", "broker": "ok"})
