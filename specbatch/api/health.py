@@ -21,9 +21,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import selectors
 import socket
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from fastapi import APIRouter
@@ -101,45 +101,24 @@ class HealthPort:
 
     Under load the API port's probe waits for the requests read before it (a loop iteration of
     tens of ms at 200 clients); this thread waits only for the GIL (docs/bench/api-load.md). Every
-    ``serve --workers N`` process listens with ``SO_REUSEPORT`` where the system has it; a
-    request other than ``GET /healthz`` is a 404 or 405 and the connection is closed."""
-
-    MAX_HEAD = 8192
+    ``serve --workers N`` process listens with ``SO_REUSEPORT``; a request other than ``GET
+    /healthz`` is a 404 or 405. The standard library's HTTP server: a probe is one small GET."""
 
     def __init__(self, sb: AppState, loop: asyncio.AbstractEventLoop, host: str, port: int) -> None:
         self.sb, self.loop = sb, loop
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if hasattr(socket, "SO_REUSEPORT"):
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            self.sock.bind((host.strip("[]"), port))
-            self.sock.listen(128)
-        except OSError:
-            self.sock.close()
-            raise
-        self.port = self.sock.getsockname()[1]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="specbatch-healthz", daemon=True)
+        self.server = _ProbeServer((host.strip("[]"), port), _handler(self))
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="specbatch-healthz", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        self._stop.set()
+        self.server.shutdown()
+        self.server.server_close()
         self._thread.join(5)
-        self.sock.close()
 
-    def response(self, head: bytes) -> tuple[bytes, bool]:
-        """(the HTTP answer to a request head, keep the connection)."""
-        method, _, rest = head.partition(b" ")
-        path = rest.split(b" ", 1)[0].split(b"?", 1)[0]
-        if path != b"/healthz":
-            return _http(404, {"error": "only GET /healthz here"}), False
-        if method != b"GET":
-            return _http(405, {"error": "only GET /healthz here"}), False
-        code, body = verdict(self._last())
-        return _http(code, body), True
-
-    def _last(self) -> dict[str, str]:
+    def last(self) -> dict[str, str]:
+        """The checks' last answer (a round started if one is due), as ``/healthz`` gives it."""
         probe, check = self.sb.probe, lambda: probe_round(self.sb)
         answer, due = probe.peek()
         if due:
@@ -151,53 +130,41 @@ class HealthPort:
         except Exception:       # the loop did not run it in time (stuck, or stopping)
             return {"event_loop": f"no answer within {TIMEOUT + 1:.0f}s"}
 
-    def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
-        sel.register(self.sock, selectors.EVENT_READ)
-        pending: dict[socket.socket, bytes] = {}
-        try:
-            while not self._stop.is_set():
-                for key, _ in sel.select(timeout=0.5):
-                    if key.fileobj is self.sock:
-                        try:
-                            conn, _ = self.sock.accept()
-                        except OSError:
-                            continue
-                        conn.settimeout(TIMEOUT)    # an answer is small: a send that blocks is a dead peer
-                        sel.register(conn, selectors.EVENT_READ)
-                        pending[conn] = b""
-                        continue
-                    conn = key.fileobj  # type: ignore[assignment]
-                    if not self._read(conn, pending):
-                        sel.unregister(conn)
-                        del pending[conn]
-                        conn.close()
-        finally:
-            for conn in pending:
-                conn.close()
-            sel.close()
 
-    def _read(self, conn: socket.socket, pending: dict[socket.socket, bytes]) -> bool:
-        """Answer the whole request heads read from ``conn``; False: close it."""
-        try:
-            data = conn.recv(65536)
-            if not data:
-                return False
-            buf = pending[conn] + data
-            while b"\r\n\r\n" in buf:
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                out, keep = self.response(head)
-                conn.sendall(out)
-                if not keep:
-                    return False
-        except OSError:
-            return False
-        pending[conn] = buf
-        return len(buf) <= self.MAX_HEAD
+class _ProbeServer(ThreadingHTTPServer):
+    allow_reuse_port = True     # each `serve --workers N` process listens on the port
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        super().__init__(address, handler)
 
 
-def _http(code: int, body: dict[str, str]) -> bytes:
-    data = json.dumps(body, separators=(",", ":")).encode()
-    reason = {200: "OK", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}[code]
-    return (f"HTTP/1.1 {code} {reason}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(data)}\r\n\r\n").encode() + data
+def _handler(port: HealthPort) -> type[BaseHTTPRequestHandler]:
+    class Probe(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"       # keep-alive, as a prober's client expects
+        timeout = TIMEOUT                   # a peer that sends nothing is dropped
+
+        def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+            if self.path.split("?", 1)[0] != "/healthz":
+                self._send(404, {"error": "only GET /healthz here"})
+            else:
+                self._send(*verdict(port.last()))
+
+        def _refuse(self) -> None:
+            self._send(405 if self.path.split("?", 1)[0] == "/healthz" else 404, {"error": "only GET /healthz here"})
+
+        do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _refuse  # noqa: N815
+
+        def _send(self, code: int, body: dict[str, str]) -> None:
+            data = json.dumps(body, separators=(",", ":")).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            """Probes are not logged (uvicorn's access log is off too)."""
+
+    return Probe
