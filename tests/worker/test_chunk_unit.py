@@ -203,3 +203,64 @@ def test_lease_keeper_reads_its_ids_under_its_lock_when_renewal_fails(caplog):
     assert caplog.records, "no renewal was attempted"
     assert caplog.records[0].getMessage() == "lease renewal failed for [1, 2]: database gone"
     assert unlocked == []
+
+
+def _attempted(settings, ids, attempts):
+    from sqlalchemy import update
+
+    from specbatch.db import session_factory
+    from specbatch.db.models import Request
+
+    with session_factory(settings.database_url).begin() as s:
+        for i, n in zip(ids, attempts, strict=True):
+            s.execute(update(Request).where(Request.id == i).values(attempts=n))
+
+
+def test_suspects_decode_batched_until_their_last_attempt_which_runs_alone(tmp_path):
+    """A worker SIGKILLed mid-batch leaves every row it decoded a suspect (attempts 1). They ran
+    alone, one at a time (a new-user walk: 8 rows recovered at 1.3 against 10 tokens/s); now only
+    a request's last attempt runs alone, where a request that kills its worker every time fails by
+    itself (max_attempts 3: two batched deaths, then alone, as many deaths as before)."""
+    settings, _, ids = _job(tmp_path, 8)
+    assert settings.max_attempts == 3
+    engine = RecordingEngine(4)
+    _attempted(settings, ids[:4], [1, 1, 1, 1])
+    report = process_chunk(settings, engine, ids[:4], "w1")
+    assert engine.calls == [(4, 4)] and sorted(report.completed) == ids[:4]
+    engine.calls.clear()
+    _attempted(settings, ids[4:], [0, 1, 2, 2])       # two on their last attempt
+    report = process_chunk(settings, engine, ids[4:], "w1")
+    assert engine.calls == [(2, 2), (1, 1), (1, 1)] and sorted(report.completed) == ids[4:]
+
+
+def test_every_claimed_row_keeps_its_lease_while_it_waits_for_its_run(tmp_path, monkeypatch):
+    """Rows run one after another (here on their last attempt) kept only the decoding run's lease
+    renewed: the others' expired while they waited, the lease sweeper queued them again as if
+    their worker had died, and they finished with no worker recorded."""
+    from specbatch.worker import chunk
+
+    live: list[chunk.LeaseKeeper] = []
+
+    class Recorded(chunk.LeaseKeeper):
+        def __enter__(self):
+            live.append(self)
+            return super().__enter__()
+
+        def __exit__(self, *exc):
+            live.remove(self)
+            return super().__exit__(*exc)
+
+    class Checking(RecordingEngine):
+        def generate_many(self, requests, batch_size=None, on_start=None, more=None):
+            renewed = {i for k in live for i in k._ids}
+            self.uncovered.append(sorted(set(ids[:3]) - renewed - set(done)))
+            yield from super().generate_many(requests, batch_size, on_start, more)
+
+    monkeypatch.setattr(chunk, "LeaseKeeper", Recorded)
+    settings, _, ids = _job(tmp_path, 3)
+    _attempted(settings, ids, [2, 2, 2])
+    engine, done = Checking(4), []
+    engine.uncovered = []
+    report = process_chunk(settings, engine, ids, "w1", on_result=lambda e: done.append(e.request_id))
+    assert sorted(report.completed) == ids and engine.calls == [(1, 1)] * 3
+    assert engine.uncovered == [[], [], []]
