@@ -4,16 +4,22 @@ they are (``specbatch_state`` in a worker's app config, see ``specbatch.worker.r
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specbatch.config import Settings
 from specbatch.worker.app import app_for
+from specbatch.worker.pids import alive
 
 logger = logging.getLogger(__name__)
 
 # in a `specbatch worker`'s app config: `celery inspect conf` and Flower's worker page (Config) show it
 STATE_KEY = "specbatch_state"
+# in a `specbatch worker`'s scratch directory (workers_root / PID): its queue, its pool child's state
+QUEUE_FILE, STATE_FILE = "queue", "state"
 
 
 def _inspect(settings: Settings, command: str, timeout: float) -> dict[str, Any] | None:
@@ -72,4 +78,27 @@ def queue_workers(settings: Settings, queue: str, timeout: float = 1.0,
             str(state or "").startswith("starting")
         if worker in consuming or starting:
             views.append(WorkerView(worker, worker in consuming, state))
+    return views or starting_here(settings, queue)
+
+
+def workers_root(settings: Settings) -> Path:
+    """Where each `specbatch worker` of this machine keeps its scratch directory (``PID/``)."""
+    return Path(settings.ready_dir or tempfile.gettempdir()) / f"specbatch-{os.getuid()}" / "workers"
+
+
+def starting_here(settings: Settings, queue: str) -> list[WorkerView]:
+    """`specbatch worker`s of this machine for ``queue`` (starting, or consuming once their pool
+    child reported its models loaded), from their scratch directories: one loading its models on a busy machine answered remote control in more than
+    the second it is given (a new-user walk at load 10: `status` warned "no live worker" 30 s
+    after a worker that `submit` had seen starting)."""
+    views = []
+    root = workers_root(settings)
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        try:
+            if not (d.name.isdigit() and alive(int(d.name)) and (d / QUEUE_FILE).read_text() == queue):
+                continue
+            state = (d / STATE_FILE).read_text().strip() if (d / STATE_FILE).exists() else "starting"
+        except OSError:         # it stopped meanwhile
+            continue
+        views.append(WorkerView(f"PID {d.name} on this machine", not state.startswith("starting"), state))
     return views

@@ -32,7 +32,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,7 @@ from specbatch.config import Settings
 from specbatch.engine.drafter_specs import names, parse_drafters
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
-from specbatch.worker.monitor import STATE_KEY
+from specbatch.worker.monitor import QUEUE_FILE, STATE_FILE, STATE_KEY, workers_root
 from specbatch.worker.pids import alive
 from specbatch.worker.queues import queue_name
 
@@ -192,9 +191,10 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     metrics_dir, server = _serve_metrics(settings, metrics_port)
     app = create_app(settings)
     own = worker_dir(settings)
+    (own / QUEUE_FILE).write_text(queue)    # `status` on this machine reads it (monitor.starting_here)
     ready = str(own / "ready")
     app.conf.update(
-        specbatch_state_file=str(own / "state") if pool == "prefork" else None,
+        specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,
         specbatch_state=STARTING if pool == "prefork" else "ready",
         specbatch_engine={"target": target, "drafts": drafts,
                           "device": device or settings.device, "dtype": dtype or settings.dtype,
@@ -246,7 +246,7 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
 def worker_dir(settings: Settings) -> Path:
     """This worker's own scratch directory (its readiness file), made empty; the directories of
     workers that no longer run (killed with SIGKILL: nothing cleaned up) are removed first."""
-    base = Path(settings.ready_dir or tempfile.gettempdir()) / f"specbatch-{os.getuid()}" / "workers"
+    base = workers_root(settings)
     base.mkdir(parents=True, exist_ok=True)
     for d in base.iterdir():
         if d.name.isdigit() and not alive(int(d.name)):
