@@ -37,9 +37,10 @@ def test_a_rows_int8_logits_do_not_depend_on_its_neighbours_or_pads(load):
         together = BatchCache(draft, len(feeds)).forward(feeds, logits_to_keep=1)[:, -1]
         for b, f in enumerate(feeds):
             alone = BatchCache(draft, 1).forward([f], logits_to_keep=1)[0, -1]
-            # the Linears are exact per row; attention reduces a padded row's keys in another order
-            # (<= 5e-7 here, as the fp32 model; main's per-forward scale moved logits by 0.3-1.5)
-            assert (together[b] - alone).abs().max() < 1e-5, b
+            # the Linears are exact per row, but attention reduces a padded row's keys in another
+            # order (fp32: ~3e-6 here), and a last-bit change can flip an int8 rounding further on;
+            # measured 0 on 7 rows, 5e-7 on one; main's per-forward scale moved them by 0.3-1.5
+            assert (together[b] - alone).abs().max() < 0.05, b
 
 
 def test_a_rows_int8_proposals_do_not_depend_on_its_batch(load):
