@@ -37,6 +37,9 @@ class RowInt8Linear(torch.nn.Module):
     """A Linear's int8 twin: y = (round(x / s_x) @ Wq^T) * s_w * s_x + b, with s_w per output
     channel (weights, fixed) and s_x per row (activations, taken at each call). CPU only."""
 
+    weight_t: torch.Tensor          # (K, N) int8, _int_mm's layout: buffers off fbgemm only
+    weight_scale: torch.Tensor      # (1, N)
+
     def __init__(self, linear: torch.nn.Linear, fbgemm: bool | None = None) -> None:
         """``fbgemm``: through fbgemm's kernel (None: where the quantized engine is fbgemm's), else
         through ``torch._int_mm``."""
@@ -55,7 +58,7 @@ class RowInt8Linear(torch.nn.Module):
                     q, scale.reshape(-1).double(), torch.zeros(len(q), dtype=torch.long), 0)
                 self._packed = torch.ops.quantized.linear_prepack(qw, None)  # bias: added after s_x
         else:
-            self.register_buffer("weight_t", q.t().contiguous())          # (K, N): _int_mm's layout
+            self.register_buffer("weight_t", q.t().contiguous())
             self.register_buffer("weight_scale", scale.reshape(1, -1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
