@@ -5,9 +5,9 @@ runs of similar length (ModelDrafter._catch_up), interleaved A B B A in one proc
 
 The backlogs are what speculation turning on over plainly decoded rows feeds the draft: each
 row's whole context (23 rows up to 144 tokens on the default job). It also counts the rows whose
-first draft token differs: none for a float draft; the int8 one (dynamic quantization: one
-activation scale per tensor, over every row and pad of the forward) gives each row logits that
-depend on the rows and pads beside it, padded or not.
+first draft token differs: none for a float draft; 17-21 for the int8 one while it took one
+activation scale over every row and pad of the forward (torch.ao dynamic quantization), 3 since
+it scales each row (engine/int8.py; the fp32 attention's last bits can still flip a rounding).
 """
 
 from __future__ import annotations

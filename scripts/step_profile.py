@@ -53,16 +53,21 @@ def main() -> None:
     jobs = [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
     size: int | str = a.batch if a.batch == "auto" else int(a.batch)
 
+    drafted = [0, 0]        # the last pass's drafted and accepted tokens
+
     def once(items: list[tuple[list[int], int]]) -> tuple[list[list[int]], float]:
         engine = Engine(target, [] if a.plain else [draft], batch_size=size)
         reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n)) for x, n in items]
         outs: list[list[int]] = [[] for _ in reqs]
+        drafted[:] = [0, 0]
         t0 = time.perf_counter()
         with torch.inference_mode():
             for i, out in engine.generate_many(reqs):
                 if isinstance(out, Exception):
                     raise RuntimeError(f"request {i}: {out}")
                 outs[i] = list(out.token_ids)
+                drafted[0] += out.stats.drafted_tokens
+                drafted[1] += out.stats.accepted_tokens
         return outs, time.perf_counter() - t0
 
     once(jobs[:2])
@@ -74,6 +79,8 @@ def main() -> None:
         digest = hashlib.sha256(json.dumps(outs).encode()).hexdigest()[:16]
         print("RESULT " + json.dumps({"repeat": r, "tokens": tokens, "seconds": round(seconds, 2),
                                       "tok_s": round(tokens / seconds, 2), "load0": round(load0, 2),
+                                      "drafted": drafted[0], "accepted": drafted[1],
+                                      "acceptance": round(drafted[1] / max(1, drafted[0]), 3),
                                       "load1": round(os.getloadavg()[0], 2), "outputs": digest}), flush=True)
     if a.reference:
         _reference(target, jobs, outs)

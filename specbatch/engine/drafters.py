@@ -242,9 +242,10 @@ class ModelDrafter(Drafter):
         6.5 s on the default job). Rows of similar backlog go together then, one forward each
         (engine/prefill.py), and the caches are joined back in row order: a row's KV and logits
         do not depend on the rows beside it or on pads (masked), so the draft proposes the same.
-        (Not so for an int8 draft, smollm2-135m-int8: dynamic quantization takes one activation
-        scale over the whole forward, so its logits move with the rows and pads beside them, here
-        or in one padded forward alike; scripts/catch_up_bench.py counts the rows.)
+        (An int8 draft nearly so: its Linears scale activations per row, engine/int8.py, and
+        only the fp32 attention's last bits can flip a rounding: 3 of 23 first draft tokens
+        differ in scripts/catch_up_bench.py. torch.ao's dynamic quantization, used before, took
+        one scale over the whole forward: 17-21 of 23; issue 31, docs/DESIGN.md "Batch invariance".)
         """
         order = sorted(range(len(feeds)), key=lambda b: len(feeds[b]))
         runs = length_runs([len(feeds[b]) for b in order])

@@ -95,8 +95,9 @@ def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> s
     numerics = {
         "dtype": str(DTYPES.get(dtype, dtype)),          # "fp32" and "float32" are one dtype
         "device": device,
-        # dynamic int8 quantization happens on the CPU only (loading._quantize_int8)
-        "int8": bool(model.info.get("int8")) and device == "cpu",
+        # int8 quantization happens on the CPU only (loading._quantize_int8); "rows": per-row
+        # activation scales (engine/int8.py), whose numbers differ from torch.ao's per-tensor ones
+        "int8": "rows" if bool(model.info.get("int8")) and device == "cpu" else False,
         # a compiled forward may round differently from eager: kept apart, to be safe
         "compiled": getattr(model, "compiled", None) is not None,
     }

@@ -21,7 +21,7 @@ class KnownModel:
     packages: tuple[str, ...]          # import names; parts are concatenated in this order
     filename: str                      # GGUF file name (inside the single package, or assembled)
     sha256: str | None = None          # verified after assembling parts
-    int8: bool = False                 # dynamic int8 quantization of Linear layers (CPU)
+    int8: bool = False                 # int8 Linear layers, per-row activation scales (CPU; engine/int8.py)
     pip: str = ""                      # how to install it
 
 
@@ -36,12 +36,12 @@ _QWEN15_SHA = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
     KnownModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default target", _SMOL,
                "SmolLM2-135M-Instruct.Q4_1.gguf", pip=SMOL_PIP),
-    KnownModel("smollm2-135m-int8", "SmolLM2-135M-Instruct, int8 dynamic quantized: the default draft",
+    KnownModel("smollm2-135m-int8", "SmolLM2-135M-Instruct, int8 (per-row activation scales): the default draft",
                _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
     KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
                pip=QWEN_PIP),
-    KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 dynamic quantized",
+    KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 (per-row activation scales)",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
                pip=QWEN_PIP),
     KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",

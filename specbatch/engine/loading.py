@@ -231,21 +231,17 @@ def _tie_missing_head(model: Any) -> None:
 
 
 def _quantize_int8(model: Any, device: torch.device, *, inplace: bool = False) -> Any:
-    """``model`` with its Linear layers int8 dynamic quantized: a copy, or ``model`` itself changed
-    where ``inplace`` (a model nobody else holds: the copy would cost a fifth of the quantizing)."""
+    """``model`` with its Linear layers int8 (engine/int8.py: per-channel weights, per-row activation
+    scales, so a row's logits do not depend on its batch): a copy, or ``model`` itself changed where
+    ``inplace`` (a model nobody else holds: the copy would cost a fifth of the quantizing)."""
     if device.type != "cpu":
-        logger.warning("int8 dynamic quantization is CPU-only; using the unquantized model on %s",
-                       device)
+        logger.warning("int8 quantization is CPU-only; using the unquantized model on %s", device)
         return model
-    import warnings
+    from specbatch.engine.int8 import quantize_linears
 
-    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-    # per-channel weight scales: measured 65% vs 50% argmax agreement with the fp32 SmolLM2-135M
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return quantize_dynamic(model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8,
-                                inplace=inplace)
+    # torch.ao's quantize_dynamic took one activation scale per Linear input, coupling the rows of
+    # a forward (issue 31); per-row scales agree more with the fp32 target too (docs/DESIGN.md)
+    return quantize_linears(model if inplace else copy.deepcopy(model))
 
 
 def _quantized_copy(model: Any, device: torch.device) -> Any:
