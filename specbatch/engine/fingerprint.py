@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from specbatch.engine import int8
 from specbatch.engine.loading import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -95,9 +96,10 @@ def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> s
     numerics = {
         "dtype": str(DTYPES.get(dtype, dtype)),          # "fp32" and "float32" are one dtype
         "device": device,
-        # int8 quantization happens on the CPU only (loading._quantize_int8); "rows": per-row
-        # activation scales (engine/int8.py), whose numbers differ from torch.ao's per-tensor ones
-        "int8": "rows" if bool(model.info.get("int8")) and device == "cpu" else False,
+        # int8 quantization happens on the CPU only (loading._quantize_int8); "rows8"/"rows7":
+        # per-row activation scales of 8 or 7 bits (engine/int8.py), whose numbers differ from
+        # torch.ao's per-tensor ones and from each other
+        "int8": int8.numerics() if bool(model.info.get("int8")) and device == "cpu" else False,
         # a compiled forward may round differently from eager: kept apart, to be safe
         "compiled": getattr(model, "compiled", None) is not None,
     }

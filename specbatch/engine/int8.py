@@ -15,6 +15,7 @@ measures the candidates (docs/DESIGN.md, "Batch invariance").
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -24,9 +25,30 @@ _QMAX = 127.0     # symmetric int8: -127..127, so a row's max |x| lands on 127 e
 _ZERO = 128       # fbgemm's activations are uint8: -127..127 sits at 1..255
 
 
-def row_scales(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) -> (M, 1): max |x| of each row over 127 (a zero row: a tiny scale, all zeros)."""
-    return x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(_QMAX)
+@functools.cache
+def fbgemm_activation_range() -> tuple[float, int]:
+    """(largest |level|, zero point) of the activations handed to fbgemm: 8 bits where the CPU
+    multiplies uint8 by int8 into int32 (AVX512-VNNI), 7 bits elsewhere. AVX2's kernel sums pairs
+    of products in int16, which 8-bit activations can saturate (255 x 127 x 2 > 32767): torch.ao's
+    ``reduce_range`` on x86 for the same reason. Saturation would only lower the draft's
+    acceptance (the target verifies every token), but silently."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            vnni = "avx512_vnni" in f.read()
+    except OSError:
+        vnni = False
+    return (_QMAX, _ZERO) if vnni else (63.0, 64)
+
+
+def numerics() -> str:
+    """What a RowInt8Linear computes on this machine, for fingerprints: ``rows8`` or ``rows7``
+    (per-row activation scales of 8 or 7 bits)."""
+    return "rows8" if not _fbgemm() or fbgemm_activation_range()[0] == _QMAX else "rows7"
+
+
+def row_scales(x: torch.Tensor, qmax: float = _QMAX) -> torch.Tensor:
+    """x (M, K) -> (M, 1): max |x| of each row over ``qmax`` (a zero row: a tiny scale, all zeros)."""
+    return x.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(qmax)
 
 
 def _fbgemm() -> bool:
@@ -64,11 +86,13 @@ class RowInt8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) float32 -> (..., N) float32."""
         flat = x.reshape(-1, self.in_features)
-        s = row_scales(flat)
         if self._packed is not None:
+            qmax, zero = fbgemm_activation_range()
+            s = row_scales(flat, qmax)
             y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-                flat / s, 1.0, _ZERO, self._packed)
-        else:
+                flat / s, 1.0, zero, self._packed)
+        else:       # (int32 products and sums: every 8 bits exact)
+            s = row_scales(flat)
             q = torch.round(flat / s).to(torch.int8)
             y = torch._int_mm(q, self.weight_t) * self.weight_scale
         y = y * s

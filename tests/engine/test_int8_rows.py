@@ -83,3 +83,28 @@ def test_the_int8_twin_of_a_linear_is_row_independent_and_close_to_it():
         want = lin(x)
     err = ((y - want).norm(dim=1) / want.norm(dim=1)).max()
     assert err < 0.02, err
+
+
+def test_where_8_bit_activations_could_saturate_fbgemm_takes_7(monkeypatch):
+    """AVX2 without VNNI sums pairs of uint8 x int8 products in int16: 8-bit activations could
+    saturate there, so such a CPU takes 7 (numbers of their own in the fingerprint). Either way the
+    Linear is exact integer arithmetic on round(x / s): checked against that arithmetic in float."""
+    from specbatch.engine import int8 as int8_mod
+
+    if not int8_mod._fbgemm():
+        return      # (the torch._int_mm path: 8 bits everywhere)
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(64, 48)
+    x = torch.randn(16, 64) * torch.logspace(-2, 2, 16)[:, None]
+    for qmax, zero, name in ((127.0, 128, "rows8"), (63.0, 64, "rows7")):
+        monkeypatch.setattr(int8_mod, "fbgemm_activation_range", lambda q=qmax, z=zero: (q, z))
+        assert int8_mod.numerics() == name
+        q = int8_mod.RowInt8Linear(lin)
+        w = lin.weight.detach()
+        w_scale = int8_mod.row_scales(w)
+        s = int8_mod.row_scales(x, qmax)
+        want = (torch.round(x / s) @ torch.round(w / w_scale).t()) * w_scale.t() * s + lin.bias.detach()
+        with torch.inference_mode():
+            got = q(x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (name, (got - want).abs().max())
+        assert torch.round(x / s).abs().max() == qmax
