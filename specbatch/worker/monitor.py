@@ -3,6 +3,7 @@ they are (``specbatch_state`` in a worker's app config, see ``specbatch.worker.r
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
@@ -18,8 +19,11 @@ logger = logging.getLogger(__name__)
 
 # in a `specbatch worker`'s app config: `celery inspect conf` and Flower's worker page (Config) show it
 STATE_KEY = "specbatch_state"
-# in a `specbatch worker`'s scratch directory (workers_root / PID): its queue, its pool child's state
-QUEUE_FILE, STATE_FILE = "queue", "state"
+# a prefork worker's state until its pool child reports one
+STARTING = "starting: loading models"
+# in a `specbatch worker`'s scratch directory (workers_root / PID): its node name and queue (JSON),
+# its pool child's state
+WORKER_FILE, STATE_FILE = "worker.json", "state"
 
 
 def _inspect(settings: Settings, command: str, timeout: float) -> dict[str, Any] | None:
@@ -88,17 +92,19 @@ def workers_root(settings: Settings) -> Path:
 
 def starting_here(settings: Settings, queue: str) -> list[WorkerView]:
     """`specbatch worker`s of this machine for ``queue`` (starting, or consuming once their pool
-    child reported its models loaded), from their scratch directories: one loading its models on a busy machine answered remote control in more than
-    the second it is given (a new-user walk at load 10: `status` warned "no live worker" 30 s
-    after a worker that `submit` had seen starting)."""
+    child reported its models loaded), from their scratch directories: one loading its models on
+    a busy machine answered remote control in more than the second it is given (a new-user walk at
+    load 10: `status` warned "no live worker" 30 s after a worker `submit` had seen starting)."""
     views = []
     root = workers_root(settings)
     for d in sorted(root.iterdir()) if root.is_dir() else []:
         try:
-            if not (d.name.isdigit() and alive(int(d.name)) and (d / QUEUE_FILE).read_text() == queue):
+            if not (d.name.isdigit() and alive(int(d.name))):
                 continue
-            state = (d / STATE_FILE).read_text().strip() if (d / STATE_FILE).exists() else "starting"
-        except OSError:         # it stopped meanwhile
+            worker = json.loads((d / WORKER_FILE).read_text())
+            state = (d / STATE_FILE).read_text().strip() if (d / STATE_FILE).exists() else STARTING
+        except (OSError, ValueError):       # it stopped meanwhile, or is writing the file now
             continue
-        views.append(WorkerView(f"PID {d.name} on this machine", not state.startswith("starting"), state))
+        if isinstance(worker, dict) and worker.get("queue") == queue:
+            views.append(WorkerView(str(worker.get("name")), not state.startswith("starting"), state))
     return views

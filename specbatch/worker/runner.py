@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import shutil
@@ -42,7 +43,7 @@ from specbatch.config import Settings
 from specbatch.engine.drafter_specs import names, parse_drafters
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
-from specbatch.worker.monitor import QUEUE_FILE, STATE_FILE, STATE_KEY, workers_root
+from specbatch.worker.monitor import STARTING, STATE_FILE, STATE_KEY, WORKER_FILE, workers_root
 from specbatch.worker.pids import alive
 from specbatch.worker.queues import queue_name
 
@@ -57,7 +58,6 @@ class ModelLoadFailed(SystemExit):
         self.message = message
 
 
-STARTING = "starting: loading models"
 POLL_SECONDS = 0.5
 
 
@@ -191,7 +191,9 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     metrics_dir, server = _serve_metrics(settings, metrics_port)
     app = create_app(settings)
     own = worker_dir(settings)
-    (own / QUEUE_FILE).write_text(queue)    # `status` on this machine reads it (monitor.starting_here)
+    node = host_format(default_nodename(hostname))
+    # `status` on this machine reads it when remote control does not answer in time (monitor.starting_here)
+    (own / WORKER_FILE).write_text(json.dumps({"name": node, "queue": queue}))
     ready = str(own / "ready")
     app.conf.update(
         specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,
@@ -202,7 +204,7 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
                           "threads": threads, "compile": compile or settings.compile,
                           "prefix_cache": settings.prefix_cache if prefix_cache is None else prefix_cache},
         specbatch_ready_file=ready if pool == "prefork" else None,
-        specbatch_observe={"worker": host_format(default_nodename(hostname)), "metrics": server is not None},
+        specbatch_observe={"worker": node, "metrics": server is not None},
         imports=list(imports),
         task_default_queue=queue,
         specbatch_sweep_queues=[queue],

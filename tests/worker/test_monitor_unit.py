@@ -29,6 +29,7 @@ def test_consumers_and_workers_starting_for_the_queue_not_others(monkeypatch) ->
 def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_nothing(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     """Loading its models on a busy machine, a worker answered remote control in more than the
     second it is given: `status` said no worker existed. Its scratch directory says it starts."""
+    import json
     import os
 
     settings = Settings.from_env({"SPECBATCH_READY_DIR": str(tmp_path)})
@@ -36,15 +37,13 @@ def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_not
     for pid, queue, state in ((os.getpid(), "q1", "starting: loading models"), (os.getppid(), "q2", None),
                               (2 ** 22 + 7, "q1", "starting: loading models")):      # (no such process)
         (root / str(pid)).mkdir(parents=True)
-        (root / str(pid) / monitor.QUEUE_FILE).write_text(queue)
+        (root / str(pid) / monitor.WORKER_FILE).write_text(json.dumps({"name": f"w{pid}@h", "queue": queue}))
         if state:
             (root / str(pid) / monitor.STATE_FILE).write_text(state + "\n")
     monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: {})
-    assert monitor.queue_workers(settings, "q1") == [
-        monitor.WorkerView(f"PID {os.getpid()} on this machine", False, "starting: loading models")]
-    assert monitor.queue_workers(settings, "q2") == [
-        monitor.WorkerView(f"PID {os.getppid()} on this machine", False, "starting")]
+    me, parent = f"w{os.getpid()}@h", f"w{os.getppid()}@h"
+    assert monitor.queue_workers(settings, "q1") == [monitor.WorkerView(me, False, "starting: loading models")]
+    assert monitor.queue_workers(settings, "q2") == [monitor.WorkerView(parent, False, monitor.STARTING)]
     (root / str(os.getpid()) / monitor.STATE_FILE).write_text("ready (eager)\n")
-    assert monitor.queue_workers(settings, "q1") == [
-        monitor.WorkerView(f"PID {os.getpid()} on this machine", True, "ready (eager)")]
+    assert monitor.queue_workers(settings, "q1") == [monitor.WorkerView(me, True, "ready (eager)")]
     assert monitor.queue_workers(settings, "q3") == []
