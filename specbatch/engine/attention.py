@@ -1,0 +1,62 @@
+"""Attention over grouped key/value heads without copying the cache to every query head.
+
+transformers' SDPA integration (``integrations/sdpa_attention.py``) folds a one-token query's heads
+onto the key/value heads (``pack_gqa``), but for several query tokens under a mask (on CPU: a
+speculative verify, a draft's catch-up, a padded prefill) and for every call under dynamo it
+expands each layer's keys and values to all query heads (``repeat_kv``) first. For the default
+target (9 query heads on 3 key/value heads) at 32 rows, 200 cached tokens and 5 tokens a row that
+copy is most of the attention: 12 ms a layer against 1.2 ms folded (docs/DESIGN.md, "Attention
+folds the query heads").
+
+Folding generalizes ``pack_gqa``: query head h reads key/value head h // groups, so the queries
+of one group become ``groups * T`` rows over that group's keys, and the mask is repeated per
+group (``groups * T * L`` entries, small beside the keys and values). Each query row is the
+same arithmetic over the same keys as under ``repeat_kv``: bitwise-equal outputs wherever that
+was measured, and a row's output equals the same query sent alone over the same columns, which
+``repeat_kv`` does not always give (tests/engine/test_attention.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+NAME = "specbatch_sdpa"
+
+
+def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: query (B, Hq, T, D), key and value (B, Hk, L, D),
+    ``attention_mask`` (B or 1, 1, T, L) additive or boolean; returns ((B, T, Hq, D), None).
+
+    Folds the query heads where there are several per key/value head and a mask says what each
+    token sees; anything else (no mask: a causal prefill that SDPA's ``is_causal`` serves; a
+    per-head mask, a position bias, dropout) is transformers' own SDPA path."""
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if (groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+            or dropout or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    b, heads, t, _ = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    rows = attention_mask.shape[0]
+    q = query.reshape(b, kv_heads, groups * t, query.shape[-1])             # head h -> group h // groups
+    mask = attention_mask[:, :, None].expand(rows, 1, groups, t, length).reshape(rows, 1, groups * t, length)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, t, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def use_folded_attention(model: Any) -> None:
+    """Route a transformers model's SDPA attention through ``folded_sdpa`` (masks built as for SDPA).
+    Models on another attention implementation (eager, flash) are left as they are."""
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, folded_sdpa)
+        AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(NAME)

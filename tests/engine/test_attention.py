@@ -1,0 +1,89 @@
+"""Folded grouped-query attention (engine/attention.py): the same numbers as transformers' SDPA
+path, no copy of the cache per query head, and every loaded model on it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations import sdpa_attention
+
+from specbatch.engine.attention import NAME, folded_sdpa
+from specbatch.engine.cache import BatchCache
+from specbatch.engine.loading import load_model
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def _inputs(b: int, heads: int, kv_heads: int, t: int, length: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, t, 16, generator=g)
+    k = torch.randn(b, kv_heads, length, 16, generator=g)
+    v = torch.randn(b, kv_heads, length, 16, generator=g)
+    seen = torch.rand(b, 1, t, length, generator=g) > 0.3
+    seen[..., 0] = True                                   # no query sees nothing
+    return q, k, v, seen
+
+
+@pytest.mark.parametrize("boolean", [False, True])
+@pytest.mark.parametrize("shape", [(3, 9, 3, 5, 40), (2, 4, 2, 3, 7), (1, 8, 1, 4, 33), (4, 6, 3, 1, 20)])
+def test_folding_gives_transformers_sdpa_numbers_bitwise(shape, boolean):
+    q, k, v, seen = _inputs(*shape)
+    mask = seen if boolean else torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
+    module = _Attn(shape[1] // shape[2])
+    want, _ = sdpa_attention.sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    got, _ = folded_sdpa(module, q, k, v, mask, scaling=0.25)
+    assert got.shape == want.shape == (shape[0], shape[3], shape[1], 16)
+    assert torch.equal(got, want)
+
+
+def test_a_token_gets_what_it_gets_when_sent_alone():
+    """Row t of a several-token query equals the same query sent alone over the same columns."""
+    q, k, v, seen = _inputs(2, 9, 3, 5, 64, seed=3)
+    mask = torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
+    module = _Attn(3)
+    whole, _ = folded_sdpa(module, q, k, v, mask, scaling=0.25)
+    for t in range(5):
+        alone, _ = folded_sdpa(module, q[:, :, t:t + 1], k, v, mask[:, :, t:t + 1], scaling=0.25)
+        assert torch.equal(whole[:, t:t + 1], alone)
+
+
+def test_without_a_mask_or_groups_it_is_transformers_own_path(monkeypatch):
+    calls = []
+    real = sdpa_attention.sdpa_attention_forward
+    monkeypatch.setattr("specbatch.engine.attention.sdpa_attention_forward",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, seen = _inputs(1, 4, 2, 3, 3)
+    folded_sdpa(_Attn(2), q, k, v, None, scaling=0.25)                    # a causal prefill
+    q1, k1, v1, seen1 = _inputs(1, 4, 4, 3, 8)
+    folded_sdpa(_Attn(1), q1, k1, v1, seen1, scaling=0.25)                # no grouped heads
+    assert len(calls) == 2
+
+
+def test_a_loaded_models_verify_step_never_copies_the_cache_per_head(tiny_models, monkeypatch):
+    """A masked several-token forward (a verify over holes) on a loaded grouped-query model:
+    the same logits as transformers' SDPA path, without ``repeat_kv``."""
+    lm = load_model(str(tiny_models / "llama"))
+    assert lm.model.config._attn_implementation == NAME
+    assert lm.model.config.num_key_value_heads < lm.model.config.num_attention_heads
+
+    def verify_logits() -> torch.Tensor:
+        with torch.inference_mode():
+            cache = BatchCache(lm, 2)
+            cache.forward([[5, 6, 7, 8], [9, 10]], logits_to_keep=1)      # left padding: a 4-D mask
+            cache.reject([[], [1]])                                       # a hole
+            return cache.forward([[11, 12, 13], [14, 15, 16]], logits_to_keep=3)
+
+    copies = []
+    real_repeat = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda x, n: copies.append(n) or real_repeat(x, n))
+    folded = verify_logits()
+    assert copies == []
+    lm.model.set_attn_implementation("sdpa")
+    plain = verify_logits()
+    assert copies, "transformers' own path copies the cache per head (the test's control)"
+    assert torch.equal(folded, plain)
