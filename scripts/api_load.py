@@ -55,7 +55,7 @@ class Tally:
 def loopback_only(url: str) -> None:
     host = urlsplit(url).hostname or ""
     try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        addrs = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}   # (an IP address: a str)
     except OSError as e:
         sys.exit(f"cannot resolve {host!r}: {e}")
     if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):

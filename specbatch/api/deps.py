@@ -78,23 +78,21 @@ class Probe:
     def answer(self) -> dict[str, str] | None:
         return self.last[0] if self.last is not None else None
 
-    def peek(self) -> tuple[dict[str, str] | None, bool]:
-        """(the last answer while younger than ``stale``, else None; whether a round is due).
-        Reads only: safe from any thread."""
+    def current(self, start: Callable[[], object]) -> dict[str, str] | None:
+        """The last answer while younger than ``stale``, else None (the caller waits for the
+        round); ``start()`` first when a round is due (older than ``fresh``, or none yet).
+        Reads only, ``start`` aside: safe from any thread whose ``start`` is."""
         last = self.last
-        if last is None:
-            return None, True
-        age = time.monotonic() - last[1]
-        return (last[0] if age < self.stale else None), age >= self.fresh
+        age = float("inf") if last is None else time.monotonic() - last[1]
+        if age >= self.fresh:
+            start()
+        return last[0] if last is not None and age < self.stale else None
 
     async def get(self, check: Callable[[], Awaitable[dict[str, str]]]) -> dict[str, str]:
-        answer, due = self.peek()
-        if not due and answer is not None:
-            return answer
-        running = self.start(check)
+        answer = self.current(lambda: self.start(check))
         if answer is not None:
             return answer
-        return await asyncio.shield(running)     # a client gone away does not stop the round
+        return await asyncio.shield(self.start(check))     # a client gone away does not stop the round
 
     def start(self, check: Callable[[], Awaitable[dict[str, str]]]) -> asyncio.Future[dict[str, str]]:
         """The round in flight, started now if there is none (the app starts one as it starts

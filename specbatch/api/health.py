@@ -120,9 +120,7 @@ class HealthPort:
     def last(self) -> dict[str, str]:
         """The checks' last answer (a round started if one is due), as ``/healthz`` gives it."""
         probe, check = self.sb.probe, lambda: probe_round(self.sb)
-        answer, due = probe.peek()
-        if due:
-            self.loop.call_soon_threadsafe(probe.start, check)
+        answer = probe.current(lambda: self.loop.call_soon_threadsafe(probe.start, check))
         if answer is not None:
             return answer
         try:     # no answer yet, or none for `stale` seconds: wait for the round on the loop

@@ -128,7 +128,9 @@ def _status_view(d: dict[str, Any]) -> Any:
                                          f"requests: {pc['prefill_seconds_saved_sum']:.1f})")
         info.add_row("throughput", f"{num(st['tokens_per_second'], '{:.1f}')} tokens/s over "
                                    f"{st['wall_clock_seconds']:.1f} s wall clock")
-        info.add_row("latency", f"p50 {num(lat['p50'], '{:.2f}')} s, p95 {num(lat['p95'], '{:.2f}')} s")
+        info.add_row("latency", f"p50 {num(lat['p50'], '{:.2f}')} s, p95 {num(lat['p95'], '{:.2f}')} s"
+                                + (f" ({plural(lat['cache_hits'], 'cache hit')} not counted)"
+                                   if lat.get("cache_hits") else ""))
         if st.get("grammar_drafted_tokens"):
             info.add_row("grammar drafting", f"{num(st['grammar_token_share'], '{:.0%}')} of the tokens were "
                                              f"forced by the grammar ({st['grammar_accepted_tokens']} of "

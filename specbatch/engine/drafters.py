@@ -253,6 +253,10 @@ class ModelDrafter(Drafter):
             return self.cache.forward(feeds, logits_to_keep=1)[:, -1]
         joined = BatchCache(self.draft)
         parts = forward_in_runs(joined, runs, lambda s: self.cache.take(order[s]), [feeds[b] for b in order])
+        # every row has a backlog (at least the last emitted token), so each run is one forward: a
+        # block or a row missing or extra would hand the rows below another row's logits
+        assert [len(p) for p in parts] == runs, \
+            f"forward_in_runs gave logits of {[len(p) for p in parts]} rows for runs of {runs} rows"
         back = sorted(range(len(order)), key=order.__getitem__)   # row b sits at back[b] in joined
         joined.select(back)
         self.cache = joined

@@ -3,17 +3,13 @@ they are (``specbatch_state`` in a worker's app config, see ``specbatch.worker.r
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from specbatch.config import Settings
 from specbatch.worker.app import app_for
-from specbatch.worker.pids import alive
+from specbatch.worker.scratch import read_worker, scratch_dirs
 
 logger = logging.getLogger(__name__)
 
@@ -21,9 +17,6 @@ logger = logging.getLogger(__name__)
 STATE_KEY = "specbatch_state"
 # a prefork worker's state until its pool child reports one
 STARTING = "starting: loading models"
-# in a `specbatch worker`'s scratch directory (workers_root / PID): its node name and queue (JSON),
-# its pool child's state
-WORKER_FILE, STATE_FILE = "worker.json", "state"
 
 
 def _inspect(settings: Settings, command: str, timeout: float) -> dict[str, Any] | None:
@@ -85,26 +78,15 @@ def queue_workers(settings: Settings, queue: str, timeout: float = 1.0,
     return views or starting_here(settings, queue)
 
 
-def workers_root(settings: Settings) -> Path:
-    """Where each `specbatch worker` of this machine keeps its scratch directory (``PID/``)."""
-    return Path(settings.ready_dir or tempfile.gettempdir()) / f"specbatch-{os.getuid()}" / "workers"
-
-
 def starting_here(settings: Settings, queue: str) -> list[WorkerView]:
     """`specbatch worker`s of this machine for ``queue`` (starting, or consuming once their pool
     child reported its models loaded), from their scratch directories: one loading its models on
     a busy machine answered remote control in more than the second it is given (a new-user walk at
     load 10: `status` warned "no live worker" 30 s after a worker `submit` had seen starting)."""
     views = []
-    root = workers_root(settings)
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        try:
-            if not (d.name.isdigit() and alive(int(d.name))):
-                continue
-            worker = json.loads((d / WORKER_FILE).read_text())
-            state = (d / STATE_FILE).read_text().strip() if (d / STATE_FILE).exists() else STARTING
-        except (OSError, ValueError):       # it stopped meanwhile, or is writing the file now
-            continue
-        if isinstance(worker, dict) and worker.get("queue") == queue:
-            views.append(WorkerView(str(worker.get("name")), not state.startswith("starting"), state))
+    for d, running in scratch_dirs(settings):
+        worker = read_worker(d) if running else None
+        if worker is not None and worker.queue == queue:
+            state = STARTING if worker.state is None else worker.state
+            views.append(WorkerView(worker.name, not state.startswith("starting"), state))
     return views

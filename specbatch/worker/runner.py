@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import shutil
@@ -43,9 +42,9 @@ from specbatch.config import Settings
 from specbatch.engine.drafter_specs import names, parse_drafters
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
-from specbatch.worker.monitor import STARTING, STATE_FILE, STATE_KEY, WORKER_FILE, workers_root
-from specbatch.worker.pids import alive
+from specbatch.worker.monitor import STARTING, STATE_KEY
 from specbatch.worker.queues import queue_name
+from specbatch.worker.scratch import STATE_FILE, scratch_dirs, workers_root, write_worker
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +192,7 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     own = worker_dir(settings)
     node = host_format(default_nodename(hostname))
     # `status` on this machine reads it when remote control does not answer in time (monitor.starting_here)
-    (own / WORKER_FILE).write_text(json.dumps({"name": node, "queue": queue}))
+    write_worker(own, node, queue)
     ready = str(own / "ready")
     app.conf.update(
         specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,
@@ -248,14 +247,12 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
 def worker_dir(settings: Settings) -> Path:
     """This worker's own scratch directory (its readiness file), made empty; the directories of
     workers that no longer run (killed with SIGKILL: nothing cleaned up) are removed first."""
-    base = workers_root(settings)
-    base.mkdir(parents=True, exist_ok=True)
-    for d in base.iterdir():
-        if d.name.isdigit() and not alive(int(d.name)):
+    for d, running in scratch_dirs(settings):
+        if not running:
             shutil.rmtree(d, ignore_errors=True)
-    own = base / str(os.getpid())
+    own = workers_root(settings) / str(os.getpid())
     shutil.rmtree(own, ignore_errors=True)
-    own.mkdir()
+    own.mkdir(parents=True)
     return own
 
 

@@ -213,6 +213,7 @@ def test_status_words_a_count_of_one_in_the_singular(db_url, no_worker_check):
     assert "m-a: tgt <- d1 (1 request)" in out, out
     assert "m-b: tgt <- d1 (2 requests)" in out, out
     assert "1 result copied, 1 token not generated" in out, out
+    assert "s (1 cache hit not counted)" in out, out        # beside the latency percentiles
 
 
 def test_status_names_the_pair_once_where_body_model_names_the_target(db_url, no_worker_check):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from specbatch.engine import drafters
@@ -76,3 +77,27 @@ def test_speculation_turned_on_late_catches_up_in_runs_and_decodes_as_the_target
     assert RecordingDraft.pads, "the draft caught up and drafted"
     # (one catch-up forward padded to the longest backlog feeds ~390 pads)
     assert max(RecordingDraft.pads) <= 40, RecordingDraft.pads
+
+
+def _one_block_short(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return parts[:-1]
+
+
+def _one_row_extra(parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [torch.cat([parts[0], parts[0][:1]]), *parts[1:]]
+
+
+@pytest.mark.parametrize("wrong", [_one_block_short, _one_row_extra])
+def test_catch_up_refuses_logits_that_do_not_match_its_runs(load, monkeypatch, wrong):
+    """_catch_up joins one logits block per run, in row order: a block missing (a run fed nothing)
+    or a row extra would give rows another row's logits (the extra row: silently) and the draft
+    would propose from them. It says so instead."""
+    target, draft = load("llama"), load("llama-partial")
+    rows = [GreedyRow(corpus_ids(target, n, skip=37 * i)) for i, n in enumerate(LENGTHS)]
+    real = drafters.forward_in_runs
+    monkeypatch.setattr(drafters, "forward_in_runs", lambda *a: wrong(real(*a)))
+    batch = ModelDrafter(draft, target.vocab_size)
+    with torch.inference_mode():
+        batch.admit(rows, prefill=False)          # ragged backlogs: more than one run
+        with pytest.raises(AssertionError, match=r"forward_in_runs gave logits of .* rows for runs of"):
+            batch.propose(rows, [3] * len(rows))

@@ -354,6 +354,30 @@ def test_summary_counts_and_statistics(db_url):
     assert workers["w2"]["busy_tokens_per_second"] == pytest.approx(2 / 0.5)
 
 
+def test_latencies_leave_results_cache_hits_out_and_count_them_beside(db_url):
+    """A results-cache hit is answered at once (latency 0, nothing decoded): counted as a latency,
+    two hits among five results pulled p50 from 2 s to 1 s. The latencies are the generated
+    results'; the hits are counted beside them."""
+    job_id, ids = make_job(db_url, 5)
+    f = db.session_factory(db_url)
+    with f.begin() as s:
+        store.claim_requests(s, ids, "w", 60, 3)
+        store.start_requests(s, ids[:3], "w")
+        for i in ids[:3]:
+            store.record_result(s, i, output(), "w")
+        source = s.scalars(select(Result).where(Result.request_id == ids[0])).one()
+        for i in ids[3:]:
+            assert store.record_cached_result(s, i, source, "w")
+        for i, seconds in zip(ids[:3], (1.0, 2.0, 3.0)):       # the generated ones' latencies, fixed
+            s.execute(update(Result).where(Result.request_id == i).values(latency_seconds=seconds))
+        store.refresh_job(s, job_id)
+    with f.begin() as s:
+        st = store.job_summary(s, job_id)["stats"]
+    assert st["results"] == 5 and st["cache_hits"] == 2
+    assert st["latency_seconds"] == {"p50": 2.0, "p95": pytest.approx(2.9), "mean": 2.0, "max": 3.0,
+                                     "cache_hits": 2}
+
+
 def test_the_grammars_forced_tokens_are_stored_and_summed(db_url):
     job_id, ids = make_job(db_url, 3)
     f = db.session_factory(db_url)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specbatch.config import Settings
-from specbatch.worker import monitor
+from specbatch.worker import monitor, scratch
 
 
 def test_consumers_and_workers_starting_for_the_queue_not_others(monkeypatch) -> None:  # noqa: ANN001
@@ -33,17 +33,17 @@ def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_not
     import os
 
     settings = Settings.from_env({"SPECBATCH_READY_DIR": str(tmp_path)})
-    root = monitor.workers_root(settings)
+    root = scratch.workers_root(settings)
     for pid, queue, state in ((os.getpid(), "q1", "starting: loading models"), (os.getppid(), "q2", None),
                               (2 ** 22 + 7, "q1", "starting: loading models")):      # (no such process)
         (root / str(pid)).mkdir(parents=True)
-        (root / str(pid) / monitor.WORKER_FILE).write_text(json.dumps({"name": f"w{pid}@h", "queue": queue}))
+        (root / str(pid) / scratch.WORKER_FILE).write_text(json.dumps({"name": f"w{pid}@h", "queue": queue}))
         if state:
-            (root / str(pid) / monitor.STATE_FILE).write_text(state + "\n")
+            (root / str(pid) / scratch.STATE_FILE).write_text(state + "\n")
     monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: {})
     me, parent = f"w{os.getpid()}@h", f"w{os.getppid()}@h"
     assert monitor.queue_workers(settings, "q1") == [monitor.WorkerView(me, False, "starting: loading models")]
     assert monitor.queue_workers(settings, "q2") == [monitor.WorkerView(parent, False, monitor.STARTING)]
-    (root / str(os.getpid()) / monitor.STATE_FILE).write_text("ready (eager)\n")
+    (root / str(os.getpid()) / scratch.STATE_FILE).write_text("ready (eager)\n")
     assert monitor.queue_workers(settings, "q1") == [monitor.WorkerView(me, True, "ready (eager)")]
     assert monitor.queue_workers(settings, "q3") == []
