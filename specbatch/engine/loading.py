@@ -289,7 +289,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
         model = model.to(dev)  # type: ignore[arg-type]  # (transformers' stub for .to)
         if int8:
             model = _quantize_int8(model, dev, inplace=True)   # read for this load alone
-    from specbatch.engine.attention import use_folded_attention   # (transformers: imported on first load)
+    from specbatch.engine.attention import use_folded_attention  # (transformers: imported on first load)
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
     seconds = time.perf_counter() - t0
