@@ -278,6 +278,10 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     known = KNOWN_MODELS.get(name)
     int8 = bool(known and known.int8)
+    if int8 and dev.type == "cpu":
+        # an int8 model computes around its int8 products in float32 whatever the target's dtype
+        # (fbgemm takes float32 activations); a draft's numbers only steer proposals
+        dtype, torch_dtype = "float32", torch.float32
     if problem := name_problem(name):     # the same answer submit and the HTTP API give
         raise ModelLoadError(problem)
     source = _source(name, known, cache_dir)

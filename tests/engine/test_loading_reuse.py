@@ -173,3 +173,15 @@ def test_gguf_is_its_own_again_once_the_last_block_closes():
     class Sub(gguf.GGUFReader):    # what failed while the wrapper outlived the block
         pass
     assert issubclass(Sub, own[0])
+
+
+def test_an_int8_draft_beside_a_bfloat16_target_computes_in_float32_and_decodes_as_the_target(tiny_pair):
+    """``--dtype bfloat16`` with the default int8 draft: the draft stays float32 around its int8
+    products (fbgemm refused bfloat16 activations: a RuntimeError at the first proposal)."""
+    target = load_model("tiny", cache_dir=tiny_pair, dtype="bfloat16")
+    draft = load_model("tiny-int8", cache_dir=tiny_pair, dtype="bfloat16", loaded=[target])
+    assert draft.info["dtype"] == "float32" and draft.model.dtype == torch.float32
+    alone = greedy(target)
+    engine = Engine(target, [draft])
+    params = GenerationParams(max_new_tokens=16, gamma=3, adaptive=False)   # drafts at every step
+    assert [engine.generate(prompt=p, params=params).token_ids for p in PROMPTS] == alone
