@@ -339,8 +339,9 @@ def _read(name: str, source: _Source, dtype: torch.dtype, trust_remote_code: boo
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
             if source.fresh is not None and dtype == torch.float32:
                 return tokenizer, source.fresh
-            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
-                                                         trust_remote_code=trust_remote_code)
+            with _no_packed_gguf_warning():
+                model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
+                                                             trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
     return tokenizer, model.eval()
@@ -385,6 +386,26 @@ def _hf_load() -> Iterator[None]:
         finally:
             if was_on:
                 hf_logging.enable_progress_bar()
+
+
+class _PackedGgufWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Loading a GGUF checkpoint with its weights packed")
+
+
+@contextlib.contextmanager
+def _no_packed_gguf_warning() -> Iterator[None]:
+    """A dequantized cache's config.json keeps the GGUF file's ``quantization_config``, so reading
+    it in another dtype than float32 has transformers warn that the weights "stay quantized" and
+    every matmul casts: not so, they are plain dequantized tensors (``--dtype bfloat16`` runs
+    bfloat16 GEMMs), and the warning would send a user after a problem that is not there."""
+    log = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    quiet = _PackedGgufWarning()
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

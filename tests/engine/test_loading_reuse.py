@@ -185,3 +185,12 @@ def test_an_int8_draft_beside_a_bfloat16_target_computes_in_float32_and_decodes_
     engine = Engine(target, [draft])
     params = GenerationParams(max_new_tokens=16, gamma=3, adaptive=False)   # drafts at every step
     assert [engine.generate(prompt=p, params=params).token_ids for p in PROMPTS] == alone
+
+
+def test_a_dequantized_cache_read_in_bfloat16_says_nothing_of_packed_weights(tiny_pair, caplog):
+    load_model("tiny", cache_dir=tiny_pair)                       # the cache, dequantized once
+    caplog.clear()
+    m = load_model("tiny", cache_dir=tiny_pair, dtype="bfloat16")
+    assert not [r for r in caplog.records if "weights packed" in r.getMessage()]
+    assert all(type(x) is torch.nn.Linear and x.weight.dtype == torch.bfloat16
+               for x in m.model.modules() if isinstance(x, torch.nn.Linear))   # plain bfloat16 GEMMs
