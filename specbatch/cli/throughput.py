@@ -61,7 +61,9 @@ class EngineChecked(click.ParamType):
 def device_options(f: Any) -> Any:
     """--device and --dtype, for every command that loads models."""
     f = click.option("--dtype", type=EngineChecked("DTYPE", "resolve_dtype"), default=None,
-                     help="float32, bfloat16 or float16 (default: SPECBATCH_DTYPE, float32).")(f)
+                     help="float32, bfloat16 or float16 (default: SPECBATCH_DTYPE, float32). float32 is token-exact "
+                          "against the target alone; in 16 bits batching itself moves near-ties (docs/DESIGN.md, "
+                          "\"Batch invariance\").")(f)
     return click.option("--device", type=EngineChecked("DEVICE", "parse_device"), default=None,
                         help="cpu, cuda, cuda:N or mps (default: SPECBATCH_DEVICE, cpu).")(f)
 
