@@ -11,9 +11,11 @@ folds the query heads").
 Folding generalizes ``pack_gqa``: query head h reads key/value head h // groups, so the queries
 of one group become ``groups * T`` rows over that group's keys, and the mask is repeated per
 group (``groups * T * L`` entries, small beside the keys and values). Each query row is the
-same arithmetic over the same keys as under ``repeat_kv``: bitwise-equal outputs wherever that
-was measured, and a row's output equals the same query sent alone over the same columns, which
-``repeat_kv`` does not always give (tests/engine/test_attention.py).
+same arithmetic over the same keys as under ``repeat_kv``: bitwise-equal outputs at one token
+and at three or more (at two, ``repeat_kv``'s 2-row products take another CPU kernel than the
+folded 2 x groups rows: equal to the last bit or so), and a row's output equals the same query
+sent alone over the same columns, which ``repeat_kv`` does not always give
+(tests/engine/test_attention.py).
 """
 
 from __future__ import annotations
