@@ -392,14 +392,20 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
     Example:
       SPECBATCH_FLOWER_PASSWORD=s3cret specbatch flower --port 5555 --address 0.0.0.0
     """
+    from specbatch.cli.serve import bind
+
     settings = get_settings()
+    port = port or settings.flower_port
+    # a busy port is one line, as for `serve` (Flower itself ends in a 38-line traceback); the probe
+    # socket is closed before Flower binds (it takes no socket from us)
+    bind(address, port).close()
     env = dict(os.environ)
     if settings.flower_password:
         env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
     else:
         warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
     argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.flower", "flower",
-            f"--port={port or settings.flower_port}", f"--address={address}", *flower_args]
+            f"--port={port}", f"--address={address}", *flower_args]
     os.execve(sys.executable, argv, env)
 
 
