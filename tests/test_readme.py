@@ -501,3 +501,12 @@ def test_known_models_install_extras_exist_and_say_qwen() -> None:
         assert found.group(1) in extras, m
         if m.name.startswith("qwen"):
             assert "qwen" in found.group(1), m
+
+
+def test_the_exit_statuses_run_documents_are_in_the_readmes_first_word_on_them() -> None:
+    """A new-user walk: README said every command exits 0/1/2 while `run --help` documents 3 (some
+    requests failed) and 130 (interrupted)."""
+    help_text = " ".join(CliRunner().invoke(cli, ["run", "--help"]).output.split())
+    general = " ".join(README.read_text().split("Every command has `--help`")[1].split("\n\n")[0].split())
+    for status in re.findall(r"\b(\d+) (?:some requests failed|interrupted)", help_text):
+        assert f" {status} " in general, (status, general)

@@ -46,8 +46,8 @@ def from_domain(e: SpecBatchError) -> ApiError:
     """Our exceptions as API errors; the message is the one a CLI user would read."""
     if isinstance(e, (FileNotFound, BatchNotFound, JobNotFound)):
         return ApiError(404, str(e), param="id")
-    if isinstance(e, InputError):
-        return ApiError(400, e.reason, param=e.field)
+    if isinstance(e, InputError):    # the field in the message too: clients show only the message
+        return ApiError(400, f"{e.field}: {e.reason}" if e.field else e.reason, param=e.field)
     if isinstance(e, BrokerUnavailable):     # its text names the broker URL, which may hold a password
         return ApiError(503, BROKER_DOWN, type="server_error", code="broker_unavailable")
     return ApiError(400, str(e))

@@ -221,7 +221,11 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
 
     settings = get_settings()
     summary, finished = _refreshed_summary(settings, job_id)
-    if not finished:
+    if not finished and summary["metadata"].get("embedded"):
+        # no worker ever takes a `specbatch run` job: naming one (a worker of the same pair) misled
+        click.echo(f"job {summary['id']} is run by `specbatch run`, not by workers; if that run has stopped, "
+                   f"`specbatch resume {summary['id']}` finishes it here", err=True)
+    elif not finished:
         queues = _pending_queues(settings, summary["id"])
         for queue in queues:
             _check_workers(settings, queue)

@@ -277,7 +277,8 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
 
     Use it after a broker flush or restart, or when a worker died holding requests; a request that
     already has a result is never generated again. Requests still leased by a worker are queued
-    too: they run once their lease ends, if that worker does not finish them first.
+    too: they run once their lease ends, if that worker does not finish them first; those of a
+    worker that ran on this machine and has exited (killed) are claimable at once.
     A job made by `specbatch run` is finished in this process (no broker needed), as with
     --in-process.
 
@@ -289,6 +290,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     from specbatch.observability import tracing
     from specbatch.worker.embedded_names import release_dead_embedded
     from specbatch.worker.enqueue import enqueue_routes
+    from specbatch.worker.pids import gone_here
 
     settings = get_settings()
     factory = open_db(settings)
@@ -298,6 +300,9 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
         job_status, stopping = job.status.value, job.status in store.STOPPING_JOB
         embedded = bool((job.meta or {}).get("embedded"))
         released = release_dead_embedded(s, job_id)
+        # a worker killed on this machine holds its rows until its lease runs out (minutes): as
+        # `cancel` does, its rows are claimable now (the same check: worker.pids.gone_here)
+        gone = {} if embedded else store.expire_gone_leases(s, job_id, gone_here)
         leased = store.leased_requests(s, job_id)
         ids = sorted(set(store.resumable_request_ids(s, job_id)) | {rid for rid, _, _ in leased})
         routes = store.request_routes(s, job_id, ids, by_prefix=True)
@@ -317,11 +322,14 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     until = max((t for _, _, t in leased), default=None)
     if as_json:
         echo_json({"job_id": job_id, "queue": queue, "queues": sent, "requests": n, "tasks": tasks,
-                   "leased": len(leased), "released": len(released),
+                   "leased": len(leased), "released": len(released) + sum(len(v) for v in gone.values()),
                    "leased_until": until.isoformat() if until else None})
     else:
         click.echo(f"job {job_id}: re-enqueued {plural(n, 'request')} in {plural(tasks, 'task')} on queue "
                    f"{', '.join(sent) or queue}")
+        for holder, rids in sorted(gone.items()):
+            click.echo(f"{len(rids)} of them {'was' if len(rids) == 1 else 'were'} held by {holder}, which no "
+                       "longer runs on this machine: claimable now")
         if leased and until is not None:
             wait = max(0.0, (until - datetime.now(timezone.utc)).total_seconds())
             workers = sorted({w for _, w, _ in leased})
@@ -392,14 +400,20 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
     Example:
       SPECBATCH_FLOWER_PASSWORD=s3cret specbatch flower --port 5555 --address 0.0.0.0
     """
+    from specbatch.cli.serve import bind
+
     settings = get_settings()
+    port = port or settings.flower_port
+    # a busy port is one line, as for `serve` (Flower itself ends in a 38-line traceback); the probe
+    # socket is closed before Flower binds (it takes no socket from us)
+    bind(address, port).close()
     env = dict(os.environ)
     if settings.flower_password:
         env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
     else:
         warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
     argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.flower", "flower",
-            f"--port={port or settings.flower_port}", f"--address={address}", *flower_args]
+            f"--port={port}", f"--address={address}", *flower_args]
     os.execve(sys.executable, argv, env)
 
 

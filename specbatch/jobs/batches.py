@@ -64,7 +64,7 @@ def _error_code(e: InputError) -> str:
     reason = e.reason
     if e.line_no is None:
         return "invalid_file"
-    if reason.startswith(("invalid JSON", "must be a JSON object", "invalid UTF-8")):
+    if reason.startswith(("invalid JSON", "must be a JSON object", intake.NOT_TEXT)):
         return "invalid_json_line"
     if "bytes; the limit is" in reason:
         return "line_too_long"

@@ -497,6 +497,23 @@ def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, i
             yield line_no, content, size
 
 
+NOT_TEXT = "the file is not UTF-8 text"
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+
+
+def _not_text(line_no: int, content: bytes) -> str | None:
+    """Why a line shows its file is not UTF-8 text (UTF-16, a binary), or None."""
+    if line_no == 1 and content.startswith(UTF16_BOMS):
+        return "it looks like UTF-16 (it starts with a UTF-16 byte-order mark)"
+    try:
+        content.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"byte 0x{content[e.start]:02x} at byte {e.start + 1} of this line is not UTF-8"
+    if b"\0" in content:      # no JSON text holds one: UTF-16 without a byte-order mark, or a binary
+        return "this line holds a NUL byte (UTF-16 without a byte-order mark, or binary data)"
+    return None
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in pairs:
@@ -593,13 +610,13 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             err(line_no, None, f"line is {size} bytes; the limit is {settings.max_line_bytes} "
                                "(SPECBATCH_MAX_LINE_BYTES)")
             continue
-        try:
-            text = content.decode("utf-8")
-        except UnicodeDecodeError as e:
+        if why := _not_text(line_no, content):
+            # one error for the file, as the API's upload gives: a UTF-16 or binary file decoded
+            # line by line gave "invalid UTF-8" then "invalid JSON" for every line after it
             n_requests += 1
-            err(line_no, None, f"invalid UTF-8 (byte 0x{content[e.start]:02x} at byte {e.start + 1}); "
-                               "save the file as UTF-8")
-            continue
+            err(line_no, None, f"{NOT_TEXT}: {why}; save it as UTF-8 (the lines after it were not read)")
+            break
+        text = content.decode("utf-8")
         if not text.strip():
             blank_lines += 1
             continue

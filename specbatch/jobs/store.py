@@ -196,6 +196,26 @@ def drop_orphans(s: Session, job_id: str, gone: Callable[[str], bool]) -> list[i
     return ids
 
 
+def expire_gone_leases(s: Session, job_id: str, gone: Callable[[str], bool]) -> dict[str, list[int]]:
+    """End now the live leases on the job's running requests whose holder ``gone(worker)`` says has
+    exited (``worker.pids.gone_here``, as ``drop_orphans``): they are claimable at once, as when
+    their lease runs out (the attempt of one that began decoding stays charged: it may be what
+    killed its worker). Returns {holder: request ids}."""
+    now = utcnow()
+    rows = s.execute(select(Request.id, Request.worker).where(
+        Request.job_id == job_id, Request.status == RequestStatus.running, Request.lease_expires_at > now)).all()
+    held: dict[str, list[int]] = {}
+    for rid, worker in rows:
+        if worker and gone(worker):
+            held.setdefault(worker, []).append(rid)
+    ids = [rid for rids in held.values() for rid in rids]
+    if ids:
+        s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
+                  .values(lease_expires_at=now))
+        s.flush()
+    return held
+
+
 def running_ids(s: Session, job_id: str) -> list[int]:
     """The job's requests a worker holds now (running on a live lease)."""
     return list(s.scalars(select(Request.id).where(Request.job_id == job_id, Request.status == RequestStatus.running)))

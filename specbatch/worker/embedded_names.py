@@ -8,7 +8,7 @@ import os
 import socket
 from typing import Any
 
-from specbatch.worker.pids import alive
+from specbatch.worker.pids import gone_here
 
 EMBEDDED_PREFIX = "embedded@"
 
@@ -22,15 +22,8 @@ def release_dead_embedded(s: Any, job_id: str) -> list[int]:
     no longer exists (killed, or exited on a second Ctrl-C); returns their ids."""
     from specbatch.jobs import store
 
-    host_prefix = f"{EMBEDDED_PREFIX}{socket.gethostname()}:"
     released: list[int] = []
     for worker in store.running_workers(s, job_id):
-        if not worker.startswith(host_prefix):
-            continue
-        try:
-            pid = int(worker[len(host_prefix):])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not alive(pid):
+        if worker.startswith(EMBEDDED_PREFIX) and gone_here(worker):
             released += store.release_held_by(s, job_id, worker)
     return released

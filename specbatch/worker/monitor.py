@@ -9,7 +9,7 @@ from typing import Any
 
 from specbatch.config import Settings
 from specbatch.worker.app import app_for
-from specbatch.worker.scratch import read_worker, scratch_dirs
+from specbatch.worker.scratch import read_worker, scratch_dirs, source
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +82,14 @@ def starting_here(settings: Settings, queue: str) -> list[WorkerView]:
     """`specbatch worker`s of this machine for ``queue`` (starting, or consuming once their pool
     child reported its models loaded), from their scratch directories: one loading its models on
     a busy machine answered remote control in more than the second it is given (a new-user walk at
-    load 10: `status` warned "no live worker" 30 s after a worker `submit` had seen starting)."""
+    load 10: `status` warned "no live worker" 30 s after a worker `submit` had seen starting).
+    Only workers of the same broker and database count: one on another Redis db never takes these
+    tasks (a new-user walk: `submit` on db 8 named the worker of db 7 and gave no warning)."""
     views = []
+    here = source(settings)
     for d, running in scratch_dirs(settings):
         worker = read_worker(d) if running else None
-        if worker is not None and worker.queue == queue:
+        if worker is not None and worker.queue == queue and worker.source == here:
             state = STARTING if worker.state is None else worker.state
             views.append(WorkerView(worker.name, not state.startswith("starting"), state))
     return views

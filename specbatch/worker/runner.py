@@ -192,7 +192,7 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     own = worker_dir(settings)
     node = host_format(default_nodename(hostname))
     # `status` on this machine reads it when remote control does not answer in time (monitor.starting_here)
-    write_worker(own, node, queue)
+    write_worker(own, node, queue, settings)
     ready = str(own / "ready")
     app.conf.update(
         specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,

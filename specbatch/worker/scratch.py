@@ -1,10 +1,12 @@
 """The scratch directories of this machine's `specbatch worker`s (``workers_root / PID``): one per
 worker process, holding its readiness file, its pool child's state file and ``worker.json`` (its
-node name and queue). The worker writes them (``runner``); ``status`` on this machine reads them
+node name, queue, and ``source``: a digest of the broker and database it consumes from, so a
+`status` on another broker or database never counts it). The worker writes them (``runner``); ``status`` on this machine reads them
 when remote control does not answer in time (``monitor.starting_here``)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -31,6 +33,21 @@ def scratch_dirs(settings: Settings) -> list[tuple[Path, bool]]:
     return [(d, alive(int(d.name))) for d in sorted(root.iterdir()) if d.name.isdigit()]
 
 
+def source(settings: Settings) -> str:
+    """Which broker and database a worker consumes from, as a digest of their URLs with secrets
+    masked first (``worker.json`` is a file in /tmp: nothing derived from a password goes there).
+    A relative SQLite path is made absolute: the same URL in another directory is another file."""
+    from specbatch.db import sqlite_path
+    from specbatch.redact import mask_url
+
+    database = settings.database_url
+    path = sqlite_path(database)
+    if path is not None:
+        database = f"sqlite:///{path.resolve()}"
+    text = f"{mask_url(settings.broker_url)}\n{mask_url(database)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True)
 class LocalWorker:
     """What a worker's scratch directory says of it."""
@@ -38,10 +55,11 @@ class LocalWorker:
     name: str               # its node name (``specbatch-PID@host``)
     queue: str | None
     state: str | None       # its pool child's state; None: not written yet
+    source: str | None      # ``source(settings)`` of the worker; None: an older worker's file
 
 
-def write_worker(own: Path, name: str, queue: str) -> None:
-    (own / WORKER_FILE).write_text(json.dumps({"name": name, "queue": queue}))
+def write_worker(own: Path, name: str, queue: str, settings: Settings) -> None:
+    (own / WORKER_FILE).write_text(json.dumps({"name": name, "queue": queue, "source": source(settings)}))
 
 
 def read_worker(d: Path) -> LocalWorker | None:
@@ -53,5 +71,6 @@ def read_worker(d: Path) -> LocalWorker | None:
         return None
     if not isinstance(worker, dict):
         return None
-    queue = worker.get("queue")
-    return LocalWorker(str(worker.get("name")), queue if isinstance(queue, str) else None, state)
+    queue, where = worker.get("queue"), worker.get("source")
+    return LocalWorker(str(worker.get("name")), queue if isinstance(queue, str) else None, state,
+                       where if isinstance(where, str) else None)

@@ -194,12 +194,15 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
     cases = [({"endpoint": "/v1/embeddings"}, "endpoint"), ({"completion_window": "1h"}, "completion_window"),
              ({"metadata": {"specbatch_temperature": "hot"}}, "metadata.specbatch_temperature"),
              ({"metadata": {"specbatch_max_tokens": "0"}}, "metadata.specbatch_max_tokens"),
+             ({"metadata": {"specbatch_max_tokens": "abc"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_colour": "red"}}, "metadata.specbatch_colour")]
     for change, param in cases:
         args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
         with pytest.raises(openai.BadRequestError) as e:
             c.batches.create(**args)
         assert e.value.body["param"] == param, (change, e.value.body)
+        # the openai client shows only the message ("Error code: 400 - must be an integer, got 'abc'")
+        assert param in e.value.message, (change, e.value.message)
     with pytest.raises(openai.BadRequestError) as e:
         c.files.create(file=("x.jsonl", b'{"prompt": "hi"}\n'), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"

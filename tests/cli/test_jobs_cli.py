@@ -672,3 +672,32 @@ def test_status_says_why_a_draft_never_drafted(db_url):
     out = " ".join(run("status", job_id).stdout.split())
     assert "speculation off: none of 80 steps drafted; plain batched steps were measured" in out, out
     assert json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]["drafted_steps"] == 0
+
+
+def test_status_of_a_run_job_names_no_worker(db_url, monkeypatch, tmp_path):
+    """A new-user walk: an interrupted `specbatch run` job was shown with a worker of this machine
+    that consumes its pair's queue ("worker w1@h: decoding"); no worker ever takes a run job.
+    Status says how it ends instead."""
+    import os
+
+    import specbatch.worker.monitor as monitor
+    from specbatch.worker import scratch
+
+    monkeypatch.setenv("SPECBATCH_READY_DIR", str(tmp_path / "ready"))
+    get_settings.cache_clear()
+    own = scratch.workers_root(get_settings()) / str(os.getpid())     # a live worker of sb.q1, here
+    own.mkdir(parents=True)
+    (own / scratch.WORKER_FILE).write_text(json.dumps({"name": "w1@h", "queue": "sb.q1",
+                                                       "source": scratch.source(get_settings())}))
+    (own / scratch.STATE_FILE).write_text("eager: off\n")
+    monkeypatch.setattr(monitor, "_inspect", lambda settings, command, timeout: {})   # a broker, no replies
+    job_id, _ = make_job(db_url)
+    with db.session_factory(db_url).begin() as s:
+        job = store.get_job(s, job_id)
+        job.meta = {"embedded": True}
+        store.set_interrupted(s, job_id, True)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert "w1@h" not in result.stderr and "no live worker" not in result.stderr, result.stderr
+    assert (f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
+            f"`specbatch resume {job_id}` finishes it here") in result.stderr

@@ -204,3 +204,23 @@ def test_run_with_stderr_redirected_names_its_job_before_it_ends(tmp_path: Path,
     assert early and f"specbatch status {job_id}" in early[0], result.stderr
     # before the bar's final line (which also names the job)
     assert result.stderr.index(early[0]) < result.stderr.rindex(f"job {job_id}")
+
+
+def test_flower_on_a_busy_port_exits_1_with_one_line(tmp_path: Path) -> None:
+    """As `serve` says it: Flower itself ended in a 38-line traceback (OSError: [Errno 98]).
+    A subprocess: on success `flower` replaces its process with Flower's."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = subprocess.run([sys.executable, "-c", "from specbatch.cli.main import main; main()", "flower", "--port",
+                              str(port)],
+                             env=os.environ, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.splitlines()[-1] == (f"Error: cannot serve on 127.0.0.1:{port}: Address already in use; "
+                                           "pick another --port or stop what listens there"), out.stderr
+    assert "Traceback" not in out.stderr

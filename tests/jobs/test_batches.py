@@ -167,7 +167,8 @@ def test_a_line_that_is_not_utf8_is_an_invalid_json_line() -> None:
     error is, not the `invalid_value` of a bad field (a binary upload was coded so)."""
     from specbatch.errors import InputError, IntakeError
 
-    errors = [InputError("invalid UTF-8 (byte 0xa3 at byte 3); save the file as UTF-8", line_no=1),
+    errors = [InputError("the file is not UTF-8 text: byte 0xa3 at byte 3 of this line is not UTF-8; save it as "
+                         "UTF-8 (the lines after it were not read)", line_no=1),
               InputError("invalid JSON: Expecting value (column 1)", line_no=2)]
     codes = [e["code"] for e in batches.intake_errors(IntakeError(errors))]
     assert codes == ["invalid_json_line", "invalid_json_line"]

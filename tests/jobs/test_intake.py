@@ -114,7 +114,18 @@ BAD_CASES = {
                          [f'1: max_tokns: unknown key (did you mean "max_tokens"?); known keys: {KNOWN_LINE_KEYS}']),
     "unknown_key_unlike_any": (L(prompt="a", colour="red"), [f"1: colour: unknown key; known keys: {KNOWN_LINE_KEYS}"]),
     "invalid_utf8": (GOOD + b'{"prompt": "caf\xe9"}\n',
-                     ["2: invalid UTF-8 (byte 0xe9 at byte 16); save the file as UTF-8"]),
+                     ["2: the file is not UTF-8 text: byte 0xe9 at byte 16 of this line is not UTF-8; save it as "
+                      "UTF-8 (the lines after it were not read)"]),
+    # one error for the file, not "invalid UTF-8" then "invalid JSON" for each line (as the API's one 400)
+    "utf16_with_bom": ((GOOD + L(prompt="b") + L(prompt="c")).decode().encode("utf-16"),
+                       ["1: the file is not UTF-8 text: it looks like UTF-16 (it starts with a UTF-16 "
+                        "byte-order mark); save it as UTF-8 (the lines after it were not read)"]),
+    "utf16_without_bom": ((GOOD + L(prompt="b") + L(prompt="c")).decode().encode("utf-16-le"),
+                          ["1: the file is not UTF-8 text: this line holds a NUL byte (UTF-16 without a "
+                           "byte-order mark, or binary data); save it as UTF-8 (the lines after it were not read)"]),
+    "binary": (b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR\n\xff\xd8\n",
+               ["1: the file is not UTF-8 text: byte 0x89 at byte 1 of this line is not UTF-8; save it as "
+                "UTF-8 (the lines after it were not read)"]),
     "over_long_line": (GOOD + L(prompt="x" * 2000) + GOOD.replace(b"ok", b"ok2"),
                        ["2: line is 2014 bytes; the limit is 1000 (SPECBATCH_MAX_LINE_BYTES)"]),
     "batch_method": (L(method="GET", url="/v1/chat/completions", body={"messages": [{"role": "user",

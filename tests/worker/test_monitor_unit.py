@@ -29,7 +29,6 @@ def test_consumers_and_workers_starting_for_the_queue_not_others(monkeypatch) ->
 def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_nothing(monkeypatch, tmp_path) -> None:  # noqa: ANN001
     """Loading its models on a busy machine, a worker answered remote control in more than the
     second it is given: `status` said no worker existed. Its scratch directory says it starts."""
-    import json
     import os
 
     settings = Settings.from_env({"SPECBATCH_READY_DIR": str(tmp_path)})
@@ -37,7 +36,7 @@ def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_not
     for pid, queue, state in ((os.getpid(), "q1", "starting: loading models"), (os.getppid(), "q2", None),
                               (2 ** 22 + 7, "q1", "starting: loading models")):      # (no such process)
         (root / str(pid)).mkdir(parents=True)
-        (root / str(pid) / scratch.WORKER_FILE).write_text(json.dumps({"name": f"w{pid}@h", "queue": queue}))
+        scratch.write_worker(root / str(pid), f"w{pid}@h", queue, settings)
         if state:
             (root / str(pid) / scratch.STATE_FILE).write_text(state + "\n")
     monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: {})
@@ -47,3 +46,31 @@ def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_not
     (root / str(os.getpid()) / scratch.STATE_FILE).write_text("ready (eager)\n")
     assert monitor.queue_workers(settings, "q1") == [monitor.WorkerView(me, True, "ready (eager)")]
     assert monitor.queue_workers(settings, "q3") == []
+
+
+def test_a_worker_of_this_machine_on_another_broker_or_database_is_not_counted(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """A new-user walk: `submit` with SPECBATCH_BROKER_URL on Redis db 8, the only worker on db 7:
+    no "no live worker" warning, and `status` named the db-7 worker "decoding" while the job sat
+    queued. worker.json says where the worker consumes from (a digest, no password in it)."""
+    import os
+
+    ready = {"SPECBATCH_READY_DIR": str(tmp_path)}
+    db7 = Settings.from_env({**ready, "SPECBATCH_BROKER_URL": "redis://:s3cret@127.0.0.1:6379/7",
+                             "SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'a.db'}"})
+    own = scratch.workers_root(db7) / str(os.getpid())
+    own.mkdir(parents=True)
+    scratch.write_worker(own, "w@h", "q1", db7)
+    (own / scratch.STATE_FILE).write_text("ready (eager)\n")
+    assert "s3cret" not in (own / scratch.WORKER_FILE).read_text()
+    monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: {})
+    assert monitor.queue_workers(db7, "q1") == [monitor.WorkerView("w@h", True, "ready (eager)")]
+    db8 = Settings.from_env({**ready, "SPECBATCH_BROKER_URL": "redis://:s3cret@127.0.0.1:6379/8",
+                             "SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'a.db'}"})
+    assert monitor.queue_workers(db8, "q1") == []
+    other_db = Settings.from_env({**ready, "SPECBATCH_BROKER_URL": "redis://:s3cret@127.0.0.1:6379/7",
+                                  "SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'b.db'}"})
+    assert monitor.queue_workers(other_db, "q1") == []
+    monkeypatch.chdir(tmp_path)      # the same file, named by a relative path
+    relative = Settings.from_env({**ready, "SPECBATCH_BROKER_URL": "redis://:s3cret@127.0.0.1:6379/7",
+                                  "SPECBATCH_DATABASE_URL": "sqlite:///a.db"})
+    assert [v.name for v in monitor.queue_workers(relative, "q1") or []] == ["w@h"]

@@ -54,6 +54,12 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
     assert out.returncode == 0, out.stderr
     assert f"is starting for queue {cluster.queue()} (starting: loading models)" in out.stderr, out.stderr
     assert "no live worker" not in out.stderr, out.stderr
+    # the same job seen through another Redis db: this worker never takes its tasks there (a
+    # new-user walk: `status` named a worker of db 7 for a job submitted on db 8)
+    other = {**cluster.env, "SPECBATCH_BROKER_URL": cluster.redis.url.removesuffix("/0") + "/8"}
+    out = subprocess.run([*CLI, "status", job_id], env=other, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert f"no live worker consumes queue {cluster.queue()}" in out.stderr and "w1@" not in out.stderr, out.stderr
 
     gate.touch()
     cluster.wait_consuming(proc)
