@@ -95,9 +95,9 @@ class RowInt8Linear(torch.nn.Module):
             s = row_scales(flat)
             q = torch.round(flat / s).to(torch.int8)
             y = torch._int_mm(q, self.weight_t) * self.weight_scale
-        y = y * s
+        y.mul_(s)           # (in place: y is this call's own; the same numbers as y * s)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
@@ -110,11 +110,95 @@ class RowInt8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
 
 
-def quantize_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every Linear replaced by a RowInt8Linear, in place (returned for chaining)."""
+# Sibling Linears that read one input in the architectures we run (transformers' Llama, Qwen2,
+# Mistral: the attention's q/k/v projections, the MLP's gate and up): one int8 product serves each
+# group. A model that feeds them different inputs (cross-attention) still computes the same
+# numbers, each call then doing the whole group's product (RowInt8Part).
+SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class _SharedProduct:
+    """One RowInt8Linear over sibling Linears' concatenated weights, run once per input tensor:
+    its first member called with ``x`` computes every member's columns, the others take theirs.
+    A plain object, not a Module, so the model's state_dict and modules() list it through its
+    members only. Per-row scales and an exact int32 product make each column the same, bit for
+    bit, as its own Linear's (tests/engine/test_int8_fused.py)."""
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
+                              bias=linears[0].bias is not None, device="meta")
+        cat.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
+        if cat.bias is not None:
+            cat.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
+        self.linear = RowInt8Linear(cat)
+        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
+        self.columns = list(zip([0, *ends[:-1]], ends))
+        # (input, output, members served): held from the first member's call to the last one's.
+        # One tuple, read and replaced whole, so that a call on another thread sees a consistent
+        # pair; identity is safe because the held input cannot be freed and its id reused.
+        self._last: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
+
+    def columns_of(self, member: int, x: torch.Tensor) -> torch.Tensor:
+        """The member's columns of the group's product for ``x`` (..., K) -> (..., N_member)."""
+        last = self._last
+        if last is None or last[0] is not x or member in last[2]:
+            last = (x, self.linear(x), set())
+            self._last = last
+        served = last[2]
+        served.add(member)
+        if len(served) == len(self.columns) and self._last is last:
+            self._last = None       # every member served: let go of the input and output
+        a, b = self.columns[member]
+        return last[1][..., a:b]    # a view: the callers reshape the last axis or multiply
+
+
+class RowInt8Part(torch.nn.Module):
+    """Stands in for one Linear of a _SharedProduct group: the same outputs as its RowInt8Linear,
+    bit for bit (a strided view of the group's product), and the same state_dict entries."""
+
+    def __init__(self, shared: _SharedProduct, member: int) -> None:
+        super().__init__()
+        self.shared, self.member = shared, member
+        a, b = shared.columns[member]
+        self.in_features, self.out_features = shared.linear.in_features, b - a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared.columns_of(self.member, x)
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        """The member's rows of the group's int8 weight, scales and bias (a RowInt8Linear's keys)."""
+        a, b = self.shared.columns[self.member]
+        for k, v in self.shared.linear.state_dict().items():
+            destination[prefix + k] = v[:, a:b] if k in ("weight_t", "weight_scale") else v[a:b]
+
+    def extra_repr(self) -> str:
+        a, b = self.shared.columns[self.member]
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows, columns {a}:{b} of a shared product"
+
+
+def _shared_input_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The SHARED_INPUT groups among ``model``'s own children that can share one product: all
+    Linears of one input width, all with a bias or all without."""
+    kids = dict(model.named_children())
+    out = []
+    for names in SHARED_INPUT:
+        ms = [kids.get(n) for n in names]
+        if all(isinstance(m, torch.nn.Linear) for m in ms) \
+                and len({(m.in_features, m.bias is None) for m in ms if m is not None}) == 1:
+            out.append(list(names))
+    return out
+
+
+def quantize_linears(model: torch.nn.Module, fuse: bool = True) -> torch.nn.Module:
+    """``model`` with every Linear replaced by a RowInt8Linear, in place (returned for chaining);
+    ``fuse``: SHARED_INPUT siblings by RowInt8Parts of one product (the same numbers, fewer calls)."""
+    for names in _shared_input_groups(model) if fuse else []:
+        shared = _SharedProduct([getattr(model, n) for n in names])
+        for i, n in enumerate(names):
+            setattr(model, n, RowInt8Part(shared, i))
     for name, child in list(model.named_children()):
         if isinstance(child, torch.nn.Linear):
             setattr(model, name, RowInt8Linear(child))
         else:
-            quantize_linears(child)
+            quantize_linears(child, fuse)
     return model

@@ -163,10 +163,10 @@ def causal_mask(rows: int, width: int, n_cached: int, dtype: torch.dtype,
 
 def compilable(model: torch.nn.Module) -> str | None:
     """None when the model can be compiled here, else why not."""
-    from specbatch.engine.int8 import RowInt8Linear
+    from specbatch.engine.int8 import RowInt8Linear, RowInt8Part
 
     # (fbgemm's packed weights are opaque to the compiler; torch.ao's dynamic Linear likewise)
-    if any(isinstance(m, RowInt8Linear) or "quantized" in type(m).__module__ for m in model.modules()):
+    if any(isinstance(m, (RowInt8Linear, RowInt8Part)) or "quantized" in type(m).__module__ for m in model.modules()):
         return "dynamically quantized (int8) layers are not compiled"
     return None
 
