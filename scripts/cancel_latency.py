@@ -2,7 +2,7 @@
 
 A real redis-server, a real ``specbatch worker`` (the default pair unless --target/--draft), a
 SQLite file. Each round submits a job of sampled rows (temperature > 0, some n = 2, logprobs,
-penalties), waits until the worker decodes them, then runs ``specbatch cancel JOB`` and measures
+penalties; lengths vary, so rows finish and the batch refills while it decodes), waits until the worker decodes them, then runs ``specbatch cancel JOB`` and measures
 cancel requested -> no row of the job running any more. ``--spy`` samples the pool child with
 ``py-spy dump`` meanwhile and prints what it was doing.
 
@@ -35,7 +35,7 @@ def rows(n: int, round_: int) -> list[dict]:
     out = []
     for i in range(n):
         row: dict = {"custom_id": f"r{round_}-{i}", "prompt": f"Tell a long story about a lighthouse keeper {i}.",
-                     "max_tokens": 400, "temperature": 0.8, "seed": i}
+                     "max_tokens": 60 + i * 37 % 340, "temperature": 0.8, "seed": i}
         if i % 3 == 0:
             row["n"] = 2
         if i % 2 == 0:

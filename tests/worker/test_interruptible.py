@@ -74,11 +74,3 @@ def test_a_stop_set_within_a_forward_ends_it_at_the_next_layer(engine: Engine, w
                 h.remove()
     assert stop() and ran_after == [], ran_after
 
-
-def test_the_checks_go_when_the_block_ends(engine: Engine) -> None:
-    stop = StopRequest()
-    stop.event.set()
-    with interruptible(engine, stop):
-        pass
-    out = dict(engine.generate_many([EngineRequest(prompt="hi", params=PARAMS)]))
-    assert not isinstance(out[0], Exception) and out[0].text is not None
