@@ -4,7 +4,8 @@ A chunk's claim is the cancellation check between prompts; but with batching (``
 auto`` may claim a whole job at once) every claimed row would run to its end after a cancel.
 ``CancelWatch`` looks at the job's status every second while a chunk runs; once the job is
 cancelling it sets a ``StopRequest``, and ``interruptible`` makes the engine raise ``Interrupted``
-before its next target forward (the engine knows nothing of jobs). The task then releases what it
+before the next decoder layer of any of its models, drafts included (the engine knows nothing of
+jobs). So a cancel reaches the rows within this second plus one layer's forward. The task then releases what it
 held: rows of a cancelled job become ``cancelled``, their partial text is not stored.
 """
 

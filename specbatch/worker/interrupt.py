@@ -62,13 +62,24 @@ def stop_on_signals(on_first: Callable[[], None] | None = None) -> Iterator[Stop
 
 @contextmanager
 def interruptible(engine: Any, stop: StopRequest) -> Iterator[None]:
-    """Make ``engine`` raise Interrupted before its next target forward once ``stop`` is set."""
-    model = getattr(getattr(engine, "target", None), "model", None)
-    handle = None
-    if model is not None and hasattr(model, "register_forward_pre_hook"):
-        handle = model.register_forward_pre_hook(lambda *_: stop.check())
+    """Make ``engine`` raise Interrupted at its next layer once ``stop`` is set.
+
+    Every model it runs is checked, the draft models too: between two target forwards a batch's
+    drafts prefill joining rows, catch up and propose several tokens each, seconds on a busy CPU
+    at batch 16-24 (docs/CONTRACTS.md, "cancel"). And each decoder layer is checked, not only
+    the whole forward, so a long prefill is cut short too: the decode is abandoned, its caches
+    with it, so a forward stopped halfway leaves nothing behind. A check is one Event look-up."""
+    import torch
+
+    handles = []
+    for lm in (getattr(engine, "target", None), *(getattr(engine, "drafts", None) or ())):
+        model = getattr(lm, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            continue
+        layers = [m for lst in model.modules() if isinstance(lst, torch.nn.ModuleList) for m in lst]
+        handles += [m.register_forward_pre_hook(lambda *_: stop.check()) for m in (model, *layers)]
     try:
         yield
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
