@@ -11,9 +11,8 @@ import os
 
 import torch
 
-from specbatch.bench.job import JobConfig, _ours
+from specbatch.bench.job import JobConfig, _ours, job_requests
 from specbatch.config import Settings
-from specbatch.engine import Engine
 from specbatch.engine.loading import load_model
 from specbatch.jobs import intake
 
@@ -34,9 +33,7 @@ def main() -> None:
     for dtype in ("float32", "bfloat16"):
         target = load_model("smollm2-135m", dtype=dtype, cache_dir=s.cache_dir)
         models[dtype] = (target, load_model("smollm2-135m-int8", cache_dir=s.cache_dir, loaded=[target]))
-    enc = Engine(models["float32"][0])
-    ids = [enc.encode(p.prompt, p.messages) for p in parsed]
-    limits = [p.generation_params().max_new_tokens for p in parsed]
+    ids, limits = map(list, zip(*job_requests(parsed, models["float32"][0])))
     for pair in models.values():
         _ours(*pair, JobConfig("warm-up", "ours", 2, True), ids[:2], [4, 4])
     reference: list[list[int]] | None = None

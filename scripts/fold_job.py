@@ -11,9 +11,8 @@ import os
 
 import torch
 
-from specbatch.bench.job import JobConfig, _ours
+from specbatch.bench.job import JobConfig, _ours, job_requests
 from specbatch.config import Settings
-from specbatch.engine import Engine
 from specbatch.engine.attention import NAME
 from specbatch.engine.loading import load_model
 from specbatch.jobs import intake
@@ -33,9 +32,7 @@ def main() -> None:
     parsed = intake.parse_file(a.file, None, s)
     target = load_model("smollm2-135m", cache_dir=s.cache_dir)
     draft = load_model("smollm2-135m-int8", loaded=[target], cache_dir=s.cache_dir)
-    enc = Engine(target)
-    ids = [enc.encode(p.prompt, p.messages) for p in parsed]
-    limits = [p.generation_params().max_new_tokens for p in parsed]
+    ids, limits = map(list, zip(*job_requests(parsed, target)))
     _ours(target, draft, JobConfig("warm-up", "ours", 2, True), ids[:2], [4, 4])
     first: list[list[int]] | None = None
     rates: dict[tuple[str, str], list[float]] = {}

@@ -39,6 +39,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     from specbatch.bench import breakdown
+    from specbatch.bench.job import job_requests
     from specbatch.config import Settings
     from specbatch.engine import Engine, EngineRequest, GenerationParams
     from specbatch.engine.loading import load_model
@@ -49,8 +50,7 @@ def main() -> None:
     target = load_model(settings.default_target, **kw)
     draft = load_model(settings.default_draft, **kw, loaded=[target])
     parsed = intake.parse_file(a.file, None, settings)
-    enc = Engine(target)
-    jobs = [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
+    jobs = job_requests(parsed, target)
     size: int | str = a.batch if a.batch == "auto" else int(a.batch)
 
     drafted = [0, 0]        # the last pass's drafted and accepted tokens

@@ -22,7 +22,7 @@ dequantization.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,15 @@ class JobConfig:
     batch_size: int | str         # "auto" for ours-auto
     speculative: bool | str       # "auto": the autopilot decides
     prefix_cache: bool = True     # shared prompt prefixes computed once (engine/prefix.py)
+
+
+def job_requests(parsed: Sequence[Any], target: LoadedModel) -> list[tuple[list[int], int]]:
+    """(prompt ids, max new tokens) per line of a job file as intake parsed it
+    (``intake.parse_file``), with the target's tokenizer and chat template."""
+    from specbatch.engine import Engine
+
+    enc = Engine(target)
+    return [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
 
 
 def plan(sizes: tuple[int, ...], shared_prefix: bool = False, prefix_cache: bool = True,

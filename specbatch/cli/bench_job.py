@@ -24,12 +24,12 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
     from specbatch.bench.job import (
         SHARED_PREFIX_SIZES,
         JobBenchOptions,
+        job_requests,
         markdown,
         public,
         run_job_bench,
         write_files,
     )
-    from specbatch.engine import Engine
     from specbatch.engine.loading import load_model
     from specbatch.errors import IntakeError
     from specbatch.jobs import intake
@@ -63,8 +63,7 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
         raise click.ClickException(str(e)) from e
     tgt = tgt or load_model(opts.target, **kw)
     drf = load_model(opts.draft, **kw, loaded=[tgt])
-    enc = Engine(tgt)
-    requests = [(enc.encode(p.prompt, p.messages), p.generation_params().max_new_tokens) for p in parsed]
+    requests = job_requests(parsed, tgt)
 
     def say(what: str, done: int, total: int) -> None:
         if not as_json:

@@ -179,6 +179,17 @@ def cancel_job(s: Session, job_id: str) -> Job:
     job.status, job.cancel_requested_at = JobStatus.cancelling, now
     return refresh_job(s, job.id)
 
+def _held_by_gone(s: Session, job_id: str, gone: Callable[[str], bool], *where: Any) -> dict[str, list[int]]:
+    """The job's running requests (and ``where``) whose holder ``gone(worker)`` says has exited:
+    {holder: request ids}."""
+    held: dict[str, list[int]] = {}
+    for rid, worker in s.execute(select(Request.id, Request.worker).where(
+            Request.job_id == job_id, Request.status == RequestStatus.running, *where)).all():
+        if worker and gone(worker):
+            held.setdefault(worker, []).append(rid)
+    return held
+
+
 def drop_orphans(s: Session, job_id: str, gone: Callable[[str], bool]) -> list[int]:
     """For a cancelling job: cancel the running requests whose holder ``gone(worker)`` says has
     exited (SIGKILL, a lost machine) instead of waiting for their lease to run out, then refresh
@@ -186,9 +197,7 @@ def drop_orphans(s: Session, job_id: str, gone: Callable[[str], bool]) -> list[i
     job = get_job(s, job_id)
     if job.status != JobStatus.cancelling:
         return []
-    rows = s.execute(select(Request.id, Request.worker).where(Request.job_id == job.id,
-                                                              Request.status == RequestStatus.running)).all()
-    ids = [rid for rid, worker in rows if worker and gone(worker)]
+    ids = [rid for rids in _held_by_gone(s, job.id, gone).values() for rid in rids]
     if ids:
         s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
                   .values(status=RequestStatus.cancelled, finished_at=utcnow(), lease_expires_at=None))
@@ -202,12 +211,7 @@ def expire_gone_leases(s: Session, job_id: str, gone: Callable[[str], bool]) -> 
     their lease runs out (the attempt of one that began decoding stays charged: it may be what
     killed its worker). Returns {holder: request ids}."""
     now = utcnow()
-    rows = s.execute(select(Request.id, Request.worker).where(
-        Request.job_id == job_id, Request.status == RequestStatus.running, Request.lease_expires_at > now)).all()
-    held: dict[str, list[int]] = {}
-    for rid, worker in rows:
-        if worker and gone(worker):
-            held.setdefault(worker, []).append(rid)
+    held = _held_by_gone(s, job_id, gone, Request.lease_expires_at > now)
     ids = [rid for rids in held.values() for rid in rids]
     if ids:
         s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)
