@@ -272,7 +272,8 @@ def test_rows_that_join_while_decoding_plainly_cost_the_draft_nothing_until_it_d
         with torch.inference_mode():
             got = dict(Decoder(target, engine.new_drafters(), later).run(reqs))
     finally:
-        draft.forward = real   # type: ignore[method-assign]
+        del draft.forward      # the class's method again (a bound copy left here would pin this object:
+        #                        a copy of the session's cached model would call the original's forward)
     assert calls and later.prefill_steps >= 2   # the fresh batch's first step, the catch-up
     assert sum(o.stats.drafted_tokens for o in got.values()) > 0
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
