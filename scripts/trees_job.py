@@ -1,0 +1,96 @@
+"""The default job decoded by two checkouts of specbatch, A B B A, one fresh process per run: tok/s
+of each and whether their outputs are the same. For "N x faster than when the issue was filed"
+measured in one session on one machine, not across hosts.
+
+    git worktree add /tmp/then d92206c      # main when issue 31 was filed
+    OMP_NUM_THREADS=2 python scripts/trees_job.py /tmp/then . --configs auto --threads 2 --rounds 2
+
+The prompts are tokenized once, here, and handed to both (each decodes the same ids with its own
+engine, ``specbatch.bench.job._ours``, which both versions have). Model loading is not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+CONFIGS = {"auto": ("auto", "auto"), "B32plain": (32, False), "B8spec": (8, True), "B8plain": (8, False)}
+
+CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from specbatch.bench.job import JobConfig, _ours
+from specbatch.config import Settings
+from specbatch.engine.loading import load_model
+job = json.load(open(sys.argv[2]))
+torch.set_num_threads(job["threads"])
+cache_dir = Settings().cache_dir
+target = load_model("smollm2-135m", cache_dir=cache_dir)
+draft = load_model("smollm2-135m-int8", cache_dir=cache_dir)
+_ours(target, draft, JobConfig("warm-up", "ours", 2, True), job["ids"][:2], [4, 4])
+got = _ours(target, draft, JobConfig(job["name"], "ours", job["batch"], job["spec"]), job["ids"], job["limits"])
+outs, seconds = got[0], got[1]
+print("RESULT " + json.dumps({"tokens": sum(map(len, outs)), "seconds": seconds, "outs": outs}))
+"""
+
+
+def requests(file: str) -> tuple[list[list[int]], list[int]]:
+    from specbatch.bench.job import job_requests
+    from specbatch.config import Settings
+    from specbatch.engine.loading import load_model
+    from specbatch.jobs import intake
+
+    s = Settings()
+    target = load_model("smollm2-135m", cache_dir=s.cache_dir)
+    ids, limits = zip(*job_requests(intake.parse_file(file, None, s), target))
+    return list(ids), list(limits)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trees", nargs=2, help="two checkouts: A (e.g. the old one) and B")
+    ap.add_argument("--file", default="examples/job-mixed-48.jsonl")
+    ap.add_argument("--configs", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    ids, limits = requests(a.file)
+    trees = [str(Path(t).resolve()) for t in a.trees]
+    rates: dict[tuple[str, str], list[float]] = {}
+    digests: dict[tuple[str, str], set[str]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            order = trees if rnd % 2 == 0 else trees[::-1]
+            for name in a.configs.split(","):
+                batch, spec = CONFIGS[name]
+                spec_file = Path(tmp) / f"{name}.json"
+                spec_file.write_text(json.dumps({"ids": ids, "limits": limits, "threads": a.threads,
+                                                 "name": name, "batch": batch, "spec": spec}))
+                for tree in order:
+                    env = {**os.environ, "PYTHONPATH": tree}
+                    run = subprocess.run([sys.executable, "-c", CHILD, tree, str(spec_file)], env=env,
+                                         capture_output=True, text=True, cwd=tree)
+                    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
+                    if line is None:
+                        sys.exit(f"{tree} failed:\n{run.stderr[-3000:]}")
+                    r = json.loads(line[7:])
+                    rate = r["tokens"] / r["seconds"]
+                    digest = hashlib.sha256(json.dumps(r["outs"]).encode()).hexdigest()[:12]
+                    rates.setdefault((name, tree), []).append(rate)
+                    digests.setdefault((name, tree), set()).add(digest)
+                    print(f"round {rnd} {name:9s} {tree}: {rate:7.1f} tok/s ({r['tokens']} tokens, "
+                          f"{r['seconds']:.1f} s) outputs {digest} load {os.getloadavg()[0]:.1f}", flush=True)
+    for name in a.configs.split(","):
+        ra, rb = (sum(rates[(name, t)]) / len(rates[(name, t)]) for t in trees)
+        same = digests[(name, trees[0])] == digests[(name, trees[1])] and len(digests[(name, trees[0])]) == 1
+        print(f"{name}: A {ra:.1f} tok/s, B {rb:.1f} tok/s, B / A {rb / ra:.2f}x, same outputs: {same}")
+
+
+if __name__ == "__main__":
+    main()
