@@ -288,7 +288,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     """
     from specbatch.jobs import store
     from specbatch.observability import tracing
-    from specbatch.worker.embedded_names import release_dead_embedded
+    from specbatch.worker.embedded_names import release_dead_embedded, run_in_its_process
     from specbatch.worker.enqueue import enqueue_routes
     from specbatch.worker.pids import gone_here
 
@@ -298,7 +298,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         job_id, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
         job_status, stopping = job.status.value, job.status in store.STOPPING_JOB
-        embedded = bool((job.meta or {}).get("embedded"))
+        embedded = run_in_its_process(job.meta)
         released = release_dead_embedded(s, job_id)
         # a worker killed on this machine holds its rows until its lease runs out (minutes): as
         # `cancel` does, its rows are claimable now (the same check: worker.pids.gone_here)
