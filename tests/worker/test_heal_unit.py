@@ -111,3 +111,30 @@ def test_a_lease_holder_is_gone_only_when_it_ran_here_and_exited() -> None:
              "the child to exit")
     assert gone_here(f"specbatch-9@box:{zombie.pid}", host="box")
     zombie.wait()
+
+
+def test_a_killed_run_process_keeps_its_rows_attempts_charged_as_a_killed_worker(db_url: str) -> None:  # noqa: F811
+    """release_dead_embedded (resume, run --resume) frees a dead `specbatch run` process's rows at
+    once, as expire_gone_leases does a killed worker's: the attempt of a row that began decoding
+    stays charged (it may be what killed the process), so after max_attempts it fails alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from specbatch.worker.embedded_names import release_dead_embedded
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    dead = f"embedded@{socket.gethostname()}:{proc.pid}"
+    ids = _job(db_url, "sb.run", metadata={"embedded": True}, holder=dead)
+    with session_factory(db_url).begin() as s:
+        store.start_requests(s, ids[:2], dead)          # two began decoding, two waited behind them
+        job_id = s.scalar(select(Request.job_id).where(Request.id == ids[0]))
+        assert store.resumable_request_ids(s, job_id) == []       # live leases: nothing to resume yet
+        assert release_dead_embedded(s, job_id) == ids
+        assert store.resumable_request_ids(s, job_id) == ids
+        attempts = dict(s.execute(select(Request.id, Request.attempts).where(Request.id.in_(ids))).all())
+    assert [attempts[i] for i in ids] == [1, 1, 0, 0]
+    with session_factory(db_url).begin() as s:       # a resume claims them: the last attempt fails them
+        claimed = store.claim_requests(s, ids, "embedded@box:2", 60, max_attempts=1)
+    assert [c.id for c in claimed] == ids[2:]
