@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
-from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
+from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, missing_weights, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
 from specbatch.errors import DeviceError, ModelLoadError
 from specbatch.plural import plural
@@ -90,8 +90,7 @@ def known_model_status() -> list[dict[str, Any]]:
     """Every known model name and whether its weight packages are installed."""
     rows = []
     for m in KNOWN_MODELS.values():
-        missing = [p for p in m.packages if importlib.util.find_spec(p) is None]
-        rows.append({"name": m.name, "description": m.description, "installed": not missing,
+        rows.append({"name": m.name, "description": m.description, "installed": missing_weights(m.name) is None,
                      "install": m.pip})
     return rows
 
@@ -141,10 +140,9 @@ def _package_dir(import_name: str) -> Path:
 
 def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     """Path of a known model's GGUF file, assembling package slices once (sha256 checked)."""
-    missing = [p for p in m.packages if importlib.util.find_spec(p) is None]
-    if missing:
-        raise ModelLoadError(f"model {m.name!r}: weights are not installed (missing {missing[0]}); "
-                             f"install them with: {m.pip}")
+    problem = missing_weights(m.name)
+    if problem is not None:
+        raise ModelLoadError(problem)
     if len(m.packages) == 1:
         return _package_dir(m.packages[0]) / m.filename
     out = cache_dir / "gguf" / m.filename
