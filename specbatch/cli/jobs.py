@@ -219,9 +219,11 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     """
     import time
 
+    from specbatch.worker.embedded_names import run_in_its_process
+
     settings = get_settings()
     summary, finished = _refreshed_summary(settings, job_id)
-    if not finished and summary["metadata"].get("embedded"):
+    if not finished and run_in_its_process(summary["metadata"]):
         # no worker ever takes a `specbatch run` job: naming one (a worker of the same pair) misled
         click.echo(f"job {summary['id']} is run by `specbatch run`, not by workers; if that run has stopped, "
                    f"`specbatch resume {summary['id']}` finishes it here", err=True)
@@ -447,13 +449,14 @@ def retry(job_id: str, as_json: bool) -> None:
       specbatch retry 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.worker.embedded_names import run_in_its_process
 
     settings = get_settings()
     with open_db(settings).begin() as s:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
         jid, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
-        embedded = bool((job.meta or {}).get("embedded"))
+        embedded = run_in_its_process(job.meta)
         routes = store.request_routes(s, jid, ids, by_prefix=True)
     if ids and embedded:
         # no worker consumes a `run` job's queue: the rows are pending again, and run's

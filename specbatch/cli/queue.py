@@ -239,7 +239,7 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
     # the file first: local, a local model's logit_bias keys too (others by the worker, per request)
     parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
     check_broker(settings)  # broker down: fail before anything is written
-    for line in parsed.warnings(target_):
+    for line in parsed.warnings(target_) + _weights_elsewhere(target_, drafts_, parsed.model_map):
         warn(line)
     tracing.configure("specbatch")   # one trace per job when OTEL_* asks for it
     with tracing.span("submit", {"specbatch.queue": queue, "specbatch.file": file}):
@@ -267,6 +267,19 @@ def submit(file: str, target: str | None, drafts: tuple[str, ...], ngram: bool, 
         exit_by_outcome(summary)
 
 
+def _weights_elsewhere(target: str, drafts: list[str], model_map: dict[str, Any] | None) -> list[str]:
+    """A warning per known model of the job whose weights are not installed here. Not a refusal:
+    `submit` reads no weights (a model with no files here is left to its worker: jobs/context.py),
+    and the workers may run on machines that have them; a worker here would not start."""
+    from specbatch.engine.drafter_specs import model_names, parse_drafters
+    from specbatch.engine.known_models import missing_weights
+
+    pairs = [(target, drafts), *(model_map or {}).values()]
+    names = dict.fromkeys(n for t, ds in pairs for n in (t, *model_names(parse_drafters(ds))))
+    return [f"{hint} (where the workers run; the job is queued: a worker that cannot load it does not start)"
+            for hint in map(missing_weights, names) if hint is not None]
+
+
 @click.command()
 @click.argument("job_id")
 @click.option("--in-process", is_flag=True,
@@ -288,7 +301,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     """
     from specbatch.jobs import store
     from specbatch.observability import tracing
-    from specbatch.worker.embedded_names import release_dead_embedded
+    from specbatch.worker.embedded_names import release_dead_embedded, run_in_its_process
     from specbatch.worker.enqueue import enqueue_routes
     from specbatch.worker.pids import gone_here
 
@@ -298,7 +311,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         job_id, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
         job_status, stopping = job.status.value, job.status in store.STOPPING_JOB
-        embedded = bool((job.meta or {}).get("embedded"))
+        embedded = run_in_its_process(job.meta)
         released = release_dead_embedded(s, job_id)
         # a worker killed on this machine holds its rows until its lease runs out (minutes): as
         # `cancel` does, its rows are claimable now (the same check: worker.pids.gone_here)

@@ -6,6 +6,7 @@ No torch here: ``submit`` and the HTTP API check names without loading anything.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -48,6 +49,17 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
                _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
                pip=QWEN_PIP),
 )}
+
+
+def missing_weights(name: str) -> str | None:
+    """For a known name whose weights package is not installed on this machine: what to say (the
+    package missing, the pip command); None otherwise (a known model installed here, or no known
+    name). Finds the packages without importing them."""
+    m = KNOWN_MODELS.get(name)
+    missing = [p for p in m.packages if importlib.util.find_spec(p) is None] if m is not None else []
+    if m is None or not missing:
+        return None
+    return f"model {m.name!r}: weights are not installed (missing {missing[0]}); install them with: {m.pip}"
 
 
 def not_found(name: str) -> str:

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
-from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, name_problem
+from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, missing_weights, name_problem
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
 from specbatch.engine.packed import pack_linears
 from specbatch.errors import DeviceError, ModelLoadError
@@ -91,8 +92,7 @@ def known_model_status() -> list[dict[str, Any]]:
     """Every known model name and whether its weight packages are installed."""
     rows = []
     for m in KNOWN_MODELS.values():
-        missing = [p for p in m.packages if importlib.util.find_spec(p) is None]
-        rows.append({"name": m.name, "description": m.description, "installed": not missing,
+        rows.append({"name": m.name, "description": m.description, "installed": missing_weights(m.name) is None,
                      "install": m.pip})
     return rows
 
@@ -142,10 +142,9 @@ def _package_dir(import_name: str) -> Path:
 
 def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     """Path of a known model's GGUF file, assembling package slices once (sha256 checked)."""
-    missing = [p for p in m.packages if importlib.util.find_spec(p) is None]
-    if missing:
-        raise ModelLoadError(f"model {m.name!r}: weights are not installed (missing {missing[0]}); "
-                             f"install them with: {m.pip}")
+    problem = missing_weights(m.name)
+    if problem is not None:
+        raise ModelLoadError(problem)
     if len(m.packages) == 1:
         return _package_dir(m.packages[0]) / m.filename
     out = cache_dir / "gguf" / m.filename
@@ -187,6 +186,7 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
 
     target = cache_dir / "dequantized" / gguf_cache_key(gguf)
     if (target / "model.safetensors").exists():
+        _drop_quantization_config(target / "config.json")     # a cache written before this was fixed
         return _Source(target)
     logger.info("dequantizing %s into %s (once)", gguf, target)
     # a private temp dir per loader: workers starting together on a fresh cache don't collide
@@ -207,6 +207,7 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"cannot read GGUF file {gguf}: no weights for {', '.join(missing[:3])}")
     tok.save_pretrained(tmp)
+    _as_plain(model)
     model.config.save_pretrained(tmp)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(tmp)
@@ -217,6 +218,34 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
         shutil.rmtree(tmp, ignore_errors=True)
     model.config._name_or_path = str(target)    # what from_pretrained(target) records
     return _Source(target, fresh=model.eval())
+
+
+def _as_plain(model: Any) -> None:
+    """The dequantized model as what it is, plain tensors, and as a load of its cache gives it: without
+    the GGUF file's ``quantization_config`` (see ``_drop_quantization_config``) and quantizer."""
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "hf_quantizer"):
+        del model.hf_quantizer
+
+
+def _drop_quantization_config(config_json: Path) -> None:
+    """Remove the GGUF file's ``quantization_config`` from a dequantized cache's config.json: its
+    weights are plain tensors, but with it transformers reads the directory through its GGUF
+    quantizer (``is_quantized``; in another dtype than float32 it warns the weights "stay
+    quantized" and every matmul casts: not so). Rewritten atomically, as readers may be loading it;
+    a cache this process cannot write is left as it is."""
+    tmp = config_json.with_name(f"{config_json.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        config = json.loads(config_json.read_text())
+        if "quantization_config" not in config:
+            return
+        del config["quantization_config"]
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, config_json)
+    except (OSError, ValueError) as e:   # (an unreadable config: from_pretrained says so itself)
+        tmp.unlink(missing_ok=True)
+        logger.info("cannot rewrite %s without its quantization_config: %s", config_json, e)
 
 
 def _tie_missing_head(model: Any) -> None:
@@ -341,9 +370,8 @@ def _read(name: str, source: _Source, dtype: torch.dtype, trust_remote_code: boo
             tokenizer = AutoTokenizer.from_pretrained(source.path, trust_remote_code=trust_remote_code)
             if source.fresh is not None and dtype == torch.float32:
                 return tokenizer, source.fresh
-            with _no_packed_gguf_warning():
-                model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
-                                                             trust_remote_code=trust_remote_code)
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype,
+                                                         trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load model {name!r}: {e}") from e
     return tokenizer, model.eval()
@@ -388,26 +416,6 @@ def _hf_load() -> Iterator[None]:
         finally:
             if was_on:
                 hf_logging.enable_progress_bar()
-
-
-class _PackedGgufWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Loading a GGUF checkpoint with its weights packed")
-
-
-@contextlib.contextmanager
-def _no_packed_gguf_warning() -> Iterator[None]:
-    """A dequantized cache's config.json keeps the GGUF file's ``quantization_config``, so reading
-    it in another dtype than float32 has transformers warn that the weights "stay quantized" and
-    every matmul casts: not so, they are plain dequantized tensors (``--dtype bfloat16`` runs
-    bfloat16 GEMMs), and the warning would send a user after a problem that is not there."""
-    log = logging.getLogger("transformers.quantizers.quantizer_gguf")
-    quiet = _PackedGgufWarning()
-    log.addFilter(quiet)
-    try:
-        yield
-    finally:
-        log.removeFilter(quiet)
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> frozenset[int]:

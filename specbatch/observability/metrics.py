@@ -82,7 +82,7 @@ class WorkerMetrics:
                                         "Draft tokens accepted at each draft position (0-based).",
                                         ("position",))
         self.latency = Histogram("specbatch_request_latency_seconds",
-                                 "Claim to result stored, per completed request.", LABELS,
+                                 "Claim to result stored, per generated request (results-cache hits left out).", LABELS,
                                  buckets=LATENCY_BUCKETS, registry=reg)
         self.tpot = Histogram("specbatch_time_per_output_token_seconds",
                               "Per request: (last token - first token) / (tokens - 1).", LABELS,
@@ -106,8 +106,10 @@ class WorkerMetrics:
                                  "1 while decoding speculatively, 0 while decoding plainly.", LABELS,
                                  multiprocess_mode="mostrecent", registry=reg)
 
-    def observe_completed(self, output: Any, latency_seconds: float | None = None) -> None:
-        """A result was stored: ``output`` is its GenerationOutput."""
+    def observe_completed(self, output: Any, latency_seconds: float | None = None, cached: bool = False) -> None:
+        """A result was stored: ``output`` is its GenerationOutput; ``cached``: a results-cache hit,
+        left out of the latency and per-token histograms as the job's percentiles leave it out
+        (answered at once, generated nothing: it would pull them down, docs/statistics.md)."""
         lv, st = self.labels, output.stats
         self.requests.labels(**lv, outcome="completed").inc()
         self.generation_tokens.labels(**lv).inc(len(output.token_ids))
@@ -118,6 +120,8 @@ class WorkerMetrics:
         self.num_accepted_tokens.labels(**lv).inc(st.accepted_tokens)
         for j, n in enumerate(st.accepted_at_position):
             self.accepted_per_pos.labels(**lv, position=str(j)).inc(n)
+        if cached:
+            return
         self.latency.labels(**lv).observe(max(0.0, latency_seconds if latency_seconds is not None
                                               else st.wall_seconds))
         n = len(output.token_ids)

@@ -31,7 +31,7 @@ class Observer:
             if self.metrics is not None:
                 if event.output is not None:
                     latency = (now - event.claimed_ns) / 1e9 if event.claimed_ns else None
-                    self.metrics.observe_completed(event.output, latency)
+                    self.metrics.observe_completed(event.output, latency, cached=event.cached)
                 else:
                     self.metrics.observe_failed()
                 from specbatch.engine.compile.forward import forward_counts  # torch: not in the parent

@@ -17,13 +17,22 @@ def embedded_worker_name(pid: int | None = None) -> str:
     return f"{EMBEDDED_PREFIX}{socket.gethostname()}:{pid or os.getpid()}"
 
 
+def run_in_its_process(meta: dict[str, Any] | None) -> bool:
+    """Whether a job (its ``meta``) was made by ``specbatch run``: that process (or a later ``run
+    --resume`` / ``resume``) decodes its rows, with no broker; a worker's sweeps never send them."""
+    return bool((meta or {}).get("embedded"))
+
+
 def release_dead_embedded(s: Any, job_id: str) -> list[int]:
-    """Release the requests of ``job_id`` held by a ``specbatch run`` process of this host that
-    no longer exists (killed, or exited on a second Ctrl-C); returns their ids."""
+    """End now the leases on the requests of ``job_id`` held by a ``specbatch run`` process of this
+    host that no longer exists (killed: SIGKILL, the OOM killer); returns their ids. As for a
+    killed worker (``store.expire_gone_leases``) the attempt of a row that began decoding stays
+    charged: the row may be what killed it, and after ``max_attempts`` it fails instead of killing
+    every resume. (An interrupted run gave its rows back itself, the attempt undone:
+    ``embedded._wrap_up``.)"""
     from specbatch.jobs import store
 
-    released: list[int] = []
-    for worker in store.running_workers(s, job_id):
-        if worker.startswith(EMBEDDED_PREFIX) and gone_here(worker):
-            released += store.release_held_by(s, job_id, worker)
-    return released
+    def dead_run(worker: str) -> bool:
+        return worker.startswith(EMBEDDED_PREFIX) and gone_here(worker)
+
+    return sorted(rid for rids in store.expire_gone_leases(s, job_id, dead_run).values() for rid in rids)

@@ -23,24 +23,29 @@ from sqlalchemy import select, update
 
 from specbatch.config import Settings
 from specbatch.redact import mask
+from specbatch.worker.embedded_names import run_in_its_process
 
 logger = logging.getLogger(__name__)
 
 
 def take_back_expired(s: Any, queues: Collection[str]) -> dict[tuple[str, str], list[int]]:
     """Turn the running requests of ``queues`` whose lease expired back to pending, in the caller's
-    transaction; returns {(job id, queue): request ids} of those this call took."""
+    transaction; returns {(job id, queue): request ids} of those this call took. A ``specbatch run``
+    job's are left alone: no worker decodes them (its ``resume`` takes them back)."""
     from specbatch.db.models import Job, JobStatus, Request, RequestStatus, utcnow
     from specbatch.worker.queues import route_queue
 
     now = utcnow()
     expired = (Request.status == RequestStatus.running) & Request.lease_expires_at.is_not(None) & \
         (Request.lease_expires_at <= now)
-    rows = s.execute(select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.drafts)
+    rows = s.execute(select(Request.id, Request.job_id, Request.target, Request.drafts, Job.queue, Job.drafts,
+                            Job.meta)
                      .join(Job, Job.id == Request.job_id)
                      .where(expired, Job.status.in_([JobStatus.queued, JobStatus.running]))).all()
     mine: dict[int, tuple[str, str]] = {}
-    for rid, job_id, target, drafts, job_queue, job_drafters in rows:
+    for rid, job_id, target, drafts, job_queue, job_drafters, meta in rows:
+        if run_in_its_process(meta):
+            continue
         queue = route_queue(None if target is None else (target, drafts or []), job_queue, job_drafters or [])
         if queue in queues:
             mine[rid] = (job_id, queue)

@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 from specbatch.config import Settings
 from specbatch.errors import SpecBatchError
-from specbatch.worker.embedded_names import release_dead_embedded
 from specbatch.worker.interrupt import StopRequest
 from specbatch.worker.queues import route_drafters
 from specbatch.worker.transaction import transact
@@ -98,11 +97,6 @@ def _resumable_job(s: Any, job_id: str) -> LocalJob:
     ids = store.resumable_request_ids(s, job.id) + [rid for rid, _, _ in store.leased_requests(s, job.id)]
     return LocalJob(job.id, job.target, list(job.drafts or []), store.request_routes(s, job.id, ids),
                     resumed=True, status=job.status.value)
-
-
-def release_dead(sf: Any, job_id: str) -> list[int]:
-    """Release what ``specbatch run`` processes of this host that no longer exist held."""
-    return transact(sf, release_dead_embedded, job_id)
 
 
 def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunHooks, *,

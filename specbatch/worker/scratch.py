@@ -12,11 +12,13 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 from specbatch.config import Settings
 from specbatch.worker.pids import alive
 
 WORKER_FILE, STATE_FILE = "worker.json", "state"
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")    # urlsplit's hostname: lower case, no brackets
 
 
 def workers_root(settings: Settings) -> Path:
@@ -36,7 +38,9 @@ def scratch_dirs(settings: Settings) -> list[tuple[Path, bool]]:
 def source(settings: Settings) -> str:
     """Which broker and database a worker consumes from, as a digest of their URLs with secrets
     masked first (``worker.json`` is a file in /tmp: nothing derived from a password goes there).
-    A relative SQLite path is made absolute: the same URL in another directory is another file."""
+    A relative SQLite path is made absolute: the same URL in another directory is another file;
+    and the loopback host names are one (``localhost``, ``127.0.0.1``, ``::1``): a worker on
+    ``redis://localhost:6379/0`` serves a ``submit`` on ``redis://127.0.0.1:6379/0``."""
     from specbatch.db import sqlite_path
     from specbatch.redact import mask_url
 
@@ -44,8 +48,21 @@ def source(settings: Settings) -> str:
     path = sqlite_path(database)
     if path is not None:
         database = f"sqlite:///{path.resolve()}"
-    text = f"{mask_url(settings.broker_url)}\n{mask_url(database)}"
+    text = f"{_loopback_as_one(mask_url(settings.broker_url))}\n{_loopback_as_one(mask_url(database))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _loopback_as_one(url: str) -> str:
+    """``url`` with a loopback host written ``localhost``; any other URL unchanged."""
+    parts = urlsplit(url)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:      # a port that is no number, several hosts: not ours to rewrite
+        return url
+    if host not in LOOPBACK_HOSTS:
+        return url
+    userinfo, at, _ = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}localhost{'' if port is None else f':{port}'}"))
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from typing import Any
 from sqlalchemy import or_, select, update
 
 from specbatch.config import Settings
+from specbatch.worker.embedded_names import run_in_its_process
 
 logger = logging.getLogger(__name__)
 
@@ -137,8 +138,8 @@ def pending_in(s: Any, queues: Collection[str], older_than: timedelta, job_id: s
         stmt = stmt.where(Request.id.in_(list(among)))
     out: dict[int, tuple[str, str]] = {}
     for rid, jid, target, drafts, job_queue, job_drafters, meta in s.execute(stmt):
-        if (meta or {}).get("embedded") or (among is not None and rid not in among):
-            continue            # embedded: `specbatch run` holds it in its own process, no broker involved
+        if run_in_its_process(meta) or (among is not None and rid not in among):
+            continue            # `specbatch run` holds it in its own process, no broker involved
         queue = route_queue(None if target is None else (target, list(drafts or [])), job_queue,
                             list(job_drafters or []))
         if queue in queues:

@@ -30,7 +30,7 @@ from specbatch.observability import tracing
 from specbatch.observability import worker as observe
 from specbatch.worker.app import TASK_NAME, app
 from specbatch.worker.breaker import TargetHealth, probe_database, set_consuming, wait_until_up
-from specbatch.worker.cancel import CancelWatch
+from specbatch.worker.cancel import CancelWatch, job_stopping
 from specbatch.worker.chunk import ChunkReport, process_chunk
 from specbatch.worker.guard import allows_fallback, draft_only, refusal
 from specbatch.worker.interrupt import Interrupted, interruptible
@@ -285,6 +285,13 @@ class EngineTask(Task):
         raise Reject(f"target failure: {error}", requeue=True) from error
 
 
+def _revoked(task: Task) -> Ignore:
+    """A revoked task, as Flower and `celery events` show one: returning would report it SUCCESS;
+    Ignore acknowledges the message and sends no task-succeeded after this."""
+    task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+    return Ignore()
+
+
 def _queue(task: Task) -> str | None:
     info = getattr(task.request, "delivery_info", None) or {}
     return info.get("routing_key") or info.get("queue")
@@ -333,7 +340,10 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
     worker = _worker_name(self)
     while True:
         try:
-            report = self.generate(settings, fallback or self.engine, job_id, request_ids, worker)
+            # `cancel` leaves the job's queued tasks in the broker: each ends here, after one read
+            # of the job's status (not claimed for nothing, request by request)
+            report = None if job_stopping(settings, job_id) else \
+                self.generate(settings, fallback or self.engine, job_id, request_ids, worker)
             break
         except TRANSIENT_DB_ERRORS as e:
             self.wait_for_database(settings, e, job_id, worker)
@@ -347,12 +357,12 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int]) ->
             dropped = _release_mine(settings, job_id, worker)
             logger.info("job %s cancelled: dropped %d request(s) this worker was generating", job_id,
                         len(dropped))
-            # a revoked task, as Flower and `celery events` show one: returning would report it
-            # SUCCESS; Ignore acknowledges the message and sends no task-succeeded after this
-            self.send_event("task-revoked", terminated=False, signum=None, expired=False)
-            raise Ignore() from None
+            raise _revoked(self) from None
         except Exception as e:
             fallback = self.after_target_failure(settings, job_id, worker, fallback, e)
+    if report is None:
+        logger.info("job %s cancelled: task of %d request(s) dropped unread", job_id, len(request_ids))
+        raise _revoked(self)
     self.health.ok()
     if report.unstarted:  # warm shutdown: back to the queue, the finished part is skipped there
         raise Reject("worker shutting down", requeue=True)

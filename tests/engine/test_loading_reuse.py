@@ -188,10 +188,25 @@ def test_an_int8_draft_beside_a_bfloat16_target_computes_in_float32_and_decodes_
     assert [engine.generate(prompt=p, params=params).token_ids for p in PROMPTS] == alone
 
 
-def test_a_dequantized_cache_read_in_bfloat16_says_nothing_of_packed_weights(tiny_pair, caplog):
-    load_model("tiny", cache_dir=tiny_pair)                       # the cache, dequantized once
+@pytest.mark.parametrize("cache", ["new", "written-before-the-fix"])
+def test_a_dequantized_cache_is_plain_weights_and_read_in_bfloat16_says_nothing_of_packed_ones(
+        tiny_pair, caplog, cache):
+    """The cache's config.json has no quantization_config (the GGUF file's): with it transformers
+    read the plain tensors through its GGUF quantizer and, in bfloat16, warned that the weights
+    "stay quantized". A cache written with it loses it at its next load."""
+    import json
+
+    first = load_model("tiny", cache_dir=tiny_pair)                # the cache, dequantized once
+    config = next(tiny_pair.glob("dequantized/*/config.json"))
+    if cache != "new":
+        old = json.loads(config.read_text())
+        old["quantization_config"] = {"dequantize": False, "gguf_file": "tied.F32.gguf", "quant_method": "gguf"}
+        config.write_text(json.dumps(old))
     caplog.clear()
     m = load_model("tiny", cache_dir=tiny_pair, dtype="bfloat16")
+    assert "quantization_config" not in json.loads(config.read_text())
     assert not [r for r in caplog.records if "weights packed" in r.getMessage()]
+    assert getattr(m.model, "hf_quantizer", None) is None and getattr(first.model, "hf_quantizer", None) is None
+    assert not hasattr(first.model.config, "quantization_config")
     assert all(type(x) is torch.nn.Linear and x.weight.dtype == torch.bfloat16
                for x in m.model.modules() if isinstance(x, torch.nn.Linear))   # plain bfloat16 GEMMs

@@ -56,6 +56,29 @@ def test_counters_follow_vllm_meanings() -> None:
     assert value("specbatch_batch_size") == 8 and value("specbatch_speculation_enabled") == 1
 
 
+def test_results_cache_hits_stay_out_of_the_latency_histograms() -> None:
+    """As the job's latency percentiles (docs/statistics.md): a hit, answered at once, would pull
+    them down. It is still a completed request."""
+    import time
+
+    from specbatch.observability.worker import Observer
+    from specbatch.worker.chunk import ResultEvent
+
+    m = WorkerMetrics(LABELS)
+    obs = Observer(m)
+    claimed = time.time_ns()
+    obs.on_result(ResultEvent(1, "j", output=_output(5, [4], [4], wall=1.0, first=0.5), claimed_ns=claimed))
+    obs.on_result(ResultEvent(2, "j", output=_output(5, [], [], wall=0.0, first=0.0), claimed_ns=claimed,
+                              cached=True))
+
+    def value(name: str, **extra: str) -> float | None:
+        return m.registry.get_sample_value(name, {**LABELS, **extra})
+
+    assert value("specbatch_requests_total", outcome="completed") == 2
+    assert value("specbatch_request_latency_seconds_count") == 1
+    assert value("specbatch_time_per_output_token_seconds_count") == 1
+
+
 def test_compiled_forward_counts_are_added_as_they_grow() -> None:
     m = WorkerMetrics(LABELS)
     m.observe_compiled({"t": (10, 0)})

@@ -21,13 +21,13 @@ from tests.worker.services import wait_for
 PARAMS = {"max_new_tokens": 8, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
 
 
-def _job(url: str, queue: str, n: int = 4) -> list[int]:
+def _job(url: str, queue: str, n: int = 4, metadata: dict | None = None, holder: str = "w-dead") -> list[int]:
     reqs = [ParsedRequest(i + 1, f"c{i}", "completion", f"p{i}", None, PARAMS) for i in range(n)]
     with session_factory(url).begin() as s:
         job_id = store.create_job(s, target="tgt", drafts=["d1"], params={}, requests=reqs,
-                                  queue=queue).id
+                                  queue=queue, metadata=metadata).id
         ids = store.resumable_request_ids(s, job_id)
-        store.claim_requests(s, ids, "w-dead", 60, 3)
+        store.claim_requests(s, ids, holder, 60, 3)
     return ids
 
 
@@ -47,6 +47,17 @@ def test_only_expired_leases_of_its_queues_are_taken_back_once(db_url: str) -> N
         assert take_back_expired(s, {"sb.mine"}) == {}          # nothing left to take
     assert [status[i] for i in mine] == [RequestStatus.pending] * 3 + [RequestStatus.running]
     assert {status[i] for i in other} == {RequestStatus.running}
+
+
+def test_a_run_jobs_expired_rows_are_never_taken_back_by_a_worker(db_url: str) -> None:  # noqa: F811
+    """A `specbatch run` job decodes in that process (its `resume` takes a dead one's rows back);
+    a worker consuming the same pair's queue must not send them to itself, as stranded.pending_in
+    does not either (one predicate: embedded_names.run_in_its_process)."""
+    ids = _job(db_url, "sb.pair", metadata={"embedded": True}, holder="embedded@box:1")
+    _expire(db_url, ids)
+    with session_factory(db_url).begin() as s:
+        assert take_back_expired(s, {"sb.pair"}) == {}
+        assert set(s.scalars(select(Request.status).where(Request.id.in_(ids)))) == {RequestStatus.running}
 
 
 def test_two_sweepers_racing_take_each_request_once(db_url: str) -> None:  # noqa: F811
@@ -100,3 +111,30 @@ def test_a_lease_holder_is_gone_only_when_it_ran_here_and_exited() -> None:
              "the child to exit")
     assert gone_here(f"specbatch-9@box:{zombie.pid}", host="box")
     zombie.wait()
+
+
+def test_a_killed_run_process_keeps_its_rows_attempts_charged_as_a_killed_worker(db_url: str) -> None:  # noqa: F811
+    """release_dead_embedded (resume, run --resume) frees a dead `specbatch run` process's rows at
+    once, as expire_gone_leases does a killed worker's: the attempt of a row that began decoding
+    stays charged (it may be what killed the process), so after max_attempts it fails alone."""
+    import socket
+    import subprocess
+    import sys
+
+    from specbatch.worker.embedded_names import release_dead_embedded
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    dead = f"embedded@{socket.gethostname()}:{proc.pid}"
+    ids = _job(db_url, "sb.run", metadata={"embedded": True}, holder=dead)
+    with session_factory(db_url).begin() as s:
+        store.start_requests(s, ids[:2], dead)          # two began decoding, two waited behind them
+        job_id = s.scalar(select(Request.job_id).where(Request.id == ids[0]))
+        assert store.resumable_request_ids(s, job_id) == []       # live leases: nothing to resume yet
+        assert release_dead_embedded(s, job_id) == ids
+        assert store.resumable_request_ids(s, job_id) == ids
+        attempts = dict(s.execute(select(Request.id, Request.attempts).where(Request.id.in_(ids))).all())
+    assert [attempts[i] for i in ids] == [1, 1, 0, 0]
+    with session_factory(db_url).begin() as s:       # a resume claims them: the last attempt fails them
+        claimed = store.claim_requests(s, ids, "embedded@box:2", 60, max_attempts=1)
+    assert [c.id for c in claimed] == ids[2:]

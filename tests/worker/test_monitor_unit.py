@@ -74,3 +74,19 @@ def test_a_worker_of_this_machine_on_another_broker_or_database_is_not_counted(m
     relative = Settings.from_env({**ready, "SPECBATCH_BROKER_URL": "redis://:s3cret@127.0.0.1:6379/7",
                                   "SPECBATCH_DATABASE_URL": "sqlite:///a.db"})
     assert [v.name for v in monitor.queue_workers(relative, "q1") or []] == ["w@h"]
+
+
+def test_the_loopback_host_names_are_one_broker_and_database() -> None:
+    """A worker started with redis://localhost:6379/0 and a submit on redis://127.0.0.1:6379/0 use
+    one Redis: `submit` warned "no live worker". Other hosts, ports and databases stay apart."""
+    def where(broker: str, database: str = "postgresql://u@localhost:5432/sb") -> str:
+        return scratch.source(Settings.from_env({"SPECBATCH_BROKER_URL": broker, "SPECBATCH_DATABASE_URL": database}))
+
+    same = {where(b) for b in ("redis://localhost:6379/0", "redis://127.0.0.1:6379/0", "redis://[::1]:6379/0",
+                               "redis://LocalHost:6379/0")}
+    assert len(same) == 1
+    assert where("redis://:pw@127.0.0.1:6379/0") == where("redis://:other@localhost:6379/0")   # masked anyway
+    assert where("redis://localhost:6379/0", "postgresql://u@127.0.0.1:5432/sb") in same
+    for other in ("redis://localhost:6380/0", "redis://localhost:6379/1", "redis://10.0.0.2:6379/0"):
+        assert where(other) not in same, other
+    assert where("redis://localhost:6379/0", "postgresql://u@localhost:5432/other") not in same
