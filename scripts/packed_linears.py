@@ -26,6 +26,40 @@ SHAPES = {"q/o 576->576": (576, 576), "k/v 576->192": (576, 192), "gate/up 576->
           "down 1536->576": (1536, 576), "head 576->49152": (576, 49152)}
 
 
+def shape(name: str, w: torch.Tensor, rows_list: list[int], reps: int, max_rows: int,
+          g: torch.Generator) -> None:
+    """One Linear's weight (N, K): timings per row count, then batch invariance of both products."""
+    k = w.shape[1]
+    p = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w)
+
+    def packed(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0])
+
+    ways = (("F.linear", plain), ("packed", packed))
+    for rows in rows_list:
+        x = torch.randn(rows, k, generator=g)
+        t: dict[str, list[float]] = {"F.linear": [], "packed": []}
+        for rep in range(reps + 3):
+            for label, f in ways if rep % 2 == 0 else ways[::-1]:
+                t0 = time.perf_counter()
+                f(x)
+                if rep >= 3:          # (warm-up)
+                    t[label].append(time.perf_counter() - t0)
+        us = {label: statistics.median(v) * 1e6 for label, v in t.items()}
+        print(f"{name:18s} rows {rows:3d}: F.linear {us['F.linear']:8.0f} us  packed {us['packed']:8.0f} us  "
+              f"ratio {us['F.linear'] / us['packed']:.2f}x  bitwise equal: {torch.equal(plain(x), packed(x))}  "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
+    x = torch.randn(max_rows, k, generator=g)
+    for label, f in ways:
+        whole = f(x)
+        moved = [m for m in range(1, max_rows) if not torch.equal(f(x[:m].contiguous()), whole[:m])]
+        print(f"{name:18s} {label}: rows whose output differs from the {max_rows}-row batch's at row counts "
+              f"{moved or 'none'}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
@@ -36,33 +70,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
     for name, (k, n) in SHAPES.items():
-        w = torch.randn(n, k, generator=g)
-        p = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
         reps = max(3, a.reps // 10) if n > 10000 else a.reps
-
-        def packed(x: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0])
-
-        for rows in (int(r) for r in a.rows.split(",")):
-            x = torch.randn(rows, k, generator=g)
-            t: dict[str, list[float]] = {"F.linear": [], "packed": []}
-            for rep in range(reps + 3):
-                order = (("F.linear", lambda: F.linear(x, w)), ("packed", lambda: packed(x)))
-                for label, f in order if rep % 2 == 0 else order[::-1]:
-                    t0 = time.perf_counter()
-                    f()
-                    if rep >= 3:          # (warm-up)
-                        t[label].append(time.perf_counter() - t0)
-            us = {label: statistics.median(v) * 1e6 for label, v in t.items()}
-            print(f"{name:18s} rows {rows:3d}: F.linear {us['F.linear']:8.0f} us  packed {us['packed']:8.0f} us  "
-                  f"ratio {us['F.linear'] / us['packed']:.2f}x  bitwise equal: {torch.equal(F.linear(x, w), packed(x))}  "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
-        x = torch.randn(a.max_rows, k, generator=g)
-        for label, f in (("F.linear", lambda v: F.linear(v, w)), ("packed", packed)):
-            whole = f(x)
-            moved = [m for m in range(1, a.max_rows) if not torch.equal(f(x[:m].contiguous()), whole[:m])]
-            print(f"{name:18s} {label}: rows whose output differs from the {a.max_rows}-row batch's at row counts "
-                  f"{moved or 'none'}", flush=True)
+        shape(name, torch.randn(n, k, generator=g), [int(r) for r in a.rows.split(",")], reps, a.max_rows, g)
 
 
 if __name__ == "__main__":

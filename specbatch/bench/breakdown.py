@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm",
-                      "quantized::linear_dynamic", "aten::_weight_int8pack_mm"})
+                      "quantized::linear_dynamic", "aten::_weight_int8pack_mm",
+                      "mkl::_mkl_linear"})          # (engine/packed.py: a float32 Linear on CPU)
 ATTENTION_PREFIX = "aten::_scaled_dot_product"
 SAMPLING_OPS = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
                           "aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::multinomial",
@@ -40,18 +41,24 @@ BUCKETS = ("gemm", "attention", "head_and_sampling", "cache_management", "elemen
 
 def gemm_peak_gflops(k: int, n: int, rows: tuple[int, ...] = (32, 64), repeats: int = 20) -> float:
     """The best fp32 GFLOPS of one (rows x k) @ (k x n) product, over ``rows``: a layer's linear at
-    the job's batch sizes (the same threads as the job)."""
+    the job's batch sizes (the same threads as the job), by ``sgemm`` and, where the engine packs
+    its weights (engine/packed.py), by the packed product too: the faster of the two is the peak."""
+    from specbatch.engine.packed import PackedLinear, pack_check
+
     best = 0.0
-    w = torch.randn(k, n)
-    for m in rows:
-        x = torch.randn(m, k)
-        for _ in range(3):
-            x @ w
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            x @ w
-        seconds = (time.perf_counter() - t0) / repeats
-        best = max(best, 2 * m * k * n / seconds / 1e9)
+    plain = torch.nn.Linear(k, n, bias=False)
+    products = [plain] + ([PackedLinear.of(torch.nn.Linear(k, n, bias=False))] if pack_check() is None else [])
+    with torch.inference_mode():
+        for linear in products:
+            for m in rows:
+                x = torch.randn(m, k)
+                for _ in range(3):
+                    linear(x)
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    linear(x)
+                seconds = (time.perf_counter() - t0) / repeats
+                best = max(best, 2 * m * k * n / seconds / 1e9)
     return best
 
 
@@ -91,7 +98,7 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int) -> 
         hook.remove()
     seconds = dict.fromkeys(BUCKETS, 0.0)
     for e in prof.events():
-        if e.name.startswith(("aten::", "quantized::")):
+        if e.name.startswith(("aten::", "quantized::", "mkl::")):
             callers = _callers(e) if e.name in CACHE_OPS else []
             seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))

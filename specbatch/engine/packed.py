@@ -1,23 +1,26 @@
-"""Float32 Linears over MKL's packed weights: faster at every batch size, and batch-invariant.
+"""Float32 Linears over MKL's packed weights: faster from 4 rows up, and batch-invariant.
 
 Eager ``F.linear`` on CPU calls MKL's ``sgemm``, which packs the whole weight into its blocked layout
 on every call. At the decode loop's few rows that packing is most of the product: on a 2-core Xeon a
-576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (docs/bench/packed-linears.md). MKL can
-pack a weight once (``cblas_sgemm_pack``, reached through ``torch.ops.mkl._mkl_reorder_linear_weight``,
-the op inductor's freezing uses) and multiply by the packed copy (``torch.ops.mkl._mkl_linear``).
+576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (docs/DESIGN.md, "Linears multiply by
+packed weights"). MKL can pack a weight once (``cblas_sgemm_pack``, reached through
+``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's freezing uses) and multiply by the
+packed copy (``torch.ops.mkl._mkl_linear``).
 
 What that gives, measured on the default target's shapes (scripts/packed_linears.py):
 
 - From 16 rows up the products are bitwise ``F.linear``'s: the same MKL kernel, without the packing.
 - Below 16 rows ``sgemm`` switches to other kernels (a matrix-vector product at 1 row), so its numbers
   move with the batch's row count; the packed product does not: every row's output is bitwise the
-  same at every row count from 1 to 64 (and at 1 or 2 threads). A row's logits then depend on the
+  same at every row count from 1 to 4096 (and at 1 or 2 threads). A row's logits then depend on the
   rows beside it only through attention's padding, not through the Linears.
-- 1.2-2.7x faster per Linear from 2 to 48 rows, the same at 1 row.
+- 1.2-2.7x faster per Linear from 4 to 48 rows, about the same at 1-3 rows (a whole forward at 1-3
+  rows: 5-11% slower, kept for the invariance above).
 
-torch's op takes the row count the weight was packed for and falls back to ``F.linear`` for any other;
-the packed layout does not depend on it (MKL packs the B matrix by its K and N), so the call passes
-the input's own row count. ``pack_check`` verifies that on the running machine once per process
+torch's op takes the row count the weight was packed for and falls back to ``F.linear`` for any other.
+The packed layout has the same size whatever that count, and products over it at other row counts
+were correct in every check (bitwise those of a copy packed for that count, from 2 rows up), so the
+call passes the input's own row count. ``pack_check`` verifies that on the running machine once per process
 before anything is packed; where it fails, or where torch has no MKL (ARM), Linears stay as they are.
 
 Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself).
