@@ -58,8 +58,9 @@ class _Packed:
 
 
 def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
-    """What changes when the weight does: its storage, or an in-place write to it (its version)."""
-    return weight.data_ptr(), weight._version
+    """What changes when the weight does: its storage, or an in-place write to it (its version;
+    a tensor made under ``torch.inference_mode`` has none, and only its storage is compared)."""
+    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
 
 
 class PackedLinear(torch.nn.Linear):

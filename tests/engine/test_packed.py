@@ -75,6 +75,13 @@ def test_a_weight_written_or_replaced_after_packing_is_packed_again():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
+def test_a_linear_made_under_inference_mode_packs_and_multiplies():
+    with torch.inference_mode():
+        lin = PackedLinear.of(linear())
+        x = torch.randn(20, 96)
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
 def test_a_deep_copy_shares_the_packed_weight_and_decodes_the_same():
     model = qwen2()                       # biases on q/k/v
     ids = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
