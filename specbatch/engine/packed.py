@@ -23,7 +23,8 @@ were correct in every check (bitwise those of a copy packed for that count, from
 call passes the input's own row count. ``pack_check`` verifies that on the running machine once per process
 before anything is packed; where it fails, or where torch has no MKL (ARM), Linears stay as they are.
 
-Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself).
+Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself), as it
+runs wherever autograd records (MKL's op has no backward) and over an inference tensor's weight.
 The packed copy doubles the Linears' memory; the weight stays a Parameter, so the state dict, tied
 embeddings and an int8 draft quantized from this model (engine/loading.py) see a plain Linear.
 """
@@ -50,15 +51,20 @@ class _Packed:
     tensor has no storage ``copy.deepcopy`` could copy (an int8 draft is a deep copy of its target)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
         self.key = _weight_key(weight)
+        self.tensor = None if self.key is None else \
+            torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Packed:
         return self
 
 
-def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
-    """What changes when the weight does: its storage, or an in-place write to it (its version)."""
+def _weight_key(weight: torch.Tensor) -> tuple[int, int] | None:
+    """What changes when the weight does: its storage, or an in-place write to it (its version).
+    None for an inference tensor (a model built under ``torch.inference_mode``): it has no version
+    counter, so a write to it could not be seen, and such a weight is multiplied by ``F.linear``."""
+    if weight.is_inference():
+        return None
     return weight.data_ptr(), weight._version
 
 
@@ -78,10 +84,16 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) float32 -> (..., N)."""
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
+        # MKL's op has no backward (its output would silently carry no gradient): F.linear where
+        # autograd records, as outside inference/no_grad with a weight that requires grad
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu" or \
+                (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
-        if self._packed.key != _weight_key(self.weight):
+        key = _weight_key(self.weight)
+        if key != self._packed.key:
             self._packed = _Packed(self.weight)
+        if self._packed.tensor is None:
+            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         return torch.ops.mkl._mkl_linear(x, self._packed.tensor, self.weight, self.bias, rows)
 

@@ -111,3 +111,26 @@ def test_under_torch_compile_a_packed_linear_traces_as_f_linear():
         out = torch.compile(lin, backend=backend, fullgraph=True)(x)
     assert not any("mkl" in s for s in seen) and any("linear" in s for s in seen)
     assert torch.allclose(out, F.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+def test_where_autograd_records_a_packed_linear_has_f_linears_gradients():
+    """MKL's op has no backward: its output would carry no gradient, silently."""
+    lin = PackedLinear.of(linear())
+    ref = torch.nn.Linear(96, 160)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    lin(xa).square().sum().backward()
+    ref(xb).square().sum().backward()
+    assert xa.grad is not None and torch.equal(xa.grad, xb.grad)
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, ref.weight.grad)
+
+
+def test_a_model_built_under_inference_mode_is_packed_without_error_and_multiplies_as_f_linear():
+    """Its weights are inference tensors: no version counter to see an in-place write by."""
+    with torch.inference_mode():
+        model = qwen2()
+        ids = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
+        want = model(input_ids=ids).logits
+        assert pack_linears(model) == 2 * 7 + 1
+        assert torch.equal(model(input_ids=ids).logits, want)
