@@ -86,7 +86,10 @@ class PackedLinear(torch.nn.Linear):
         """x (..., K) float32 -> (..., N)."""
         # MKL's op has no backward (its output would silently carry no gradient): F.linear where
         # autograd records, as outside inference/no_grad with a weight that requires grad
+        # and where x is no (..., K): MKL's op takes K from the weight and reads x's rows at that
+        # stride (a (2, 100) x times a 96-wide weight gave numbers), F.linear raises
         if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu" or \
+                x.shape[-1:] != (self.in_features,) or \
                 (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         key = _weight_key(self.weight)

@@ -126,6 +126,13 @@ def test_where_autograd_records_a_packed_linear_has_f_linears_gradients():
     assert lin.weight.grad is not None and torch.equal(lin.weight.grad, ref.weight.grad)
 
 
+@pytest.mark.parametrize("shape", [(1, 100), (2, 100), (2, 3, 100), (1, 90)])
+def test_an_input_of_another_width_raises_as_under_f_linear(shape):
+    lin = PackedLinear.of(linear())
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        lin(torch.randn(*shape))
+
+
 def test_a_model_built_under_inference_mode_is_packed_without_error_and_multiplies_as_f_linear():
     """Its weights are inference tensors: no version counter to see an in-place write by."""
     with torch.inference_mode():
