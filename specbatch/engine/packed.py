@@ -2,8 +2,8 @@
 
 Eager ``F.linear`` on CPU calls MKL's ``sgemm``, which packs the whole weight into its blocked layout
 on every call. At the decode loop's few rows that packing is most of the product: on a 2-core Xeon a
-576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (docs/DESIGN.md, "Linears multiply by
-packed weights"). MKL can pack a weight once (``cblas_sgemm_pack``, reached through
+576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (``python scripts/packed_linears.py``;
+docs/DESIGN.md, "Linears multiply by packed weights", has the per-forward figures). MKL can pack a weight once (``cblas_sgemm_pack``, reached through
 ``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's freezing uses) and multiply by the
 packed copy (``torch.ops.mkl._mkl_linear``).
 
