@@ -2,8 +2,8 @@
 
 Eager ``F.linear`` on CPU calls MKL's ``sgemm``, which packs the whole weight into its blocked layout
 on every call. At the decode loop's few rows that packing is most of the product: on a 2-core Xeon a
-576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (docs/DESIGN.md, "Linears multiply by
-packed weights"). MKL can pack a weight once (``cblas_sgemm_pack``, reached through
+576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (``python scripts/packed_linears.py``;
+docs/DESIGN.md, "Linears multiply by packed weights", has the per-forward figures). MKL can pack a weight once (``cblas_sgemm_pack``, reached through
 ``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's freezing uses) and multiply by the
 packed copy (``torch.ops.mkl._mkl_linear``).
 
@@ -23,7 +23,8 @@ were correct in every check (bitwise those of a copy packed for that count, from
 call passes the input's own row count. ``pack_check`` verifies that on the running machine once per process
 before anything is packed; where it fails, or where torch has no MKL (ARM), Linears stay as they are.
 
-Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself).
+Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself), as it
+runs wherever autograd records (MKL's op has no backward) and over an inference tensor's weight.
 The packed copy doubles the Linears' memory; the weight stays a Parameter, so the state dict, tied
 embeddings and an int8 draft quantized from this model (engine/loading.py) see a plain Linear.
 """
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -46,21 +48,34 @@ PACK_ROWS = 32
 
 
 class _Packed:
-    """MKL's packed copy of a weight. Immutable and shared by copies of its module: an MKL-DNN
-    tensor has no storage ``copy.deepcopy`` could copy (an int8 draft is a deep copy of its target)."""
+    """MKL's packed copy of a weight, and which weight (the Parameter itself, weakly, and its
+    version) it was packed from. Immutable and shared by copies of its module: an MKL-DNN tensor has
+    no storage ``copy.deepcopy`` or pickle could copy (an int8 draft is a deep copy of its target);
+    a copy with other weights packs its own at its first call, and an unpickled one likewise."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
-        self.key = _weight_key(weight)
+    def __init__(self, weight: torch.Tensor | None) -> None:
+        self.source = weakref.ref(weight) if weight is not None else None
+        self.version = None if weight is None else _version(weight)
+        self.tensor = None if weight is None or self.version is None else \
+            torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
+
+    def packs(self, weight: torch.Tensor) -> bool:
+        """Whether this is ``weight``'s packed copy as it is now (not another or an older weight:
+        a freed weight's successor may take its address, so identity, not ``data_ptr``)."""
+        return self.source is not None and self.source() is weight and self.version == _version(weight)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Packed:
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Packed, (None,)
 
-def _weight_key(weight: torch.Tensor) -> tuple[int, int]:
-    """What changes when the weight does: its storage, or an in-place write to it (its version;
-    a tensor made under ``torch.inference_mode`` has none, and only its storage is compared)."""
-    return weight.data_ptr(), -1 if weight.is_inference() else weight._version
+
+def _version(weight: torch.Tensor) -> int | None:
+    """The weight's version counter, which in-place writes move. None for an inference tensor (a
+    model built under ``torch.inference_mode``): it has none, so a write to it could not be seen,
+    and such a weight is multiplied by ``F.linear``."""
+    return None if weight.is_inference() else weight._version
 
 
 class PackedLinear(torch.nn.Linear):
@@ -79,10 +94,18 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) float32 -> (..., N)."""
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu":
+        # MKL's op has no backward (its output would silently carry no gradient): F.linear where
+        # autograd records, as outside inference/no_grad with a weight that requires grad
+        # and where x is no (..., K): MKL's op takes K from the weight and reads x's rows at that
+        # stride (a (2, 100) x times a 96-wide weight gave numbers), F.linear raises
+        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu" or \
+                x.shape[-1:] != (self.in_features,) or \
+                (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
-        if self._packed.key != _weight_key(self.weight):
+        if not self._packed.packs(self.weight):
             self._packed = _Packed(self.weight)
+        if self._packed.tensor is None:
+            return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
         return torch.ops.mkl._mkl_linear(x, self._packed.tensor, self.weight, self.bias, rows)
 

@@ -108,11 +108,12 @@ class WorkerMetrics:
 
     def observe_completed(self, output: Any, latency_seconds: float | None = None, cached: bool = False) -> None:
         """A result was stored: ``output`` is its GenerationOutput; ``cached``: a results-cache hit,
-        left out of the latency and per-token histograms as the job's percentiles leave it out
-        (answered at once, generated nothing: it would pull them down, docs/statistics.md)."""
+        left out of the generated tokens and of the latency and per-token histograms as the job's
+        statistics leave it out (answered at once, generated nothing: docs/statistics.md)."""
         lv, st = self.labels, output.stats
         self.requests.labels(**lv, outcome="completed").inc()
-        self.generation_tokens.labels(**lv).inc(len(output.token_ids))
+        # a hit's tokens were copied, not generated (jobs/stats.py's tokens_generated leaves them out)
+        self.generation_tokens.labels(**lv).inc(0 if cached else len(output.token_ids))
         self.prompt_tokens.labels(**lv).inc(st.prompt_tokens)
         self.prefix_hit_tokens.labels(**lv).inc(st.cached_prompt_tokens)
         self.num_drafts.labels(**lv).inc(st.draft_steps)

@@ -75,13 +75,6 @@ def test_a_weight_written_or_replaced_after_packing_is_packed_again():
         assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
 
 
-def test_a_linear_made_under_inference_mode_packs_and_multiplies():
-    with torch.inference_mode():
-        lin = PackedLinear.of(linear())
-        x = torch.randn(20, 96)
-        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-
-
 def test_a_deep_copy_shares_the_packed_weight_and_decodes_the_same():
     model = qwen2()                       # biases on q/k/v
     ids = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
@@ -118,3 +111,44 @@ def test_under_torch_compile_a_packed_linear_traces_as_f_linear():
         out = torch.compile(lin, backend=backend, fullgraph=True)(x)
     assert not any("mkl" in s for s in seen) and any("linear" in s for s in seen)
     assert torch.allclose(out, F.linear(x, lin.weight, lin.bias), atol=1e-5)
+
+
+def test_where_autograd_records_a_packed_linear_has_f_linears_gradients():
+    """MKL's op has no backward: its output would carry no gradient, silently."""
+    lin = PackedLinear.of(linear())
+    ref = torch.nn.Linear(96, 160)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(3))
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    lin(xa).square().sum().backward()
+    ref(xb).square().sum().backward()
+    assert xa.grad is not None and torch.equal(xa.grad, xb.grad)
+    assert lin.weight.grad is not None and torch.equal(lin.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.parametrize("shape", [(1, 100), (2, 100), (2, 3, 100), (1, 90)])
+def test_an_input_of_another_width_raises_as_under_f_linear(shape):
+    lin = PackedLinear.of(linear())
+    with torch.inference_mode(), pytest.raises(RuntimeError):
+        lin(torch.randn(*shape))
+
+
+def test_a_model_built_under_inference_mode_is_packed_without_error_and_multiplies_as_f_linear():
+    """Its weights are inference tensors: no version counter to see an in-place write by."""
+    with torch.inference_mode():
+        model = qwen2()
+        ids = torch.randint(0, 300, (3, 20), generator=torch.Generator().manual_seed(0))
+        want = model(input_ids=ids).logits
+        assert pack_linears(model) == 2 * 7 + 1
+        assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_a_pickled_packed_linear_packs_again_where_it_is_loaded():
+    import pickle
+
+    lin = PackedLinear.of(linear())
+    x = torch.randn(20, 96)
+    again = pickle.loads(pickle.dumps(lin))       # (MKL's packed tensor has no storage to pickle)
+    with torch.inference_mode():
+        assert torch.equal(again(x), lin(x))
+    assert again._packed is not lin._packed and again._packed.packs(again.weight)

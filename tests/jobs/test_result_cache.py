@@ -390,6 +390,20 @@ def test_fingerprint_is_memoized_on_disk_and_follows_the_numerics(tmp_path, tiny
     assert model_fingerprint(load_model(str(tiny_models / "llama-partial")), cache) != fp
 
 
+def test_packed_linears_are_numerics_of_their_own(tmp_path, tiny_models, monkeypatch):
+    """Below 16 rows MKL's packed product rounds unlike F.linear: results of a model with plain
+    Linears (written before packing, or by a torch without MKL) are not served for a packed one."""
+    from specbatch.engine import packed
+
+    if packed.pack_check() is not None:
+        pytest.skip(packed.pack_check())
+    fp = model_fingerprint(load_model(str(tiny_models / "llama")), tmp_path)
+    monkeypatch.setattr(packed, "pack_check", lambda: "torch has no MKL here")
+    plain = load_model(str(tiny_models / "llama"))
+    assert not any(isinstance(m, packed.PackedLinear) for m in plain.model.modules())
+    assert model_fingerprint(plain, tmp_path) != fp
+
+
 def test_a_token_id_prompt_hits_the_text_that_tokenizes_to_it(db_url, tmp_path, engines):
     """The key is the prompt's token ids, so an OpenAI /v1/completions line with ids for a prompt
     shares the entry of the same prompt sent as text."""

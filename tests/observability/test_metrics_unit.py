@@ -56,7 +56,7 @@ def test_counters_follow_vllm_meanings() -> None:
     assert value("specbatch_batch_size") == 8 and value("specbatch_speculation_enabled") == 1
 
 
-def test_results_cache_hits_stay_out_of_the_latency_histograms() -> None:
+def test_results_cache_hits_stay_out_of_the_generated_tokens_and_latency_histograms() -> None:
     """As the job's latency percentiles (docs/statistics.md): a hit, answered at once, would pull
     them down. It is still a completed request."""
     import time
@@ -75,6 +75,7 @@ def test_results_cache_hits_stay_out_of_the_latency_histograms() -> None:
         return m.registry.get_sample_value(name, {**LABELS, **extra})
 
     assert value("specbatch_requests_total", outcome="completed") == 2
+    assert value("specbatch_generation_tokens_total") == 5             # as the job's tokens_generated
     assert value("specbatch_request_latency_seconds_count") == 1
     assert value("specbatch_time_per_output_token_seconds_count") == 1
 
