@@ -586,6 +586,11 @@ def _report(settings: Settings, job_id: str, finished: bool, as_json: bool) -> N
         echo_json(summary)
     else:
         _print_summary(summary, settings)
+    if summary["status"] in ("cancelled", "cancelling"):   # `specbatch cancel`: 1, as `submit --wait`
+        c = summary["request_counts"]
+        click.echo(f"job {job_id} cancelled (`specbatch cancel`): {plural(c['completed'], 'result')} kept, "
+                   f"{plural(c['cancelled'], 'request')} dropped", err=True)
+        sys.exit(1)
     if not finished:
         left = summary["request_counts"].get("pending", 0)
         click.echo(f"job {job_id} interrupted: {plural(left, 'request')} left; "
