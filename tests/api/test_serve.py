@@ -460,3 +460,20 @@ def test_serve_answers_healthz_on_the_health_port_of_every_process(tmp_path: Pat
                  60, "both server processes to listen on the health port")
         for p in (port, health):
             assert _get_healthz(p) == (b"HTTP/1.1 200 OK", {"status": "ok", "database": "ok", "broker": "ok"})
+
+
+def test_docs_try_it_out_can_upload_a_batch_file() -> None:
+    """README: with SPECBATCH_API_PUBLIC_DOCS=1 "the page's Authorize button then takes a key for
+    'Try it out'". Swagger UI draws a form from the schema's requestBody only: POST /v1/files reads
+    its multipart body by hand, so the page showed "No parameters" and no file picker (walk3 QA),
+    and the first step of the Batch API could not be tried from /docs."""
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    get_settings.cache_clear()
+    try:
+        post = create_app(get_settings()).openapi()["paths"]["/v1/files"]["post"]
+    finally:
+        get_settings.cache_clear()
+    form = post.get("requestBody", {}).get("content", {}).get("multipart/form-data", {}).get("schema", {})
+    assert {"file", "purpose"} <= set(form.get("properties", {})) or "$ref" in form, post
