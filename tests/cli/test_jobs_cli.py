@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -539,6 +540,31 @@ def test_status_says_how_many_requests_a_dead_worker_left_with_expired_leases(db
     with db.session_factory(db_url).begin() as s:     # a live lease is not stranded
         store.claim_requests(s, ids[1:3], "w-live", 60, 3)
     assert "expired lease" not in run("status", job_id).stderr
+
+
+def test_status_says_when_running_requests_are_held_by_a_worker_killed_on_this_machine(db_url, no_worker_check):
+    """A SIGKILLed worker's rows stay running on a live lease (minutes): status said only "running
+    2" (walk3 QA). It names the gone holder and `resume`, and changes nothing (read-only)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                       # a pid that ran here and has exited
+    holder = f"celery@{socket.gethostname()}:{dead.pid}"
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.claim_requests(s, ids[1:3], holder, 300, 3)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert f"2 running requests held by a worker that no longer runs on this machine ({holder})" in result.stderr
+    assert f"`specbatch resume {job_id}` takes them back now" in result.stderr
+    with db.session_factory(db_url).begin() as s:      # status expired nothing
+        assert len(store.leased_requests(s, job_id)) == 2
+    with db.session_factory(db_url).begin() as s:      # a live holder is not named
+        store.release_requests(s, ids[1:3])
+        store.claim_requests(s, ids[1:3], f"celery@{socket.gethostname()}:{os.getpid()}", 300, 3)
+    assert "no longer runs" not in run("status", job_id).stderr
 
 
 def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, monkeypatch):
