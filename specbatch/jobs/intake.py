@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from specbatch.config import Settings
 from specbatch.engine import rules
-from specbatch.engine.known_models import name_problem
+from specbatch.engine.known_models import name_problem, tokenizer_mismatch
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields, structured
@@ -121,6 +121,8 @@ def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = 
             errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
         elif not allow_remote and (bad := [p for p in map(name_problem, models) if p]):
             errors.append(InputError(f"{spec!r}: {bad[0]}", field="--model-map"))
+        elif mismatch := tokenizer_mismatch(models[0], models[1:]):
+            errors.append(InputError(f"{spec!r}: {mismatch}", field="--model-map"))
         else:
             out[name.strip()] = (models[0], models[1:])
     if errors:

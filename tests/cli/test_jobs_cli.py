@@ -483,7 +483,10 @@ def test_submit_json_answers_a_bad_file_in_json(db_url, tmp_path, monkeypatch):
     (["--temperature", "9"], 2, "--temperature",
      "Invalid value for '--temperature': 9.0 is not in the range 0<=x<=2."),
     (["--target", "gpt-9"], 1, None, "model 'gpt-9' not found"),
-], ids=["usage", "model"])
+    # a known draft of another tokenizer family than the default target: `run`'s line, no job
+    (["--draft", "qwen2.5-coder-0.5b"], 1, None,
+     "draft 'qwen2.5-coder-0.5b' does not share the tokenizer of target 'smollm2-135m'"),
+], ids=["usage", "model", "tokenizer"])
 def test_submit_json_answers_every_failure_in_json(db_url, tmp_path, args, code, field, message):
     """A bad option (click refuses it before the command runs) or model: JSON on stdout too."""
     prompts = tmp_path / "p.jsonl"
