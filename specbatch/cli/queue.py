@@ -405,7 +405,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None:
-    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set).
+    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set; an address
+    other than loopback needs it, as `serve` needs keys).
 
     Extra arguments after `--` go to Flower as they are.
 
@@ -413,18 +414,25 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
     Example:
       SPECBATCH_FLOWER_PASSWORD=s3cret specbatch flower --port 5555 --address 0.0.0.0
     """
-    from specbatch.cli.serve import bind
+    from specbatch.cli.serve import bind, is_loopback
 
     settings = get_settings()
     port = port or settings.flower_port
+    # as `serve` refuses a non-loopback bind without keys: Flower's pages can revoke tasks and
+    # shut workers down. Flower's own auth (FLOWER_BASIC_AUTH, --basic-auth=, --auth=) counts too.
+    own_auth = os.environ.get("FLOWER_BASIC_AUTH") or any(
+        a.startswith(("--basic-auth", "--basic_auth", "--auth")) for a in flower_args)
+    if not settings.flower_password and not own_auth and not is_loopback(address):
+        raise click.UsageError(f"refusing to run Flower on {address} without a password: set "
+                               "SPECBATCH_FLOWER_PASSWORD or bind 127.0.0.1")
     # a busy port is one line, as for `serve` (Flower itself ends in a 38-line traceback); the probe
     # socket is closed before Flower binds (it takes no socket from us)
     bind(address, port).close()
     env = dict(os.environ)
     if settings.flower_password:
         env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
-    else:
-        warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
+    elif not own_auth:
+        warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication (on this machine only)")
     argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.flower", "flower",
             f"--port={port}", f"--address={address}", *flower_args]
     os.execve(sys.executable, argv, env)
