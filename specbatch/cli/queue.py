@@ -104,7 +104,8 @@ def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_ma
     from specbatch.jobs.context import ContextCheck
 
     routes = intake.parse_model_map(model_map, allow_remote=settings.allow_remote_models)
-    limits = ContextCheck(settings, *pair) if pair is not None else None
+    budget = "--max-new-tokens" if "max_new_tokens" in defaults else "max_new_tokens"
+    limits = ContextCheck(settings, *pair, default_budget=budget) if pair is not None else None
     vocab_of = intake.vocab_lookup(settings.cache_dir, pair[0]) if pair is not None else None
     if file == "-":
         return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes,

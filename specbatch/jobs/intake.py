@@ -651,10 +651,14 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             for field, message in bad.problems:
                 err(line_no, field, message)
             continue
-        if limits is not None and (why := limits.problem(fields_)):
+        if limits is not None:
             prefix = "body." if "body" in obj else ""
-            err(line_no, prefix + ("prompt" if fields_["kind"] == "completion" else "messages"), why)
-            continue
+            src = obj.get("body") if prefix else obj
+            key = next((k for k in MAX_TOKENS_KEYS if k in src), None)
+            if why := limits.problem(fields_, prefix + key if key else None):
+                err(line_no, why.field or prefix + ("prompt" if fields_["kind"] == "completion" else "messages"),
+                    why.message)
+                continue
         if vocab_of is not None and (bias_problems := _vocab_problems(fields_, vocab_of)):
             for field, message in bias_problems:     # beside the file's other errors, not after them
                 err(line_no, field, message)
