@@ -730,3 +730,19 @@ def test_status_of_a_run_job_names_no_worker(db_url, monkeypatch, tmp_path):
     assert "w1@h" not in result.stderr and "no live worker" not in result.stderr, result.stderr
     assert (f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
             f"`specbatch resume {job_id}` finishes it here") in result.stderr
+
+
+def test_a_database_that_is_down_is_one_line(monkeypatch):
+    """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA)."""
+    import socket
+
+    with socket.socket() as s:           # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"postgresql+psycopg://u@127.0.0.1:{port}/x")
+    get_settings.cache_clear()
+    result = run("jobs")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: cannot open the database"), \
+        result.stderr
+    assert "Is the server running" in result.stderr
