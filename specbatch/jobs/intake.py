@@ -164,6 +164,8 @@ def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
     if name in MAX_TOKENS_KEYS:
         return rules.check("max_new_tokens", v)
     if name == "stop":
+        if isinstance(v, list) and not v:    # given, and empty: README says non-empty (null: no stop)
+            return v, "must not be an empty list; leave stop out (or null) for no stop string"
         return rules.check_stop(v)
     return rules.check(name, v)
 

@@ -71,6 +71,7 @@ def test_default_keys_are_typed() -> None:
     ({"specbatch_top_p": "1.5"}, "metadata.specbatch_top_p"),
     ({"specbatch_stop": "[1, 2]"}, "metadata.specbatch_stop"),
     ({"specbatch_stop": "[oops"}, "metadata.specbatch_stop"),
+    ({"specbatch_stop": "[]"}, "metadata.specbatch_stop"),
     ({"specbatch_ngram": "maybe"}, "metadata.specbatch_ngram"),
     ({"specbatch_model": "x"}, "metadata.specbatch_model"),
     ({"specbatch_model_map": "gpt-4o"}, "metadata.specbatch_model_map"),
