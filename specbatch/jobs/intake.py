@@ -655,11 +655,11 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             continue
         if limits is not None:
             prefix = "body." if "body" in obj else ""
-            src = obj.get("body") if prefix else obj
+            src: dict[str, Any] = obj["body"] if prefix else obj    # (a body is an object by now)
             key = next((k for k in MAX_TOKENS_KEYS if k in src), None)
-            if why := limits.problem(fields_, prefix + key if key else None):
-                err(line_no, why.field or prefix + ("prompt" if fields_["kind"] == "completion" else "messages"),
-                    why.message)
+            if over := limits.problem(fields_, prefix + key if key else None):
+                err(line_no, over.field or prefix + ("prompt" if fields_["kind"] == "completion" else "messages"),
+                    over.message)
                 continue
         if vocab_of is not None and (bias_problems := _vocab_problems(fields_, vocab_of)):
             for field, message in bias_problems:     # beside the file's other errors, not after them
