@@ -52,3 +52,9 @@ class BrokerUnavailable(SpecBatchError):
 
 class SettingsError(SpecBatchError):
     """A SPECBATCH_* setting has a bad value (one line per bad variable, credentials masked)."""
+
+
+def one_line(error: BaseException | str) -> str:
+    """A driver's message on one line: psycopg's "connection refused" goes on with
+    "\\n\\tIs the server running on that host ...?", which printed as a second, indented line."""
+    return " ".join(part.strip() for part in str(error).splitlines() if part.strip())

@@ -23,6 +23,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.routing import APIRoute
 
 from specbatch.api.deps import AppState, Finalizer
+from specbatch.api.schema import with_400s
 from specbatch.config import Settings, otel_traces_exporters
 from specbatch.db import read_engine, session_factory
 
@@ -74,6 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
                   lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None, **_telemetry_off())
     app.state.sb = sb
     errors.install(app)
+    app.openapi = with_400s(app.openapi)      # type: ignore[method-assign]
     # the routes themselves, not `include_router`: FastAPI keeps an included router as a branch that
     # a request's path is matched against twice (to find the branch, then inside it), 10-17 us a
     # request against a flat list's matching. Each router carries its own prefix and tags, and every

@@ -101,7 +101,9 @@ def create_batch(caller: Keyed, body: CreateBatch) -> JSONResponse:
     try:
         with path.open("rb") as fp:
             parsed = intake.read_stream(fp, filename, defaults, sb.settings, options.model_map,
-                                        ContextCheck(sb.settings, pair.target, pair.drafts),
+                                        ContextCheck(sb.settings, pair.target, pair.drafts,
+                                                     "metadata.specbatch_max_tokens"
+                                                     if "specbatch_max_tokens" in metadata else "max_new_tokens"),
                                         intake.vocab_lookup(sb.settings.cache_dir, pair.target))
     except IntakeError as e:      # OpenAI's way: a failed batch that lists every bad line
         with sb.factory.begin() as s:

@@ -13,6 +13,7 @@ from specbatch.api.auth import Keyed
 from specbatch.api.deps import AppState
 from specbatch.api.errors import ApiError
 from specbatch.api.responses import Object, answer
+from specbatch.api.schema import UPLOAD_BODY
 from specbatch.jobs import batches, files
 
 router = APIRouter(prefix="/v1", tags=["files"])
@@ -37,7 +38,7 @@ def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dic
         raise
 
 
-@router.post("/files", response_model=Object)
+@router.post("/files", response_model=Object, openapi_extra=UPLOAD_BODY)   # parsed by api.upload
 async def create_file(request: Request, caller: Keyed) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     with files.incoming(sb.settings) as tmp:

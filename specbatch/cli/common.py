@@ -10,6 +10,7 @@ import click
 from sqlalchemy.orm import sessionmaker
 
 from specbatch.config import Settings
+from specbatch.errors import one_line
 from specbatch.redact import mask
 
 
@@ -46,7 +47,7 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     except (ArgumentError, NoSuchModuleError) as e:
         raise click.UsageError(f"SPECBATCH_DATABASE_URL={shown!r}: {e}") from e
     except OperationalError as e:
-        raise click.ClickException(f"cannot open the database {shown}: {e.orig}") from e
+        raise click.ClickException(f"cannot open the database {shown}: {one_line(e.orig or e)}") from e
     except OSError as e:
         raise click.ClickException(f"cannot create the database {shown}: {e}") from e
     if is_new:

@@ -181,15 +181,25 @@ def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
     """On stderr: how many of the job's requests nothing holds (running on an expired lease, or
     queued with no task in the broker) and that the live workers of their queues recover them."""
     from specbatch.jobs import store
+    from specbatch.worker.pids import gone_here
     from specbatch.worker.stranded import without_task
 
     with open_db(settings, readonly=True).begin() as s:
         expired = store.expired_leases(s, job_id)
+        # a worker killed on this machine (SIGKILL, OOM) holds its rows until the lease runs out
+        held = store.held_by_gone(s, job_id, gone_here)
         try:
             lost = len(without_task(settings, s, queues, job_id))
         except Exception as e:      # the broker is down: the worker check above has said so
             logger.debug("stranded check: %s", e)
             lost = 0
+    if held:
+        n = sum(len(ids) for ids in held.values())
+        warn(f"job {job_id}: {plural(n, 'running request')} held by "
+             f"{'a worker' if len(held) == 1 else 'workers'} that no longer "
+             f"{'runs' if len(held) == 1 else 'run'} on this machine ({', '.join(sorted(held))}): "
+             f"nothing decodes them until the lease runs out (up to {settings.lease_seconds}s, "
+             f"SPECBATCH_LEASE_SECONDS); `specbatch resume {job_id}` takes them back now")
     if not expired and not lost:
         return
     parts = ([f"{plural(expired, 'running request')} on an expired lease (its worker is gone)"] if expired else []) + \

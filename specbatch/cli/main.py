@@ -11,7 +11,7 @@ import sys
 import click
 
 from specbatch.cli.json_out import JSON_ASKED, echo_json_error
-from specbatch.errors import SettingsError, SpecBatchError
+from specbatch.errors import SettingsError, SpecBatchError, one_line
 from specbatch.redact import install_log_redaction, mask
 
 # module -> command names it defines (imported lazily so `specbatch --help` stays fast)
@@ -72,7 +72,7 @@ class LazyGroup(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 _mask_chain(e)
                 raise
-            error = click.ClickException(mask(f"unexpected error ({type(e).__name__}: {e}); --debug shows "
+            error = click.ClickException(mask(f"unexpected error ({type(e).__name__}: {one_line(e)}); --debug shows "
                                               "the stack trace; please report it"))
             echo_json_error(ctx, error, e)
             raise error from e

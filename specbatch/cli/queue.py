@@ -104,7 +104,8 @@ def _read_file(settings: Settings, file: str, defaults: dict[str, Any], model_ma
     from specbatch.jobs.context import ContextCheck
 
     routes = intake.parse_model_map(model_map, allow_remote=settings.allow_remote_models)
-    limits = ContextCheck(settings, *pair) if pair is not None else None
+    budget = "--max-new-tokens" if "max_new_tokens" in defaults else "max_new_tokens"
+    limits = ContextCheck(settings, *pair, default_budget=budget) if pair is not None else None
     vocab_of = intake.vocab_lookup(settings.cache_dir, pair[0]) if pair is not None else None
     if file == "-":
         return intake.read_stream(click.get_binary_stream("stdin"), "<stdin>", defaults, settings, routes,
@@ -405,7 +406,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
 @click.option("--address", default="127.0.0.1", show_default=True)
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None:
-    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set).
+    """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set; an address
+    other than loopback needs it, as `serve` needs keys).
 
     Extra arguments after `--` go to Flower as they are.
 
@@ -413,18 +415,25 @@ def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None
     Example:
       SPECBATCH_FLOWER_PASSWORD=s3cret specbatch flower --port 5555 --address 0.0.0.0
     """
-    from specbatch.cli.serve import bind
+    from specbatch.cli.serve import bind, is_loopback
 
     settings = get_settings()
     port = port or settings.flower_port
+    # as `serve` refuses a non-loopback bind without keys: Flower's pages can revoke tasks and
+    # shut workers down. Flower's own auth (FLOWER_BASIC_AUTH, --basic-auth=, --auth=) counts too.
+    own_auth = os.environ.get("FLOWER_BASIC_AUTH") or any(
+        a.startswith(("--basic-auth", "--basic_auth", "--auth")) for a in flower_args)
+    if not settings.flower_password and not own_auth and not is_loopback(address):
+        raise click.UsageError(f"refusing to run Flower on {address} without a password: set "
+                               "SPECBATCH_FLOWER_PASSWORD or bind 127.0.0.1")
     # a busy port is one line, as for `serve` (Flower itself ends in a 38-line traceback); the probe
     # socket is closed before Flower binds (it takes no socket from us)
     bind(address, port).close()
     env = dict(os.environ)
     if settings.flower_password:
         env["FLOWER_BASIC_AUTH"] = f"{settings.flower_user}:{settings.flower_password}"
-    else:
-        warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication")
+    elif not own_auth:
+        warn("no SPECBATCH_FLOWER_PASSWORD: Flower runs without authentication (on this machine only)")
     argv = [sys.executable, "-m", "celery", "-A", "specbatch.worker.flower", "flower",
             f"--port={port}", f"--address={address}", *flower_args]
     os.execve(sys.executable, argv, env)
@@ -586,6 +595,11 @@ def _report(settings: Settings, job_id: str, finished: bool, as_json: bool) -> N
         echo_json(summary)
     else:
         _print_summary(summary, settings)
+    if summary["status"] in ("cancelled", "cancelling"):   # `specbatch cancel`: 1, as `submit --wait`
+        c = summary["request_counts"]
+        click.echo(f"job {job_id} cancelled (`specbatch cancel`): {plural(c['completed'], 'result')} kept, "
+                   f"{plural(c['cancelled'], 'request')} dropped", err=True)
+        sys.exit(1)
     if not finished:
         left = summary["request_counts"].get("pending", 0)
         click.echo(f"job {job_id} interrupted: {plural(left, 'request')} left; "

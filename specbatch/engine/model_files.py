@@ -177,10 +177,12 @@ def load_tokenizer(files: ModelFiles) -> Any:
     return AutoTokenizer.from_pretrained(files.directory)
 
 
-def context_problem(n_prompt: int, max_new_tokens: int, model: str, context: int | None) -> str | None:
+def context_problem(n_prompt: int, max_new_tokens: int, model: str, context: int | None,
+                    budget: str = "max_new_tokens") -> str | None:
     """Why a prompt of ``n_prompt`` tokens cannot decode ``max_new_tokens`` within ``model``'s
-    context, or None; the engine and intake give the same message."""
+    context, or None; the engine and intake give the same message (``budget``: the name the user
+    gave the number, intake's ``max_tokens``, ``metadata.specbatch_max_tokens``, ...)."""
     if context is None or n_prompt + max_new_tokens <= context:
         return None
-    return (f"prompt ({plural(n_prompt, 'token')}) + max_new_tokens ({max_new_tokens}) exceeds the context "
-            f"of {model!r} ({context} tokens); shorten the prompt or lower max_new_tokens")
+    return (f"prompt ({plural(n_prompt, 'token')}) + {budget} ({max_new_tokens}) exceeds the context "
+            f"of {model!r} ({context} tokens); shorten the prompt or lower {budget}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import Settings
@@ -46,9 +47,12 @@ class ContextCheck:
     One per intake; each model's context and the targets' tokenizers are read once, when first needed.
     """
 
-    def __init__(self, settings: Settings, target: str, drafts: Sequence[str]) -> None:
-        """``drafts``: the pool's drafter specs (only its draft models have a context)."""
-        self.cache_dir = settings.cache_dir
+    def __init__(self, settings: Settings, target: str, drafts: Sequence[str],
+                 default_budget: str = "max_new_tokens") -> None:
+        """``drafts``: the pool's drafter specs (only its draft models have a context);
+        ``default_budget``: where the job's max_new_tokens came from (``--max-new-tokens``,
+        ``metadata.specbatch_max_tokens``), named for a line that gives none."""
+        self.cache_dir, self.default_budget = settings.cache_dir, default_budget
         self.target, self.drafts = target, model_names(parse_drafters(drafts))
         self._contexts: dict[str, int | None] = {}
         self._by_files: dict[ModelFiles, int | None] = {}
@@ -80,8 +84,9 @@ class ContextCheck:
                 self._tokenizers[name] = _NOT_HERE
         return self._tokenizers[name]
 
-    def problem(self, fields: dict[str, Any]) -> str | None:
-        """``fields``: intake's parsed line (prompt, messages, prompt_ids, params, target, drafts)."""
+    def problem(self, fields: dict[str, Any], budget: str | None = None) -> ContextProblem | None:
+        """``fields``: intake's parsed line (prompt, messages, prompt_ids, params, target, drafts);
+        ``budget``: the line's own max tokens field (``body.max_tokens``), None: the job's default."""
         target, drafts = ((fields["target"], fields.get("drafts") or []) if fields.get("target")
                           else (self.target, self.drafts))
         max_new = int(fields["params"]["max_new_tokens"])
@@ -89,18 +94,31 @@ class ContextCheck:
         if not limits:
             return None
         model, context = min(limits, key=lambda x: x[1])   # the shortest context bounds the pair
+        budget = budget or self.default_budget
+        # a number no prompt can fit beside (max_tokens=100000000) is that field's fault, not the prompt's
+        field = budget if max_new >= context else None
         if fields.get("prompt_ids") is not None:
-            return context_problem(len(fields["prompt_ids"]), max_new, model, context)
+            why = context_problem(len(fields["prompt_ids"]), max_new, model, context, budget.rpartition(".")[2])
+            return ContextProblem(why, field) if why else None
         if _upper_bound(fields) + max_new <= context:
             return None
         tok = self._tokenizer(target)
         if tok is _NOT_HERE:
-            return None
+            return None if field is None else ContextProblem(
+                f"{budget.rpartition('.')[2]} ({max_new}) is over the context of {model!r} ({context} tokens)",
+                field)
         try:
             ids = encode(tok, target, fields.get("prompt"), fields.get("messages"))
         except RequestError as e:
-            return e.reason
-        return context_problem(len(ids), max_new, model, context)
+            return ContextProblem(e.reason, None)
+        why = context_problem(len(ids), max_new, model, context, budget.rpartition(".")[2])
+        return ContextProblem(why, field) if why else None
+
+
+@dataclass(frozen=True)
+class ContextProblem:
+    message: str
+    field: str | None       # None: the prompt's (intake names prompt / messages)
 
 
 def _upper_bound(fields: dict[str, Any]) -> int:

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from specbatch.config import Settings
 from specbatch.engine import rules
-from specbatch.engine.known_models import name_problem
+from specbatch.engine.known_models import name_problem, tokenizer_mismatch
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields, structured
@@ -121,6 +121,8 @@ def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = 
             errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
         elif not allow_remote and (bad := [p for p in map(name_problem, models) if p]):
             errors.append(InputError(f"{spec!r}: {bad[0]}", field="--model-map"))
+        elif mismatch := tokenizer_mismatch(models[0], models[1:]):
+            errors.append(InputError(f"{spec!r}: {mismatch}", field="--model-map"))
         else:
             out[name.strip()] = (models[0], models[1:])
     if errors:
@@ -162,6 +164,8 @@ def _check_param(name: str, v: Any) -> tuple[Any, str | None]:
     if name in MAX_TOKENS_KEYS:
         return rules.check("max_new_tokens", v)
     if name == "stop":
+        if isinstance(v, list) and not v:    # given, and empty: README says non-empty (null: no stop)
+            return v, "must not be an empty list; leave stop out (or null) for no stop string"
         return rules.check_stop(v)
     return rules.check(name, v)
 
@@ -649,10 +653,14 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             for field, message in bad.problems:
                 err(line_no, field, message)
             continue
-        if limits is not None and (why := limits.problem(fields_)):
+        if limits is not None:
             prefix = "body." if "body" in obj else ""
-            err(line_no, prefix + ("prompt" if fields_["kind"] == "completion" else "messages"), why)
-            continue
+            src: dict[str, Any] = obj["body"] if prefix else obj    # (a body is an object by now)
+            key = next((k for k in MAX_TOKENS_KEYS if k in src), None)
+            if over := limits.problem(fields_, prefix + key if key else None):
+                err(line_no, over.field or prefix + ("prompt" if fields_["kind"] == "completion" else "messages"),
+                    over.message)
+                continue
         if vocab_of is not None and (bias_problems := _vocab_problems(fields_, vocab_of)):
             for field, message in bias_problems:     # beside the file's other errors, not after them
                 err(line_no, field, message)

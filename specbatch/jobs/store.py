@@ -205,13 +205,20 @@ def drop_orphans(s: Session, job_id: str, gone: Callable[[str], bool]) -> list[i
     return ids
 
 
+def held_by_gone(s: Session, job_id: str, gone: Callable[[str], bool],
+                 now: datetime | None = None) -> dict[str, list[int]]:
+    """The job's running requests on a live lease whose holder ``gone(worker)`` says has exited:
+    {holder: request ids}. Reads only (``status`` shows them; ``expire_gone_leases`` ends them)."""
+    return _held_by_gone(s, job_id, gone, Request.lease_expires_at > (now or utcnow()))
+
+
 def expire_gone_leases(s: Session, job_id: str, gone: Callable[[str], bool]) -> dict[str, list[int]]:
     """End now the live leases on the job's running requests whose holder ``gone(worker)`` says has
     exited (``worker.pids.gone_here``, as ``drop_orphans``): they are claimable at once, as when
     their lease runs out (the attempt of one that began decoding stays charged: it may be what
     killed its worker). Returns {holder: request ids}."""
     now = utcnow()
-    held = _held_by_gone(s, job_id, gone, Request.lease_expires_at > now)
+    held = held_by_gone(s, job_id, gone, now)
     ids = [rid for rids in held.values() for rid in rids]
     if ids:
         s.execute(update(Request).where(Request.id.in_(ids), Request.status == RequestStatus.running)

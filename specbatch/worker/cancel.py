@@ -33,11 +33,15 @@ def job_stopping(settings: Settings, job_id: str) -> bool:
 
 
 class CancelWatch:
-    """``with CancelWatch(settings, job_id) as stop:``: ``stop`` is set once the job is cancelled."""
+    """``with CancelWatch(settings, job_id) as stop:``: ``stop`` is set once the job is cancelled.
 
-    def __init__(self, settings: Settings, job_id: str, interval: float = CHECK_SECONDS) -> None:
+    ``stop``: the request to set (``specbatch run`` passes its Ctrl-C one, so that either ends the
+    decode); a fresh one by default."""
+
+    def __init__(self, settings: Settings, job_id: str, interval: float = CHECK_SECONDS,
+                 stop: StopRequest | None = None) -> None:
         self.settings, self.job_id, self.interval = settings, job_id, interval
-        self.stop = StopRequest()
+        self.stop = stop or StopRequest()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specbatch-cancel-watch", daemon=True)
 

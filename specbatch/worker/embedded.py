@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from specbatch.config import Settings
 from specbatch.observability import tracing
 from specbatch.observability.worker import Observer
+from specbatch.worker.cancel import CancelWatch
 from specbatch.worker.chunk import ResultEvent, claim_rows, process_chunk
 from specbatch.worker.embedded_names import embedded_worker_name, release_dead_embedded
 from specbatch.worker.enqueue import chunks
@@ -30,7 +31,9 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
 
     Returns False when ``stop`` interrupted it: the engine stopped at its next step, the results
     written so far stay, the requests it held are released (pending again, the attempt undone)
-    and the job is marked interrupted (``specbatch run --resume`` finishes it).
+    and the job is marked interrupted (``specbatch run --resume`` finishes it). ``specbatch
+    cancel`` sets ``stop`` too, as it does a worker's (``worker.cancel.CancelWatch``): the rows
+    held then become cancelled and the job ``cancelled``, not interrupted.
     """
     from specbatch.db import session_factory
 
@@ -53,7 +56,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
 
     ids = transact(sf, _resumable, job_id, None if only is None else set(only))
     try:
-        with interruptible(engine, stop), \
+        with CancelWatch(settings, job_id, stop=stop), interruptible(engine, stop), \
                 tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
             for chunk in chunks(ids, len(ids) or 1) if auto else chunks(ids, size):
                 with tracing.span("chunk", {"specbatch.job.id": job_id, "specbatch.request_ids": chunk}):
@@ -89,6 +92,7 @@ def _wrap_up(s: Any, job_id: str, worker: str, finished: bool) -> None:
     from specbatch.jobs import store
 
     if not finished:
-        store.release_held_by(s, job_id, worker)
-        store.set_interrupted(s, job_id, True)
+        store.release_held_by(s, job_id, worker)     # a cancelled job's: cancelled, not pending
+        if store.get_job(s, job_id).status not in store.STOPPING_JOB:
+            store.set_interrupted(s, job_id, True)
     store.refresh_job(s, job_id)

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from specbatch.config import Settings
 from specbatch.engine.drafter_specs import DrafterSpec, model_names, names, parse_drafters
-from specbatch.engine.known_models import name_problem
+from specbatch.engine.known_models import name_problem, tokenizer_mismatch
 from specbatch.errors import ModelLoadError
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedFile
@@ -59,6 +59,9 @@ class Pair:
         pair = cls(target or settings.default_target, parse_drafters([*pool, *add]))
         if check:
             check_names([pair.target, *model_names(pair.drafters)], settings)
+            # known names' tokenizers are known anywhere: refused even for remote models
+            if problem := tokenizer_mismatch(pair.target, model_names(pair.drafters)):
+                raise ModelLoadError(problem)
         return pair
 
 

@@ -112,7 +112,19 @@ def test_a_prompt_over_the_context_fails_the_batch_at_intake(api: Api) -> None:
                          endpoint="/v1/chat/completions", completion_window="24h", metadata=_pair(api))
     assert b.status == "failed" and b.errors is not None
     (e,) = b.errors.data
-    assert (e.line, e.param) == (2, "body.messages") and "exceeds the context of" in e.message, e
+    # 600 tokens alone are over the context: the field the line gave is named (it was body.messages)
+    assert (e.line, e.param) == (2, "body.max_tokens") and "exceeds the context of" in e.message, e
+    assert "lower max_tokens" in e.message, e
+    long = chat_line(2, 6, content="word " * 600)
+    del long["body"]["max_tokens"]
+    for lines, meta, param in (([chat_line(0, 6), long], {}, "body.messages"),
+                               ([{**chat_line(0), "body": {k: v for k, v in chat_line(0)["body"].items()
+                                                           if k != "max_tokens"}}],
+                                {"specbatch_max_tokens": "100000000"}, "metadata.specbatch_max_tokens")):
+        b = c.batches.create(input_file_id=api.upload(lines).id, endpoint="/v1/chat/completions",
+                             completion_window="24h", metadata={**_pair(api), **meta})
+        assert b.status == "failed" and b.errors is not None
+        assert [x.param for x in b.errors.data] == [param], b.errors
     from specbatch.db import session_factory
     from specbatch.db.models import ApiBatch
 

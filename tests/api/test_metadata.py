@@ -71,6 +71,7 @@ def test_default_keys_are_typed() -> None:
     ({"specbatch_top_p": "1.5"}, "metadata.specbatch_top_p"),
     ({"specbatch_stop": "[1, 2]"}, "metadata.specbatch_stop"),
     ({"specbatch_stop": "[oops"}, "metadata.specbatch_stop"),
+    ({"specbatch_stop": "[]"}, "metadata.specbatch_stop"),
     ({"specbatch_ngram": "maybe"}, "metadata.specbatch_ngram"),
     ({"specbatch_model": "x"}, "metadata.specbatch_model"),
     ({"specbatch_model_map": "gpt-4o"}, "metadata.specbatch_model_map"),
@@ -78,6 +79,10 @@ def test_default_keys_are_typed() -> None:
     ({"specbatch_target": "smolm2-135m"}, "metadata.specbatch_target"),       # a near miss: no worker loads it
     ({"specbatch_target": "org/big", "specbatch_draft": "smollm2-135m-int9"}, "metadata.specbatch_draft"),
     ({"specbatch_model_map": "gpt-4o=qwen2.5-coder-1.5"}, "metadata.specbatch_model_map"),
+    # known models of two tokenizer families: no worker could run the pair (walk3 QA)
+    ({"specbatch_target": "smollm2-135m", "specbatch_draft": "qwen2.5-coder-0.5b"}, "metadata.specbatch_draft"),
+    ({"specbatch_target": "qwen2.5-coder-1.5b", "specbatch_draft": "smollm2-135m-int8"}, "metadata.specbatch_draft"),
+    ({"specbatch_model_map": "gpt-4o=smollm2-135m,qwen2.5-coder-0.5b"}, "metadata.specbatch_model_map"),
 ])
 def test_bad_values_name_their_key(meta: dict[str, str], field: str) -> None:
     with pytest.raises(InputError) as e:
@@ -97,3 +102,33 @@ def test_openai_metadata_bounds(meta: object, field: str) -> None:
         check_metadata(meta)
     assert e.value.field == field
     assert check_metadata({f"k{i}": "v" * 512 for i in range(16)})
+
+
+def test_a_pair_of_two_tokenizer_families_is_refused_with_runs_line_without_loading() -> None:
+    """Known names carry their tokenizer family: refused from the names alone (no weights read,
+    the Qwen ones need not be installed), also where remote models are allowed."""
+    from specbatch.engine.known_models import tokenizer_mismatch
+
+    line = ("draft 'qwen2.5-coder-0.5b' does not share the tokenizer of target 'smollm2-135m' (a Qwen2.5 "
+            "vocabulary, the target's is SmolLM2); pick a draft from the same model family")
+    assert tokenizer_mismatch("smollm2-135m", ["smollm2-135m-int8", "qwen2.5-coder-0.5b"]) == line
+    assert tokenizer_mismatch("qwen2.5-coder-1.5b", ["qwen2.5-coder-0.5b-int8", "ngram"]) is None
+    assert tokenizer_mismatch("org/big", ["qwen2.5-coder-0.5b"]) is None      # unknown: only loading tells
+    with pytest.raises(InputError) as e:
+        job_options({"specbatch_draft": "qwen2.5-coder-0.5b"},      # the default target: smollm2-135m
+                    Settings.from_env({"SPECBATCH_ALLOW_REMOTE_MODELS": "1"}))
+    assert e.value.reason == line
+
+
+def test_missing_weights_name_the_model_and_the_pip_command() -> None:
+    from specbatch.engine.known_models import KNOWN_MODELS, missing_weights
+    from specbatch.engine.loading import _package_dir
+    from specbatch.errors import ModelLoadError
+
+    m = KNOWN_MODELS["qwen2.5-coder-0.5b"]
+    message = missing_weights(m.name)
+    if message is not None:          # (where the Qwen weights are installed, there is nothing to say)
+        assert f"model {m.name!r}" in message and m.pip in message
+    with pytest.raises(ModelLoadError) as e:     # the loader's own look-up, for a package gone since
+        _package_dir(m, "specbatch_no_such_package")
+    assert f"model {m.name!r}" in str(e.value) and m.pip in str(e.value)

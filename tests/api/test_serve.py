@@ -460,3 +460,41 @@ def test_serve_answers_healthz_on_the_health_port_of_every_process(tmp_path: Pat
                  60, "both server processes to listen on the health port")
         for p in (port, health):
             assert _get_healthz(p) == (b"HTTP/1.1 200 OK", {"status": "ok", "database": "ok", "broker": "ok"})
+
+
+def test_docs_try_it_out_can_upload_a_batch_file() -> None:
+    """README: with SPECBATCH_API_PUBLIC_DOCS=1 "the page's Authorize button then takes a key for
+    'Try it out'". Swagger UI draws a form from the schema's requestBody only: POST /v1/files reads
+    its multipart body by hand, so the page showed "No parameters" and no file picker (walk3 QA),
+    and the first step of the Batch API could not be tried from /docs."""
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    get_settings.cache_clear()
+    try:
+        post = create_app(get_settings()).openapi()["paths"]["/v1/files"]["post"]
+    finally:
+        get_settings.cache_clear()
+    form = post.get("requestBody", {}).get("content", {}).get("multipart/form-data", {}).get("schema", {})
+    assert {"file", "purpose"} <= set(form.get("properties", {})) or "$ref" in form, post
+
+
+def test_schema_lists_the_400_error_the_api_answers_not_fastapis_422() -> None:
+    """A bad request is answered 400 with OpenAI's error object (api.errors): the schema said 422
+    HTTPValidationError under every route (walk3 QA)."""
+    import json
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    get_settings.cache_clear()
+    try:
+        schema = create_app(get_settings()).openapi()
+    finally:
+        get_settings.cache_clear()
+    assert "422" not in json.dumps(schema["paths"]) and "HTTPValidationError" not in json.dumps(schema)
+    for path in ("/v1/files", "/v1/batches"):
+        bad = schema["paths"][path]["post"]["responses"]["400"]["content"]["application/json"]["schema"]
+        name = bad["$ref"].rsplit("/", 1)[-1]
+        assert set(schema["components"]["schemas"][name]["properties"]["error"]["properties"]) == \
+            {"message", "type", "param", "code"}

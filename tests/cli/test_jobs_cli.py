@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -482,7 +483,10 @@ def test_submit_json_answers_a_bad_file_in_json(db_url, tmp_path, monkeypatch):
     (["--temperature", "9"], 2, "--temperature",
      "Invalid value for '--temperature': 9.0 is not in the range 0<=x<=2."),
     (["--target", "gpt-9"], 1, None, "model 'gpt-9' not found"),
-], ids=["usage", "model"])
+    # a known draft of another tokenizer family than the default target: `run`'s line, no job
+    (["--draft", "qwen2.5-coder-0.5b"], 1, None,
+     "draft 'qwen2.5-coder-0.5b' does not share the tokenizer of target 'smollm2-135m'"),
+], ids=["usage", "model", "tokenizer"])
 def test_submit_json_answers_every_failure_in_json(db_url, tmp_path, args, code, field, message):
     """A bad option (click refuses it before the command runs) or model: JSON on stdout too."""
     prompts = tmp_path / "p.jsonl"
@@ -539,6 +543,31 @@ def test_status_says_how_many_requests_a_dead_worker_left_with_expired_leases(db
     with db.session_factory(db_url).begin() as s:     # a live lease is not stranded
         store.claim_requests(s, ids[1:3], "w-live", 60, 3)
     assert "expired lease" not in run("status", job_id).stderr
+
+
+def test_status_says_when_running_requests_are_held_by_a_worker_killed_on_this_machine(db_url, no_worker_check):
+    """A SIGKILLed worker's rows stay running on a live lease (minutes): status said only "running
+    2" (walk3 QA). It names the gone holder and `resume`, and changes nothing (read-only)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                       # a pid that ran here and has exited
+    holder = f"celery@{socket.gethostname()}:{dead.pid}"
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.claim_requests(s, ids[1:3], holder, 300, 3)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert f"2 running requests held by a worker that no longer runs on this machine ({holder})" in result.stderr
+    assert f"`specbatch resume {job_id}` takes them back now" in result.stderr
+    with db.session_factory(db_url).begin() as s:      # status expired nothing
+        assert len(store.leased_requests(s, job_id)) == 2
+    with db.session_factory(db_url).begin() as s:      # a live holder is not named
+        store.release_requests(s, ids[1:3])
+        store.claim_requests(s, ids[1:3], f"celery@{socket.gethostname()}:{os.getpid()}", 300, 3)
+    assert "no longer runs" not in run("status", job_id).stderr
 
 
 def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, monkeypatch):
@@ -701,3 +730,19 @@ def test_status_of_a_run_job_names_no_worker(db_url, monkeypatch, tmp_path):
     assert "w1@h" not in result.stderr and "no live worker" not in result.stderr, result.stderr
     assert (f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
             f"`specbatch resume {job_id}` finishes it here") in result.stderr
+
+
+def test_a_database_that_is_down_is_one_line(monkeypatch):
+    """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA)."""
+    import socket
+
+    with socket.socket() as s:           # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"postgresql+psycopg://u@127.0.0.1:{port}/x")
+    get_settings.cache_clear()
+    result = run("jobs")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: cannot open the database"), \
+        result.stderr
+    assert "Is the server running" in result.stderr

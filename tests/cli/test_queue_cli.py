@@ -224,3 +224,29 @@ def test_flower_on_a_busy_port_exits_1_with_one_line(tmp_path: Path) -> None:
     assert out.stderr.splitlines()[-1] == (f"Error: cannot serve on 127.0.0.1:{port}: Address already in use; "
                                            "pick another --port or stop what listens there"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("address", ["0.0.0.0", "192.168.1.5", "flower.example"])
+def test_flower_refuses_a_non_loopback_address_without_a_password(address: str, monkeypatch) -> None:
+    """As `serve` refuses one without keys (walk3 QA: `flower --address 0.0.0.0` only warned)."""
+    import os
+
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+    from specbatch.config import get_settings
+
+    def started(*_: object) -> None:        # (never replace the test process with Flower)
+        raise AssertionError("Flower started")
+
+    monkeypatch.setattr(os, "execve", started)
+    monkeypatch.delenv("SPECBATCH_FLOWER_PASSWORD", raising=False)
+    monkeypatch.delenv("FLOWER_BASIC_AUTH", raising=False)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["flower", "--address", address, "--port", "0"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines()[-1] == (f"Error: refusing to run Flower on {address} without a password: "
+                                              "set SPECBATCH_FLOWER_PASSWORD or bind 127.0.0.1")

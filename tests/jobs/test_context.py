@@ -102,7 +102,8 @@ def test_a_prompt_over_the_context_is_refused_per_line_with_the_engines_count(tm
     with pytest.raises(IntakeError) as e:
         intake.read_file(path, {}, settings, limits=ContextCheck(settings, llama, [partial]))
     errors = e.value.errors
-    assert [(x.line_no, x.field) for x in errors] == [(2, "prompt"), (3, "prompt"), (4, "body.messages"),
+    # line 3: max_tokens alone is over the context: that field is named, by the name the line gave it
+    assert [(x.line_no, x.field) for x in errors] == [(2, "prompt"), (3, "max_tokens"), (4, "body.messages"),
                                                       (5, "body.prompt")]
     assert all(x.path == str(path) for x in errors)
 
@@ -112,15 +113,22 @@ def test_a_prompt_over_the_context_is_refused_per_line_with_the_engines_count(tm
         max_new = 600 if req.get("prompt") == "short" else 8
         with pytest.raises(ModelLoadError.__base__) as ran:  # the engine's RequestError
             engine.generate(**req, params=GenerationParams(max_new_tokens=max_new))
-        assert err.reason == ran.value.reason, (err.reason, ran.value.reason)
-    assert errors[3].reason.startswith("prompt (500 tokens) + max_new_tokens (13) exceeds the context")
+        assert err.reason.replace("max_tokens", "max_new_tokens") == ran.value.reason, (err.reason, ran.value.reason)
+    assert errors[3].reason.startswith("prompt (500 tokens) + max_tokens (13) exceeds the context")
 
 
 def test_submit_stores_nothing_for_a_prompt_over_the_context(env: Path, tmp_path: Path, tiny_models: Path) -> None:
-    prompts = _write(tmp_path / "p.jsonl", {"prompt": "ok"}, {"prompt": "x y z", "max_tokens": 5000})
+    prompts = _write(tmp_path / "p.jsonl", {"prompt": "ok"}, {"prompt": "x y z", "max_tokens": 5000},
+                     {"prompt": "x " * 600, "max_tokens": 8},
+                     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 5000})
     result = CliRunner().invoke(cli, ["submit", str(prompts), "--target", str(tiny_models / "llama")])
     assert result.exit_code == 1, result.output
-    assert f"{prompts}:2: prompt: prompt (" in result.stderr and "exceeds the context of" in result.stderr
+    # a number over the context is that field's fault, named as the line gave it (walk3 QA: it was
+    # `prompt` and "max_new_tokens"); a long prompt is the prompt's
+    assert f"{prompts}:2: max_tokens: prompt (" in result.stderr and "lower max_tokens" in result.stderr
+    assert f"{prompts}:3: prompt: prompt (" in result.stderr
+    assert f"{prompts}:4: max_completion_tokens: prompt (" in result.stderr
+    assert "exceeds the context of" in result.stderr
     assert "nothing was written" in result.stderr and not env.exists()
 
 

@@ -84,6 +84,9 @@ BAD_CASES = {
     "seed_string": (L(prompt="a", seed="1"), ["1: seed: must be an integer, got a string"]),
     "stop_number": (L(prompt="a", stop=5), ["1: stop: must be a string or a list of strings, got the number 5"]),
     "stop_empty_string": (L(prompt="a", stop=["ok", ""]), ["1: stop: stop strings must not be empty"]),
+    # README: stop must be non-empty (walk3 QA: [] was taken)
+    "stop_empty_list": (L(prompt="a", stop=[]),
+                        ["1: stop: must not be an empty list; leave stop out (or null) for no stop string"]),
     "custom_id_number": (L(custom_id=7, prompt="a"), ["1: custom_id: must be a non-empty string, got the number 7"]),
     "custom_id_empty": (L(custom_id="", prompt="a"), ["1: custom_id: must not be empty"]),
     "custom_id_too_long": (L(custom_id="x" * 513, prompt="a"),

@@ -126,6 +126,30 @@ def test_second_ctrl_c_exits_at_once_and_resume_without_broker_finishes(tmp_path
     assert results == N and by == {"completed": N}
 
 
+@pytest.mark.slow     # as above
+def test_cancel_from_another_shell_stops_a_run_keeps_results_and_exits_1(tmp_path: Path, tiny_models: Path) -> None:
+    env, url = _env(tmp_path)
+    proc = _start_run(tmp_path, env, tiny_models, "--no-cache")
+    _wait_results(url, 3, proc)
+    get_settings.cache_clear()
+    job_id = json.loads(CliRunner().invoke(cli, ["jobs", "--json"],
+                                           env={"SPECBATCH_DATABASE_URL": url}).output)[0]["id"]
+    cancel = subprocess.run([EXE, "cancel", job_id], env=env, capture_output=True, text=True, timeout=120)
+    assert cancel.returncode == 0, cancel.stderr
+    out, err = proc.communicate(timeout=120)     # the run sees the cancel (worker.cancel.CancelWatch)
+    assert proc.returncode == 1, (out, err)
+    assert "Traceback" not in err and f"job {job_id} cancelled (`specbatch cancel`)" in err, err
+    results, by = _counts(url)
+    assert by.get("running", 0) == 0 and by.get("pending", 0) == 0, by
+    assert by.get("completed", 0) == results and results + by.get("cancelled", 0) == N, by
+    assert by.get("cancelled", 0) > 0, by                  # the run stopped: it did not decode the rest
+    status = json.loads(CliRunner().invoke(cli, ["status", job_id, "--json"],
+                                           env={"SPECBATCH_DATABASE_URL": url}).output)
+    assert status["status"] == "cancelled", status
+    assert status["request_counts"]["completed"] == results
+    assert status["request_counts"]["cancelled"] == N - results
+
+
 @pytest.mark.parametrize("case", ["unknown", "other-vocabulary", "cuda", "dtype"])
 def test_model_that_cannot_load_leaves_no_job(tmp_path: Path, tiny_models: Path, case: str,
                                               monkeypatch: pytest.MonkeyPatch) -> None:

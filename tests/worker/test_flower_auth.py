@@ -38,3 +38,22 @@ def test_celery_flower_command_asks_for_the_password_too(tmp_path: Path,
         assert requests.get(base + "/api/workers", auth=("admin", "s3cret"), timeout=10).ok
     finally:
         flower.stop()
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),            # kombu wrote redis://:**@...
+    ("redis://:s3cret@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+    ("redis://u:s3cret@h:6379/0", "redis://u:***@h:6379/0"),
+])
+def test_flowers_broker_url_is_masked_only_where_it_has_a_password(url: str, shown: str) -> None:
+    from types import SimpleNamespace
+
+    pytest.importorskip("flower")
+    from flower.app import Flower
+
+    import specbatch.worker.flower  # noqa: F401 - patches Flower's broker_uri
+    from specbatch.config import Settings
+    from specbatch.worker.app import create_app
+
+    app = create_app(Settings.from_env({"SPECBATCH_BROKER_URL": url}))
+    assert Flower.broker_uri.func(SimpleNamespace(capp=app)) == shown

@@ -138,3 +138,25 @@ def test_a_killed_run_process_keeps_its_rows_attempts_charged_as_a_killed_worker
     with session_factory(db_url).begin() as s:       # a resume claims them: the last attempt fails them
         claimed = store.claim_requests(s, ids, "embedded@box:2", 60, max_attempts=1)
     assert [c.id for c in claimed] == ids[2:]
+
+
+def test_held_by_gone_names_a_killed_holders_live_leases_and_changes_nothing(db_url: str) -> None:  # noqa: F811
+    """What `status` shows (read-only): the live leases of a holder that ran here and exited;
+    `expire_gone_leases` (resume, cancel) ends exactly those."""
+    import socket
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    dead = f"celery@{socket.gethostname()}:{proc.pid}"
+    ids = _job(db_url, "sb.q", holder=dead)
+    live = _job(db_url, "sb.q", holder="celery@elsewhere:1")
+    with session_factory(db_url).begin() as s:
+        job_id, other = (s.scalar(select(Request.job_id).where(Request.id == i)) for i in (ids[0], live[0]))
+        assert store.held_by_gone(s, job_id, gone_here) == {dead: ids}
+        assert store.held_by_gone(s, other, gone_here) == {}
+    with session_factory(db_url).begin() as s:           # nothing expired by looking
+        assert len(store.leased_requests(s, job_id)) == len(ids)
+        assert store.expire_gone_leases(s, job_id, gone_here) == {dead: ids}
+        assert store.held_by_gone(s, job_id, gone_here) == {}
