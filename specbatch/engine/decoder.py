@@ -332,7 +332,7 @@ class Decoder:
                              self.target.device)
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         gamma = params.gamma if params.gamma is not None else self.default_gamma
-        ctl = GammaController(self.policy.costs(1), gamma=gamma, fixed=params.fixed_gamma)
+        ctl = GammaController(self.policy.costs(1), gamma=gamma, fixed=not params.adaptive)
         grammar = None
         if params.structured is not None:
             t = self.target
@@ -425,7 +425,6 @@ class Decoder:
         if not self.drafters:
             return [0] * len(self.rows)
         cap = self.policy.gamma_cap(len(self.rows))
-        plain = self.policy.plain(len(self.rows))
         costs = self.policy.costs(len(self.rows))
         ks = []
         for r in self.rows:
@@ -433,8 +432,6 @@ class Decoder:
             k = r.ctl.next_gamma()
             if cap is not None and not r.ctl.fixed:
                 k = min(k, cap)
-            elif plain and r.params.adaptive:   # fixed by its seed, not by the request: the plain decision holds
-                k = 0
             ks.append(max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)))
         return ks
 
