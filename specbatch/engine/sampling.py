@@ -88,7 +88,9 @@ class RowNoise:
         if e is None or e.shape[0] != vocab:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(position_seed(self.seed, t))
-            e = self.kept[t] = torch.empty(vocab, device=self.device).exponential_(generator=gen)
+            # Exp(1) as -log U: a quarter of ``exponential_``'s time on this CPU (0.3 against 1.3 ms
+            # at V = 49152, one thread); U = 0 gives E = inf, a token that cannot win
+            e = self.kept[t] = torch.rand(vocab, device=self.device, generator=gen).log_().neg_()
         return e
 
     def advance(self, n: int) -> None:
