@@ -5,7 +5,8 @@ measured in one session on one machine, not across hosts.
     git worktree add /tmp/then d92206c      # main when issue 31 was filed
     OMP_NUM_THREADS=2 python scripts/trees_job.py /tmp/then . --configs auto --threads 2 --rounds 2
 
-``--temperature T``: every line sampled at T, line i seeded i (default 0: greedy, the job as filed).
+``--temperature T``: every line sampled at T, line i seeded i (default 0: greedy, the job as filed);
+``--fixed-gamma``: every line at gamma 4, not adapting.
 
 The prompts are tokenized once, here, and handed to both (each decodes the same ids with its own
 engine, ``specbatch.bench.job._ours``, which both versions have). Model loading is not timed.
@@ -41,7 +42,8 @@ draft = load_model("smollm2-135m-int8", cache_dir=cache_dir)
 _ours(target, draft, JobConfig("warm-up", "ours", 2, True), job["ids"][:2], [4, 4])
 t = job["temperature"]   # sampled: line i seeded i
 engine = Engine(target, [draft] if job["spec"] else [], batch_size=job["batch"])
-reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n, temperature=t, seed=i if t else None))
+reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n, temperature=t, seed=i if t else None,
+                                                          adaptive=not job["fixed_gamma"]))
         for i, (x, n) in enumerate(zip(job["ids"], job["limits"]))]
 got, seconds = generate_all(engine, reqs, target.device)
 outs = [list(o.token_ids) for o in got]
@@ -71,6 +73,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--fixed-gamma", action="store_true", help="every line adaptive=False (the engine's gamma 4)")
     a = ap.parse_args()
     ids, limits = requests(a.file)
     trees = [str(Path(t).resolve()) for t in a.trees]
@@ -84,7 +87,7 @@ def main() -> None:
                 spec_file = Path(tmp) / f"{name}.json"
                 spec_file.write_text(json.dumps({"ids": ids, "limits": limits, "threads": a.threads,
                                                  "name": name, "batch": batch, "spec": spec,
-                                                 "temperature": a.temperature}))
+                                                 "temperature": a.temperature, "fixed_gamma": a.fixed_gamma}))
                 for tree in order:
                     env = {**os.environ, "PYTHONPATH": tree}
                     run = subprocess.run([sys.executable, "-c", CHILD, tree, str(spec_file)], env=env,

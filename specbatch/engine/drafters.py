@@ -1,9 +1,9 @@
-"""Batched drafters: propose candidates for every row of a batch; learn what each row accepted.
+"""Batched drafters: propose candidates for every row of a batch; see what each row accepted.
 
 A drafter serves the whole batch and keeps its state per row, aligned with the decoder's rows
 (``admit`` appends rows, ``retire`` keeps some): a draft model its batched KV cache, the n-gram
-drafter its per-row index, every drafter its per-row acceptance score. A drafter that finds
-nothing for a row returns None there and that row falls back to one target step.
+drafter its per-row index. A drafter that finds nothing for a row returns None there and that row
+falls back to one target step.
 """
 
 from __future__ import annotations

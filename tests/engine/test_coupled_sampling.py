@@ -115,3 +115,21 @@ def test_verify_race_reads_each_node_at_its_depth():
         expect.append(tree.tokens[child - 1])
         node = child
     assert v.tokens == expect
+
+
+@pytest.mark.parametrize("kind", ["schema", "regex"])
+def test_structured_rows_keep_the_identity(load, kind):
+    """p and q are masked by the grammar; the race never picks a masked token (p = 0), and the
+    grammar's forced chain is one more deterministic chain in the tree."""
+    from tests.engine.test_structured import SPECS
+
+    target = load("llama")
+    extra = dict(structured=SPECS[kind], max_new_tokens=40)
+    params = {**SEEDED, **extra}
+    reqs = [EngineRequest(prompt=PROMPTS[0], params=GenerationParams(**params))]
+    ref = [o.token_ids for o in dict(Engine(target, []).generate_many(reqs))[0].samples]
+    engine = Engine(target, [load("llama-partial"), load("llama-random")] + [NGRAM])
+    reqs = [EngineRequest(prompt=PROMPTS[0], params=GenerationParams(**params, gamma=3, adaptive=False)),
+            EngineRequest(prompt=PROMPTS[1], params=GenerationParams(max_new_tokens=30))]
+    got = [o.token_ids for o in dict(engine.generate_many(reqs, batch_size=4))[0].samples]
+    assert got == ref
