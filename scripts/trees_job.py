@@ -5,6 +5,9 @@ measured in one session on one machine, not across hosts.
     git worktree add /tmp/then d92206c      # main when issue 31 was filed
     OMP_NUM_THREADS=2 python scripts/trees_job.py /tmp/then . --configs auto --threads 2 --rounds 2
 
+``--temperature T``: every line sampled at T, line i seeded i (default 0: greedy, the job as filed);
+``--fixed-gamma``: every line at gamma 4, not adapting.
+
 The prompts are tokenized once, here, and handed to both (each decodes the same ids with its own
 engine, ``specbatch.bench.job._ours``, which both versions have). Model loading is not timed.
 """
@@ -20,13 +23,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONFIGS = {"auto": ("auto", "auto"), "B32plain": (32, False), "B8spec": (8, True), "B8plain": (8, False)}
+CONFIGS = {"auto": ("auto", "auto"), "B32plain": (32, False), "B32spec": (32, True), "B8spec": (8, True),
+           "B8plain": (8, False)}
 
 CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from specbatch.bench.job import JobConfig, _ours
+from specbatch.bench.runners import generate_all
 from specbatch.config import Settings
+from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.loading import load_model
 job = json.load(open(sys.argv[2]))
 torch.set_num_threads(job["threads"])
@@ -34,11 +40,18 @@ cache_dir = Settings().cache_dir
 target = load_model("smollm2-135m", cache_dir=cache_dir)
 draft = load_model("smollm2-135m-int8", cache_dir=cache_dir)
 _ours(target, draft, JobConfig("warm-up", "ours", 2, True), job["ids"][:2], [4, 4])
-got = _ours(target, draft, JobConfig(job["name"], "ours", job["batch"], job["spec"]), job["ids"], job["limits"])
-outs, seconds = got[0], got[1]
-print("RESULT " + json.dumps({"tokens": sum(map(len, outs)), "seconds": seconds, "outs": outs}))
+t = job["temperature"]   # sampled: line i seeded i
+engine = Engine(target, [draft] if job["spec"] else [], batch_size=job["batch"])
+reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n, temperature=t, seed=i if t else None,
+                                                          adaptive=not job["fixed_gamma"]))
+        for i, (x, n) in enumerate(zip(job["ids"], job["limits"]))]
+got, seconds = generate_all(engine, reqs, target.device)
+outs = [list(o.token_ids) for o in got]
+drafted = sum(o.stats.drafted_tokens for o in got)
+accepted = sum(o.stats.accepted_tokens for o in got)
+print("RESULT " + json.dumps({"tokens": sum(map(len, outs)), "seconds": seconds, "outs": outs,
+                              "acceptance": accepted / drafted if drafted else 0.0}))
 """
-
 
 def requests(file: str) -> tuple[list[list[int]], list[int]]:
     from specbatch.bench.job import job_requests
@@ -59,6 +72,8 @@ def main() -> None:
     ap.add_argument("--configs", default="auto")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--fixed-gamma", action="store_true", help="every line adaptive=False (the engine's gamma 4)")
     a = ap.parse_args()
     ids, limits = requests(a.file)
     trees = [str(Path(t).resolve()) for t in a.trees]
@@ -71,7 +86,8 @@ def main() -> None:
                 batch, spec = CONFIGS[name]
                 spec_file = Path(tmp) / f"{name}.json"
                 spec_file.write_text(json.dumps({"ids": ids, "limits": limits, "threads": a.threads,
-                                                 "name": name, "batch": batch, "spec": spec}))
+                                                 "name": name, "batch": batch, "spec": spec,
+                                                 "temperature": a.temperature, "fixed_gamma": a.fixed_gamma}))
                 for tree in order:
                     env = {**os.environ, "PYTHONPATH": tree}
                     run = subprocess.run([sys.executable, "-c", CHILD, tree, str(spec_file)], env=env,
@@ -85,7 +101,7 @@ def main() -> None:
                     rates.setdefault((name, tree), []).append(rate)
                     digests.setdefault((name, tree), set()).add(digest)
                     print(f"round {rnd} {name:9s} {tree}: {rate:7.1f} tok/s ({r['tokens']} tokens, "
-                          f"{r['seconds']:.1f} s) outputs {digest} load {os.getloadavg()[0]:.1f}", flush=True)
+                          f"{r['seconds']:.1f} s) acceptance {r['acceptance']:.2f} outputs {digest} load {os.getloadavg()[0]:.1f}", flush=True)
     for name in a.configs.split(","):
         ra, rb = (sum(rates[(name, t)]) / len(rates[(name, t)]) for t in trees)
         same = digests[(name, trees[0])] == digests[(name, trees[1])] and len(digests[(name, trees[0])]) == 1

@@ -306,9 +306,6 @@ class AutopilotPolicy(MeasuredPolicy):
             return 0
         return super().gamma_cap(n_rows)
 
-    def plain(self, n_rows: int) -> bool:
-        return self.pilot.speculate(n_rows) is False
-
     def observe(self, report: StepReport) -> None:
         super().observe(report)
         if report.prefill:   # a step that also cached prompts is no decode measurement

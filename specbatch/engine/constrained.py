@@ -52,7 +52,7 @@ def trim(rows: Sequence[GrammarRow], proposals: list[list[Proposal | None]]) -> 
             if n == len(p.tokens):
                 cut.append(p)
             else:
-                cut.append(Proposal(p.tokens[:n], None if p.q is None else p.q[:n], p.forwards) if n else None)
+                cut.append(Proposal(p.tokens[:n], p.forwards) if n else None)
         out.append(cut)
     return out
 

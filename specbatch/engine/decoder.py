@@ -5,7 +5,8 @@ proposals become its token tree, and one target forward scores every row's tree 
 node sees its row's valid cache and its own ancestors). Each row then accepts its own number of
 tokens; rejected nodes become holes in the batch KV caches (``BatchCache``), so no row waits for
 another and rollback is per row. Finished rows leave the batch and waiting requests join it.
-Greedy rows equal the target's own greedy decoding; sampled rows keep the target's distribution.
+Greedy rows equal the target's own greedy decoding; sampled rows the target's own sample with
+the row's noise (the exponential race keyed by output position, engine/sampling.py).
 Prompt prefixes that requests share are computed once and copied into each joining row, which
 then prefills only the rest of its prompt (engine/prefix.py).
 
@@ -35,11 +36,11 @@ from specbatch.engine.policy import Policy, StepReport
 from specbatch.engine.prefill import feed_lengths, length_runs, prefilled
 from specbatch.engine.prefix import PrefixEntry, PrefixStore, shared_prefixes
 from specbatch.engine.processors import RowProcessors
-from specbatch.engine.sampling import Verdict, Warp
+from specbatch.engine.sampling import RowNoise, Verdict, Warp
 from specbatch.engine.stopping import StopCheck
 from specbatch.engine.tally import Tally
 from specbatch.engine.token_bytes import TokenBytes
-from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_sampling
+from specbatch.engine.tree import TokenTree, build_tree, verify_greedy, verify_race
 from specbatch.engine.types import GenerationOutput, GenerationParams, GenerationStats, TokenLogprob
 
 # Grammar masks are computed on this helper thread while the target's forward runs (torch's kernels
@@ -66,7 +67,7 @@ class Row:
     params: GenerationParams
     stop: StopCheck
     warp: Warp | None                   # None: greedy
-    generator: torch.Generator | None   # the request's own: its draws do not depend on the batch
+    noise: RowNoise | None              # sampled rows: keyed by (seed, position), not by the batch or drafting
     procs: RowProcessors | None         # logit processors (penalties, logit_bias); None: none
     ctl: GammaController
     tally: Tally
@@ -325,19 +326,19 @@ class Decoder:
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
         warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p, params.min_p)
-        gen = None
-        if warp is not None:
-            gen = torch.Generator(device=self.target.device)
-            gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
+        noise = None
+        if warp is not None:   # (an unseeded request: a random row seed, drawn once)
+            noise = RowNoise(params.seed if params.seed is not None else random.getrandbits(63),
+                             self.target.device)
         stop = StopCheck(self.target.tokenizer, self.target.eos_token_ids, params.max_new_tokens, params.stop)
         gamma = params.gamma if params.gamma is not None else self.default_gamma
-        ctl = GammaController(self.policy.costs(1), gamma=gamma, fixed=params.fixed_gamma)
+        ctl = GammaController(self.policy.costs(1), gamma=gamma, fixed=not params.adaptive)
         grammar = None
         if params.structured is not None:
             t = self.target
             grammar = Matcher(vocab_for(t.tokenizer, t.vocab_size, tuple(sorted(t.eos_token_ids))),
                               params.structured)
-        return Row(index, list(ids), params, stop, warp, gen, RowProcessors.build(params, len(ids)), ctl,
+        return Row(index, list(ids), params, stop, warp, noise, RowProcessors.build(params, len(ids)), ctl,
                    Tally(GenerationStats(prompt_tokens=len(ids))), now,
                    logprobs=None if params.logprobs is None else [], grammar=grammar)
 
@@ -424,7 +425,6 @@ class Decoder:
         if not self.drafters:
             return [0] * len(self.rows)
         cap = self.policy.gamma_cap(len(self.rows))
-        plain = self.policy.plain(len(self.rows))
         costs = self.policy.costs(len(self.rows))
         ks = []
         for r in self.rows:
@@ -432,23 +432,15 @@ class Decoder:
             k = r.ctl.next_gamma()
             if cap is not None and not r.ctl.fixed:
                 k = min(k, cap)
-            elif plain and r.params.adaptive:   # fixed by its seed, not by the request: the plain decision holds
-                k = 0
             ks.append(max(0, min(k, r.params.max_new_tokens - len(r.generated) - 1)))
         return ks
 
     def _tree(self, b: int, proposals: list[Proposal | None], forced: Proposal | None = None) -> TokenTree:
-        """Row b's tree. Sampling tries members in order of their recent acceptance on the row;
+        """Row b's tree: the members in pool order (a tie of the accepted path goes to the first),
         the grammar's forced chain (member index len(drafters)) first, where there is one."""
         if forced is not None:
-            order = [len(proposals), *range(len(proposals))]
-            if self.rows[b].warp is not None and len(proposals) >= 2:
-                order[1:] = sorted(range(len(proposals)), key=lambda i: -self.drafters[i].scores[b].rate)
-            return build_tree([*proposals, forced], order)
-        if self.rows[b].warp is None or len(proposals) < 2:
-            return build_tree(proposals)
-        order = sorted(range(len(proposals)), key=lambda i: -self.drafters[i].scores[b].rate)
-        return build_tree(proposals, order)
+            return build_tree([*proposals, forced], [len(proposals), *range(len(proposals))])
+        return build_tree(proposals)
 
     def _member_name(self, winner: int) -> str:
         """The pool name of a tree's winning member (the grammar's chain: after the drafters)."""
@@ -475,7 +467,8 @@ class Decoder:
                 ids = x.argmax(dim=-1).tolist() if r.procs is not None else argmax[b][start:]
                 out.append(verify_greedy(t, ids))
             else:
-                out.append(verify_sampling(t, r.warp.probs(x), r.generator))
+                assert r.noise is not None, "a sampled row has its noise"
+                out.append(verify_race(t, r.warp.probs(x), r.noise))
         return out
 
     def _accepted_hidden(self, trees: list[TokenTree], verdicts: list[Verdict], scored: int
@@ -512,6 +505,8 @@ class Decoder:
         """Extend the row's sequence; stop on EOS, max_new_tokens or a stop string."""
         r.ids.extend(v.tokens)
         r.generated.extend(v.tokens)
+        if r.noise is not None:
+            r.noise.advance(len(v.tokens))
         end, reason = r.stop.step(r.generated, len(v.tokens))
         if reason is not None:
             del r.generated[end:]

@@ -1,9 +1,9 @@
-"""Batched drafters: propose candidates for every row of a batch; learn what each row accepted.
+"""Batched drafters: propose candidates for every row of a batch; see what each row accepted.
 
 A drafter serves the whole batch and keeps its state per row, aligned with the decoder's rows
 (``admit`` appends rows, ``retire`` keeps some): a draft model its batched KV cache, the n-gram
-drafter its per-row index, every drafter its per-row acceptance score. A drafter that finds
-nothing for a row returns None there and that row falls back to one target step.
+drafter its per-row index. A drafter that finds nothing for a row returns None there and that row
+falls back to one target step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from specbatch.engine.grammar import Matcher
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.prefill import feed_lengths, forward_in_runs, length_runs, prefilled
 from specbatch.engine.processors import RowProcessors
-from specbatch.engine.sampling import Warp
+from specbatch.engine.sampling import RowNoise, Warp, race
 
 
 class DraftRow(Protocol):
@@ -31,7 +31,7 @@ class DraftRow(Protocol):
     @property
     def warp(self) -> Warp | None: ...       # None: greedy
     @property
-    def generator(self) -> torch.Generator | None: ...
+    def noise(self) -> RowNoise | None: ...  # sampled rows: the noise the verifier races with
     @property
     def procs(self) -> RowProcessors | None: ...  # logit processors; q is drawn after them
     @property
@@ -41,24 +41,7 @@ class DraftRow(Protocol):
 @dataclass(frozen=True)
 class Proposal:
     tokens: list[int]                 # k candidate tokens
-    q: torch.Tensor | None = None     # (k, V) draft probabilities; None: point masses (greedy / n-gram)
     forwards: int = 0                 # draft-model forwards this row took part in to make it
-
-
-@dataclass
-class Acceptance:
-    """A drafter's recent acceptance on one row: the EMA of accepted / proposed tokens.
-
-    The decoder tries the better member first when sampling verification walks a row's tree:
-    the first member tried meets the whole of p, so the likeliest drafter should have it.
-    """
-
-    rate: float = 0.5                 # prior: no evidence either way
-    weight: float = 0.3               # weight of the newest step (recent text matters most)
-
-    def update(self, accepted: int, proposed: int) -> None:
-        if proposed:
-            self.rate += self.weight * (accepted / proposed - self.rate)
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -81,7 +64,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Drafter:
-    """Base of every drafter: the per-row scores and the last proposals they are judged on.
+    """Base of every drafter: the last proposals, per row.
 
     Call ``propose`` and ``observe`` under ``torch.inference_mode()``.
     """
@@ -93,7 +76,6 @@ class Drafter:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.scores: list[Acceptance] = []
         self.last: list[Proposal | None] = []
 
     def prefix(self, tokens: Sequence[int]) -> PrefixKV | None:
@@ -107,13 +89,11 @@ class Drafter:
         (rows joining a running batch); else the first proposal feeds them (a fresh batch).
         ``prefixes[b]``: what this drafter's ``prefix`` gave for a prefix of row b's ids, loaded
         first (rows sharing one are adjacent). Returns the model forwards made."""
-        self.scores += [Acceptance() for _ in rows]
         self.last += [None] * len(rows)
         return 0
 
     def retire(self, keep: list[int]) -> None:
         """Only rows ``keep`` (indices into the current rows) stay."""
-        self.scores = [self.scores[i] for i in keep]
         self.last = [self.last[i] for i in keep]
 
     def propose(self, rows: Sequence[DraftRow], k: Sequence[int]) -> list[Proposal | None]:
@@ -125,9 +105,7 @@ class Drafter:
         """accepted[b]: the tokens row b emitted this step (accepted drafts + one target token).
         hidden[b] (only for ``needs_target_hidden``): (len(accepted[b]), H), the target's final
         hidden state at each position whose logits chose accepted[b][i]."""
-        for score, prop, acc in zip(self.scores, self.last, accepted):
-            if prop is not None:
-                score.update(min(common_prefix(prop.tokens, acc), len(acc) - 1), len(prop.tokens))
+        return None
 
 
 class ModelDrafter(Drafter):
@@ -186,7 +164,6 @@ class ModelDrafter(Drafter):
     def propose(self, rows: Sequence[DraftRow], k: Sequence[int]) -> list[Proposal | None]:
         n = len(rows)
         tokens: list[list[int]] = [[] for _ in rows]
-        qs: list[list[torch.Tensor]] = [[] for _ in rows]
         # 1. the cache holds a prefix of each row's ids (observe() dropped rejected drafts):
         #    feed the rest; then each step feeds the token just drafted, for rows that want more
         feeds = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
@@ -201,9 +178,10 @@ class ModelDrafter(Drafter):
                 if r.grammar is not None and advanced[b] == j < k[b]:
                     logits[b].masked_fill_(~r.grammar.mask()[: logits.shape[-1]], float("-inf"))
             greedy = logits.argmax(dim=-1).tolist()
-            # 2. the next draft token: argmax when greedy, else a draw from warped q (own
-            #    generator); a row's logit processors first, with the tokens drafted so far
-            #    as this position's history (the target's logits get the same at this node)
+            # 2. the next draft token: argmax when greedy, else race(q, E) with the noise the
+            #    verifier races p with at this position (so it is accepted where q is close to
+            #    p); a row's logit processors first, with the tokens drafted so far as this
+            #    position's history (the target's logits get the same at this node)
             for b, r in enumerate(rows):
                 if j >= k[b]:
                     continue
@@ -213,9 +191,9 @@ class ModelDrafter(Drafter):
                 if r.warp is None:
                     tokens[b].append(greedy[b] if r.procs is None else int(x.argmax()))
                 else:
+                    assert r.noise is not None, "a sampled row has its noise"
                     q = r.warp.probs(x)
-                    tokens[b].append(int(torch.multinomial(q, 1, generator=r.generator)))
-                    qs[b].append(q)
+                    tokens[b].append(int(race(q, r.noise.at(r.noise.next + j, q.shape[-1]))))
             for b, r in enumerate(rows):   # (not past an EOS: the rest is cut before verifying)
                 if r.grammar is not None and advanced[b] == j < k[b] and r.grammar.allows(tokens[b][-1:]):
                     r.grammar.advance(tokens[b][-1:])
@@ -228,8 +206,7 @@ class ModelDrafter(Drafter):
             if r.grammar is not None:
                 r.grammar.rollback(a)
         self.fed = [max(0, kb - 1) for kb in k]
-        self.last = [Proposal(t, torch.stack(q) if q else None, forwards=len(t)) if t else None
-                     for t, q in zip(tokens, qs)]
+        self.last = [Proposal(t, forwards=len(t)) if t else None for t in tokens]
         assert len(self.last) == n
         return list(self.last)
 
@@ -307,7 +284,7 @@ class NgramIndex:
 class NgramDrafter(Drafter):
     """Prompt lookup: copy what followed the latest earlier occurrence of the trailing n-gram.
 
-    Proposals are point masses (no q); only accepted tokens enter a row's index.
+    Proposals are deterministic (the same for a greedy and a sampled row); only accepted tokens enter a row's index.
     """
 
     def __init__(self) -> None:

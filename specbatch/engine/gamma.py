@@ -81,7 +81,7 @@ class GammaController:
     costs: CostModel
     gamma: int = 4
     max_gamma: int = MAX_DRAFT       # (the memory estimate plans for drafts this wide)
-    fixed: bool = False              # gamma stays as given (GenerationParams.fixed_gamma): no adapting
+    fixed: bool = False              # gamma stays as given (GenerationParams.adaptive False): no adapting
     warmup_steps: int = 3            # steps before the controller trusts its estimates
     probe_every: int = 16            # plain steps between probes once speculation is off
     max_probe_every: int = 256       # probes that keep losing back off up to this interval

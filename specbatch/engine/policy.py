@@ -36,14 +36,7 @@ class Policy(Protocol):
 
     def gamma_cap(self, n_rows: int) -> int | None:
         """Before each step: the most an adaptive row may draft (0: a plain step), None: no cap.
-        Requests with a fixed gamma draft it regardless (seeded sampling stays reproducible)."""
-        ...
-
-    def plain(self, n_rows: int) -> bool:
-        """Whether the job decided this step is plain for every row whose gamma is fixed only by
-        its seed (not by ``adaptive=False``): the autopilot's speculation switch. A few seeded rows
-        drafting every step made the draft run over the whole batch: the default job at half its
-        plain speed (docs/DESIGN.md, "Batch invariance")."""
+        Requests with a fixed gamma (``adaptive=False``) draft it regardless, as asked."""
         ...
 
     def costs(self, n_rows: int) -> CostModel:
@@ -83,9 +76,6 @@ class MeasuredPolicy:
 
     def costs(self, n_rows: int) -> CostModel:
         return self.buckets.setdefault(bucket(n_rows), CostModel())
-
-    def plain(self, n_rows: int) -> bool:
-        return False   # a fixed row limit decides no speculation switch: seeded rows keep their gamma
 
     def observe(self, report: StepReport) -> None:
         if report.prefill:

@@ -1,4 +1,4 @@
-"""A row's draft candidates as one token tree, and the two lossless verifiers over it.
+"""A row's draft candidates as one token tree, and the lossless verifiers over it.
 
 Node 0 is the root: the last accepted token. Node j >= 1 holds ``tokens[j - 1]``. Chains that
 share a prefix share nodes, so the target scores each distinct prefix once. One drafter's
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specbatch.engine.drafters import Proposal
-from specbatch.engine.sampling import Verdict, accept, residual, sample
+from specbatch.engine.sampling import RowNoise, Verdict, race
 
 
 @dataclass
@@ -24,7 +24,6 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)      # parent node of node j at index j - 1
     chains: list[list[int]] = field(default_factory=list) # per chain: its nodes, root excluded
     members: list[int] = field(default_factory=list)      # per chain: the pool index that drafted it
-    qs: list[torch.Tensor | None] = field(default_factory=list)  # per chain: (len, V) q, or None
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
 
     @property
@@ -53,7 +52,14 @@ class TokenTree:
             node = child
         self.chains.append(chain)
         self.members.append(member)
-        self.qs.append(proposal.q)
+
+    def depths(self) -> list[int]:
+        """Per node (0: the root), its drafted ancestors: node j's token is the row's output
+        position next + depths[parent(j)], the position its logits choose is next + depths[j]."""
+        out = [0]
+        for parent in self.parents:
+            out.append(out[parent] + 1)
+        return out
 
     def branches(self) -> list[list[int]]:
         """Per node (0: the root), the drafted tokens on its path, itself included: the history
@@ -69,8 +75,8 @@ class TokenTree:
 
 
 def build_tree(proposals: Sequence[Proposal | None], order: Sequence[int] | None = None) -> TokenTree:
-    """proposals[i]: pool member i's candidates. ``order``: the members in the order sampling
-    verification tries them (default: pool order)."""
+    """proposals[i]: pool member i's candidates. ``order``: the members in tree order (default:
+    pool order); the first member whose chain holds the accepted path is the winner."""
     tree = TokenTree()
     for i in order if order is not None else range(len(proposals)):
         prop = proposals[i]
@@ -94,37 +100,13 @@ def verify_greedy(tree: TokenTree, target_ids: list[int]) -> Verdict:
     return Verdict(tokens, len(path), path, winner)
 
 
-def verify_sampling(tree: TokenTree, p: torch.Tensor, generator: torch.Generator | None) -> Verdict:
-    """Speculative sampling over a tree (Leviathan et al. 2023 for a chain; SpecInfer, Miao et
-    al. 2024, for several), lossless.
+def verify_race(tree: TokenTree, p: torch.Tensor, noise: RowNoise) -> Verdict:
+    """Sampled rows: p (1 + n_nodes, V), warped target probabilities at the root and each node.
 
-    p: (1 + n_nodes, V) warped target probabilities at the root and at each node. At each node,
-    the chains that reached it offer their next token in tree order; each is accepted with
-    min(1, r(x) / q_i(x)), else r <- norm(max(0, r - q_i)); if all are rejected the token is
-    sampled from the final r. Each chain's token is an independent draw from its q given the
-    accepted path, so the emitted tokens are distributed exactly as the target's. A chain of
-    one drafter is plain speculative sampling.
-    """
-    node, path, depth, winner = 0, list[int](), 0, -1
-    active = list(range(len(tree.chains)))
-    while True:
-        r = p[node]
-        taken = None
-        for i in active:
-            if len(tree.chains[i]) <= depth:
-                continue
-            child = tree.chains[i][depth]
-            x = tree.tokens[child - 1]
-            q = tree.qs[i]
-            qi = None if q is None else q[depth]
-            if accept(r, qi, x, generator):
-                taken = (tree.members[i], child)
-                break
-            r = residual(r, qi, x)
-        if taken is None:
-            tokens = [tree.tokens[j - 1] for j in path] + [sample(r, generator)]
-            return Verdict(tokens, len(path), path, winner)
-        winner, node = taken
-        path.append(node)
-        depth += 1
-        active = [i for i in active if len(tree.chains[i]) >= depth and tree.chains[i][depth - 1] == node]
+    The target's token after node j is race(p[j], E_{t + depth(j)}), t = ``noise.next`` the
+    position of the root's next token: what the target alone draws at that position given that
+    node's path. ``verify_greedy`` follows those tokens down the tree, so the emitted tokens are
+    the target-alone sample with this noise, token for token, whatever was drafted (lossless by
+    identity; each race is an exact draw from its p, positions independent)."""
+    e = torch.stack([noise.at(noise.next + d, p.shape[-1]) for d in tree.depths()])
+    return verify_greedy(tree, race(p, e).tolist())

@@ -74,12 +74,6 @@ class GenerationParams:
                     or self.logit_bias or self.min_p)
 
     @property
-    def fixed_gamma(self) -> bool:
-        """Seeded sampling keeps gamma fixed: adaptation follows wall-clock costs, and the random
-        draws follow gamma, so an adaptive gamma would make a seeded output irreproducible."""
-        return not self.adaptive or (self.temperature > 0 and self.seed is not None)
-
-    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 

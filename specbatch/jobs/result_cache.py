@@ -50,22 +50,12 @@ KEY_VERSION = 1   # bump when the key's contents change: old entries then simply
 def cacheable(params: GenerationParams) -> bool:
     """Whether a request's result may be served from (and stored in) the cache: greedy only.
 
-    Measured with the tiny Llama pair (tests/tiny.py) on this CPU, torch 2.13, temperature 0.9,
-    seed 7, 24 new tokens, against the same request alone at batch size 1 with draft llama-partial
-    (the script: drafts and batch compositions below, one engine each):
-
-        same draft, batch 4 with 0, 2 or 3 other rows     same tokens (one decoder, #11)
-                                                          different before #11 (batch rows shared draws)
-        draft llama-random instead, batch 1               different tokens
-        no draft, batch 1                                 different tokens
-        greedy, every case above                          same tokens
-
-    A seeded sample follows the drafts' proposals (the draws consumed per step depend on what was
-    drafted and accepted), so it is a fair sample but not a function of (target, prompt,
-    parameters), while this cache's key, like the issue's, leaves the drafts out on purpose. To
-    cache seeded sampling, add the drafters (model fingerprints) and the engine's gamma to the key of
-    sampled requests (``cache_key`` already covers temperature/top_p/top_k/seed), then return
-    ``params.greedy or params.seed is not None`` here.
+    A seeded sample is the target alone's sample with that seed, whatever the drafts, gamma or
+    batch (the position-keyed race, engine/sampling.py; tests/engine/test_coupled_sampling.py),
+    so it is a function of (target, prompt, parameters) as a greedy result is. ``cache_key``
+    already covers the warp, the seed and the processors; caching it would take a new
+    ``KEY_VERSION`` only if sampled entries had been stored before (seeded outputs changed with the
+    race), then ``params.greedy or params.seed is not None`` here. Not done yet.
 
     A request with ``n`` > 1 samples is not cached: a hit copies one results row.
     """

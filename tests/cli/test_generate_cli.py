@@ -124,7 +124,7 @@ def test_generate_messages_and_stop(tiny_models):
 
 @pytest.mark.parametrize("gamma_mode", [
     "--fixed-gamma",
-    "",  # seeded sampling keeps gamma fixed even when adaptation is on (GenerationParams.fixed_gamma)
+    "",  # adaptive gamma: the seed fixes the sample, not the drafting (engine/sampling.py, RowNoise)
 ])
 def test_generate_sampling_is_reproducible_with_a_seed(tiny_models, gamma_mode):
     args = ["--prompt", PROMPT, "--max-new-tokens", "40", "--temperature", "0.9", "--top-p", "0.9",

@@ -281,7 +281,7 @@ def test_rows_that_join_while_decoding_plainly_cost_the_draft_nothing_until_it_d
 
 
 class Erratic(MeasuredPolicy):
-    """Row limits, caps and plain decisions drawn at random every call, on costs that do not move
+    """Row limits and caps drawn at random every call, on costs that do not move
     (so a seed replays the same run): the autopilot's choices in any order, timing aside."""
 
     def __init__(self, seed: int) -> None:
@@ -298,9 +298,6 @@ class Erratic(MeasuredPolicy):
 
     def gamma_cap(self, n_rows: int) -> int | None:
         return self.rng.choice([None, None, 0, 1, 2, 5])
-
-    def plain(self, n_rows: int) -> bool:
-        return self.rng.random() < 0.3
 
     def costs(self, n_rows: int):
         return self.frozen
@@ -325,3 +322,26 @@ def test_erratic_batching_and_speculation_decisions_never_change_the_text(load, 
         got = dict(Decoder(target, engine.new_drafters(), Erratic(seed)).run(reqs, lambda started: None))
     for i, (p, m, _) in enumerate(cases):
         assert got[i].token_ids == target_greedy(target, p, m), i
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_erratic_decisions_never_change_a_seeded_sample(load, seed):
+    """Seeded sampled rows under random row limits and caps (speculating or not, pausing, any
+    gamma) give the target alone's tokens with their seeds. On main the draws followed drafting."""
+    import random
+
+    import torch
+
+    rng = random.Random(seed)
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")] + [NGRAM] * (rng.random() < 0.5))
+    n = rng.randint(6, 12)
+    cases = [(f"word {i} and", rng.randint(1, 30), rng.choice([None, 2, 8])) for i in range(n)]
+    params = [GenerationParams(max_new_tokens=m, gamma=g, temperature=0.8, seed=100 + i)
+              for i, (_, m, g) in enumerate(cases)]
+    reqs = [(i, engine.encode(p), params[i]) for i, (p, _, _) in enumerate(cases)]
+    with torch.inference_mode():
+        got = dict(Decoder(target, engine.new_drafters(), Erratic(seed)).run(reqs, lambda started: None))
+    alone = Engine(target, [])
+    for i, (p, _, _) in enumerate(cases):
+        assert got[i].token_ids == alone.generate(prompt=p, params=params[i]).token_ids, i

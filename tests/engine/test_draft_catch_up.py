@@ -25,7 +25,7 @@ from tests.engine.test_prefix import corpus_ids
 class GreedyRow:
     ids: list[int]
     warp: None = None
-    generator: None = None
+    noise: None = None
     procs: None = None
     grammar: None = None
 

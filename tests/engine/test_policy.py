@@ -18,7 +18,6 @@ class Recording:
 
     limit: int
     cap: int | None
-    plain_steps: bool = False         # the job's plain decision (the autopilot's, under batch auto)
     reports: list[StepReport] = field(default_factory=list)
     asked: list[int] = field(default_factory=list)
     model: CostModel = field(default_factory=CostModel)
@@ -32,9 +31,6 @@ class Recording:
 
     def costs(self, n_rows: int) -> CostModel:
         return self.model
-
-    def plain(self, n_rows: int) -> bool:
-        return self.plain_steps
 
     def observe(self, report: StepReport) -> None:
         self.reports.append(report)
@@ -58,35 +54,31 @@ def test_a_policy_bounds_rows_caps_gamma_and_sees_every_step(load):
 
 
 def test_fixed_gamma_requests_ignore_the_cap(load):
-    """Seeded sampling keeps its gamma whatever the policy says: its draws must not depend on it."""
+    """A request that asked for a fixed gamma (adaptive=False) drafts it whatever the policy says."""
     engine = Engine(load("llama"), [load("llama-partial")])
     policy = Recording(limit=1, cap=0)
-    params = GenerationParams(max_new_tokens=12, temperature=1.0, seed=5, gamma=3)
+    params = GenerationParams(max_new_tokens=12, temperature=1.0, seed=5, gamma=3, adaptive=False)
     [(_, out)] = engine.generate_many([EngineRequest(prompt="Write a haiku about", params=params)], policy=policy)
     alone = engine.generate(prompt="Write a haiku about", params=params)
     assert out.token_ids == alone.token_ids and out.stats.drafted_tokens > 0
 
 
-def test_a_jobs_plain_decision_holds_for_seeded_rows_but_not_for_an_explicit_fixed_gamma(load):
-    """Under batch auto the autopilot's "plain" holds for seeded rows too: a few seeded rows
-    drafting every step ran the draft over the whole batch (the default job at half its plain
-    speed). A request that asked for a fixed gamma (adaptive=False) keeps drafting, as asked."""
-    engine = Engine(load("llama"), [load("llama-partial")])
+def test_seeded_rows_follow_the_cap_and_keep_their_sample(load):
+    """A seeded sampled row is an adaptive row like any other (the policy's cap holds for it: no
+    draft over the whole batch for a few seeded rows), and its tokens are the target alone's with
+    that seed whether the policy let it draft or not (docs/DESIGN.md, "Sampled rows"). On main
+    seeded rows kept a fixed gamma, and a plain step drew other tokens."""
+    target = load("llama")
+    engine = Engine(target, [load("llama-partial")])
     seeded = GenerationParams(max_new_tokens=12, temperature=1.0, seed=5, gamma=3)
     asked = GenerationParams(max_new_tokens=12, gamma=3, adaptive=False)
     reqs = [EngineRequest(prompt="Write a haiku about", params=p) for p in (seeded, asked)]
-    got = dict(engine.generate_many(reqs, policy=Recording(limit=2, cap=0, plain_steps=True)))
-    assert got[0].stats.drafted_tokens == 0 and got[1].stats.drafted_tokens > 0
-    # plain sampling with the seed: the same draws as the target alone, plain, with that seed
-    plain = engine.generate(prompt="Write a haiku about", params=GenerationParams(
-        max_new_tokens=12, temperature=1.0, seed=5, gamma=0))
-    assert got[0].token_ids == plain.token_ids
-    # and the autopilot's policy says plain exactly where it decided speculation is off
-    from specbatch.engine.autopilot import Autopilot, AutopilotPolicy
-
-    assert AutopilotPolicy(limit=8, pilot=Autopilot(speculation=False)).plain(8)
-    assert not AutopilotPolicy(limit=8, pilot=Autopilot()).plain(8)
-    assert not MeasuredPolicy(limit=8).plain(8)
+    plain = dict(engine.generate_many(reqs, policy=Recording(limit=2, cap=0)))
+    drafting = dict(engine.generate_many(reqs, policy=Recording(limit=2, cap=None)))
+    assert plain[0].stats.drafted_tokens == 0 and plain[1].stats.drafted_tokens > 0
+    assert drafting[0].stats.drafted_tokens > 0
+    alone = Engine(target, []).generate(prompt="Write a haiku about", params=seeded)
+    assert plain[0].token_ids == drafting[0].token_ids == alone.token_ids
 
 
 def test_measured_policy_buckets_and_one_plain_step():

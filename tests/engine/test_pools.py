@@ -2,7 +2,7 @@
 
 Greedy rows equal the target alone token for token; the token tree's 4-D mask and position ids
 equal a plain forward of each branch; a seeded sampled request decodes the same alone and in a
-batch (per-row generators; the numerics are those of this CPU, see docs/DESIGN.md).
+batch (per-row noise keyed by position; the numerics are those of this CPU, see docs/DESIGN.md).
 """
 
 from __future__ import annotations

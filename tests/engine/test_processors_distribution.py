@@ -52,7 +52,7 @@ def exact_joint(target, params: GenerationParams) -> dict[tuple[int, int], float
 
 
 def empirical(engine, params: dict, n: int, seed0: int = 0) -> collections.Counter:
-    """n samples, decoded 50 at a time: each row draws from its own seeded generator, so the
+    """n samples, decoded 50 at a time: each row races with its own seeded noise, so the
     batch changes nothing in a sample (tests/engine/test_batch.py) and the test runs faster."""
     reqs = [EngineRequest(prompt=PROMPT, params=GenerationParams(seed=seed0 + i, **params)) for i in range(n)]
     return collections.Counter(tuple(out.token_ids) for _, out in engine.generate_many(reqs, batch_size=50))

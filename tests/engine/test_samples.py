@@ -81,7 +81,7 @@ def test_samples_of_one_prefill_follow_the_target(load):
 
 
 def test_samples_sharing_their_draws_are_detected(load, monkeypatch):
-    """Negative control: samples seeded alike (one generator's draws for all n rows) are not n
+    """Negative control: samples seeded alike (one noise for all n rows) are not n
     draws from the target; the same test rejects them."""
     monkeypatch.setattr(engine_mod, "sample_seed", lambda seed, i: seed)
     target = load("llama")

@@ -2,8 +2,9 @@
 
 The exact joint distribution of the first two generated tokens is computed from the target alone
 (top-k 4 keeps the support at 16 outcomes); the empirical distribution of speculative samples
-must converge to it. A deliberately lossy verifier (accept every draft token) is the negative
-control: the same test must reject it, so the test can fail.
+must converge to it. A deliberately lossy verifier (accept every draft token: a drafter always
+accepted) is the negative control: the same test must reject it, so the test can fail. (A verifier
+racing a node with another position's noise: tests/engine/test_verify.py.)
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import specbatch.engine.sampling as sampling
-import specbatch.engine.tree as tree_mod
+import specbatch.engine.decoder as decoder_mod
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.drafter_specs import NGRAM
-from specbatch.engine.sampling import Warp
+from specbatch.engine.sampling import RowNoise, Verdict, Warp, race
+from specbatch.engine.tree import TokenTree
 
 PROMPT = "The quick brown fox"
 WARP = Warp(temperature=1.5, top_k=4, top_p=1.0)
@@ -77,13 +78,21 @@ def test_distribution_matches_target(load, pool):
     assert chi2_pvalue(large, joint) > 1e-3
 
 
+def accept_every_draft(tree: TokenTree, p: torch.Tensor, noise: RowNoise) -> Verdict:
+    """A lossy verifier: the first chain accepted whole, then the target's race after it."""
+    chain = tree.chains[0] if tree.chains else []
+    node = chain[-1] if chain else 0
+    x = int(race(p[node], noise.at(noise.next + len(chain), p.shape[-1])))
+    return Verdict([tree.tokens[j - 1] for j in chain] + [x], len(chain), chain, tree.members[0] if chain else -1)
+
+
 def test_lossy_verifier_is_detected(load, monkeypatch):
     """Negative control: accepting every draft token skews the distribution toward q."""
-    monkeypatch.setattr(sampling, "accept", lambda p, q, x, g: True)
-    monkeypatch.setattr(tree_mod, "accept", lambda p, q, x, g: True)
+    monkeypatch.setattr(decoder_mod, "verify_race", accept_every_draft)
     target = load("llama")
     engine = Engine(target, [load("llama-random")])
     counts = empirical(engine, 300)
     joint = exact_joint(target)
     outside = sum(c for k, c in counts.items() if k not in joint)
     assert outside > 0 or chi2_pvalue(counts, joint) < 1e-3
+

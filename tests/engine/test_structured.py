@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList
 
-import specbatch.engine.tree as tree_mod
+import specbatch.engine.decoder as decoder_mod
 from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.constrained import drafters_part, forced_cap
 from specbatch.engine.drafter_specs import NGRAM
@@ -24,6 +24,7 @@ from specbatch.engine.drafters import Proposal
 from specbatch.engine.gamma import GammaController
 from specbatch.engine.grammar import GrammarSpec, Matcher, vocab_for
 from specbatch.engine.sampling import Warp
+from tests.engine.test_sampling_distribution import accept_every_draft
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
           "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
@@ -241,7 +242,7 @@ def test_sampling_follows_the_masked_target(load, pool):
 @pytest.mark.slow
 def test_a_lossy_verifier_is_caught(load, monkeypatch):
     """Negative control: accepting every draft token skews the law toward the masked q."""
-    monkeypatch.setattr(tree_mod, "accept", lambda p, q, x, g: True)
+    monkeypatch.setattr(decoder_mod, "verify_race", accept_every_draft)
     target = load("llama")
     engine = Engine(target, [load("llama-random")])
     counts = empirical(engine, 400)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -11,9 +14,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import specbatch.engine.tree as tree_mod
 from specbatch.engine.drafters import NgramIndex, Proposal
-from specbatch.engine.sampling import Warp, residual
-from specbatch.engine.tree import build_tree, verify_greedy, verify_sampling
+from specbatch.engine.sampling import RowNoise, Warp, race
+from specbatch.engine.tree import build_tree, verify_greedy, verify_race
 
 V = 8
 
@@ -24,9 +28,9 @@ def one_hot_logits(ids: list[int]) -> torch.Tensor:
     return x
 
 
-def chain(tokens: list[int], q: torch.Tensor | None = None):
+def chain(tokens: list[int]):
     """One drafter's proposal: the degenerate tree."""
-    return build_tree([Proposal(tokens, q)])
+    return build_tree([Proposal(tokens)])
 
 
 def greedy(tokens: list[int], target_ids: list[int]):
@@ -49,28 +53,53 @@ def test_greedy_first_mismatch_and_empty_draft():
     assert verify_greedy(build_tree([None]), [6]).tokens == [6]
 
 
-def test_sampling_accepts_when_q_equals_p():
-    p = torch.softmax(torch.randn(4, V), -1)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        v = verify_sampling(chain([1, 2, 3], p[:3].clone()), p, g)
-        assert v.n_accepted == 3
+def test_race_accepts_a_draft_raced_with_the_same_noise_from_p():
+    p = torch.softmax(torch.randn(4, V, generator=torch.Generator().manual_seed(0)), -1)
+    for seed in range(50):
+        noise = RowNoise(seed, "cpu")
+        drafted = [int(race(p[j], noise.at(j, V))) for j in range(3)]      # q = p
+        v = verify_race(chain(drafted), p, noise)
+        assert v.n_accepted == 3 and v.tokens[:3] == drafted
 
 
-def test_sampling_rejects_token_target_never_emits():
+def test_race_rejects_token_target_never_emits():
     p = torch.full((3, V), 1.0 / (V - 1))
     p[0, 5] = 0.0
-    g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        v = verify_sampling(chain([5, 1]), p, g)  # point-mass draft at 5
+    for seed in range(50):
+        v = verify_race(chain([5, 1]), p, RowNoise(seed, "cpu"))
         assert v.n_accepted == 0 and v.tokens[0] != 5 and len(v.tokens) == 1
 
 
-def test_residual():
-    p = torch.tensor([0.5, 0.3, 0.2])
-    q = torch.tensor([0.2, 0.6, 0.2])
-    assert torch.allclose(residual(p, q, 1), torch.tensor([1.0, 0.0, 0.0]))
-    assert torch.allclose(residual(p, None, 0), torch.tensor([0.0, 0.6, 0.4]))
+L1, L2 = [1, 2, 3, 4, 0, 0, 0, 0], [4, 3, 2, 1, 0, 0, 0, 0]      # tenths
+P1, P2 = torch.tensor(L1) / 10, torch.tensor(L2) / 10
+
+
+def _first_two(n: int) -> collections.Counter:
+    """Two tokens from a chain drafted by the target itself (its first token always accepted):
+    the second is raced at the node. Rows 1..n, each its own seed."""
+    counts: collections.Counter = collections.Counter()
+    p = torch.stack([P1, P2, P2])
+    for seed in range(n):
+        noise = RowNoise(seed, "cpu")
+        x1 = int(race(P1, noise.at(0, V)))
+        counts[tuple(verify_race(chain([x1, 0]), p, noise).tokens[:2])] += 1
+    return counts
+
+
+def _pvalue(counts: collections.Counter, n: int) -> float:
+    keys = [(a, b) for a in range(4) for b in range(4)]
+    return float(chisquare([counts[k] for k in keys], [n * L1[a] * L2[b] / 100 for a, b in keys]).pvalue)
+
+
+def test_race_over_a_chain_follows_the_joint_law():
+    assert _pvalue(_first_two(3000), 3000) > 1e-3
+
+
+def test_noise_of_the_wrong_position_is_detected(monkeypatch):
+    """Negative control: a verifier racing every node with the root's noise (the draft's noise
+    of another position) makes the second token depend on the first; the same test rejects it."""
+    monkeypatch.setattr(tree_mod.TokenTree, "depths", lambda self: [0] * (self.n_nodes + 1))
+    assert _pvalue(_first_two(3000), 3000) < 1e-3
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5)])
@@ -104,24 +133,24 @@ def test_tree_greedy_takes_longest_accepted_branch():
     assert v.tokens == [1, 2, 4, 6] and v.n_accepted == 3 and v.path == [1, 2, 4] and v.winner == 1
 
 
-def test_tree_sampling_tries_next_member_after_rejection():
+def test_tree_race_takes_the_branch_the_target_draws():
     tree = build_tree([Proposal([3]), Proposal([4])])
     p = torch.zeros(3, V)
     p[0, 4] = 1.0          # target always emits 4 at the root
     p[1:, 0] = 1.0
-    g = torch.Generator().manual_seed(0)
-    v = verify_sampling(tree, p, g)
+    v = verify_race(tree, p, RowNoise(0, "cpu"))
     assert v.tokens == [4, 0] and v.winner == 1 and v.path == [2]
 
 
 def test_tree_order_keeps_pool_indices():
-    """Sampling may try members out of pool order; the winner is still named by pool index."""
+    """A tree may hold members out of pool order (the grammar's chain first); the winner is
+    still named by pool index."""
     tree = build_tree([Proposal([3]), Proposal([4]), None], order=[1, 0, 2])
     assert tree.members == [1, 0] and tree.tokens == [4, 3]
     p = torch.zeros(3, V)
     p[0, 3] = 1.0
     p[1:, 0] = 1.0
-    v = verify_sampling(tree, p, torch.Generator().manual_seed(0))
+    v = verify_race(tree, p, RowNoise(0, "cpu"))
     assert v.tokens == [3, 0] and v.winner == 0 and v.path == [2]
 
 

@@ -12,8 +12,9 @@ from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.loading import load_model
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
 
-# sampled, seeded: gamma stays fixed at 4, so every step runs four draft forwards before the verify
-PARAMS = GenerationParams(max_new_tokens=40, temperature=0.8, seed=1, gamma=4, logprobs=2, presence_penalty=0.5)
+# sampled, seeded, gamma fixed at 4: every step runs four draft forwards before the verify
+PARAMS = GenerationParams(max_new_tokens=40, temperature=0.8, seed=1, gamma=4, adaptive=False, logprobs=2,
+                          presence_penalty=0.5)
 
 
 @pytest.fixture(scope="module")
