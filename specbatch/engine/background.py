@@ -35,6 +35,25 @@ from specbatch.engine.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
 
+def trace_once_here() -> None:
+    """Run, on the decoding thread, the one FX symbolic trace inductor's first lowering does.
+
+    ``torch.fx.symbolic_trace`` patches ``nn.Module.__call__`` for the whole process while it
+    traces; a module called on another thread meanwhile goes to that tracer, which raises
+    ``NameError: module is not installed as a submodule`` (seen once: the decoding thread's step
+    failed mid-job). Inductor traces so only once per process (``InterpreterShim._dummy_gm`` in
+    torch/_inductor/loop_body.py, cached; AOTAutograd's tracer passes module calls through), so
+    doing it here before the compile thread starts closes that window. A torch without it: nothing
+    to settle (tests/engine/test_background_compile.py notices)."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+    except ImportError:
+        return
+    dummy = getattr(InterpreterShim, "_dummy_gm", None)
+    if callable(dummy):
+        dummy()
+
+
 class BackgroundCompile:
     """``prepare`` for ``target`` and ``drafts`` in a daemon thread; ``adopt`` installs the result.
 
@@ -59,6 +78,7 @@ class BackgroundCompile:
 
     def start(self) -> BackgroundCompile:
         self._set("compiling (decoding eagerly until then)")
+        trace_once_here()
         self._thread.start()
         return self
 

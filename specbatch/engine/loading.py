@@ -331,8 +331,10 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
         if int8:
             model = _quantize_int8(model, dev, inplace=True)   # read for this load alone
     from specbatch.engine.attention import use_folded_attention  # (transformers: imported on first load)
+    from specbatch.engine.hub_kernels import unroute_hub_kernels
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
+    unroute_hub_kernels(model)      # compiling on another thread must not race eager decoding
     pack_linears(model)             # float32 on CPU: MKL packs each weight once, not every call
     seconds = time.perf_counter() - t0
     logger.info("loaded %s from %s in %.1fs%s", name, source.path, seconds,

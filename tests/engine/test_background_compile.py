@@ -145,3 +145,22 @@ def test_a_cpu_worker_in_auto_compiles_nothing_where_the_prior_gains_only_the_ma
     assert not warmed and engine.target.compiled is None and not engine.compile_plan.enabled
     assert why in engine.compile_plan.reason
     assert len(states) == 1 and states[0].startswith("eager: auto: ") and why in states[0], states
+
+
+def test_the_one_process_wide_fx_trace_is_done_before_the_compile_thread_starts(tiny_models, tmp_path, monkeypatch):
+    """Inductor's first lowering runs ``torch.fx.symbolic_trace`` once, patching ``nn.Module.__call__``
+    process-wide while it traces: a decoding step on this thread then raised NameError. ``start``
+    does that trace here first, so the compile thread finds it cached."""
+    from torch._inductor.loop_body import InterpreterShim  # a torch without it: trace_once_here goes
+
+    InterpreterShim._dummy_gm.cache_clear()
+    seen = []
+
+    def prepare(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        seen.append(InterpreterShim._dummy_gm.cache_info().currsize)
+        return D.CompilePlan("on", False, "stub")
+
+    monkeypatch.setattr(B, "prepare", prepare)
+    background = B.BackgroundCompile(load_model(str(tiny_models / "llama")), [], mode="on", batch_size=1,
+                                     cache_dir=str(tmp_path)).start()
+    assert background.join(timeout=600) and seen == [1]
