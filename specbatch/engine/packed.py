@@ -12,7 +12,8 @@ What that gives, measured on the default target's shapes (scripts/packed_linears
 - From 16 rows up the products are bitwise ``F.linear``'s: the same MKL kernel, without the packing.
 - Below 16 rows ``sgemm`` switches to other kernels (a matrix-vector product at 1 row), so its numbers
   move with the batch's row count; the packed product does not: every row's output is bitwise the
-  same at every row count from 1 to 4096 (and at 1 or 2 threads). A row's logits then depend on the
+  same at every row count (1 to 64 on every Linear of the default target, 1 to 4096 on one; docs/
+  DESIGN.md). A row's logits then depend on the
   rows beside it only through attention's padding, not through the Linears.
 - 1.2-2.7x faster per Linear from 4 to 48 rows, about the same at 1-3 rows (a whole forward at 1-3
   rows: 5-11% slower, kept for the invariance above).
@@ -43,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 # The row count a weight is packed for. MKL's layout does not depend on it, but the kernels it picks
 # do: packed for 1 row, a 1-row product rounds unlike a 2-row one; packed for 16 or more, every row
-# count from 1 to 4096 gives each row the same bits (scripts/packed_linears.py).
+# count gives each row the same bits (scripts/packed_linears.py; docs/DESIGN.md).
 PACK_ROWS = 32
 
 
