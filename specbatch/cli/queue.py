@@ -699,7 +699,7 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
             value = f"{value:.3f}"
         elif isinstance(value, dict | list):
             continue
-        table.add_row(key, str(value))
+        table.add_row(key, "-" if value is None else str(value))    # (no tokens: a job cancelled early)
     if (stats.get("batching") or {}).get("batch_size_share"):
         from specbatch.cli.render import batching_line
 

@@ -114,3 +114,17 @@ def test_run_summary_says_why_a_draft_never_drafted(drafts, drafted, said, capsy
     out = " ".join(capsys.readouterr().out.split())
     assert ("speculation" in out) is (said is not None), out
     assert said is None or said in out, out
+
+
+def test_run_summary_shows_a_dash_for_a_statistic_with_no_value(capsys, monkeypatch):
+    """A run cancelled before any token: its rate and grammar share are None, printed as 'None'."""
+    from specbatch.cli.queue import _print_summary
+    from specbatch.config import Settings
+
+    monkeypatch.setenv("COLUMNS", "200")
+    summary = {"id": "j1", "status": "cancelled", "target": "t", "drafts": [],
+               "request_counts": {"total": 2, "cancelled": 2}, "failures": [],
+               "stats": {"results": 0, "tokens_per_second": None, "grammar_token_share": None}}
+    _print_summary(summary, Settings.from_env({}))
+    out = capsys.readouterr().out
+    assert "None" not in out and "tokens_per_second" in out, out
