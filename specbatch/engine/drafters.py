@@ -104,8 +104,7 @@ class Drafter:
                 hidden: Sequence[torch.Tensor] | None = None) -> None:
         """accepted[b]: the tokens row b emitted this step (accepted drafts + one target token).
         hidden[b] (only for ``needs_target_hidden``): (len(accepted[b]), H), the target's final
-        hidden state at each position whose logits chose accepted[b][i]."""
-        return None
+        hidden state at each position whose logits chose accepted[b][i]. The base keeps nothing."""
 
 
 class ModelDrafter(Drafter):
