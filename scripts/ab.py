@@ -6,11 +6,13 @@
   whether every output equals the first run's.
 
 ``--compare``: ``fold`` (folded attention, engine/attention.py, against transformers' SDPA path) or
-``packed`` (Linears over MKL's packed weights, engine/packed.py, against ``F.linear``).
+``packed`` (Linears over packed weights, engine/packed.py, against ``F.linear``) or ``kernels``
+(oneDNN's packed product against MKL's, whether or not each passes its check here).
 
     python scripts/ab.py step 1x5x200,8x5x200,32x5x200,32x1x200,32x3x400   # rows x tokens x cached
     python scripts/ab.py --compare packed step 1x1x200,1x5x200,4x1x200,8x1x200,32x1x200
     OMP_NUM_THREADS=1 python scripts/ab.py --compare packed job --configs auto,B32plain,B4spec
+    OMP_NUM_THREADS=2 python scripts/ab.py --threads 2 --compare kernels job --configs auto,B8plain
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from specbatch.config import Settings
 from specbatch.engine.attention import NAME
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.loading import LoadedModel, load_model
-from specbatch.engine.packed import PackedLinear
+from specbatch.engine.packed import KERNELS, PackedLinear, _Packed
 from specbatch.jobs import intake
 
 CONFIGS = {"auto": ("auto", "auto"), "B32plain": (32, False), "B32spec": (32, True),
@@ -51,7 +53,17 @@ def variants(models: list[LoadedModel], compare: str) -> dict[str, Callable[[], 
             for m in packed:
                 m.__class__ = cls
         return switch
-    return {"F.linear": as_class(torch.nn.Linear), "packed": as_class(PackedLinear)}
+    if compare == "packed":
+        return {"F.linear": as_class(torch.nn.Linear), "packed": as_class(PackedLinear)}
+    # kernels: each Linear holds one packed copy per kernel, swapped in by the switch
+    copies = {k.name: [_Packed(m.weight, k) for m in packed] for k in KERNELS}
+
+    def kernel(name: str) -> Callable[[], None]:
+        def switch() -> None:
+            for m, p in zip(packed, copies[name]):
+                m._packed = p
+        return switch
+    return {k.name: kernel(k.name) for k in KERNELS}
 
 
 def step(target: LoadedModel, shapes: str, reps: int, ways: dict[str, Callable[[], None]]) -> None:
@@ -108,7 +120,7 @@ def job(target: LoadedModel, draft: LoadedModel, file: str, configs: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=("fold", "packed"), default="fold")
+    ap.add_argument("--compare", choices=("fold", "packed", "kernels"), default="fold")
     ap.add_argument("--threads", type=int, default=1)
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("step")

@@ -1,12 +1,12 @@
-"""Per Linear of the default target's shapes: ``F.linear`` against the same product over MKL's packed
-weight (engine/packed.py), interleaved call by call in one process; and whether each row's output
-stays bitwise the same at every row count (batch invariance), for both.
+"""Per Linear of the default target's shapes: ``F.linear`` against the products over each kernel's
+packed weight (engine/packed.py: oneDNN, MKL), interleaved call by call in one process; and whether
+each row's output stays bitwise the same at every row count (batch invariance), for each.
 
     python scripts/packed_linears.py --rows 1,2,4,8,16,32,64 --threads 1
 
-Prints one line per (shape, rows): us for each, the ratio, whether packed equals ``F.linear`` bit for
-bit, then per shape the row counts (of 1..--max-rows) at which a row's output differs from its
-output in the largest batch.
+Prints one line per (shape, rows): us for each way and its speed-up over ``F.linear``, then per shape
+and way the row counts (of 1..--max-rows) at which a row's output differs from its output in the
+largest batch.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import argparse
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from specbatch.engine.packed import PACK_ROWS
+from specbatch.engine.packed import KERNELS
 
 # the default target's (SmolLM2-135M) Linears: K -> N
 SHAPES = {"q/o 576->576": (576, 576), "k/v 576->192": (576, 192), "gate/up 576->1536": (576, 1536),
@@ -28,20 +29,16 @@ SHAPES = {"q/o 576->576": (576, 576), "k/v 576->192": (576, 192), "gate/up 576->
 
 def shape(name: str, w: torch.Tensor, rows_list: list[int], reps: int, max_rows: int,
           g: torch.Generator) -> None:
-    """One Linear's weight (N, K): timings per row count, then batch invariance of both products."""
+    """One Linear's weight (N, K): timings per row count, then batch invariance of each product."""
     k = w.shape[1]
-    p = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
-
-    def plain(x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, w)
-
-    def packed(x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkl._mkl_linear(x, p, w, None, x.shape[0])
-
-    ways = (("F.linear", plain), ("packed", packed))
+    ways: list[tuple[str, Callable[[torch.Tensor], torch.Tensor]]] = [("F.linear", lambda x: F.linear(x, w))]
+    for kern in KERNELS:
+        if kern.available():
+            p = kern.pack(w)
+            ways.append((kern.name, lambda x, kern=kern, p=p: kern.product(x, p, w, None)))
     for rows in rows_list:
         x = torch.randn(rows, k, generator=g)
-        t: dict[str, list[float]] = {"F.linear": [], "packed": []}
+        t: dict[str, list[float]] = {label: [] for label, _ in ways}
         for rep in range(reps + 3):
             for label, f in ways if rep % 2 == 0 else ways[::-1]:
                 t0 = time.perf_counter()
@@ -49,9 +46,8 @@ def shape(name: str, w: torch.Tensor, rows_list: list[int], reps: int, max_rows:
                 if rep >= 3:          # (warm-up)
                     t[label].append(time.perf_counter() - t0)
         us = {label: statistics.median(v) * 1e6 for label, v in t.items()}
-        print(f"{name:18s} rows {rows:3d}: F.linear {us['F.linear']:8.0f} us  packed {us['packed']:8.0f} us  "
-              f"ratio {us['F.linear'] / us['packed']:.2f}x  bitwise equal: {torch.equal(plain(x), packed(x))}  "
-              f"load {os.getloadavg()[0]:.1f}", flush=True)
+        cols = "  ".join(f"{label} {us[label]:7.0f} us ({us['F.linear'] / us[label]:.2f}x)" for label, _ in ways)
+        print(f"{name:18s} rows {rows:3d}: {cols}  load {os.getloadavg()[0]:.1f}", flush=True)
     x = torch.randn(max_rows, k, generator=g)
     for label, f in ways:
         whole = f(x)

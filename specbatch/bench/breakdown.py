@@ -22,7 +22,8 @@ import torch
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm",
                       "quantized::linear_dynamic", "aten::_weight_int8pack_mm",
-                      "mkl::_mkl_linear"})          # (engine/packed.py: a float32 Linear on CPU)
+                      # engine/packed.py: a float32 Linear on CPU
+                      "mkl::_mkl_linear", "mkldnn::_linear_pointwise"})
 ATTENTION_PREFIX = "aten::_scaled_dot_product"
 SAMPLING_OPS = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
                           "aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::multinomial",
@@ -43,11 +44,11 @@ def gemm_peak_gflops(k: int, n: int, rows: tuple[int, ...] = (32, 64), repeats: 
     """The best fp32 GFLOPS of one (rows x k) @ (k x n) product, over ``rows``: a layer's linear at
     the job's batch sizes (the same threads as the job), by ``sgemm`` and, where the engine packs
     its weights (engine/packed.py), by the packed product too: the faster of the two is the peak."""
-    from specbatch.engine.packed import PackedLinear, pack_check
+    from specbatch.engine.packed import PackedLinear, kernel
 
     best = 0.0
     plain = torch.nn.Linear(k, n, bias=False)
-    products = [plain] + ([PackedLinear.of(torch.nn.Linear(k, n, bias=False))] if pack_check() is None else [])
+    products = [plain] + ([PackedLinear.of(torch.nn.Linear(k, n, bias=False))] if kernel() is not None else [])
     with torch.inference_mode():
         for linear in products:
             for m in rows:

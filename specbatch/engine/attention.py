@@ -16,10 +16,21 @@ and at three or more (at two, ``repeat_kv``'s 2-row products take another CPU ke
 folded 2 x groups rows: equal to the last bit or so), and a row's output equals the same query
 sent alone over the same columns, which ``repeat_kv`` does not always give
 (tests/engine/test_attention.py).
+
+On some CPUs (a 2-core AMD EPYC, stop 44; not stop 43's Xeon) SDPA's own products round a query row
+differently in a block of 1-3 rows than in a block of 4 or more: CPU flash attention multiplies
+the queries in blocks of 32 rows (64 from 192 rows, 256 from 768) and MKL's ``sgemm`` takes
+another kernel for 1-3 rows there. A verify's token then got other numbers than the same token
+decoded alone, and a one-token step other numbers than any wider one. Where ``rows_move`` finds
+that, the queries are padded with rows of zeros (seeing every column, so no row is empty) until
+no block has 1-3 rows, and the padding is dropped from the output: a row's numbers then no
+longer depend on how many rows share its call. Unmasked calls (a causal prefill) are
+transformers' own, unpadded.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,7 +51,7 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     token sees; anything else (no mask: a causal prefill that SDPA's ``is_causal`` serves; a
     per-head mask, a position bias, dropout) is transformers' own SDPA path."""
     groups = int(getattr(module, "num_key_value_groups", 1))
-    if (groups == 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+    if ((groups == 1 and not (query.device.type == "cpu" and rows_move())) or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
             or dropout or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -49,8 +60,34 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     rows = attention_mask.shape[0]
     q = query.reshape(b, kv_heads, groups * t, query.shape[-1])             # head h -> group h // groups
     mask = attention_mask[:, :, None].expand(rows, 1, groups, t, length).reshape(rows, 1, groups * t, length)
+    pad = _pad_rows(groups * t) if query.device.type == "cpu" and rows_move() else 0
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    if pad:
+        out = out[:, :, : groups * t]
     return out.reshape(b, heads, t, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _pad_rows(rows: int) -> int:
+    """Rows of zeros to add so that no block of CPU flash attention's query blocks (32 rows, or 64
+    or 256 for long queries: multiples of 32) has 1-3 rows."""
+    tail = rows % 32
+    return 4 - tail if tail in (1, 2, 3) else 0
+
+
+@functools.cache
+def rows_move() -> bool:
+    """Whether this CPU's SDPA gives a query row other numbers in a block of 1-3 rows than in a
+    wider one (fixed by a check, not by timing, so that every process on the machine agrees)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (40, 200, 200))
+    mask = torch.zeros(1, 1, 40, 200)
+    with torch.inference_mode():
+        whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return any(not torch.equal(torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, :n], k, v, attn_mask=mask[:, :, :n]), whole[:, :, :n]) for n in (1, 2, 3, 33, 35))
 
 
 def use_folded_attention(model: Any) -> None:

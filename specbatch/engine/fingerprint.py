@@ -84,10 +84,13 @@ def directory_digest(directory: Path, memo_dir: Path | None) -> str:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()
 
 
-def _packed(module: Any) -> bool:
-    from specbatch.engine.packed import PackedLinear
+def _linears(module: Any) -> dict[str, str]:
+    """Packed Linears (engine/packed.py) round unlike F.linear, and oneDNN's unlike MKL's: results
+    are kept apart by kernel; nothing where unpacked, so other models' fingerprints stay as they were."""
+    from specbatch.engine.packed import packed_kernel
 
-    return any(isinstance(m, PackedLinear) for m in module.modules())
+    k = packed_kernel(module)
+    return {"linears": f"{k}-packed"} if k is not None else {}
 
 
 def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> str | None:
@@ -108,10 +111,7 @@ def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> s
         "int8": int8.numerics() if bool(model.info.get("int8")) and device == "cpu" else False,
         # a compiled forward may round differently from eager: kept apart, to be safe
         "compiled": getattr(model, "compiled", None) is not None,
-        # MKL-packed Linears (engine/packed.py) round unlike F.linear below 16 rows: kept apart from
-        # results of unpacked ones (a torch without MKL, or written before packing); only where
-        # packed, so other models' fingerprints stay what they were
-        **({"linears": "mkl-packed"} if _packed(model.model) else {}),
+        **_linears(model.model),
     }
     blob = {"v": FINGERPRINT_VERSION, "files": directory_digest(directory, memo), **numerics}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()

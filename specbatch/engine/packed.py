@@ -1,31 +1,33 @@
-"""Float32 Linears over MKL's packed weights: faster from 4 rows up, and batch-invariant.
+"""Float32 Linears over a weight packed once: faster at the decode loop's row counts, and batch-invariant.
 
 Eager ``F.linear`` on CPU calls MKL's ``sgemm``, which packs the whole weight into its blocked layout
 on every call. At the decode loop's few rows that packing is most of the product: on a 2-core Xeon a
 576 -> 1536 Linear took 350 us at 8 rows and 120 us at 1 (``python scripts/packed_linears.py``;
-docs/DESIGN.md, "Linears multiply by packed weights", has the per-forward figures). MKL can pack a weight once (``cblas_sgemm_pack``, reached through
-``torch.ops.mkl._mkl_reorder_linear_weight``, the op inductor's freezing uses) and multiply by the
-packed copy (``torch.ops.mkl._mkl_linear``).
+docs/DESIGN.md, "Linears multiply by packed weights", has the per-forward figures). Two libraries
+in torch can pack a weight once and multiply by the packed copy, the ops inductor's freezing uses:
 
-What that gives, measured on the default target's shapes (scripts/packed_linears.py):
+- **oneDNN** (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``): on a 2-core AMD
+  EPYC (AVX-512, stop 44) 1.5-3x MKL's products at 8-64 rows, the vocabulary head included
+  (docs/DESIGN.md has the table).
+- **MKL** (``cblas_sgemm_pack``: ``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``):
+  on a 2-core Xeon (AVX-512 + AMX, stop 43) 1.2-2.7x ``F.linear`` from 4 to 48 rows, and from 16 rows
+  up bitwise ``F.linear``'s.
 
-- From 16 rows up the products are bitwise ``F.linear``'s: the same MKL kernel, without the packing.
-- Below 16 rows ``sgemm`` switches to other kernels (a matrix-vector product at 1 row), so its numbers
-  move with the batch's row count; the packed product does not: every row's output is bitwise the
-  same at every row count (1 to 64 on every Linear of the default target, 1 to 4096 on one; docs/
-  DESIGN.md). A row's logits then depend on the
-  rows beside it only through attention's padding, not through the Linears.
-- 1.2-2.7x faster per Linear from 4 to 48 rows, about the same at 1-3 rows (a whole forward at 1-3
-  rows: 5-11% slower, kept for the invariance above).
+Which one a process uses is fixed, not timed: the first of oneDNN, MKL whose products pass
+``kernel_check`` on this machine (they agree with ``F.linear`` and every row's output is bitwise
+the same at every row count, alone or beside others). A timing race at start-up would let two
+workers of one job round differently. ``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``) pins the
+choice, e.g. to reproduce another host's numbers. Where neither passes, or torch has neither
+library (ARM), Linears stay as they are.
 
-torch's op takes the row count the weight was packed for and falls back to ``F.linear`` for any other.
-The packed layout has the same size whatever that count, and products over it at other row counts
-were correct in every check (bitwise those of a copy packed for that count, from 2 rows up), so the
-call passes the input's own row count. ``pack_check`` verifies that on the running machine once per process
-before anything is packed; where it fails, or where torch has no MKL (ARM), Linears stay as they are.
+Batch invariance is the point as much as speed: ``sgemm`` switches kernels below 16 rows (a
+matrix-vector product at 1 row), so a row's output moves with the number of rows beside it. The
+packed products do not: a row's logits then depend on the rows beside it only through attention's
+padding, not through the Linears. oneDNN's one exception, a 1-row product over a wide K (the MLP's
+down projection) rounding unlike 2 rows, is closed by computing one row as two.
 
 Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself), as it
-runs wherever autograd records (MKL's op has no backward) and over an inference tensor's weight.
+runs wherever autograd records (neither op has a backward) and over an inference tensor's weight.
 The packed copy doubles the Linears' memory; the weight stays a Parameter, so the state dict, tied
 embeddings and an int8 draft quantized from this model (engine/loading.py) see a plain Linear.
 """
@@ -34,7 +36,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,23 +47,110 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-# The row count a weight is packed for. MKL's layout does not depend on it, but the kernels it picks
-# do: packed for 1 row, a 1-row product rounds unlike a 2-row one; packed for 16 or more, every row
-# count gives each row the same bits (scripts/packed_linears.py; docs/DESIGN.md).
+# The row count a weight is packed for. The layouts do not depend on it, but the kernels picked
+# do: packed for 1 row, a 1-row product rounds unlike a 2-row one (either library); packed for
+# 16 or more, every row count gives each row the same bits (scripts/packed_linears.py; docs/DESIGN.md).
 PACK_ROWS = 32
 
 
+def _onednn_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) -> (..., N) over oneDNN's packed weight; one row is computed as two, the first
+    kept: over a wide K oneDNN's 1-row kernel rounds unlike its kernel for 2 rows and up."""
+    flat = x.reshape(-1, x.shape[-1])
+    one = flat.shape[0] == 1
+    y = torch.ops.mkldnn._linear_pointwise(flat.expand(2, -1).contiguous() if one else flat,
+                                           packed, bias, "none", [], "")
+    return (y[:1] if one else y).view(*x.shape[:-1], weight.shape[0])
+
+
+def _mkl_product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) -> (..., N) over MKL's packed weight. torch's op falls back to ``F.linear`` for a
+    row count other than the one it is told the weight was packed for; MKL's layout is the same
+    whatever that count, so it is told the input's own."""
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.numel() // weight.shape[1])
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A library's packing of a weight (N, K) and its product by the packed copy."""
+
+    name: str
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+    def available(self) -> bool:
+        if self.name == "onednn":
+            return torch.backends.mkldnn.is_available()
+        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+KERNELS = (
+    Kernel("onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), _onednn_product),
+    Kernel("mkl", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS), _mkl_product),
+)
+
+
+def kernel_check(k: Kernel) -> str | None:
+    """None where ``k``'s products agree with ``F.linear`` on this machine and give every row the
+    same bits at every row count that matters (alone, a few, a batch, a prompt); else why not.
+    Two weights: a narrow K and a wide one, where the libraries switch kernels."""
+    if not k.available():
+        return f"torch has no {k.name} here"
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            for n_in in (96, 1536):
+                w, b = torch.randn(160, n_in, generator=gen), torch.randn(160, generator=gen)
+                packed = k.pack(w)
+                x = torch.randn(300, n_in, generator=gen)
+                whole = k.product(x, packed, w, b)
+                if not torch.allclose(whole, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+                    return f"{k.name}'s packed product disagrees with F.linear"
+                for rows in (1, 2, 3, 17, 40, 64):
+                    if not torch.equal(k.product(x[:rows], packed, w, b), whole[:rows]):
+                        return f"{k.name}'s packed product rounds a row differently at {rows} rows"
+                if not torch.equal(k.product(x[5:6], packed, w, b), whole[5:6]):
+                    return f"{k.name}'s packed product rounds a row differently alone"
+    except RuntimeError as e:
+        return f"{k.name}'s packed product failed: {e}"
+    return None
+
+
+@functools.cache
+def kernel() -> Kernel | None:
+    """This process's packed product: ``SPECBATCH_LINEARS`` if set, else the first of ``KERNELS``
+    that passes ``kernel_check``; None: Linears stay ``F.linear``. Logged once (why not, too)."""
+    pinned = os.environ.get("SPECBATCH_LINEARS", "").strip().lower()
+    if pinned == "off":
+        return None
+    candidates = [k for k in KERNELS if not pinned or k.name == pinned]
+    if not candidates:
+        logger.warning("SPECBATCH_LINEARS=%s is none of onednn, mkl, off: Linears stay unpacked", pinned)
+        return None
+    reasons = []
+    for k in candidates:
+        why = kernel_check(k)
+        if why is None:
+            logger.info("float32 Linears multiply by %s's packed weights", k.name)
+            return k
+        reasons.append(why)
+    logger.info("Linears stay unpacked: %s", "; ".join(reasons))
+    return None
+
+
 class _Packed:
-    """MKL's packed copy of a weight, and which weight (the Parameter itself, weakly, and its
-    version) it was packed from. Immutable and shared by copies of its module: an MKL-DNN tensor has
+    """A kernel's packed copy of a weight, and which weight (the Parameter itself, weakly, and its
+    version) it was packed from. Immutable and shared by copies of its module: a packed tensor has
     no storage ``copy.deepcopy`` or pickle could copy (an int8 draft is a deep copy of its target);
     a copy with other weights packs its own at its first call, and an unpickled one likewise."""
 
-    def __init__(self, weight: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor | None, k: Kernel | None) -> None:
+        self.kernel = k
         self.source = weakref.ref(weight) if weight is not None else None
         self.version = None if weight is None else _version(weight)
-        self.tensor = None if weight is None or self.version is None else \
-            torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
+        self.tensor = None if weight is None or k is None or self.version is None else k.pack(weight.detach())
 
     def packs(self, weight: torch.Tensor) -> bool:
         """Whether this is ``weight``'s packed copy as it is now (not another or an older weight:
@@ -69,7 +161,7 @@ class _Packed:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _Packed, (None,)
+        return _Packed, (None, None)
 
 
 def _version(weight: torch.Tensor) -> int | None:
@@ -80,8 +172,9 @@ def _version(weight: torch.Tensor) -> int | None:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state dict) whose forward multiplies by MKL's packed
-    copy of its weight. The copy is made again if the weight was replaced or written in place."""
+    """An ``nn.Linear`` (same parameters, same state dict) whose forward multiplies by this
+    process's kernel's packed copy of its weight. The copy is made again if the weight was replaced
+    or written in place."""
 
     _packed: _Packed
 
@@ -90,12 +183,12 @@ class PackedLinear(torch.nn.Linear):
         """``linear`` itself, its class swapped (its parameters, hooks and tied weights stay)."""
         linear.__class__ = cls
         assert isinstance(linear, PackedLinear)
-        linear._packed = _Packed(linear.weight)
+        linear._packed = _Packed(linear.weight, kernel())
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) float32 -> (..., N)."""
-        # MKL's op has no backward (its output would silently carry no gradient): F.linear where
+        # neither op has a backward (its output would silently carry no gradient): F.linear where
         # autograd records, as outside inference/no_grad with a weight that requires grad
         # and where x is no (..., K): MKL's op takes K from the weight and reads x's rows at that
         # stride (a (2, 100) x times a 96-wide weight gave numbers), F.linear raises
@@ -104,47 +197,34 @@ class PackedLinear(torch.nn.Linear):
                 (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
         if not self._packed.packs(self.weight):
-            self._packed = _Packed(self.weight)
-        if self._packed.tensor is None:
+            self._packed = _Packed(self.weight, kernel())
+        k = self._packed.kernel
+        if self._packed.tensor is None or k is None:
             return F.linear(x, self.weight, self.bias)
-        rows = x.numel() // self.in_features
-        return torch.ops.mkl._mkl_linear(x, self._packed.tensor, self.weight, self.bias, rows)
+        return k.product(x, self._packed.tensor, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ", MKL-packed"
+        k = self._packed.kernel
+        return super().extra_repr() + (f", {k.name}-packed" if k is not None else "")
 
 
-@functools.cache
-def pack_check() -> str | None:
-    """None where packed products agree with ``F.linear`` on this machine at the row counts that
-    matter (including ones the weight was not packed for); else why not."""
-    if not torch.backends.mkl.is_available() or not hasattr(torch.ops.mkl, "_mkl_linear"):
-        return "torch has no MKL here"
-    gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(160, 96, generator=gen), torch.randn(160, generator=gen)
-    try:
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS)
-        for rows in (1, 3, 17, 40):
-            x = torch.randn(rows, 96, generator=gen)
-            y = torch.ops.mkl._mkl_linear(x, packed, w, b, rows)
-            if not torch.allclose(y, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
-                return f"MKL's packed product disagrees with F.linear at {rows} rows"
-    except RuntimeError as e:
-        return f"MKL's packed product failed: {e}"
+def packed_kernel(model: torch.nn.Module) -> str | None:
+    """The kernel ``model``'s Linears multiply by ("onednn", "mkl"), None where none is packed."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m._packed.kernel is not None:
+            return m._packed.kernel.name
     return None
 
 
 def can_pack(model: torch.nn.Module) -> bool:
-    """Whether ``pack_linears`` would pack ``model``: float32 on a CPU whose MKL passes the check."""
+    """Whether ``pack_linears`` would pack ``model``: float32 on a CPU with a packed kernel."""
     p = next(model.parameters(), None)
-    return p is not None and p.dtype == torch.float32 and p.device.type == "cpu" and pack_check() is None
+    return p is not None and p.dtype == torch.float32 and p.device.type == "cpu" and kernel() is not None
 
 
 def pack_linears(model: torch.nn.Module) -> int:
     """Every plain float32 CPU ``nn.Linear`` of ``model`` made a PackedLinear, in place; how many."""
     if not can_pack(model):
-        if (why := pack_check()) is not None:
-            logger.info("Linears stay unpacked: %s", why)
         return 0
     n = 0
     for m in model.modules():

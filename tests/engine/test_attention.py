@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.integrations import sdpa_attention
 
-from specbatch.engine.attention import NAME, folded_sdpa
+from specbatch.engine.attention import NAME, _pad_rows, folded_sdpa, rows_move
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.loading import load_model
 
@@ -33,14 +33,26 @@ def _inputs(b: int, heads: int, kv_heads: int, t: int, length: int, seed: int = 
 @pytest.mark.parametrize("shape", [(3, 9, 3, 5, 40), (2, 4, 2, 3, 7), (1, 8, 1, 4, 33), (4, 6, 3, 1, 20),
                                    (32, 9, 3, 3, 100), (8, 9, 3, 9, 150)])
 def test_folding_gives_transformers_sdpa_numbers_bitwise(shape, boolean):
-    """One token, or three and more, a row (two: the next test)."""
+    """One token, or three and more, a row (two: the next test). Where this CPU's SDPA rounds a
+    block of 1-3 query rows its own way (``rows_move``), folding pads such blocks and transformers'
+    path does not: equal to rounding there."""
     q, k, v, seen = _inputs(*shape)
     mask = seen if boolean else torch.zeros(seen.shape).masked_fill_(~seen, torch.finfo(torch.float32).min)
     module = _Attn(shape[1] // shape[2])
     want, _ = sdpa_attention.sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
     got, _ = folded_sdpa(module, q, k, v, mask, scaling=0.25)
     assert got.shape == want.shape == (shape[0], shape[3], shape[1], 16)
-    assert torch.equal(got, want)
+    if rows_move():
+        assert torch.allclose(got, want, rtol=0, atol=1e-5)
+    else:
+        assert torch.equal(got, want)
+
+
+def test_padding_leaves_no_query_block_of_one_to_three_rows():
+    for rows in range(1, 1100):
+        padded = rows + _pad_rows(rows)
+        block = 32 if padded < 192 else 64 if padded < 768 else 256      # CPU flash attention's
+        assert padded % block not in (1, 2, 3) and padded - rows < 4, rows
 
 
 def test_at_two_query_tokens_folding_differs_from_transformers_in_the_last_bit_only():
@@ -73,7 +85,7 @@ def test_without_a_mask_or_groups_it_is_transformers_own_path(monkeypatch):
     folded_sdpa(_Attn(2), q, k, v, None, scaling=0.25)                    # a causal prefill
     q1, k1, v1, seen1 = _inputs(1, 4, 4, 3, 8)
     folded_sdpa(_Attn(1), q1, k1, v1, seen1, scaling=0.25)                # no grouped heads
-    assert len(calls) == 2
+    assert len(calls) == (1 if rows_move() else 2)         # (padded where rows move: not transformers')
 
 
 def test_a_loaded_models_verify_step_never_copies_the_cache_per_head(tiny_models, monkeypatch):
@@ -98,4 +110,4 @@ def test_a_loaded_models_verify_step_never_copies_the_cache_per_head(tiny_models
     lm.model.set_attn_implementation("sdpa")
     plain = verify_logits()
     assert copies, "transformers' own path copies the cache per head (the test's control)"
-    assert torch.equal(folded, plain)
+    assert torch.equal(folded, plain) if not rows_move() else torch.allclose(folded, plain, rtol=0, atol=1e-5)

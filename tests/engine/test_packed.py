@@ -1,10 +1,11 @@
-"""Float32 Linears over MKL's packed weights (engine/packed.py): what a model loaded on CPU runs,
-the same products as ``F.linear`` from 16 rows up, and a row's output independent of the rows
-beside it at every row count."""
+"""Float32 Linears over packed weights (engine/packed.py): what a model loaded on CPU runs, products
+close to ``F.linear``'s (MKL's bitwise from 16 rows up), and a row's output independent of the rows
+beside it at every row count. Each test runs under every kernel that passes its check here."""
 
 from __future__ import annotations
 
 import copy
+import platform
 
 import pytest
 import torch
@@ -12,10 +13,20 @@ import torch.nn.functional as F
 
 from specbatch.engine import packed
 from specbatch.engine.loading import load_model
-from specbatch.engine.packed import PackedLinear, pack_linears
+from specbatch.engine.packed import KERNELS, PackedLinear, kernel_check, pack_linears
 from tests.engine.test_int8_fused import qwen2
 
-pytestmark = pytest.mark.skipif(packed.pack_check() is not None, reason=f"{packed.pack_check()}")
+PASSING = [k for k in KERNELS if kernel_check(k) is None]
+CHOOSE = packed.kernel.__wrapped__        # the choice itself, uncached (fixtures replace packed.kernel)
+pytestmark = pytest.mark.skipif(not PASSING, reason="no packed kernel passes its check here")
+
+
+@pytest.fixture(autouse=True, params=[k.name for k in PASSING])
+def each_kernel(request, monkeypatch):
+    """This test under one kernel: the one ``packed.kernel()`` gives for the whole process."""
+    k = next(k for k in PASSING if k.name == request.param)
+    monkeypatch.setattr(packed, "kernel", lambda: k)
+    return k
 
 
 def linear(k: int = 96, n: int = 160, bias: bool = True) -> torch.nn.Linear:
@@ -33,7 +44,7 @@ def test_a_model_loaded_on_cpu_in_float32_has_packed_linears_and_a_plain_state_d
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_packed_products_are_f_linears_from_16_rows_and_close_below(bias):
+def test_packed_products_are_close_to_f_linears_and_mkls_are_f_linears_from_16_rows(bias, each_kernel):
     lin = linear(bias=bias)
     ref = copy.deepcopy(lin)
     PackedLinear.of(lin)
@@ -42,20 +53,23 @@ def test_packed_products_are_f_linears_from_16_rows_and_close_below(bias):
         for rows in (1, 2, 5, 15, 16, 17, 40, 64):
             got, want = lin(x[:rows]), F.linear(x[:rows], ref.weight, ref.bias)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), rows
-            if rows >= 16:
+            if rows >= 16 and each_kernel.name == "mkl":
                 assert torch.equal(got, want), rows
 
 
-def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
-    lin = PackedLinear.of(linear(576, 384))
-    x = torch.randn(48, 576, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("k", [576, 1536])     # 1536: the MLP's down projection, where oneDNN's 1-row kernel differs
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(k):
+    lin = PackedLinear.of(linear(k, 384))
+    x = torch.randn(48, k, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         whole = lin(x)
         for rows in (1, 2, 3, 7, 16, 31):
             assert torch.equal(lin(x[:rows]), whole[:rows]), rows
-        assert torch.equal(lin(x.reshape(6, 8, 576)), whole.reshape(6, 8, 384))    # (..., K) inputs
+        assert torch.equal(lin(x[9:10]), whole[9:10])                               # a row alone
+        assert torch.equal(lin(x.reshape(6, 8, k)), whole.reshape(6, 8, 384))       # (..., K) inputs
+        assert torch.equal(lin(x[None, 4:5]), whole[None, 4:5])                     # (1, 1, K)
         # F.linear's own kernels move with the row count below 16 rows: what packing takes away
-        ref = torch.nn.Linear(576, 384)
+        ref = torch.nn.Linear(k, 384)
         ref.load_state_dict(lin.state_dict())
         moved = [rows for rows in (1, 2, 3, 7) if not torch.equal(ref(x[:rows]), ref(x)[:rows])]
     assert moved, "F.linear was batch-invariant here too: the test shows nothing"
@@ -92,10 +106,40 @@ def test_a_deep_copy_shares_the_packed_weight_and_decodes_the_same():
     assert torch.allclose(got, want, atol=1e-4)
 
 
-def test_where_mkls_packed_product_fails_its_check_linears_stay_plain(monkeypatch, tiny_models):
-    monkeypatch.setattr(packed, "pack_check", lambda: "torch has no MKL here")
+def test_where_no_kernel_passes_its_check_linears_stay_plain(monkeypatch, tiny_models):
+    monkeypatch.setattr(packed, "kernel", lambda: None)
     lm = load_model(str(tiny_models / "llama-partial"))
     assert not any(isinstance(m, PackedLinear) for m in lm.model.modules())
+
+
+def test_the_kernel_is_the_first_that_passes_unless_pinned(monkeypatch, caplog):
+    """Fixed by checks, never by timing: two workers of one job must round alike."""
+    real = CHOOSE
+    monkeypatch.delenv("SPECBATCH_LINEARS", raising=False)
+    assert real() is PASSING[0]
+    for k in PASSING:
+        monkeypatch.setenv("SPECBATCH_LINEARS", k.name.upper())
+        assert real() is k
+    monkeypatch.setenv("SPECBATCH_LINEARS", "off")
+    assert real() is None
+    monkeypatch.setenv("SPECBATCH_LINEARS", "blas")
+    with caplog.at_level("WARNING"):
+        assert real() is None
+    assert "SPECBATCH_LINEARS=blas is none of onednn, mkl, off" in caplog.text
+
+
+def test_a_kernel_that_rounds_a_row_by_its_neighbours_fails_its_check():
+    """The check's negative control: a product whose rows depend on the row count."""
+    def moving(x, p, w, b):
+        y = F.linear(x, w, b)
+        return y + (1e-6 * x.shape[0] if x.shape[0] < 40 else 0)
+
+    bad = packed.Kernel("mkl", lambda w: w.clone(), moving)
+    assert "rounds a row differently" in (kernel_check(bad) or "")
+    def row_by_row(x, p, w, b):
+        return torch.stack([F.linear(r[None], w, b)[0] for r in x])
+
+    assert kernel_check(packed.Kernel("mkl", lambda w: w.clone(), row_by_row)) is None
 
 
 def test_under_torch_compile_a_packed_linear_traces_as_f_linear():
@@ -152,3 +196,10 @@ def test_a_pickled_packed_linear_packs_again_where_it_is_loaded():
     with torch.inference_mode():
         assert torch.equal(again(x), lin(x))
     assert again._packed is not lin._packed and again._packed.packs(again.weight)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not torch.backends.mkldnn.is_available(),
+                    reason="oneDNN's kernels are checked on x86-64")
+def test_onednn_passes_its_check_on_x86():
+    """Else every test here would skip and Linears would silently stay unpacked."""
+    assert kernel_check(KERNELS[0]) is None
