@@ -9,7 +9,7 @@ import socket
 
 import click
 
-from specbatch.config import get_settings
+from specbatch.config import Settings, get_settings
 from specbatch.plural import plural
 
 
@@ -75,6 +75,7 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
                                "(comma-separated) or bind 127.0.0.1")
     sock = bind(host, port)         # a busy port fails here, as one line, before anything is opened
     open_db(settings, create=True)      # a bad database URL fails here, as one line
+    _warn_default_weights(settings)
     app = create_app(settings) if workers == 1 else None
     click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
                f"{'no authentication' if not keys else 'bearer keys required'}"
@@ -103,6 +104,17 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
     takes_target = "target" in inspect.signature(Multiprocess).parameters
     extra = {"target": uvicorn.Server(config).run} if takes_target else {}
     Multiprocess(config, sockets=[sock], **extra).run()
+
+def _warn_default_weights(settings: Settings) -> None:
+    """A warning per model of the default pair (batches whose metadata names none) whose weights are
+    not installed here, as `submit` warns: the workers may hold them. A batch naming such a model in
+    its metadata is refused (api.metadata.check_weights): the client chose it, and sees no warning."""
+    from specbatch.cli.common import warn
+    from specbatch.engine.known_models import missing_weights
+
+    for hint in filter(None, map(missing_weights, dict.fromkeys([settings.default_target, settings.default_draft]))):
+        warn(f"{hint} (the default pair, for batches whose metadata names no model: the workers must hold it)")
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (as uvicorn binds one), or a one-line ClickException:

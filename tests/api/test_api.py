@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.cli.main import cli
+from specbatch.engine.known_models import missing_weights
 from tests.api.conftest import KEYS, Api, chat_line, start_api
 from tests.worker.conftest import FAST
 from tests.worker.services import wait_for
@@ -196,6 +197,8 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
              ({"metadata": {"specbatch_max_tokens": "0"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_max_tokens": "abc"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_colour": "red"}}, "metadata.specbatch_colour")]
+    if missing_weights("qwen2.5-coder-1.5b"):    # a known model whose weights are not installed here
+        cases.append(({"metadata": {"specbatch_target": "qwen2.5-coder-1.5b"}}, "metadata.specbatch_target"))
     for change, param in cases:
         args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
         with pytest.raises(openai.BadRequestError) as e:

