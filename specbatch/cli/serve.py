@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import ipaddress
 import os
@@ -11,6 +12,10 @@ import click
 
 from specbatch.config import Settings, get_settings
 from specbatch.plural import plural
+
+# what the api extra installs that the server imports (pyproject.toml; uvloop and httptools are
+# optional speed-ups uvicorn takes when present)
+API_MODULES = ("fastapi", "uvicorn", "python_multipart", "swagger_ui")
 
 
 def is_loopback(host: str) -> bool:
@@ -51,6 +56,11 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
       specbatch serve --workers 2                       # both cores of a 2-core machine
       specbatch serve --workers 2 --health-port 8001    # probes: /healthz on 8000 and 8001
     """
+    # the extra's modules, found without importing them: some are imported only as the app is
+    # built, after the database is opened, where a missing one surfaced as an "unexpected error"
+    if missing := [m for m in API_MODULES if importlib.util.find_spec(m) is None]:
+        raise click.ClickException(f"the HTTP API needs the api extra (missing: {', '.join(missing)}): "
+                                   "pip install 'specbatch[api]'")
     try:
         import uvicorn
 

@@ -26,10 +26,14 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
 
 
-def test_serve_without_the_api_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "uvicorn", None)       # `import uvicorn` raises ImportError
-    result = CliRunner().invoke(cli, ["serve"])
+@pytest.mark.parametrize("module", ["uvicorn", "fastapi", "python_multipart", "swagger_ui"])
+def test_serve_without_the_api_extra_names_it(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """python_multipart was imported only as the app was built: "unexpected error", after the
+    database had been created."""
+    monkeypatch.setitem(sys.modules, module, None)       # `import MODULE` raises ImportError
+    result = CliRunner().invoke(cli, ["serve", "--port", "0"])
     assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
     assert "pip install 'specbatch[api]'" in result.stderr and "unexpected error" not in result.stderr
 
 
