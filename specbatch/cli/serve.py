@@ -40,7 +40,8 @@ def is_loopback(host: str) -> bool:
                    "process: not queued behind the API's requests under load. /healthz stays on the API port.")
 @click.option("--allow-remote-models", is_flag=True,
               help="Take specbatch_target/specbatch_draft names this machine cannot check (paths only "
-                   "the workers hold); same as SPECBATCH_ALLOW_REMOTE_MODELS=1.")
+                   "the workers hold, known models whose weights only they have installed); same as "
+                   "SPECBATCH_ALLOW_REMOTE_MODELS=1.")
 def serve(host: str, port: int, log_level: str, workers: int, health_port: int | None,
           allow_remote_models: bool) -> None:
     """Serve OpenAI's Files and Batches API (plus /healthz and /metrics) over the job queue.
