@@ -19,7 +19,8 @@ from specbatch.api.deps import AppState
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import check_metadata, job_options
-from specbatch.api.responses import Object, answer
+from specbatch.api.models import Batch, BatchList, BatchStats
+from specbatch.api.responses import answer
 from specbatch.errors import BrokerUnavailable, IntakeError
 from specbatch.jobs import batches, files, intake
 from specbatch.jobs.context import ContextCheck
@@ -73,7 +74,7 @@ def _object(sb: AppState, batch_id: str, owner: str | None) -> dict[str, Any]:
     raise AssertionError(f"batch {batch_id} is still overdue after expiring it")
 
 
-@router.post("/batches", response_model=Object)
+@router.post("/batches", response_model=Batch)
 def create_batch(caller: Keyed, body: CreateBatch) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     if body.endpoint not in batches.ENDPOINTS:
@@ -126,7 +127,7 @@ def create_batch(caller: Keyed, body: CreateBatch) -> JSONResponse:
     return answer(_object(sb, batch_id, owner))
 
 
-@router.get("/batches", response_model=Object)
+@router.get("/batches", response_model=BatchList)
 def list_batches(caller: Keyed, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     def read(c: Connection) -> tuple[list[dict[str, Any]], list[str], bool]:
@@ -141,13 +142,13 @@ def list_batches(caller: Keyed, limit: int = Query(20, ge=1, le=100), after: str
     raise AssertionError("batches are still overdue after expiring them")
 
 
-@router.get("/batches/{batch_id}", response_model=Object)
+@router.get("/batches/{batch_id}", response_model=Batch)
 def retrieve_batch(caller: Keyed, batch_id: str) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     return answer(_object(sb, batch_id, owner))
 
 
-@router.post("/batches/{batch_id}/cancel", response_model=Object)
+@router.post("/batches/{batch_id}/cancel", response_model=Batch)
 def cancel_batch(caller: Keyed, batch_id: str) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     with sb.factory.begin() as s:
@@ -155,7 +156,7 @@ def cancel_batch(caller: Keyed, batch_id: str) -> JSONResponse:
     return answer(_object(sb, batch_id, owner))
 
 
-@router.get("/batches/{batch_id}/stats", response_model=Object)
+@router.get("/batches/{batch_id}/stats", response_model=BatchStats)
 def batch_stats(caller: Keyed, batch_id: str) -> JSONResponse:
     """The job's acceptance and throughput statistics (``specbatch status --json``'s ``stats``)."""
     from specbatch.jobs import store

@@ -12,7 +12,8 @@ from specbatch.api import upload
 from specbatch.api.auth import Keyed
 from specbatch.api.deps import AppState
 from specbatch.api.errors import ApiError
-from specbatch.api.responses import Object, answer
+from specbatch.api.models import FileDeleted, FileList, FileObject
+from specbatch.api.responses import answer
 from specbatch.api.schema import UPLOAD_BODY
 from specbatch.jobs import batches, files
 
@@ -38,7 +39,7 @@ def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dic
         raise
 
 
-@router.post("/files", response_model=Object, openapi_extra=UPLOAD_BODY)   # parsed by api.upload
+@router.post("/files", response_model=FileObject, openapi_extra=UPLOAD_BODY)   # parsed by api.upload
 async def create_file(request: Request, caller: Keyed) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     with files.incoming(sb.settings) as tmp:
@@ -54,7 +55,7 @@ async def create_file(request: Request, caller: Keyed) -> JSONResponse:
         return answer(await run_in_threadpool(_save, sb, tmp, form, owner))
 
 
-@router.get("/files", response_model=Object)
+@router.get("/files", response_model=FileList)
 def list_files(caller: Keyed, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
@@ -63,7 +64,7 @@ def list_files(caller: Keyed, limit: int = Query(10000, ge=1, le=10000), after: 
     return answer(page([files.file_object(f) for f in rows], more))
 
 
-@router.get("/files/{file_id}", response_model=Object)
+@router.get("/files/{file_id}", response_model=FileObject)
 def retrieve_file(caller: Keyed, file_id: str) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     return answer(files.file_object(sb.read(lambda c: files.read_file(c, file_id, owner))))
@@ -80,7 +81,7 @@ def file_content(caller: Keyed, file_id: str) -> FileResponse:
     return FileResponse(path, media_type="application/octet-stream", filename=filename)
 
 
-@router.delete("/files/{file_id}", response_model=Object)
+@router.delete("/files/{file_id}", response_model=FileDeleted)
 def delete_file(caller: Keyed, file_id: str) -> JSONResponse:
     sb, owner = caller.sb, caller.owner
     with sb.factory.begin() as s:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specbatch.config import Settings
-from specbatch.engine.known_models import name_problem
+from specbatch.engine.drafter_specs import model_names
+from specbatch.engine.known_models import missing_weights, name_problem
 from specbatch.errors import InputError, IntakeError, ModelLoadError
 from specbatch.jobs import intake
 from specbatch.worker.submission import Pair
@@ -116,4 +117,22 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
         model_map = intake.parse_model_map(specs, allow_remote=settings.allow_remote_models)
     except IntakeError as e:
         raise InputError(e.errors[0].reason, field="metadata.specbatch_model_map") from e
+    if not settings.allow_remote_models:
+        check_weights(target, model_names(pair.drafters) if drafts else [], model_map)
     return JobOptions(pair, defaults, model_map)
+
+
+def check_weights(target: str | None, drafts: list[str], model_map: dict[str, Any] | None) -> None:
+    """InputError naming the key, for the first known model the metadata names (``target``, the
+    draft models of ``specbatch_draft``, the routes of the model map) whose weights package is not
+    installed here. ``submit`` only warns (its user reads the warning; the workers may run where the
+    weights are); an API client sees no warning, and its batch would stay in_progress until it
+    expires: the API holds a known name to its rule for every name (a model on this machine) and
+    refuses it. ``serve --allow-remote-models`` takes it. The default pair is the operator's, not
+    the client's: ``serve`` warns about it once at start-up."""
+    routes = [m for t, ds in (model_map or {}).values() for m in (t, *ds)]
+    for key, names in (("specbatch_target", [target] if target else []), ("specbatch_draft", drafts),
+                       ("specbatch_model_map", routes)):
+        for hint in filter(None, map(missing_weights, names)):
+            raise InputError(f"{hint} (on the server's machine; serve --allow-remote-models takes a model "
+                             "only the workers hold)", field=f"metadata.{key}")

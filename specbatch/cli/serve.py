@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import ipaddress
 import os
@@ -9,8 +10,12 @@ import socket
 
 import click
 
-from specbatch.config import get_settings
+from specbatch.config import Settings, get_settings
 from specbatch.plural import plural
+
+# what the api extra installs that the server imports (pyproject.toml; uvloop and httptools are
+# optional speed-ups uvicorn takes when present)
+API_MODULES = ("fastapi", "uvicorn", "python_multipart", "swagger_ui")
 
 
 def is_loopback(host: str) -> bool:
@@ -35,7 +40,8 @@ def is_loopback(host: str) -> bool:
                    "process: not queued behind the API's requests under load. /healthz stays on the API port.")
 @click.option("--allow-remote-models", is_flag=True,
               help="Take specbatch_target/specbatch_draft names this machine cannot check (paths only "
-                   "the workers hold); same as SPECBATCH_ALLOW_REMOTE_MODELS=1.")
+                   "the workers hold, known models whose weights only they have installed); same as "
+                   "SPECBATCH_ALLOW_REMOTE_MODELS=1.")
 def serve(host: str, port: int, log_level: str, workers: int, health_port: int | None,
           allow_remote_models: bool) -> None:
     """Serve OpenAI's Files and Batches API (plus /healthz and /metrics) over the job queue.
@@ -51,6 +57,11 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
       specbatch serve --workers 2                       # both cores of a 2-core machine
       specbatch serve --workers 2 --health-port 8001    # probes: /healthz on 8000 and 8001
     """
+    # the extra's modules, found without importing them: some are imported only as the app is
+    # built, after the database is opened, where a missing one surfaced as an "unexpected error"
+    if missing := [m for m in API_MODULES if importlib.util.find_spec(m) is None]:
+        raise click.ClickException(f"the HTTP API needs the api extra (missing: {', '.join(missing)}): "
+                                   "pip install 'specbatch[api]'")
     try:
         import uvicorn
 
@@ -75,6 +86,7 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
                                "(comma-separated) or bind 127.0.0.1")
     sock = bind(host, port)         # a busy port fails here, as one line, before anything is opened
     open_db(settings, create=True)      # a bad database URL fails here, as one line
+    _warn_default_weights(settings)
     app = create_app(settings) if workers == 1 else None
     click.echo(f"specbatch API on http://{host}:{port}/v1 ({plural(len(keys), 'key')}; "
                f"{'no authentication' if not keys else 'bearer keys required'}"
@@ -103,6 +115,17 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
     takes_target = "target" in inspect.signature(Multiprocess).parameters
     extra = {"target": uvicorn.Server(config).run} if takes_target else {}
     Multiprocess(config, sockets=[sock], **extra).run()
+
+def _warn_default_weights(settings: Settings) -> None:
+    """A warning per model of the default pair (batches whose metadata names none) whose weights are
+    not installed here, as `submit` warns: the workers may hold them. A batch naming such a model in
+    its metadata is refused (api.metadata.check_weights): the client chose it, and sees no warning."""
+    from specbatch.cli.common import warn
+    from specbatch.engine.known_models import missing_weights
+
+    for hint in filter(None, map(missing_weights, dict.fromkeys([settings.default_target, settings.default_draft]))):
+        warn(f"{hint} (the default pair, for batches whose metadata names no model: the workers must hold it)")
+
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (as uvicorn binds one), or a one-line ClickException:

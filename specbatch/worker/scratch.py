@@ -19,6 +19,7 @@ from specbatch.worker.pids import alive
 
 WORKER_FILE, STATE_FILE = "worker.json", "state"
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")    # urlsplit's hostname: lower case, no brackets
+DEFAULT_PORTS = {"redis": 6379, "rediss": 6379, "postgresql": 5432}    # a URL without a port means these
 
 
 def workers_root(settings: Settings) -> Path:
@@ -39,8 +40,9 @@ def source(settings: Settings) -> str:
     """Which broker and database a worker consumes from, as a digest of their URLs with secrets
     masked first (``worker.json`` is a file in /tmp: nothing derived from a password goes there).
     A relative SQLite path is made absolute: the same URL in another directory is another file;
-    and the loopback host names are one (``localhost``, ``127.0.0.1``, ``::1``): a worker on
-    ``redis://localhost:6379/0`` serves a ``submit`` on ``redis://127.0.0.1:6379/0``."""
+    and the loopback host names are one (``localhost``, ``127.0.0.1``, ``::1``), as are a URL
+    without a port and one with the default port: a worker on ``redis://localhost:6379/0`` serves
+    a ``submit`` on ``redis://127.0.0.1`` (``_as_one``)."""
     from specbatch.db import sqlite_path
     from specbatch.redact import mask_url
 
@@ -48,21 +50,28 @@ def source(settings: Settings) -> str:
     path = sqlite_path(database)
     if path is not None:
         database = f"sqlite:///{path.resolve()}"
-    text = f"{_loopback_as_one(mask_url(settings.broker_url))}\n{_loopback_as_one(mask_url(database))}"
+    text = f"{_as_one(mask_url(settings.broker_url))}\n{_as_one(mask_url(database))}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _loopback_as_one(url: str) -> str:
-    """``url`` with a loopback host written ``localhost``; any other URL unchanged."""
+def _as_one(url: str) -> str:
+    """``url`` written one way for each server it names: a loopback host as ``localhost``, the
+    scheme's default port written out (``redis://h`` is ``redis://h:6379``), and Redis's default
+    database (none given is 0, as kombu reads it); any other URL unchanged."""
     parts = urlsplit(url)
     try:
         host, port = parts.hostname, parts.port
     except ValueError:      # a port that is no number, several hosts: not ours to rewrite
         return url
-    if host not in LOOPBACK_HOSTS:
+    if host is None:        # sqlite:///path
         return url
+    scheme = parts.scheme.partition("+")[0]     # postgresql+psycopg: the server is postgresql's
+    port = port if port is not None else DEFAULT_PORTS.get(scheme)
+    host = "localhost" if host in LOOPBACK_HOSTS else f"[{host}]" if ":" in host else host
+    path = "/0" if scheme in ("redis", "rediss") and parts.path in ("", "/") else parts.path
     userinfo, at, _ = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}localhost{'' if port is None else f':{port}'}"))
+    return urlunsplit(parts._replace(netloc=f"{userinfo}{at}{host}{'' if port is None else f':{port}'}",
+                                     path=path))
 
 
 @dataclass(frozen=True)

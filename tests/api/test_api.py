@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from specbatch.cli.main import cli
+from specbatch.engine.known_models import missing_weights
 from tests.api.conftest import KEYS, Api, chat_line, start_api
 from tests.worker.conftest import FAST
 from tests.worker.services import wait_for
@@ -196,6 +197,8 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
              ({"metadata": {"specbatch_max_tokens": "0"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_max_tokens": "abc"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_colour": "red"}}, "metadata.specbatch_colour")]
+    if missing_weights("qwen2.5-coder-1.5b"):    # a known model whose weights are not installed here
+        cases.append(({"metadata": {"specbatch_target": "qwen2.5-coder-1.5b"}}, "metadata.specbatch_target"))
     for change, param in cases:
         args = {"input_file_id": f.id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **change}
         with pytest.raises(openai.BadRequestError) as e:
@@ -371,3 +374,45 @@ def test_model_map_metadata_routes_lines_by_body_model(api: Api) -> None:
     bad = c.batches.create(input_file_id=api.upload(rows).id, endpoint="/v1/chat/completions",
                            completion_window="24h", metadata={"specbatch_model_map": mapping})
     assert bad.status == "failed" and [(e.line, e.param) for e in bad.errors.data] == [(1, "body.model")]
+
+
+def test_every_answer_is_its_schema_model_and_the_openai_client_parses_it(api: Api) -> None:
+    """/openapi.json names a model per route (api.models); the answers are built as dicts apart
+    from them, so each is checked here: it validates, and the model dumps it back unchanged (no key
+    the model lacks, none it adds). The official client parses the same answer."""
+    from pydantic import BaseModel
+
+    from specbatch.api import models
+
+    c = api.client()
+
+    def check(raw: Any, model: type[BaseModel]) -> Any:
+        body = raw.http_response.json()
+        assert model.model_validate(body).model_dump(mode="json", exclude_unset=True) == body, model
+        return raw.parse()
+
+    def stats(batch_id: str) -> None:
+        status, body = api.get(f"/v1/batches/{batch_id}/stats")
+        assert status == 200, body
+        assert models.BatchStats.model_validate(body).model_dump(mode="json", exclude_unset=True) == body
+
+    text = "".join(json.dumps(chat_line(i)) + "\n" for i in range(3)).encode()
+    f = check(c.files.with_raw_response.create(file=("in.jsonl", text), purpose="batch"), models.FileObject)
+    check(c.files.with_raw_response.retrieve(f.id), models.FileObject)
+    b = check(c.batches.with_raw_response.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                 completion_window="24h", metadata={"team": "a"}), models.Batch)
+    stats(b.id)
+    assert check(c.batches.with_raw_response.cancel(b.id), models.Batch).status in ("cancelling", "cancelled")
+    wait_for(lambda: c.batches.retrieve(b.id).status == "cancelled", 30, "the batch to be cancelled")
+    done = check(c.batches.with_raw_response.retrieve(b.id), models.Batch)
+    assert done.usage is not None and done.error_file_id and done.metadata == {"team": "a"}
+    check(c.files.with_raw_response.retrieve(done.error_file_id), models.FileObject)
+
+    bad = api.upload("not json\n", name="bad.jsonl")          # a failed batch: errors.data, no job
+    failed = check(c.batches.with_raw_response.create(input_file_id=bad.id, endpoint="/v1/chat/completions",
+                                                      completion_window="24h"), models.Batch)
+    assert failed.status == "failed" and failed.errors.data[0].line == 1
+    stats(failed.id)
+    assert check(c.batches.with_raw_response.list(limit=2), models.BatchList).data
+    assert check(c.files.with_raw_response.list(), models.FileList).data
+    assert check(c.files.with_raw_response.delete(bad.id), models.FileDeleted).deleted

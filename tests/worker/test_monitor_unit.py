@@ -90,3 +90,22 @@ def test_the_loopback_host_names_are_one_broker_and_database() -> None:
     for other in ("redis://localhost:6380/0", "redis://localhost:6379/1", "redis://10.0.0.2:6379/0"):
         assert where(other) not in same, other
     assert where("redis://localhost:6379/0", "postgresql://u@localhost:5432/other") not in same
+
+
+def test_a_url_without_a_port_is_the_one_with_the_default_port() -> None:
+    """`redis://host` and `redis://host:6379/0` are one Redis (kombu's default port and database),
+    as `postgresql://u@host/sb` and `postgresql://u@host:5432/sb` are one PostgreSQL: a worker
+    started with one and a `submit` with the other were told apart ("no live worker")."""
+    def where(broker: str, database: str = "postgresql+psycopg://u@db.example/sb") -> str:
+        return scratch.source(Settings.from_env({"SPECBATCH_BROKER_URL": broker, "SPECBATCH_DATABASE_URL": database}))
+
+    same = {where(b) for b in ("redis://redis.example", "redis://redis.example:6379", "redis://redis.example/",
+                               "redis://redis.example:6379/0", "redis://Redis.Example:6379/0")}
+    assert len(same) == 1, same
+    assert where("redis://redis.example", "postgresql+psycopg://u@db.example:5432/sb") in same
+    assert {where("redis://[::1]"), where("redis://localhost:6379/0"), where("redis://127.0.0.1/0")} == {
+        where("redis://localhost")}
+    for other in ("redis://redis.example:6380", "redis://redis.example/1", "redis://other.example"):
+        assert where(other) not in same, other
+    assert where("rediss://redis.example") == where("rediss://redis.example:6379/0") != where("redis://redis.example")
+    assert where("redis://redis.example", "postgresql+psycopg://u@db.example:5433/sb") not in same
