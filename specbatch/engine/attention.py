@@ -51,7 +51,12 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     token sees; anything else (no mask: a causal prefill that SDPA's ``is_causal`` serves; a
     per-head mask, a position bias, dropout) is transformers' own SDPA path."""
     groups = int(getattr(module, "num_key_value_groups", 1))
-    if ((groups == 1 and not (query.device.type == "cpu" and rows_move())) or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+    pad_rows = query.device.type == "cpu" and rows_move()
+    if attention_mask is None and query.shape[2] == 1 and pad_rows:
+        # a one-token step sees every column: spelled as a mask, so that it is padded like the
+        # verify block the same token would otherwise be scored in
+        attention_mask = torch.ones(query.shape[0], 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
+    if ((groups == 1 and not pad_rows) or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
             or dropout or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
@@ -60,7 +65,7 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     rows = attention_mask.shape[0]
     q = query.reshape(b, kv_heads, groups * t, query.shape[-1])             # head h -> group h // groups
     mask = attention_mask[:, :, None].expand(rows, 1, groups, t, length).reshape(rows, 1, groups * t, length)
-    pad = _pad_rows(groups * t) if query.device.type == "cpu" and rows_move() else 0
+    pad = _pad_rows(groups * t) if pad_rows else 0
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
         mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)

@@ -111,3 +111,16 @@ def test_a_loaded_models_verify_step_never_copies_the_cache_per_head(tiny_models
     plain = verify_logits()
     assert copies, "transformers' own path copies the cache per head (the test's control)"
     assert torch.equal(folded, plain) if not rows_move() else torch.allclose(folded, plain, rtol=0, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_a_one_token_step_without_a_mask_gets_what_the_token_gets_in_a_block(groups):
+    """A decode step (one token, no mask: it sees every column) against the same query as the last
+    row of a several-token block over the same columns: the speculative verify's arithmetic."""
+    q, k, v, _ = _inputs(2, 3 * groups, 3, 5, 40, seed=7)
+    module = _Attn(groups)
+    seen = torch.ones(2, 1, 5, 40, dtype=torch.bool)
+    block, _ = folded_sdpa(module, q, k, v, seen, scaling=0.25)
+    step, _ = folded_sdpa(module, q[:, :, 4:5], k, v, None, scaling=0.25)
+    assert torch.equal(step, block[:, 4:5])
