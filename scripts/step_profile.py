@@ -113,7 +113,7 @@ def _profile(run: Any, target: Any, breakdown: Any, top: int) -> None:
     forwards = sum(e.count for e in prof.key_averages() if e.key == "aten::embedding")
     per_bucket: dict[str, list[tuple[float, int, str, str]]] = {}
     for e in prof.key_averages(group_by_input_shape=True):
-        if e.key.startswith(("aten::", "quantized::", "mkl::")):
+        if e.key.startswith(("aten::", "quantized::", "mkl::", "mkldnn::")):
             b = breakdown._bucket(e.key, list(e.input_shapes or []), target.vocab_size)
             per_bucket.setdefault(b, []).append((e.self_cpu_time_total / 1e6, e.count, e.key,
                                                  str(e.input_shapes)[:110]))

@@ -99,7 +99,7 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int) -> 
         hook.remove()
     seconds = dict.fromkeys(BUCKETS, 0.0)
     for e in prof.events():
-        if e.name.startswith(("aten::", "quantized::", "mkl::")):
+        if e.name.startswith(("aten::", "quantized::", "mkl::", "mkldnn::")):
             callers = _callers(e) if e.name in CACHE_OPS else []
             seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))

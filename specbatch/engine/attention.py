@@ -30,7 +30,6 @@ transformers' own, unpadded.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -82,17 +81,23 @@ def _pad_rows(rows: int) -> int:
     return 4 - tail if tail in (1, 2, 3) else 0
 
 
-@functools.cache
+_rows_move: bool | None = None     # rows_move's answer, once known (a plain global: dynamo reads it as a constant)
+
+
 def rows_move() -> bool:
     """Whether this CPU's SDPA gives a query row other numbers in a block of 1-3 rows than in a
-    wider one (fixed by a check, not by timing, so that every process on the machine agrees)."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (40, 200, 200))
-    mask = torch.zeros(1, 1, 40, 200)
-    with torch.inference_mode():
-        whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return any(not torch.equal(torch.nn.functional.scaled_dot_product_attention(
-            q[:, :, :n], k, v, attn_mask=mask[:, :, :n]), whole[:, :, :n]) for n in (1, 2, 3, 33, 35))
+    wider one (fixed by a check, not by timing, so that every process on the machine agrees).
+    Answered when a model is routed here (``use_folded_attention``), before any graph is traced."""
+    global _rows_move
+    if _rows_move is None:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (40, 200, 200))
+        mask = torch.zeros(1, 1, 40, 200)
+        with torch.inference_mode():
+            whole = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            _rows_move = any(not torch.equal(torch.nn.functional.scaled_dot_product_attention(
+                q[:, :, :n], k, v, attn_mask=mask[:, :, :n]), whole[:, :, :n]) for n in (1, 2, 3, 33, 35))
+    return _rows_move
 
 
 def use_folded_attention(model: Any) -> None:
@@ -100,6 +105,7 @@ def use_folded_attention(model: Any) -> None:
     Models on another attention implementation (eager, flash) are left as they are."""
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
+    rows_move()
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, folded_sdpa)
         AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
