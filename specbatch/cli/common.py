@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import click
@@ -54,6 +56,15 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
         hint = "" if from_env else " (set SPECBATCH_DATABASE_URL to use another)"
         click.echo(f"specbatch: created a new database at {path}{hint}", err=True)
     return factory
+
+
+def require_extra(extra: str, modules: Sequence[str], needs: str) -> None:
+    """A one-line error (exit 1) naming ``extra`` when any of its ``modules`` is not installed.
+    Found without importing them, before any work: a module imported only at the end (bench's plots,
+    the server's form parser) surfaced as an "unexpected error" after minutes of measuring."""
+    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
+        raise click.ClickException(f"{needs} needs the {extra} extra (missing: {', '.join(missing)}): "
+                                   f"pip install 'specbatch[{extra}]' (in a checkout: pip install -e '.[{extra}]')")
 
 
 def warn(message: str) -> None:
