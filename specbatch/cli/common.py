@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import click
@@ -65,6 +66,22 @@ def require_extra(extra: str, modules: Sequence[str], needs: str) -> None:
     if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
         raise click.ClickException(f"{needs} needs the {extra} extra (missing: {', '.join(missing)}): "
                                    f"pip install 'specbatch[{extra}]' (in a checkout: pip install -e '.[{extra}]')")
+
+
+@contextlib.contextmanager
+def loading_models(console: Any, target: str, drafts: Sequence[str]) -> Iterator[None]:
+    """Say on stderr (``console``: a rich Console on it) which models load: a spinner in a terminal,
+    one line elsewhere (a spinner is not drawn into a pipe or a log, where loading read as a hang)."""
+    what = f"loading {target}"
+    if drafts:
+        what += f" and its draft{'s' if len(drafts) > 1 else ''} {', '.join(drafts)}"
+    what += " ..."
+    if console.is_terminal:
+        with console.status(what):
+            yield
+    else:
+        console.print(what, soft_wrap=True, highlight=False, markup=False)
+        yield
 
 
 def warn(message: str) -> None:

@@ -141,6 +141,15 @@ def test_generate_human_output(tiny_models):
     assert not r.stdout.lstrip().startswith("{")
 
 
+def test_generate_says_on_stderr_which_models_load(tiny_models):
+    """A first load takes a minute or more: `generate` printed nothing until the text came."""
+    target, draft = str(tiny_models / "llama"), str(tiny_models / "llama-partial")
+    r = run("generate", "--target", target, "--draft", draft, "--prompt", PROMPT, "--max-new-tokens", "4")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.splitlines()[0] == f"loading {target} and its draft {draft} ...", r.stderr
+    assert "loading" not in r.stdout
+
+
 BAD = {
     "empty prompt": (["--prompt", ""], ["prompt", "empty"]),
     "whitespace prompt": (["--prompt", "   "], ["prompt", "empty"]),
