@@ -696,6 +696,8 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         if key in counts:
             table.add_row(f"requests {key}", str(counts[key]))
     for key, value in stats.items():
+        if key == "speculation_disabled":   # requests the draft-length controller turned off: the
+            continue                         # speculation line says so, "0" above "off" read as a contradiction
         if isinstance(value, float):
             value = f"{value:.3f}"
         elif isinstance(value, dict | list):

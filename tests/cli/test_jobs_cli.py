@@ -688,9 +688,9 @@ def test_status_says_in_numbers_why_speculation_was_switched_off(db_url):
     """A job whose draft drafted on 5% of its steps showed 'speculated 5% of steps' and no reason."""
     job_id = _job_with_steps(db_url, draft_steps=2, drafted=8, accepted=1, off=True)
     out = " ".join(run("status", job_id).stdout.split())
-    assert ("speculation measured and switched off: drafted on 4 of 80 steps (5%); a drafted step emitted "
-            "1.50 tokens (acceptance 12%) at about 2.0x a plain step's cost; the draft-length controller "
-            "turned it off for 2 requests") in out, out
+    assert ("speculation mostly plain: drafted on 4 of 80 steps (5%); the draft-length controller measured "
+            "drafting slower than plain steps and turned it off for 2 requests; 4 drafted steps are too few to "
+            "judge by: 1.50 tokens emitted (acceptance 12%), at least 2.0x a plain step's time") in out, out
     data = json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]
     assert data == {"steps": 80, "drafted_steps": 4, "tokens_per_drafted_step": 1.5, "drafted_step_cost": 2.0,
                     "switched_off_requests": 2}
@@ -699,7 +699,7 @@ def test_status_says_in_numbers_why_speculation_was_switched_off(db_url):
 def test_status_says_why_a_draft_never_drafted(db_url):
     job_id = _job_with_steps(db_url, draft_steps=0, drafted=0, accepted=0, off=False)
     out = " ".join(run("status", job_id).stdout.split())
-    assert "speculation off: none of 80 steps drafted; plain batched steps were measured" in out, out
+    assert "speculation off: none of 80 steps drafted; the autopilot decoded plainly and never tried" in out, out
     assert json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]["drafted_steps"] == 0
 
 

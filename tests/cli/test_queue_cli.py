@@ -72,6 +72,8 @@ def test_run_prints_summary_table(tmp_path: Path, tiny_models: Path) -> None:
                                       "--draft", str(tiny_models / "llama-partial")])
     assert result.exit_code == 0, result.output
     assert "completed" in result.output and "specbatch export" in result.output
+    # "speculation_disabled 0" stood above "speculation: off: none of 4 steps drafted"
+    assert "speculation_disabled" not in result.stdout
 
 
 def test_submit_with_broker_down_writes_nothing(tmp_path: Path, tiny_models: Path) -> None:
