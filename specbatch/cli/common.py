@@ -111,9 +111,9 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
 
 def worker_state(state: str) -> str:
     """A worker's state for people: "eager: WHY" (the engine's word for not compiled) reads as
-    decoding, which is what the worker does."""
+    decoding, which is what the worker does; "auto: " (the plan's record of who declined) is dropped."""
     if state.startswith("eager: "):
-        return f"decoding, not compiled ({state.removeprefix('eager: ')})"
+        return f"decoding, not compiled: {state.removeprefix('eager: ').removeprefix('auto: ')}"
     return state
 
 
