@@ -510,3 +510,20 @@ def test_the_exit_statuses_run_documents_are_in_the_readmes_first_word_on_them()
     general = " ".join(README.read_text().split("Every command has `--help`")[1].split("\n\n")[0].split())
     for status in re.findall(r"\b(\d+) (?:some requests failed|interrupted)", help_text):
         assert f" {status} " in general, (status, general)
+
+
+def test_the_settings_error_the_readme_quotes_is_the_one_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Configuration section quoted pydantic's "Input should be greater than or equal to 1"
+    for SPECBATCH_BATCH_SIZE='0'; the command printed its own words."""
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_BATCH_SIZE", "0")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["jobs"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    printed = result.stderr.strip().removeprefix("Error: ")
+    assert printed.startswith("SPECBATCH_BATCH_SIZE='0': "), printed
+    assert f"`{printed}`" in " ".join(README.read_text().split()), printed

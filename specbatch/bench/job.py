@@ -418,8 +418,5 @@ def write_files(result: dict[str, Any], out_dir: Path, command: str | None) -> d
     js = out_dir / "job-result.json"
     js.write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
     files = {"markdown": str(md), "json": str(js)}
-    try:
-        files["plot"] = str(plot(result, out_dir / "job-throughput.png"))
-    except ImportError:   # matplotlib is the bench extra
-        pass
+    files["plot"] = str(plot(result, out_dir / "job-throughput.png"))
     return files

@@ -9,11 +9,14 @@ from pathlib import Path
 
 import click
 
-from specbatch.cli.common import warn
+from specbatch.cli.common import require_extra, warn
 from specbatch.cli.compile_text import compile_notice
 from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options
 from specbatch.config import get_settings
+
+# what the bench extra installs (pyproject.toml): the default and job modes' PNG plots
+BENCH_MODULES = ("matplotlib",)
 
 
 def _ints(value: str | None, option: str) -> tuple[int, ...] | None:
@@ -112,6 +115,8 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
             raise click.BadParameter("--structured takes one draft", param_hint="--draft")
         return _structured(settings, target, drafts, _ints(batch_sizes, "--batch-sizes"), num_prompts,
                            max_new_tokens, repeats, device, dtype, quick, out_dir, as_json)
+    # the plots are drawn last: a missing matplotlib failed only after minutes of measuring
+    require_extra("bench", BENCH_MODULES, "specbatch bench (its plots)")
     if shared_prefix is not None and (job_file is not None or no_prefix_cache):
         raise click.UsageError("--shared-prefix generates its own file and runs the prefix cache on and off: "
                                "drop --job / --no-prefix-cache")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
 import os
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import click
@@ -56,6 +59,31 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     return factory
 
 
+def require_extra(extra: str, modules: Sequence[str], needs: str) -> None:
+    """A one-line error (exit 1) naming ``extra`` when any of its ``modules`` is not installed.
+    Found without importing them, before any work: a module imported only at the end (bench's plots,
+    the server's form parser) surfaced as an "unexpected error" after minutes of measuring."""
+    if missing := [m for m in modules if importlib.util.find_spec(m) is None]:
+        raise click.ClickException(f"{needs} needs the {extra} extra (missing: {', '.join(missing)}): "
+                                   f"pip install 'specbatch[{extra}]' (in a checkout: pip install -e '.[{extra}]')")
+
+
+@contextlib.contextmanager
+def loading_models(console: Any, target: str, drafts: Sequence[str]) -> Iterator[None]:
+    """Say on stderr (``console``: a rich Console on it) which models load: a spinner in a terminal,
+    one line elsewhere (a spinner is not drawn into a pipe or a log, where loading read as a hang)."""
+    what = f"loading {target}"
+    if drafts:
+        what += f" and its draft{'s' if len(drafts) > 1 else ''} {', '.join(drafts)}"
+    what += " ..."
+    if console.is_terminal:
+        with console.status(what):
+            yield
+    else:
+        console.print(what, soft_wrap=True, highlight=False, markup=False)
+        yield
+
+
 def warn(message: str) -> None:
     """A warning for people, on stderr (never mixed into --json output); credentials masked."""
     click.secho(f"warning: {mask(message)}", err=True, fg="yellow")
@@ -83,9 +111,9 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
 
 def worker_state(state: str) -> str:
     """A worker's state for people: "eager: WHY" (the engine's word for not compiled) reads as
-    decoding, which is what the worker does."""
+    decoding, which is what the worker does; "auto: " (the plan's record of who declined) is dropped."""
     if state.startswith("eager: "):
-        return f"decoding, not compiled ({state.removeprefix('eager: ')})"
+        return f"decoding, not compiled: {state.removeprefix('eager: ').removeprefix('auto: ')}"
     return state
 
 

@@ -11,6 +11,7 @@ from specbatch.cli.common import (
     TOP_K,
     TOP_P,
     compile_option,
+    loading_models,
     nonempty_stops,
 )
 from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
@@ -53,6 +54,8 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
       specbatch generate --prompt "Write a haiku about queues" --max-new-tokens 32 --json
       specbatch generate --target DIR --draft DIR2 --ngram --message "Hi" --temperature 0.7 --seed 1
     """
+    from rich.console import Console
+
     from specbatch.cli.queue import resolve_pair
     from specbatch.engine import Engine, GenerationParams
     from specbatch.engine.threads import configure_threads
@@ -68,11 +71,12 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                               top_k=top_k, seed=seed, stop=tuple(stop), gamma=gamma,
                               adaptive=not fixed_gamma).validate()
-    engine = Engine.load(target, drafts,
-                         device=device or settings.device, dtype=dtype or settings.dtype,
-                         cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
-                         batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row
-                         notify=compiling_notice)
+    with loading_models(Console(stderr=True), target, drafts):   # the first load: a minute or more
+        engine = Engine.load(target, drafts,
+                             device=device or settings.device, dtype=dtype or settings.dtype,
+                             cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
+                             batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row
+                             notify=compiling_notice)
     report_compile(engine.compile_plan, say_eager=compile_ is not None)   # asked: auto says why
     msgs = [{"role": "user", "content": m} for m in messages] if messages else None
     out = engine.generate(prompt=prompt, messages=msgs, params=params)

@@ -212,7 +212,8 @@ def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
 
 @click.command()
 @click.argument("job_id", metavar="JOB")
-@click.option("--watch", is_flag=True, help="Refresh until the job ends (Ctrl-C stops watching, not the job).")
+@click.option("--watch", is_flag=True, help="Refresh until the job ends (Ctrl-C stops watching, not the job); piped: the final status "
+                   "once it ends.")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
               help="Seconds between refreshes with --watch.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " With --watch: once the job ends.")
@@ -225,7 +226,7 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     Example:
       specbatch status 3f9a2c
       specbatch status 3f9a2c --watch
-      specbatch status 3f9a2c --json | jq .stats.acceptance_rate
+      specbatch status 3f9a2c --json | jq .stats.acceptance_rate.token_weighted
     """
     import time
 
@@ -242,7 +243,9 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
         for queue in queues:
             _check_workers(settings, queue)
         _warn_stranded(settings, summary["id"], queues)
-    if watch and not finished and as_json:      # machine output: only the final summary
+    # machine output, or a pipe (where a live display is drawn only as it stops, without the final
+    # newline): wait, then print the final summary once
+    if watch and not finished and (as_json or not _console().is_terminal):
         while not finished:
             time.sleep(interval)
             summary, finished = _refreshed_summary(settings, summary["id"])

@@ -20,6 +20,7 @@ from specbatch.cli.common import (
     TOP_P,
     check_queue_workers,
     compile_option,
+    loading_models,
     nonempty_stops,
     open_db,
     warn,
@@ -633,7 +634,7 @@ def _load_shown(settings: Settings, options: Any, console: Any = None) -> Any:
     use_compile_cache(settings, options.compile)
 
     def load(target: str, drafts: list[str], expected_new_tokens: list[int]) -> Engine:
-        with shown.status(f"loading {target} + {', '.join(drafts) or 'no draft'}"):
+        with loading_models(shown, target, drafts):
             engine = load_pair(settings, options, target, drafts, expected_new_tokens, notify=compiling_notice)
         report_compile(engine.compile_plan)
         return engine
@@ -695,6 +696,8 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
         if key in counts:
             table.add_row(f"requests {key}", str(counts[key]))
     for key, value in stats.items():
+        if key == "speculation_disabled":   # requests the draft-length controller turned off: the
+            continue                         # speculation line says so, "0" above "off" read as a contradiction
         if isinstance(value, float):
             value = f"{value:.3f}"
         elif isinstance(value, dict | list):

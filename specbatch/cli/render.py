@@ -45,25 +45,40 @@ def batching_line(b: dict[str, Any]) -> str:
     return sizes + ("" if spec is None else f"; speculated {spec:.0%} of steps")
 
 
+# fewer drafted steps than the autopilot judges a trial on (autopilot.py, trial_steps): their
+# tokens per step are a sample, not a measurement
+FEW_DRAFTED_STEPS = 5
+
+
 def speculation_line(d: dict[str, Any]) -> str | None:
-    """Why a job with a draft drafted on few or no steps, in numbers (the job's ``stats.speculation``);
-    None where it has no draft, no decoded step, or drafted on most steps. Without it a job that
-    never drafted reads as a broken draft."""
+    """Why a job with a draft drafted on few or no steps (the job's ``stats.speculation``); None
+    where it has no draft, no decoded step, or drafted on most steps. Without it a job that never
+    drafted reads as a broken draft. The decision was made on measured tokens per second; the
+    numbers shown are per drafted step and understate its cost (the draft's seconds only: not the
+    wider verify, nor the draft catching up on rows decoded plainly), so they are labelled as such
+    and never offered as the reason."""
     sp = (d.get("stats") or {}).get("speculation") or {}
     steps, drafted = sp.get("steps") or 0, sp.get("drafted_steps") or 0
     if not d.get("drafts") or not steps or drafted >= steps / 2:
         return None
     either = "the text is the target's either way"
+    if "ngram" in d["drafts"]:      # it proposes nothing where the text repeats nothing of its context
+        either = f"the n-gram drafter drafts only where the text repeats its context; {either}"
     if not drafted:
-        return (f"off: none of {steps} steps drafted; plain batched steps were measured and a drafting "
-                "trial never fitted the autopilot's budget (it waits until the draft's catch-up, about a "
-                f"prefill of the batch, fits 10% of the time spent: README 'Throughput'); {either}")
-    tokens, cost = sp.get("tokens_per_drafted_step"), sp.get("drafted_step_cost")
-    why = f"a drafted step emitted {num(tokens, '{:.2f}')} tokens"
-    if (acc := ((d.get("stats") or {}).get("acceptance_rate") or {}).get("token_weighted")) is not None:
-        why += f" (acceptance {acc:.0%})"
-    if cost is not None:
-        why += f" at about {cost:.1f}x a plain step's cost"
+        return (f"off: none of {steps} steps drafted; the autopilot decoded plainly and never tried drafting "
+                "(a drafting trial first catches the draft up on every row, about a prefill of the batch, "
+                f"and waits until that fits 10% of the time spent: README 'Throughput'); {either}")
     off = sp.get("switched_off_requests") or 0
-    who = f"; the draft-length controller turned it off for {plural(off, 'request')}" if off else ""
-    return f"measured and switched off: drafted on {drafted} of {steps} steps ({drafted / steps:.0%}); {why}{who}; {either}"
+    why = (f"the draft-length controller measured drafting slower than plain steps and turned it off for "
+           f"{plural(off, 'request')}" if off else
+           "the autopilot measured more tokens/s from plain steps than from drafting (its trials also "
+           "pay the draft catching up on every row)")
+    tokens, cost = sp.get("tokens_per_drafted_step"), sp.get("drafted_step_cost")
+    seen = f"{plural(drafted, 'drafted step')} {'is' if drafted == 1 else 'are'} too few to judge by" \
+        if drafted < FEW_DRAFTED_STEPS else "per drafted step"
+    seen += f": {num(tokens, '{:.2f}')} tokens emitted"
+    if (acc := ((d.get("stats") or {}).get("acceptance_rate") or {}).get("token_weighted")) is not None:
+        seen += f" (acceptance {acc:.0%})"
+    if cost is not None:
+        seen += f", at least {cost:.1f}x a plain step's time (the draft's time only, not the wider verify)"
+    return f"mostly plain: drafted on {drafted} of {steps} steps ({drafted / steps:.0%}); {why}; {seen}; {either}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import ipaddress
 import os
@@ -10,6 +9,7 @@ import socket
 
 import click
 
+from specbatch.cli.common import require_extra
 from specbatch.config import Settings, get_settings
 from specbatch.plural import plural
 
@@ -57,11 +57,8 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
       specbatch serve --workers 2                       # both cores of a 2-core machine
       specbatch serve --workers 2 --health-port 8001    # probes: /healthz on 8000 and 8001
     """
-    # the extra's modules, found without importing them: some are imported only as the app is
-    # built, after the database is opened, where a missing one surfaced as an "unexpected error"
-    if missing := [m for m in API_MODULES if importlib.util.find_spec(m) is None]:
-        raise click.ClickException(f"the HTTP API needs the api extra (missing: {', '.join(missing)}): "
-                                   "pip install 'specbatch[api]'")
+    # some of the extra's modules are imported only as the app is built, after the database is opened
+    require_extra("api", API_MODULES, "the HTTP API")
     try:
         import uvicorn
 

@@ -318,6 +318,27 @@ def _unknown(obj: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[t
             for k in obj if k not in known]
 
 
+# OpenAI's fields that specbatch accepts only where they cannot change the text (best_of 1, no
+# tools, ...): a native line giving one is checked as a body is, for the same reason when refused
+OPENAI_NOOP_CHECKS = {**openai_fields.CHAT_NOOP, **openai_fields.COMPLETION_NOOP}
+
+
+def _check_native_keys(obj: dict[str, Any], noop: set[str]) -> list[tuple[str | None, str]]:
+    """A native line's keys: its own, an OpenAI no-op field (accepted into ``noop``, or refused
+    with why: "best_of: must be 1: ..."; before, "unknown key"), else unknown."""
+    problems: list[tuple[str | None, str]] = []
+    for k, v in obj.items():
+        if k in LINE_KEYS:
+            continue
+        if (check := OPENAI_NOOP_CHECKS.get(k)) is None:
+            problems += _unknown({k: v}, LINE_KEYS, "")
+        elif why := check(v):
+            problems.append((k, why))
+        else:
+            noop.add(k)
+    return problems
+
+
 def _did_you_mean(key: str, known: tuple[str, ...]) -> str:
     """' (did you mean "max_tokens"?)' for a key a typo away from a known one (``max_tokns``), else ""."""
     import difflib
@@ -381,7 +402,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         if kind == "completion" and "prompt" not in body:
             problems.append(("body.prompt", "is required for /v1/completions"))
     else:
-        problems += _unknown(obj, LINE_KEYS, "")
+        problems += _check_native_keys(obj, noop)
         fields_, prefix = obj, ""
         has_prompt, has_messages = "prompt" in obj, "messages" in obj
     # model and metadata, as OpenAI's body has them: a native line may give them too

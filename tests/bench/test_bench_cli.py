@@ -102,6 +102,25 @@ def test_bench_compile_auto_says_once_that_it_decodes_eagerly(tiny_models: Path,
     assert json.loads(res.stdout)["compile"] is None
 
 
+@pytest.mark.parametrize("mode", ["default", "job"])
+def test_bench_without_the_bench_extra_says_so_before_measuring(mode: str, tiny_models: Path, prompt_file: Path,
+                                                              tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """matplotlib (the bench extra) was first imported to draw the plots: minutes of measuring, then
+    "unexpected error (ModuleNotFoundError ...)"."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)     # `import matplotlib` raises ImportError
+    out = tmp_path / "out"
+    args = _args(tiny_models, prompt_file, out) if mode == "default" else \
+        ["bench", "--job", str(prompt_file), "--quick", "--target", str(tiny_models / "llama"),
+         "--draft", str(tiny_models / "llama-partial"), "--out", str(out)]
+    res = CliRunner().invoke(cli, args, obj={})
+    assert res.exit_code == 1, res.output
+    assert res.stderr.count("\n") == 1, res.stderr
+    assert "pip install 'specbatch[bench]'" in res.stderr and "unexpected error" not in res.stderr
+    assert not out.exists()        # nothing measured, nothing written
+
+
 def test_bench_reports_a_mismatch_as_failure(tiny_models: Path, prompt_file: Path, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch):
     from specbatch.bench import runners
@@ -120,6 +139,7 @@ def test_bench_reports_a_mismatch_as_failure(tiny_models: Path, prompt_file: Pat
     assert res.exit_code == 1, res.output
     assert "FAILED: ours[llama-partial]" in res.stderr
     assert "| config | tok/s |" in res.stdout          # the table is still printed
+    assert f"wrote {out / 'report.md'}, {out / 'result.json'}" in res.stderr
     assert (out / "report.md").read_text().count("differs from the target") >= 1
 
 

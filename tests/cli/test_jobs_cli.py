@@ -588,9 +588,10 @@ def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, mo
     assert "worker w1@h: compiling 2/4 (t graph 2/4), decoding eagerly until then" in result.stderr
     assert "no live worker" not in result.stderr and "starting" not in result.stderr
 
-    views[:] = [monitor.WorkerView("w1@h", True, "eager: auto: the compiled forward gains 1.05x eager")]
+    why = "compiling gains 1.05x at 8 rows (measured here at the last warm-up), not above the 1.05x needed"
+    views[:] = [monitor.WorkerView("w1@h", True, f"eager: auto: {why}")]
     result = run("status", job_id, "--json")     # decoding, in words a user reads as that
-    assert "worker w1@h: decoding, not compiled (auto: the compiled forward gains 1.05x eager)" in result.stderr
+    assert f"worker w1@h: decoding, not compiled: {why}\n" in result.stderr, result.stderr
 
 
 def test_resume_of_a_cancelled_or_finished_job_says_so_without_the_broker(db_url):
@@ -688,9 +689,9 @@ def test_status_says_in_numbers_why_speculation_was_switched_off(db_url):
     """A job whose draft drafted on 5% of its steps showed 'speculated 5% of steps' and no reason."""
     job_id = _job_with_steps(db_url, draft_steps=2, drafted=8, accepted=1, off=True)
     out = " ".join(run("status", job_id).stdout.split())
-    assert ("speculation measured and switched off: drafted on 4 of 80 steps (5%); a drafted step emitted "
-            "1.50 tokens (acceptance 12%) at about 2.0x a plain step's cost; the draft-length controller "
-            "turned it off for 2 requests") in out, out
+    assert ("speculation mostly plain: drafted on 4 of 80 steps (5%); the draft-length controller measured "
+            "drafting slower than plain steps and turned it off for 2 requests; 4 drafted steps are too few to "
+            "judge by: 1.50 tokens emitted (acceptance 12%), at least 2.0x a plain step's time") in out, out
     data = json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]
     assert data == {"steps": 80, "drafted_steps": 4, "tokens_per_drafted_step": 1.5, "drafted_step_cost": 2.0,
                     "switched_off_requests": 2}
@@ -699,7 +700,7 @@ def test_status_says_in_numbers_why_speculation_was_switched_off(db_url):
 def test_status_says_why_a_draft_never_drafted(db_url):
     job_id = _job_with_steps(db_url, draft_steps=0, drafted=0, accepted=0, off=False)
     out = " ".join(run("status", job_id).stdout.split())
-    assert "speculation off: none of 80 steps drafted; plain batched steps were measured" in out, out
+    assert "speculation off: none of 80 steps drafted; the autopilot decoded plainly and never tried" in out, out
     assert json.loads(run("status", job_id, "--json").stdout)["stats"]["speculation"]["drafted_steps"] == 0
 
 

@@ -205,6 +205,7 @@ def test_status_watch_refreshes_until_the_job_ends(db_url: str, monkeypatch: pyt
     t.join()
     assert result.exit_code == 0, result.output
     assert "completed" in result.stdout and "completed 3" in result.stdout
+    assert result.stdout.endswith("\n")         # piped, the last line had no newline
 
 
 def test_shell_completion() -> None:

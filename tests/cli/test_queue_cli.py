@@ -56,12 +56,24 @@ def test_run_embedded_without_redis(tmp_path: Path, tiny_models: Path) -> None:
         assert s.query(Result).count() == 4
 
 
+def test_run_says_on_stderr_which_models_load(tmp_path: Path, tiny_models: Path) -> None:
+    """The spinner is drawn only in a terminal: piped or logged, `run` said nothing while loading."""
+    target = str(tiny_models / "llama")
+    result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path, n=1, max_tokens=2)), "--target", target,
+                                      "--draft", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    assert f"loading {target} ...\n" in result.stderr, result.stderr
+    assert "loading" not in result.stdout
+
+
 def test_run_prints_summary_table(tmp_path: Path, tiny_models: Path) -> None:
     prompts = _prompts(tmp_path, n=1, max_tokens=4)
     result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"),
                                       "--draft", str(tiny_models / "llama-partial")])
     assert result.exit_code == 0, result.output
     assert "completed" in result.output and "specbatch export" in result.output
+    # "speculation_disabled 0" stood above "speculation: off: none of 4 steps drafted"
+    assert "speculation_disabled" not in result.stdout
 
 
 def test_submit_with_broker_down_writes_nothing(tmp_path: Path, tiny_models: Path) -> None:

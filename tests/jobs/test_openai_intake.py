@@ -219,6 +219,25 @@ def test_refused_field_names_file_line_field_and_why(url, field, value, why):
         assert errors == [f"batch.jsonl:2: body.{field}: {why}"]
 
 
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    (f, v, w) for u, f, v, w in REFUSED if w is not None and not w.startswith(("a field of", "unknown field"))
+    and (f in openai_fields.CHAT_NOOP or f in openai_fields.COMPLETION_NOOP)])
+def test_a_native_line_gets_the_same_reason_as_a_body(field, value, why):
+    """A native line with best_of 3 or tools got "unknown key; known keys: ..." where the same
+    field in an OpenAI body says why it is refused."""
+    key = "messages" if field in ("tools", "tool_choice", "functions", "function_call", "modalities") else "prompt"
+    ok = {"custom_id": "ok", key: MSGS if key == "messages" else "Hi"}
+    errors = refused(json.dumps(ok), json.dumps({**ok, "custom_id": "bad", field: value}))
+    assert errors == [f"batch.jsonl:2: {field}: {why}"]
+
+
+def test_a_native_line_with_a_no_op_field_is_accepted_and_warned():
+    got = read(json.dumps({"prompt": "Hi", "best_of": 1}), json.dumps({"messages": MSGS, "tools": []}))
+    assert len(got.requests) == 2 and got.noop_fields == {"best_of": 1, "tools": 1}
+    assert got.warnings("t")[0] == "accepted with no effect on the generated text: best_of (1 line), tools (1 line)"
+
+
 # ---------------------------------------------------------------- logit processors: honoured, ranges checked
 
 
