@@ -30,7 +30,7 @@ CHILD = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
 from specbatch.bench.job import JobConfig, _ours
-from specbatch.bench.runners import generate_all
+import time
 from specbatch.config import Settings
 from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.loading import load_model
@@ -42,10 +42,21 @@ draft = load_model("smollm2-135m-int8", cache_dir=cache_dir)
 _ours(target, draft, JobConfig("warm-up", "ours", 2, True), job["ids"][:2], [4, 4])
 t = job["temperature"]   # sampled: line i seeded i
 engine = Engine(target, [draft] if job["spec"] else [], batch_size=job["batch"])
-reqs = [EngineRequest(input_ids=x, params=GenerationParams(max_new_tokens=n, temperature=t, seed=i if t else None,
-                                                          adaptive=not job["fixed_gamma"]))
-        for i, (x, n) in enumerate(zip(job["ids"], job["limits"]))]
-got, seconds = generate_all(engine, reqs, target.device)
+def params(i, n):    # only what differs from the defaults: an old tree may lack the newer fields
+    kw = {"max_new_tokens": n}
+    if t:
+        kw.update(temperature=t, seed=i)
+    if job["fixed_gamma"]:
+        kw["adaptive"] = False
+    return GenerationParams(**kw)
+reqs = [EngineRequest(input_ids=x, params=params(i, n)) for i, (x, n) in enumerate(zip(job["ids"], job["limits"]))]
+got = [None] * len(reqs)
+t0 = time.perf_counter()
+for i, out in engine.generate_many(reqs):
+    if isinstance(out, Exception):
+        raise RuntimeError(f"prompt {i}: {out}")
+    got[i] = out
+seconds = time.perf_counter() - t0
 outs = [list(o.token_ids) for o in got]
 drafted = sum(o.stats.drafted_tokens for o in got)
 accepted = sum(o.stats.accepted_tokens for o in got)
