@@ -79,16 +79,14 @@ class Kernel:
     name: str
     pack: Callable[[torch.Tensor], torch.Tensor]
     product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-    def available(self) -> bool:
-        if self.name == "onednn":
-            return torch.backends.mkldnn.is_available()
-        return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+    available: Callable[[], bool] = lambda: True    # whether this torch build has the library
 
 
 KERNELS = (
-    Kernel("onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), _onednn_product),
-    Kernel("mkl", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS), _mkl_product),
+    Kernel("onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS), _onednn_product,
+           torch.backends.mkldnn.is_available),
+    Kernel("mkl", lambda w: torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_ROWS), _mkl_product,
+           lambda: torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")),
 )
 
 
