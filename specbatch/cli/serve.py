@@ -118,9 +118,17 @@ def _warn_default_weights(settings: Settings) -> None:
     not installed here, as `submit` warns: the workers may hold them. A batch naming such a model in
     its metadata is refused (api.metadata.check_weights): the client chose it, and sees no warning."""
     from specbatch.cli.common import warn
+    from specbatch.engine.drafter_specs import model_names, parse_drafters
     from specbatch.engine.known_models import missing_weights
+    from specbatch.errors import ModelLoadError
 
-    for hint in filter(None, map(missing_weights, dict.fromkeys([settings.default_target, settings.default_draft]))):
+    # the draft setting is a drafter spec ("model:NAME", a pool): its models, as submit reads them
+    try:
+        drafts = model_names(parse_drafters([settings.default_draft]))
+    except ModelLoadError:     # not a drafter spec: the batches that use it are refused, each saying why
+        drafts = []
+    names = [settings.default_target, *drafts]
+    for hint in filter(None, map(missing_weights, dict.fromkeys(names))):
         warn(f"{hint} (the default pair, for batches whose metadata names no model: the workers must hold it)")
 
 
