@@ -24,12 +24,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from specbatch.engine import clock
+
 COMPILED = "compiled-target"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
@@ -57,10 +54,10 @@ def _timer(model: Any, device: torch.device, prefix: list[int], k: int,
 
     def once() -> float:
         with torch.inference_mode():
-            _sync(device)
+            clock.synchronize(device)
             t0 = time.perf_counter()
             call(new, 0 if full_logits else 1)
-            _sync(device)
+            clock.synchronize(device)
             seconds = time.perf_counter() - t0
             cache.crop(-k)
         return seconds

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from specbatch.engine import clock
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.types import GenerationParams, GenerationStats
 
@@ -65,19 +66,14 @@ def generate_all(engine: Any, reqs: Sequence[Any], device: torch.device) -> tupl
     """Every request's ``EngineOutput`` through ``engine.generate_many``, in request order, and
     the wall seconds; a request's exception ends the run (a benchmark of ours never drops one)."""
     outs: list[Any] = [None] * len(reqs)
-    _sync(device)
+    clock.synchronize(device)
     t0 = time.perf_counter()
     for i, out in engine.generate_many(reqs):
         if isinstance(out, Exception):
             raise RuntimeError(f"prompt {i}: {out}")
         outs[i] = out
-    _sync(device)
+    clock.synchronize(device)
     return outs, time.perf_counter() - t0
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _greedy_config(lm: LoadedModel, max_new_tokens: int, **extra: Any) -> Any:
@@ -134,11 +130,11 @@ class HFRunner:
         config = _greedy_config(lm, max_new_tokens, **extra)
         inp = torch.tensor([ids], dtype=torch.long, device=lm.device)
         with torch.inference_mode(), _inductor_defaults(self.compiles):
-            _sync(lm.device)
+            clock.synchronize(lm.device)
             t0 = time.perf_counter()
             out = lm.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp),
                                     generation_config=config, **kwargs)
-            _sync(lm.device)
+            clock.synchronize(lm.device)
             seconds = time.perf_counter() - t0
         return RunOutput(cut_at_eos(out[0, len(ids):].tolist(), lm.eos_token_ids), seconds)
 
@@ -151,10 +147,10 @@ class HFRunner:
         inp = torch.tensor([[pad] * (width - len(x)) + list(x) for x in batch_ids], device=lm.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids], device=lm.device)
         with torch.inference_mode():
-            _sync(lm.device)
+            clock.synchronize(lm.device)
             t0 = time.perf_counter()
             out = lm.model.generate(input_ids=inp, attention_mask=mask, generation_config=config)
-            _sync(lm.device)
+            clock.synchronize(lm.device)
             seconds = time.perf_counter() - t0
         return [cut_at_eos(row[width:].tolist(), lm.eos_token_ids) for row in out], seconds
 
@@ -170,10 +166,10 @@ class EngineRunner:
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> RunOutput:
         device = self.engine.target.device
-        _sync(device)
+        clock.synchronize(device)
         t0 = time.perf_counter()
         out = self.engine.generate(input_ids=list(ids), params=self.params(max_new_tokens))
-        _sync(device)
+        clock.synchronize(device)
         seconds = time.perf_counter() - t0
         return RunOutput(cut_at_eos(out.token_ids, self.engine.target.eos_token_ids), seconds, out.stats)
 
@@ -186,10 +182,10 @@ class EngineRunner:
         reqs = [EngineRequest(input_ids=list(x), params=params) for x in batch_ids]
         rows: list[list[int] | Exception] = [RuntimeError("no result")] * len(reqs)
         device = self.engine.target.device
-        _sync(device)
+        clock.synchronize(device)
         t0 = time.perf_counter()
         for i, res in self.engine.generate_many(reqs, batch_size=batch_size):
             rows[i] = res if isinstance(res, Exception) else cut_at_eos(
                 res.token_ids, self.engine.target.eos_token_ids)
-        _sync(device)
+        clock.synchronize(device)
         return rows, time.perf_counter() - t0

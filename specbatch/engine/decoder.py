@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.engine import constrained
+from specbatch.engine import clock, constrained
 from specbatch.engine.backend import BackendFactory, TargetBackend, joining
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.drafters import Drafter, Proposal, common_prefix
@@ -239,7 +239,7 @@ class Decoder:
         speculating = self.policy.gamma_cap(len(self.rows) + len(new)) != 0 \
             or any(r.ctl.fixed and r.ctl.gamma for r in (*self.rows, *new))   # (fixed rows draft anyway)
         new, entries = self._prefixes(new, len(arrivals), speculating)
-        t0 = time.perf_counter()     # (a prefix computed just now is its computing row's: _prefixes)
+        t0 = clock.now(self.target.device)    # (a prefix computed just now is its computing row's: _prefixes)
         # samples of one request joining together: one prefill (after their shared prefix, if
         # one is stored), forked to their rows
         resumed = {id(r) for r in resuming}
@@ -269,7 +269,7 @@ class Decoder:
                              for j, d in enumerate(self.drafters))
         self.drafts_behind |= prefill and not draft_prefill
         if forwards:    # (the samples of a request each count the prefill they share)
-            seconds = time.perf_counter() - t0
+            seconds = clock.now(self.target.device) - t0
             if self.prefixes is not None:     # a prefill's rate: what a cached token saves
                 self.prefixes.observe(seconds, sum(fed))
             if not self.rows:   # a fresh batch's prompts, which its first step caches otherwise:
@@ -318,11 +318,11 @@ class Decoder:
     def _compute_prefix(self, tokens: list[int], drafts: bool) -> PrefixEntry:
         """A prefix's KV for the target and (``drafts``) every drafter, each computed alone in one
         forward; a drafter without one feeds the whole prompt when its rows speculate."""
-        t0 = time.perf_counter()
+        t0 = clock.now(self.target.device)
         alone = self.backend(1)
         alone.forward([tokens], logits_to_keep=1)
         kv = (alone.export_prefix(), *(d.prefix(tokens) if drafts else None for d in self.drafters))
-        return PrefixEntry(tuple(tokens), kv, self.pool, time.perf_counter() - t0)
+        return PrefixEntry(tuple(tokens), kv, self.pool, clock.now(self.target.device) - t0)
 
     def _new_row(self, index: int, ids: list[int], params: GenerationParams, now: float) -> Row:
         warp = None if params.greedy else Warp(params.temperature, params.top_k, params.top_p, params.min_p)
@@ -353,7 +353,8 @@ class Decoder:
             with_prompts, self.drafts_behind = True, False
         elif not any(k) and any(d.keeps_cache for d in self.drafters):
             self.drafts_behind = True
-        t0 = time.perf_counter()
+        # (every clock read waits for the device: on CUDA a forward returns before its work is done)
+        t0 = clock.now(self.target.device)
         proposals = [d.propose(rows, k) for d in self.drafters] if any(k) else []
         # (structured rows: no draft token the grammar refuses; the tokens it forces, a chain)
         proposals = constrained.trim(rows, proposals)
@@ -364,7 +365,7 @@ class Decoder:
                                          max((len(p.tokens) for props in proposals for p in props if p), default=0),
                                          self.policy.costs(n).verify_cost)
             forced = [None if f is None or cap == 0 else Proposal(f.tokens[:cap]) for f in forced]
-        t1 = time.perf_counter()
+        t1 = clock.now(self.target.device)
         # 2. verify: one target forward over each row's pending tokens (root last) and its tree
         trees = [self._tree(b, [props[b] for props in proposals], forced[b]) for b in range(n)]
         scored = max(t.n_nodes for t in trees) + 1    # positions whose logits come back, per row
@@ -385,7 +386,7 @@ class Decoder:
             constrained.mask_logits(masks.result(), trees, logits)
         verdicts = self._verify(trees, logits)
         self._logprobs(trees, raw, verdicts)
-        t2 = time.perf_counter()
+        t2 = clock.now(self.target.device)
         if with_prompts and self.prefixes is not None:     # a fresh batch's prefill: a rate too
             self.prefixes.observe(t2 - t1, sum(len(p) for p in pending))
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)
@@ -410,7 +411,7 @@ class Decoder:
                                                        v.tokens[:v.n_accepted])
                             if forced[b] is not None else (t.depth, v.n_accepted)))
             self._accept(r, v)
-        seconds = time.perf_counter() - t0
+        seconds = clock.now(self.target.device) - t0
         for r in rows:   # each row's share of the step's time, by rows in the step (job statistics)
             r.tally.batch_share(n, seconds / n)
         if self.memory is not None:

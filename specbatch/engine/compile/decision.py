@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from specbatch.engine import clock
 from specbatch.engine.compile.forward import ModelHandle
 from specbatch.engine.compile.record import (
     CompileReport,
@@ -196,9 +196,9 @@ def eager_step_seconds(lm: ModelHandle, prefix: int = 32, rows: int = 1) -> floa
         one = torch.zeros(rows, 1, dtype=torch.long, device=lm.device)
         best = float("inf")
         for _ in range(3):
-            t = time.perf_counter()
+            t = clock.now(lm.device)
             lm.model(input_ids=one, use_cache=True, logits_to_keep=1, **kw)
-            best = min(best, time.perf_counter() - t)
+            best = min(best, clock.now(lm.device) - t)
     return best
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from specbatch.engine import clock
 from specbatch.engine.compile import decision
 from specbatch.engine.compile.forward import CompiledForward, ModelHandle, compilable, shape_key
 from specbatch.engine.compile.record import CompileReport, marker, write_marker
@@ -65,9 +66,9 @@ def warm_up(lm: ModelHandle, shapes: Iterable[tuple[int, int, int]], cache_dir: 
                 if progress is not None:
                     progress(f"{lm.name} graph {i}/{len(shapes)}")
                 cache, ids = _primed(lm, rows, width)
-                t = time.perf_counter()
+                t = clock.now(lm.device)
                 lm.forward(ids, cache, logits_to_keep=keep)
-                report.graphs[shape_key(rows, width, keep)] = time.perf_counter() - t
+                report.graphs[shape_key(rows, width, keep)] = clock.now(lm.device) - t
                 if compiled.failed:
                     break
                 report.speedups[shape_key(rows, width, keep)] = measure_speedup(lm, cache, ids, keep)
@@ -102,19 +103,21 @@ def measure_speedup(lm: ModelHandle, cache: Any, ids: torch.Tensor, keep: int,
     best = time_steps({"compiled": lambda: lm.forward(ids, cache, logits_to_keep=keep),
                        "eager": lambda: lm.model(input_ids=ids, use_cache=True, logits_to_keep=keep,
                                                  **{kwarg: cache})},
-                      cache, ids.shape[1], rounds)
+                      cache, ids.shape[1], rounds, ids.device)
     return best["eager"] / best["compiled"]
 
 
-def time_steps(steps: dict[str, Callable[[], Any]], cache: Any, width: int, rounds: int) -> dict[str, float]:
+def time_steps(steps: dict[str, Callable[[], Any]], cache: Any, width: int, rounds: int,
+               device: Any = "cpu") -> dict[str, float]:
     """Best time of each step (each appends ``width`` tokens to ``cache``, cropped back after),
-    over ``rounds``, the steps alternating so all see the same load."""
+    over ``rounds``, the steps alternating so all see the same load; each timed to the end of its
+    work on ``device`` (engine/clock.py: CUDA's kernels run after the call returns)."""
     best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):
         for name, step in steps.items():
-            t = time.perf_counter()
+            t = clock.now(device)
             step()
-            best[name] = min(best[name], time.perf_counter() - t)
+            best[name] = min(best[name], clock.now(device) - t)
             cache.crop(-width)
     return best
 
@@ -182,7 +185,7 @@ def _time_frozen_against_not(lm: ModelHandle, shapes: tuple[tuple[int, int, int]
                 cache, ids = _primed(lm, rows, width)
                 best = time_steps({"frozen": through(forwards[True], ids, cache, keep),
                                    "not frozen": through(forwards[False], ids, cache, keep)},
-                                  cache, width, rounds)
+                                  cache, width, rounds, ids.device)
                 gain[shape_key(rows, width, keep)] = best["not frozen"] / best["frozen"]
     except Exception as e:  # noqa: BLE001 - a failed comparison must not fail the start
         logger.info("%s: comparing frozen and not-frozen graphs failed (%s)", lm.name, e)
