@@ -89,6 +89,22 @@ def warn(message: str) -> None:
     click.secho(f"warning: {mask(message)}", err=True, fg="yellow")
 
 
+def warn_int8_off_cpu(target: str, drafts: Sequence[str], device: str) -> None:
+    """One line at start where an int8 draft of the pool (drafter specs) would run off the CPU
+    (``known_models.int8_off_cpu``): there it is unquantized, and the default pair's draft is
+    then as costly as its target."""
+    from specbatch.engine.drafter_specs import model_names, parse_drafters
+    from specbatch.engine.known_models import int8_off_cpu
+    from specbatch.errors import SpecBatchError
+
+    try:
+        names = model_names(parse_drafters(list(drafts)))
+    except SpecBatchError:     # not a pool: loading says so in its own words
+        return
+    if (line := int8_off_cpu(target, names, device)) is not None:
+        warn(line)
+
+
 def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = False) -> None:
     """On stderr: a worker still starting for ``queue`` and its state (so nobody starts a second
     one), else a warning when no live worker consumes it (``advice``: how to start one), or that

