@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from specbatch.engine.drafters import Proposal, common_prefix
-from specbatch.engine.grammar import Matcher
+from specbatch.engine.grammar import Matcher, refuse
 from specbatch.engine.tree import TokenTree
 
 GRAMMAR = "grammar"     # the pool name of the grammar's forced-token chain (stats: pool_wins)
@@ -112,11 +112,5 @@ def mask_logits(masks: Sequence[torch.Tensor | None], trees: Sequence[TokenTree]
     reads them). Masks constrained rows in place: -inf where the grammar refuses the token."""
     keep = logits.shape[1]
     for b, (allowed, t) in enumerate(zip(masks, trees)):
-        if allowed is None:
-            continue
-        allowed = allowed.to(logits.device)   # (1 + n_nodes, V)
-        view = logits[b, keep - 1 - t.n_nodes:]
-        width = view.shape[-1]
-        if allowed.shape[-1] < width:      # logits wider than the vocabulary: the rest is refused
-            allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
-        view.masked_fill_(~allowed[:, :width], float("-inf"))
+        if allowed is not None:
+            refuse(logits[b, keep - 1 - t.n_nodes:], allowed)

@@ -16,7 +16,7 @@ import torch
 
 from specbatch.engine.backend import PrefixKV, joining
 from specbatch.engine.cache import BatchCache
-from specbatch.engine.grammar import Matcher
+from specbatch.engine.grammar import Matcher, refuse
 from specbatch.engine.loading import LoadedModel
 from specbatch.engine.prefill import feed_lengths, forward_in_runs, length_runs, prefilled
 from specbatch.engine.processors import RowProcessors
@@ -175,7 +175,7 @@ class ModelDrafter(Drafter):
             # (the verifier reads this masked q: the draws come from it)
             for b, r in enumerate(rows):
                 if r.grammar is not None and advanced[b] == j < k[b]:
-                    logits[b].masked_fill_(~r.grammar.mask()[: logits.shape[-1]], float("-inf"))
+                    refuse(logits[b], r.grammar.mask())
             greedy = logits.argmax(dim=-1).tolist()
             # 2. the next draft token: argmax when greedy, else race(q, E) with the noise the
             #    verifier races p with at this position (so it is accepted where q is close to

@@ -175,3 +175,14 @@ class Matcher:
         out = unpack(bits, self.vocab.size)
         out[torch.tensor(dead)] = True
         return out
+
+
+def refuse(logits: torch.Tensor, allowed: torch.Tensor) -> None:
+    """logits (..., W) in place: -inf where ``allowed`` (..., V) is False, and past V where the
+    logits are wider than the vocabulary. ``allowed`` is the grammar's (llguidance fills CPU
+    memory): it moves to the logits' device (a CUDA logit row and a CPU mask do not mix)."""
+    allowed = allowed.to(logits.device)
+    width = logits.shape[-1]
+    if allowed.shape[-1] < width:      # logits wider than the vocabulary: the rest is refused
+        allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[-1]), value=False)
+    logits.masked_fill_(~allowed[..., :width], float("-inf"))
