@@ -211,12 +211,15 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
                                        if o != ref) if a["outputs"] else []
     auto = next((c for c in configs if c.name == "ours-auto"), None)
     profiled = None
-    if auto is not None and opts.breakdown:
+    # the profile's buckets and the GEMM peak are the CPU's (CPU operators, a CPU sgemm): a GPU
+    # job's time is in kernels they do not see, and its rate over a CPU's peak means nothing
+    on_cpu = torch.device(target.device).type == "cpu"
+    if auto is not None and opts.breakdown and on_cpu:
         say("ours-auto once more, under the profiler (untimed)", total, total + 1)
         profiled = breakdown.profile_pass(lambda: _ours(target, draft, auto, ids, limits), target.model,
                                           target.vocab_size)
     cfg = target.model.config.get_text_config()
-    peak = breakdown.gemm_peak_gflops(cfg.hidden_size, cfg.intermediate_size)
+    peak = breakdown.gemm_peak_gflops(cfg.hidden_size, cfg.intermediate_size) if on_cpu else 0.0
     params = sum(p.numel() for p in target.model.parameters())
     say("done", total, total)
 

@@ -171,7 +171,8 @@ class MemoryBudget:
 
 
 def is_cuda(device: Any) -> bool:
-    return getattr(device, "type", str(device)) == "cuda"
+    """A torch.device or its name ("cuda", "cuda:1"; the name's index once read "cuda:1" != "cuda")."""
+    return str(getattr(device, "type", device)).split(":")[0] == "cuda"
 
 
 def measure(device: Any) -> int | None:

@@ -48,3 +48,17 @@ def test_a_cpu_grammar_mask_refuses_tokens_of_gpu_logits():
     row = torch.zeros(5)
     refuse(row, mask)
     assert row.tolist() == [0.0, float("-inf"), 0.0, float("-inf"), float("-inf")]
+
+
+def test_the_memory_budget_reads_the_gpu_for_a_device_named_by_index(monkeypatch):
+    """``measure`` and ``default_budget`` read CUDA's allocator for "cuda:N" too, not the process's
+    resident set and free RAM (the name with its index read as another device type)."""
+    from specbatch.engine.memory import GPU_SHARE, default_budget, is_cuda, measure
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda dev: 123)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (1000, 4000))
+    for dev in ("cuda", "cuda:1", torch.device("cuda", 1)):
+        assert is_cuda(dev)
+        assert measure(dev) == 123
+        assert default_budget(dev) == int(1000 * GPU_SHARE)
+    assert not is_cuda("cpu") and not is_cuda(torch.device("cpu"))
