@@ -87,3 +87,29 @@ def test_seeded_sampling_repeats_on_the_gpu(on_cuda):
     params = GenerationParams(max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
     first = engine.generate(prompt=PROMPTS[0], params=params).token_ids
     assert engine.generate(prompt=PROMPTS[0], params=params).token_ids == first
+
+
+@pytest.mark.parametrize("drafts", ["partial", "pool"])
+def test_structured_rows_with_a_model_draft_run_on_the_gpu(on_cuda, drafts):
+    """The grammar's masks are CPU memory (llguidance fills them): the draft model's logits and the
+    target's, on the GPU, are masked with them moved over (grammar.refuse), and a greedy structured
+    row still equals the target alone masked by the same grammar."""
+    from tests.engine.test_structured import SPECS, matcher
+
+    names, ngram = DRAFTS[drafts]
+    target = on_cuda("llama")
+    engine = Engine(target, [on_cuda(n) for n in names] + [NGRAM] * ngram)
+    spec = SPECS["schema"]
+    for prompt in PROMPTS[:2]:
+        out = engine.generate(prompt=prompt, params=GenerationParams(max_new_tokens=40, gamma=4, adaptive=False,
+                                                                     structured=spec))
+        # the reference: one token at a time, the target's greedy choice under the grammar's mask
+        m, ids, ref = matcher(target, spec), target.tokenizer(prompt).input_ids, []
+        with torch.inference_mode():
+            for _ in range(40):
+                logits = target.model(torch.tensor([ids + ref], device=target.device)).logits[0, -1]
+                x = logits.masked_fill(~m.mask()[: logits.shape[-1]].to(logits.device), float("-inf"))
+                ref.append(int(x.argmax()))
+                if ref[-1] in target.eos_token_ids or not m.advance(ref[-1:]):
+                    break
+        assert out.token_ids == ref, (drafts, prompt)
