@@ -78,7 +78,7 @@ def int8_off_cpu(target: str, drafts: list[str], device: str) -> str | None:
     if same:
         return (f"draft {same[0]!r} is int8, which is CPU-only: on {device} it loads unquantized, the "
                 f"target's own weights, a draft as costly as the target, so speculation cannot pay there; "
-                "use --ngram, --no-speculation or a smaller draft of the same family")
+                "use --draft ngram (prompt lookup alone), --no-speculation, or a smaller draft of the same family")
     return f"draft {int8[0].name!r} is int8, which is CPU-only: on {device} it runs unquantized"
 
 
