@@ -293,6 +293,13 @@ def _quantized_copy(model: Any, device: torch.device) -> Any:
     return _quantize_int8(copy.deepcopy(model, memo), device, inplace=True)
 
 
+def _from_loaded(model: Any, device: torch.device) -> Any:
+    """The int8 model of weights ``model`` already holds unquantized on ``device``: quantized from
+    them on CPU. Elsewhere int8 does not exist (``_quantize_int8`` keeps the model as it is), so it
+    is ``model`` itself: reading the file again would hold the same weights twice on the GPU."""
+    return _quantized_copy(model, device) if device.type == "cpu" else model
+
+
 def _cache(cache_dir: str | os.PathLike[str] | None, name: str) -> Path:
     if not cache_dir:
         raise ModelLoadError(f"cannot load {name!r} without a cache directory (its GGUF weights are "
@@ -310,7 +317,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     ``loaded``: models this process already loaded and has not changed since (the target, when
     ``Engine.load`` loads its drafts). An int8 model whose weights one of them holds unquantized
     (same files, dtype and device) is quantized from it instead of read again, and shares its
-    tokenizer: the default pair is one GGUF file, fp32 target and int8 draft."""
+    tokenizer: the default pair is one GGUF file, fp32 target and int8 draft. Off the CPU, where
+    int8 does not exist, it is that model's own module."""
     t0 = time.perf_counter()
     dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     known = KNOWN_MODELS.get(name)
@@ -322,9 +330,9 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     if problem := name_problem(name):     # the same answer submit and the HTTP API give
         raise ModelLoadError(problem)
     source = _source(name, known, cache_dir)
-    base = _holding(loaded, source.path, dev, torch_dtype) if int8 and dev.type == "cpu" else None
+    base = _holding(loaded, source.path, dev, torch_dtype) if int8 else None
     if base is not None:
-        tokenizer, model = base.tokenizer, _quantized_copy(base.model, dev)
+        tokenizer, model = base.tokenizer, _from_loaded(base.model, dev)
     else:
         tokenizer, model = _read(name, source, torch_dtype, trust_remote_code)
         model = model.to(dev)  # type: ignore[arg-type]  # (transformers' stub for .to)
@@ -338,7 +346,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     pack_linears(model)             # float32 on CPU: MKL packs each weight once, not every call
     seconds = time.perf_counter() - t0
     logger.info("loaded %s from %s in %.1fs%s", name, source.path, seconds,
-                f" (quantized from {base.name} in memory)" if base is not None else "")
+                "" if base is None else f" (quantized from {base.name} in memory)" if model is not base.model
+                else f" ({base.name}'s weights: int8 is CPU-only)")
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev,
                        eos_token_ids=_eos_ids(model, tokenizer),
                        max_positions=_max_positions(model.config), load_seconds=seconds,

@@ -86,6 +86,22 @@ def test_an_int8_model_of_loaded_weights_is_quantized_from_them(tiny_pair, monke
     assert not any(p is q for p in derived.model.parameters() for q in target.model.parameters())
 
 
+def test_off_the_cpu_an_int8_model_of_loaded_weights_is_their_own_module(tiny_pair, monkeypatch):
+    """int8 is CPU-only: on a GPU the default pair's draft would be the target's weights read a
+    second time onto the device. It is the target's module instead. (The meta device stands in for
+    a GPU: only the device's type is read on this path.)"""
+    import dataclasses
+
+    gpu = torch.device("meta")
+    target = dataclasses.replace(load_model("tiny", cache_dir=tiny_pair), device=gpu)
+    with monkeypatch.context() as m:
+        _no_reads(m)
+        m.setattr(loading, "resolve_device", lambda device: gpu)
+        draft = load_model("tiny-int8", device="cuda", cache_dir=tiny_pair, loaded=[target])
+    assert draft.model is target.model and draft.tokenizer is target.tokenizer
+    assert draft.device == gpu and draft.info["int8"]
+
+
 def test_weights_loaded_in_another_dtype_are_read_again(tiny_pair):
     target = load_model("tiny", cache_dir=tiny_pair, dtype="bfloat16")
     draft = load_model("tiny-int8", cache_dir=tiny_pair, loaded=[target])
