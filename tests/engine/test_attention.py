@@ -124,3 +124,29 @@ def test_a_one_token_step_without_a_mask_gets_what_the_token_gets_in_a_block(gro
     block, _ = folded_sdpa(module, q, k, v, seen, scaling=0.25)
     step, _ = folded_sdpa(module, q[:, :, 4:5], k, v, None, scaling=0.25)
     assert torch.equal(step, block[:, 4:5])
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize("length", [7, 16, 22, 29, 45, 64, 77])
+def test_a_token_decoded_alone_gets_what_it_gets_in_a_verify_block(groups, length):
+    """Five tokens as one causal block over ``length`` columns (a verify: token i sees the first
+    length - 4 + i, the rest masked) against each decoded alone over only its own columns: bitwise
+    equal, whatever the length (``columns_move``: keys are widened to a multiple of 16, masked)."""
+    q, k, v, _ = _inputs(2, 3 * groups, 3, 5, length, seed=11)
+    module = _Attn(groups)
+    sees = torch.arange(length) < (length - 4 + torch.arange(5))[:, None]      # (5, length)
+    block, _ = folded_sdpa(module, q, k, v, sees.expand(2, 1, 5, length), scaling=0.25)
+    for i in range(5):
+        m = length - 4 + i
+        step, _ = folded_sdpa(module, q[:, :, i:i + 1], k[:, :, :m], v[:, :, :m], None, scaling=0.25)
+        assert torch.equal(step, block[:, i:i + 1]), (length, i)
+
+
+def test_widened_keys_are_a_view_where_the_buffer_has_the_columns():
+    from specbatch.engine.attention import _wider
+
+    buf = torch.randn(2, 3, 40, 16)
+    inside = _wider(buf[:, :, :21], 11)
+    assert inside.data_ptr() == buf.data_ptr() and torch.equal(inside, buf[:, :, :32])
+    past_the_end = _wider(buf[:, :, :33], 15)     # the last head would read past the storage: zeros copied on
+    assert past_the_end.shape == (2, 3, 48, 16) and not past_the_end[:, :, 33:].any()
