@@ -6,7 +6,8 @@
   whether every output equals the first run's.
 
 ``--compare``: ``fold`` (folded attention, engine/attention.py, against transformers' SDPA path) or
-``packed`` (Linears over packed weights, engine/packed.py, against ``F.linear``) or ``kernels``
+``columns`` (folded attention with its keys padded to
+an aligned length, as where ``columns_move``, against as they are) or ``packed`` (Linears over packed weights, engine/packed.py, against ``F.linear``) or ``kernels``
 (oneDNN's packed product against MKL's, whether or not each passes its check here).
 
     python scripts/ab.py step 1x5x200,8x5x200,32x5x200,32x1x200,32x3x400   # rows x tokens x cached
@@ -27,6 +28,7 @@ import torch
 
 from specbatch.bench.job import JobConfig, _ours, job_requests
 from specbatch.config import Settings
+from specbatch.engine import attention as attention_module
 from specbatch.engine.attention import NAME
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.loading import LoadedModel, load_model
@@ -46,6 +48,12 @@ def variants(models: list[LoadedModel], compare: str) -> dict[str, Callable[[], 
                     lm.model.set_attn_implementation(mode)
             return switch
         return {"transformers' SDPA": attention("sdpa"), "folded": attention(NAME)}
+    if compare == "columns":
+        def columns(pad: bool) -> Callable[[], None]:
+            def switch() -> None:
+                attention_module._columns_move = pad
+            return switch
+        return {"folded, keys as they are": columns(False), "folded, keys padded": columns(True)}
     packed = [m for lm in models for m in lm.model.modules() if isinstance(m, PackedLinear)]
 
     def as_class(cls: type) -> Callable[[], None]:
@@ -120,7 +128,7 @@ def job(target: LoadedModel, draft: LoadedModel, file: str, configs: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=("fold", "packed", "kernels"), default="fold")
+    ap.add_argument("--compare", choices=("fold", "columns", "packed", "kernels"), default="fold")
     ap.add_argument("--threads", type=int, default=1)
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("step")

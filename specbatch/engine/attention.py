@@ -27,13 +27,16 @@ no block has 1-3 rows, and the padding is dropped from the output: a row's numbe
 longer depend on how many rows share its call. Unmasked calls (a causal prefill) are
 transformers' own, unpadded.
 
-The same kernels round a row's sums over key columns differently in a tail of a few columns (key
-lengths 1-3 mod 4 below 16, 13-15 mod 16 above, on that EPYC), so a verify block, which sees its
-tokens' later columns masked, and the same token decoded alone, which does not have them, still
-differed at 10 of 26 prompt lengths (`scripts/block_vs_steps.py`). Where ``columns_move`` finds
-that, keys and values are widened to a multiple of 16 columns, masked: a view over the cache
-buffer's spare columns (``hf_cache.GrowingLayer`` keeps them finite), so nothing is copied on the
-decode path. Then 26 of 26 are bitwise equal.
+The same kernels round a score by where its key column sits, too: ``sgemm``'s last few output
+columns (key lengths 1-3 mod 4 below 16, 13-15 mod 16 above) take another kernel, and the sum
+over keys of 193-383 columns (CPU flash attention's blocks hold 512) is split at a point that
+moves with the length. A decode step over n columns then rounded unlike the same token in a
+verify over n + 4 columns (the later ones masked). Where ``columns_move`` finds that, keys and
+values are widened to ``_aligned`` columns, masked: a length whose kernels and split points are
+the same as every other such length's (scripts/kv_tail_probe.py: a step row equal to its verify
+row bitwise at 1099 of 1099 prompt lengths, 504 without). On the decode path the wider keys are a
+view over the cache buffer's spare columns (``hf_cache.GrowingLayer`` keeps them finite), so
+nothing is copied there; a tensor whose storage ends sooner gets zero columns copied on.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
         mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)
-    if pad_cols and length % COLUMNS:
-        key, value, mask = _pad_columns(key, value, mask, COLUMNS - length % COLUMNS)
+    if pad_cols and _aligned(length) > length:
+        key, value, mask = _pad_columns(key, value, mask, _aligned(length) - length)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     if pad:
         out = out[:, :, : groups * t]
@@ -92,7 +95,14 @@ def _pad_rows(rows: int) -> int:
     return 4 - tail if tail in (1, 2, 3) else 0
 
 
-COLUMNS = 16     # key columns are padded to a multiple of this where columns_move()
+def _aligned(n: int) -> int:
+    """Key columns to give SDPA for ``n`` real ones: the next multiple of 16, and a last block of
+    512 columns (CPU flash attention's) not 193-383 long (there sgemm splits the sum over keys at a
+    point that moves with the length; at 384 and up, at fixed points, as below 193 where it does
+    not split): the real columns' numbers are then the same whatever the length
+    (scripts/kv_tail_probe.py)."""
+    base, tail = n // 512 * 512, -(-(n % 512) // 16) * 16
+    return base + (tail if tail <= 192 else max(tail, 384))
 
 
 def _pad_columns(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, cols: int
@@ -117,21 +127,20 @@ _columns_move: bool | None = None   # columns_move's answer, once known (a plain
 
 
 def columns_move() -> bool:
-    """Whether this CPU's SDPA gives a row other numbers over m visible key columns alone than over
-    the same m followed by masked ones, for m not a multiple of ``COLUMNS`` (``sgemm``'s column
-    tails: a verify block sees more columns, masked, than the same token decoded alone). Fixed by a
-    check, as ``rows_move``; answered with it."""
+    """Whether this CPU's SDPA gives a query row other numbers over the same real key columns when
+    masked columns follow them (the key length alone changed: ``sgemm``'s column tails, the split
+    of the sum over keys past 192 columns). A check at model load, as ``rows_move``."""
     global _columns_move
     if _columns_move is None:
-        gen = torch.Generator().manual_seed(1)
-        q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (4, 80, 80))
-
-        def attend(m: int, width: int) -> torch.Tensor:
-            mask = (torch.arange(width) < m).expand(1, 1, 4, width)
-            return torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :width], v[:, :, :width], attn_mask=mask)
-
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (8, 420, 420))
         with torch.inference_mode():
-            _columns_move = any(not torch.equal(attend(m, m), attend(m, 80)) for m in (5, 13, 17, 29, 45, 61, 78))
+            def sdpa(real: int, length: int) -> torch.Tensor:
+                seen = torch.arange(length) < real
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k[:, :, :length], v[:, :, :length], attn_mask=seen.expand(1, 1, 8, length))
+            _columns_move = any(not torch.equal(sdpa(real, real), sdpa(real, length))
+                                for real, length in ((5, 16), (14, 16), (29, 32), (150, 208), (150, 240), (300, 400)))
     return _columns_move
 
 

@@ -175,9 +175,12 @@ def _regrow(buf: torch.Tensor | None, like: torch.Tensor, rows: int, n: int, col
     rows stay) of ``cols`` columns and a quarter more (at least 32), holding buf's first ``rows``
     rows of ``n`` columns."""
     held = buf.shape[0] if buf is not None and buf.dim() == 4 else 0
-    # zeros, not empty: attention may read spare columns as masked keys (engine/attention.py,
-    # _pad_columns), and a masked column must hold a finite number (0 x NaN is NaN)
-    out = like.new_zeros(max(rows, held), like.shape[1], cols + max(32, cols // 4), like.shape[3])
+    # zeros, not empty, and a 512-column block of slack past the last head: attention widens keys
+    # as a view over the columns that follow (engine/attention.py, _pad_columns: up to 191 past
+    # a head's), and a masked column must hold a finite number (0 x NaN is NaN)
+    shape = (max(rows, held), like.shape[1], cols + max(32, cols // 4), like.shape[3])
+    size = shape[0] * shape[1] * shape[2] * shape[3]
+    out = like.new_zeros(size + 512 * like.shape[3])[:size].view(shape)
     if n and buf is not None:
         out[:rows, :, :n] = buf[:rows, :, :n]
     return out

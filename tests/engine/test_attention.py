@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers.integrations import sdpa_attention
 
-from specbatch.engine.attention import NAME, _pad_rows, folded_sdpa, rows_move
+from specbatch.engine.attention import NAME, _aligned, _pad_rows, folded_sdpa, rows_move
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.loading import load_model
 
@@ -150,3 +150,47 @@ def test_widened_keys_are_a_view_where_the_buffer_has_the_columns():
     assert inside.data_ptr() == buf.data_ptr() and torch.equal(inside, buf[:, :, :32])
     past_the_end = _wider(buf[:, :, :33], 15)     # the last head would read past the storage: zeros copied on
     assert past_the_end.shape == (2, 3, 48, 16) and not past_the_end[:, :, 33:].any()
+
+
+def test_a_decode_step_equals_its_row_in_a_verify_block_whatever_the_key_length():
+    """The lossless contract's arithmetic at the default target's shapes (9 query heads on 3, head
+    dim 64): token i fed alone over its L0 + i + 1 columns against the same token as row i of a
+    5-token causal block over L0 + 5 columns. Where this CPU's kernels round a score by the key
+    length (``columns_move``: sgemm's column tails, the split of the sum over keys past 192
+    columns), the keys are padded to lengths that round alike."""
+    module = _Attn(3)
+    gen = torch.Generator().manual_seed(0)
+    differ = []
+    for l0 in [*range(2, 40), *range(180, 260, 5), 380, 505, 700]:
+        q = torch.randn(1, 9, 5, 64, generator=gen)
+        k, v = torch.randn(2, 1, 3, l0 + 5, 64, generator=gen)
+        causal = torch.ones(5, l0 + 5, dtype=torch.bool).tril(l0)[None, None]
+        block, _ = folded_sdpa(module, q, k, v, causal, scaling=0.125)
+        for i in range(5):
+            n = l0 + i + 1
+            step, _ = folded_sdpa(module, q[:, :, i:i + 1], k[:, :, :n], v[:, :, :n], None, scaling=0.125)
+            if not torch.equal(step, block[:, i:i + 1]):
+                differ.append((l0, i))
+    assert differ == []
+
+
+def test_aligned_key_lengths_keep_a_last_block_out_of_193_to_383_columns():
+    for n in range(1, 2000):
+        to = _aligned(n)
+        assert to >= n and to % 16 == 0 and not 192 < to % 512 < 384, n
+        assert to - n < 16 or n % 512 > 176, n                # only past 176 may it pad more than 15
+
+
+def test_a_cache_buffer_widens_to_any_aligned_length_without_a_copy():
+    """The decode path's keys are views of a GrowingLayer's buffer: its zeroed spare columns and
+    slack past the last head hold every widening ``_aligned`` asks for (up to 191 columns), so
+    no step copies the cache."""
+    from specbatch.engine.attention import _wider
+    from specbatch.engine.hf_cache import _regrow
+
+    for n in (20, 193, 200, 383, 700):
+        buf = _regrow(None, torch.zeros(2, 3, 1, 16), 2, 0, n)
+        keys = buf[:2, :, :n]
+        wide = _wider(keys, _aligned(n) - n)
+        assert wide.data_ptr() == buf.data_ptr() and wide.shape[2] == _aligned(n), n
+        assert torch.isfinite(wide).all()
