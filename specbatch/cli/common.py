@@ -89,6 +89,15 @@ def warn(message: str) -> None:
     click.secho(f"warning: {mask(message)}", err=True, fg="yellow")
 
 
+def check_device(device: str) -> None:
+    """Refuse an unknown or absent device (``--device cuda`` on a machine without CUDA) before
+    anything else is said or loaded: advice for that device (``warn_int8_off_cpu``) and a "loading"
+    line would only precede the same error, and a worker would first wait for its broker."""
+    from specbatch.engine.loading import resolve_device
+
+    resolve_device(device)     # DeviceError: one line at the CLI edge, exit 1
+
+
 def warn_int8_off_cpu(target: str, drafts: Sequence[str], device: str) -> None:
     """One line at start where an int8 draft of the pool (drafter specs) would run off the CPU
     (``known_models.int8_off_cpu``): there it is unquantized, and the default pair's draft is

@@ -64,9 +64,12 @@ def wait_for_broker(settings: Settings, say: Callable[[str], None], *,
             cause = e.__cause__ if e.__cause__ is not None else e
             waited = clock() - start
             if waited >= settings.broker_wait_seconds:
+                # 0 asked for no wait: the refused try's own moment is not one to report
+                how = (f"after waiting {waited:.0f}s (SPECBATCH_BROKER_WAIT_SECONDS)" if settings.broker_wait_seconds > 0
+                       else "(SPECBATCH_BROKER_WAIT_SECONDS=0: no wait)")
                 raise BrokerUnavailable(mask(
-                    f"cannot reach the broker at {settings.broker_url} ({cause}) after waiting "
-                    f"{waited:.0f}s (SPECBATCH_BROKER_WAIT_SECONDS); start Redis or set SPECBATCH_BROKER_URL")) from e
+                    f"cannot reach the broker at {settings.broker_url} ({cause}) {how}; "
+                    "start Redis or set SPECBATCH_BROKER_URL")) from e
             if first:
                 say(mask(f"cannot reach the broker at {settings.broker_url} ({cause}); waiting up to "
                          f"{settings.broker_wait_seconds:.0f}s for it (SPECBATCH_BROKER_WAIT_SECONDS), "

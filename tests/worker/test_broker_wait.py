@@ -119,3 +119,12 @@ def test_a_worker_started_before_the_broker_consumes_once_it_is_up(tmp_path: Pat
     finally:
         proc.stop()
         redis.stop()
+
+
+def test_no_wait_asked_says_so_rather_than_a_wait_it_did_not_do() -> None:
+    # SPECBATCH_BROKER_WAIT_SECONDS=0 is "no wait": the refused try's own moment is not a wait
+    clock, lines = Clock(), []
+    with pytest.raises(BrokerUnavailable) as e:
+        wait_for_broker(_settings(0), lines.append, clock=clock, sleep=clock.sleep, check=_down_until(clock, 1e9))
+    assert lines == [] and "after waiting" not in str(e.value)
+    assert "SPECBATCH_BROKER_WAIT_SECONDS=0: no wait" in str(e.value)
