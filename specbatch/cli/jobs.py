@@ -293,6 +293,29 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
     return fmt or implied or "jsonl"
 
 
+def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> tuple[str, int] | None:
+    """(job status, count) of the pending and running requests the export left out, or None when
+    it left none out: JSONL keeps finished requests by default, CSV and Parquet every request."""
+    from specbatch.db.models import JobStatus
+    from specbatch.jobs import store
+    from specbatch.jobs.openai_output import FINISHED
+
+    kept = set(statuses) if statuses else set(FINISHED if fmt == "jsonl" else REQUEST_STATUSES)
+    counts = store.request_counts(s, [job_id])[job_id]
+    n = sum(counts[x] for x in ("pending", "running") if x not in kept)
+    return (JobStatus(store.get_job(s, job_id).status).value, n) if n else None
+
+
+def _warn_left_out(job_id: str, left_out: tuple[str, int] | None) -> None:
+    # a file exported while its job runs must not pass for the whole dataset
+    if left_out is None:
+        return
+    job_status, n = left_out
+    warn(f"job {job_id} is {job_status}: {plural(n, 'request')} not finished yet {'is' if n == 1 else 'are'} "
+         f"not in the file (`specbatch status {job_id} --watch` waits for the job to end; --status "
+         "pending,running exports them as placeholders)")
+
+
 @click.command()
 @click.argument("job_id", metavar="JOB")
 @click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default=None,
@@ -356,9 +379,11 @@ def export(job_id: str, fmt: str | None, output: Path | None, errors_path: Path 
             raise   # the reader went away (`| head`): the CLI's edge exits quietly
         except OSError as e:
             raise click.ClickException(f"cannot write {e.filename or out}: {e.strerror or e}") from e
+        left_out = _unfinished_left_out(s, jid, fmt, statuses)
     if to_stdout:
         if errors_path is not None:
             click.echo(f"wrote {plural(n_err, 'error line')} to {errors_path}", err=True)
+        _warn_left_out(jid, left_out)
         return
     report: dict[str, Any] = {"id": jid, "format": fmt, "path": str(out), "rows": n}
     if errors_path is not None:
@@ -368,6 +393,7 @@ def export(job_id: str, fmt: str | None, output: Path | None, errors_path: Path 
     else:
         more = f" and {plural(n_err, 'error line')} to {errors_path}" if errors_path is not None else ""
         click.echo(f"wrote {plural(n, 'row')} to {out}{more}", err=True)
+    _warn_left_out(jid, left_out)
 
 
 # ---------------------------------------------------------------- cancel / retry

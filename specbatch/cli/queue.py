@@ -285,7 +285,7 @@ def _weights_elsewhere(target: str, drafts: list[str], model_map: dict[str, Any]
 
 
 @click.command()
-@click.argument("job_id")
+@click.argument("job_id", metavar="JOB")
 @click.option("--in-process", is_flag=True,
               help="Finish the job here (like `specbatch run --resume`), without broker or worker.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was re-enqueued as JSON.")
@@ -297,7 +297,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     too: they run once their lease ends, if that worker does not finish them first; those of a
     worker that ran on this machine and has exited (killed) are claimable at once.
     A job made by `specbatch run` is finished in this process (no broker needed), as with
-    --in-process.
+    --in-process. JOB is a job id (or a unique prefix of one, 4 characters or more).
 
     \b
     Example:

@@ -66,6 +66,17 @@ def test_help_has_an_example(path: str) -> None:
     assert f"specbatch {path.split()[0]}" in example or "specbatch" in example
 
 
+def test_every_command_that_takes_a_job_names_it_job_in_its_usage() -> None:
+    """README and every error say JOB (an id or a unique prefix); one usage line saying JOB_ID made
+    `resume` look as if it wanted something else."""
+    takes_job = [p for p in _all_commands()
+                 if any(isinstance(x, click.Argument) and x.name == "job_id" for x in _command(p).params)]
+    assert {"status", "export", "cancel", "retry", "resume", "audit"} <= set(takes_job)
+    for path in takes_job:
+        usage = CliRunner().invoke(cli, [*path.split(), "--help"], prog_name="specbatch").output.splitlines()[0]
+        assert usage == f"Usage: specbatch {path} [OPTIONS] JOB", usage
+
+
 def test_reporting_commands_take_json() -> None:
     assert set(REPORTING) | set(NOT_REPORTING) >= {p for p in _all_commands() if p not in ("db", "cache")}
     for path in REPORTING:

@@ -334,8 +334,27 @@ def test_export_format_follows_the_output_extension(db_url, tmp_path):
     assert result.exit_code == 0, result.output
     assert f"warning: {other}: .xlsx names no export format; writing jsonl" in result.stderr
     assert json.loads(other.read_text().splitlines()[0])["custom_id"] == "c0"
-    assert "warning" not in run("export", job_id, "-o", str(tmp_path / "plain")).stderr
+    assert "names no export format" not in run("export", job_id, "-o", str(tmp_path / "plain")).stderr
     assert run("export", job_id, "-f", "csv", "-o", str(tmp_path / "same.csv")).exit_code == 0
+
+
+def test_export_of_an_unfinished_job_says_which_requests_it_left_out(db_url, tmp_path):
+    """A dataset exported while its job runs must not pass for the whole job: the pending and
+    running requests it leaves out are counted on stderr (exit 0, stdout untouched)."""
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=2)    # queued: 2 of 4 not finished
+    out = tmp_path / "answers.jsonl"
+    result = run("export", job_id, "-o", str(out))
+    assert result.exit_code == 0, result.output
+    assert len(out.read_text().splitlines()) == 2
+    assert (f"warning: job {job_id} is running: 2 requests not finished yet are not in the file "
+            f"(`specbatch status {job_id} --watch` waits for the job to end") in result.stderr
+    to_stdout = run("export", job_id)
+    assert len(to_stdout.stdout.splitlines()) == 2 and "2 requests not finished yet" in to_stdout.stderr
+    # asked for (--status, or csv/parquet's default: every request), or nothing left: no warning
+    assert "warning" not in run("export", job_id, "--status", "completed,pending").stderr
+    assert "warning" not in run("export", job_id, "-f", "csv").stderr
+    done, _ = make_job(db_url, results=1, failures=1, pending=0)
+    assert "warning" not in run("export", done).stderr
 
 
 def test_export_format_that_contradicts_the_extension_is_a_usage_error(db_url, tmp_path):
