@@ -35,11 +35,17 @@ def _mask_userinfo(authority_and_path: str) -> str:
     return f"{user}:{MASK}@{rest}" if colon else authority_and_path
 
 
+# a value masked before, then the sentence's punctuation that the URL match took along (a message
+# holding a masked URL is masked again at the CLI's edge: "...?password=***: connection failed")
+_MASKED_THEN_PUNCTUATION = re.compile(re.escape(MASK) + r"[:,.;)\]}!?]+")
+
+
 def _mask_query(query: str) -> str:
     parts = []
     for part in re.split(r"([&;])", query):
-        name, eq, _ = part.partition("=")
-        parts.append(f"{name}={MASK}" if eq and unquote(name).strip().lower() in SECRET_PARAMS else part)
+        name, eq, value = part.partition("=")
+        secret = eq and unquote(name).strip().lower() in SECRET_PARAMS
+        parts.append(part if not secret or _MASKED_THEN_PUNCTUATION.fullmatch(value) else f"{name}={MASK}")
     return "".join(parts)
 
 

@@ -112,6 +112,23 @@ def test_mask_finds_secrets_wherever_a_url_keeps_them(url: str, shown: str) -> N
     assert mask(f"cannot reach '{url}' (refused)") == f"cannot reach '{shown}' (refused)"
 
 
+def test_masking_a_message_again_keeps_the_punctuation_after_a_masked_url(monkeypatch) -> None:
+    """`cannot open the database ...?password=***: connection failed` lost its colon: the CLI's edge
+    masks the message again, and the already-masked value took the colon after it for its own."""
+    shown = mask(f"postgresql://u@h/db?password={SECRET}")
+    for tail in (": refused", ", then", ") (x)", ". End"):
+        assert mask(f"at {shown}{tail}") == f"at postgresql://u@h/db?password=***{tail}"
+    assert mask(f"at postgresql://u@h/db?password={SECRET}:") == "at postgresql://u@h/db?password=***"  # raw: all of it
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"postgresql+psycopg://u@127.0.0.1:{_closed_port()}/x?password={SECRET}")
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["jobs"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 1 and SECRET not in result.output
+    assert "/x?password=***: " in result.output, result.output
+
+
 def test_a_worker_refusal_masks_the_database_url() -> None:
     from specbatch.db import session_factory
     from specbatch.worker.guard import refusal
