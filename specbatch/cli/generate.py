@@ -40,7 +40,8 @@ from specbatch.plural import plural
 @click.option("--temperature", type=TEMPERATURE, default=0.0, show_default=True, help="0 is greedy.")
 @click.option("--top-p", type=TOP_P, default=1.0, show_default=True, help="Nucleus sampling mass, in (0, 1].")
 @click.option("--top-k", type=TOP_K, default=0, show_default=True, help="Sample among the k likeliest; 0 is off.")
-@click.option("--seed", type=SEED, default=None)
+@click.option("--seed", type=SEED, default=None,
+              help="Sampling seed (matters only with --temperature > 0): the same seed repeats the text.")
 @click.option("--stop", multiple=True, callback=nonempty_stops,
               help="Stop string (repeatable); the text ends before it.")
 @device_options

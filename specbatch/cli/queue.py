@@ -362,7 +362,8 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
 @throughput_options
 @compile_option
 @click.option("--hostname", "-n", default=None, help="Worker node name (default specbatch-PID@host).")
-@click.option("--loglevel", "-l", default="INFO", show_default=True)
+@click.option("--loglevel", "-l", default="INFO", show_default=True,
+              help="Celery log level (DEBUG, INFO, WARNING, ERROR).")
 @click.option("--pool", type=click.Choice(["prefork", "solo"]), default="prefork", hidden=True)
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None, metavar="PORT",
               help="Serve Prometheus metrics on this port (default: SPECBATCH_METRICS_PORT; 0: off).")
@@ -408,7 +409,8 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
 
 @click.command()
 @click.option("--port", type=int, default=None, help="Port (default: settings, 5555).")
-@click.option("--address", default="127.0.0.1", show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True,
+              help="Address to bind; any non-loopback address needs SPECBATCH_FLOWER_PASSWORD (or Flower's basic auth).")
 @click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
 def flower(port: int | None, address: str, flower_args: tuple[str, ...]) -> None:
     """Start Flower on our broker (basic auth when SPECBATCH_FLOWER_PASSWORD is set; an address

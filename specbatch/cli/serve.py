@@ -30,9 +30,11 @@ def is_loopback(host: str) -> bool:
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; any non-loopback address needs SPECBATCH_API_KEYS.")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Port to listen on (in use: one line, exit 1).")
 @click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              help="Server log level; debug also logs every request.")
 @click.option("--workers", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Server processes sharing the port (one Python process uses about one core).")
 @click.option("--health-port", type=click.IntRange(1, 65535), default=None,

@@ -77,6 +77,13 @@ def test_every_command_that_takes_a_job_names_it_job_in_its_usage() -> None:
         assert usage == f"Usage: specbatch {path} [OPTIONS] JOB", usage
 
 
+def test_every_option_says_what_it_does() -> None:
+    """`serve --help` listed --port and --log-level with nothing but their defaults."""
+    bare = [f"{path} {p.opts[0]}" for path in _all_commands() for p in _command(path).params
+            if isinstance(p, click.Option) and not p.hidden and not p.help]
+    assert not bare, bare
+
+
 def test_reporting_commands_take_json() -> None:
     assert set(REPORTING) | set(NOT_REPORTING) >= {p for p in _all_commands() if p not in ("db", "cache")}
     for path in REPORTING:
