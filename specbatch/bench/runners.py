@@ -8,7 +8,6 @@ the first EOS, so outputs compare token for token.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,14 +65,12 @@ def generate_all(engine: Any, reqs: Sequence[Any], device: torch.device) -> tupl
     """Every request's ``EngineOutput`` through ``engine.generate_many``, in request order, and
     the wall seconds; a request's exception ends the run (a benchmark of ours never drops one)."""
     outs: list[Any] = [None] * len(reqs)
-    clock.synchronize(device)
-    t0 = time.perf_counter()
+    t0 = clock.now(device)
     for i, out in engine.generate_many(reqs):
         if isinstance(out, Exception):
             raise RuntimeError(f"prompt {i}: {out}")
         outs[i] = out
-    clock.synchronize(device)
-    return outs, time.perf_counter() - t0
+    return outs, clock.now(device) - t0
 
 
 def _greedy_config(lm: LoadedModel, max_new_tokens: int, **extra: Any) -> Any:
@@ -130,12 +127,10 @@ class HFRunner:
         config = _greedy_config(lm, max_new_tokens, **extra)
         inp = torch.tensor([ids], dtype=torch.long, device=lm.device)
         with torch.inference_mode(), _inductor_defaults(self.compiles):
-            clock.synchronize(lm.device)
-            t0 = time.perf_counter()
+            t0 = clock.now(lm.device)
             out = lm.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp),
                                     generation_config=config, **kwargs)
-            clock.synchronize(lm.device)
-            seconds = time.perf_counter() - t0
+            seconds = clock.now(lm.device) - t0
         return RunOutput(cut_at_eos(out[0, len(ids):].tolist(), lm.eos_token_ids), seconds)
 
     def batch(self, batch_ids: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
@@ -147,11 +142,9 @@ class HFRunner:
         inp = torch.tensor([[pad] * (width - len(x)) + list(x) for x in batch_ids], device=lm.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids], device=lm.device)
         with torch.inference_mode():
-            clock.synchronize(lm.device)
-            t0 = time.perf_counter()
+            t0 = clock.now(lm.device)
             out = lm.model.generate(input_ids=inp, attention_mask=mask, generation_config=config)
-            clock.synchronize(lm.device)
-            seconds = time.perf_counter() - t0
+            seconds = clock.now(lm.device) - t0
         return [cut_at_eos(row[width:].tolist(), lm.eos_token_ids) for row in out], seconds
 
 
@@ -166,11 +159,9 @@ class EngineRunner:
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> RunOutput:
         device = self.engine.target.device
-        clock.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock.now(device)
         out = self.engine.generate(input_ids=list(ids), params=self.params(max_new_tokens))
-        clock.synchronize(device)
-        seconds = time.perf_counter() - t0
+        seconds = clock.now(device) - t0
         return RunOutput(cut_at_eos(out.token_ids, self.engine.target.eos_token_ids), seconds, out.stats)
 
     def batch(self, batch_ids: list[list[int]], max_new_tokens: int, batch_size: int
@@ -182,10 +173,8 @@ class EngineRunner:
         reqs = [EngineRequest(input_ids=list(x), params=params) for x in batch_ids]
         rows: list[list[int] | Exception] = [RuntimeError("no result")] * len(reqs)
         device = self.engine.target.device
-        clock.synchronize(device)
-        t0 = time.perf_counter()
+        t0 = clock.now(device)
         for i, res in self.engine.generate_many(reqs, batch_size=batch_size):
             rows[i] = res if isinstance(res, Exception) else cut_at_eos(
                 res.token_ids, self.engine.target.eos_token_ids)
-        clock.synchronize(device)
-        return rows, time.perf_counter() - t0
+        return rows, clock.now(device) - t0

@@ -91,17 +91,19 @@ def warn(message: str) -> None:
 
 def check_device(device: str) -> None:
     """Refuse an unknown or absent device (``--device cuda`` on a machine without CUDA) before
-    anything else is said or loaded: advice for that device (``warn_int8_off_cpu``) and a "loading"
+    anything else is said or loaded: advice for that device (``check_pair_device``) and a "loading"
     line would only precede the same error, and a worker would first wait for its broker."""
     from specbatch.engine.loading import resolve_device
 
     resolve_device(device)     # DeviceError: one line at the CLI edge, exit 1
 
 
-def warn_int8_off_cpu(target: str, drafts: Sequence[str], device: str) -> None:
-    """One line at start where an int8 draft of the pool (drafter specs) would run off the CPU
-    (``known_models.int8_off_cpu``): there it is unquantized, and the default pair's draft is
-    then as costly as its target."""
+def check_pair_device(target: str, drafts: Sequence[str], device: str) -> None:
+    """Before a model loads (run, worker, generate): the device is refused if absent
+    (``check_device``), else one line where an int8 draft of the pool (drafter specs) would run off
+    the CPU (``known_models.int8_off_cpu``): there it is unquantized, and the default pair's draft
+    is then as costly as its target."""
+    check_device(device)
     from specbatch.engine.drafter_specs import model_names, parse_drafters
     from specbatch.engine.known_models import int8_off_cpu
     from specbatch.errors import SpecBatchError

@@ -10,11 +10,10 @@ from specbatch.cli.common import (
     TEMPERATURE,
     TOP_K,
     TOP_P,
-    check_device,
+    check_pair_device,
     compile_option,
     loading_models,
     nonempty_stops,
-    warn_int8_off_cpu,
 )
 from specbatch.cli.compile_text import compiling_notice, report_compile, use_compile_cache
 from specbatch.cli.json_out import echo_json
@@ -69,8 +68,7 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
     if no_draft(drafts, False):   # the target alone, as on run ('none' with other drafts: usage error)
         ngram = False
     target, drafts = resolve_pair(settings, target, drafts, ngram)
-    check_device(device or settings.device)
-    warn_int8_off_cpu(target, drafts, device or settings.device)
+    check_pair_device(target, drafts, device or settings.device)
     configure_threads(threads or settings.threads or None, settings.local_workers)
     use_compile_cache(settings, compile_ or settings.compile)
     params = GenerationParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,

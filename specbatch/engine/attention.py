@@ -80,8 +80,8 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
         mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)
-    if pad_cols and _aligned(length) > length:
-        key, value, mask = _pad_columns(key, value, mask, _aligned(length) - length)
+    if pad_cols and (cols := _aligned(length) - length):
+        key, value, mask = _pad_columns(key, value, mask, cols)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     if pad:
         out = out[:, :, : groups * t]

@@ -29,7 +29,7 @@ def test_the_default_pair_off_the_cpu_is_a_draft_as_costly_as_its_target():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="here --device cuda would load and decode")
 def test_generate_on_cuda_with_the_default_pair_says_so_at_start(monkeypatch):
     # the device check passes where CUDA is (stubbed here: there is none), so the load refuses it after
-    monkeypatch.setattr("specbatch.cli.generate.check_device", lambda device: None)
+    monkeypatch.setattr("specbatch.cli.common.check_device", lambda device: None)
     r = run("generate", "--prompt", "hi", "--device", "cuda", "--max-new-tokens", "2")
     assert r.exit_code != 0
     warned = [ln for ln in r.stderr.splitlines() if "CPU-only" in ln]
