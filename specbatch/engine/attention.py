@@ -80,7 +80,11 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
         mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)
-    if pad_cols and (cols := _aligned(length) - length):
+    # not under dynamo: the widening's length arithmetic made inductor's lowering fail there ("Exponent
+    # must be non-negative"), so the compiled forward fell back to eager wherever ``columns_move``;
+    # and a compiled step and verify run different graphs (their own fusions and GEMM blocking), so
+    # the bits it keeps alike in eager are not alike compiled anyway (docs/COMPILE.md, exactness)
+    if pad_cols and not torch.compiler.is_compiling() and (cols := _aligned(length) - length):
         key, value, mask = _pad_columns(key, value, mask, cols)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     if pad:
@@ -116,7 +120,7 @@ def _pad_columns(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, col
 
 def _wider(t: torch.Tensor, cols: int) -> torch.Tensor:
     size = (t.shape[0], t.shape[1], t.shape[2] + cols, t.shape[3])
-    if not torch.compiler.is_compiling() and t.stride(3) == 1 and t.stride(2) == t.shape[3]:
+    if t.stride(3) == 1 and t.stride(2) == t.shape[3]:
         last = t.storage_offset() + sum((n - 1) * st for n, st in zip(size, t.stride()))
         if last < t.untyped_storage().nbytes() // t.element_size():
             return t.as_strided(size, t.stride(), t.storage_offset())

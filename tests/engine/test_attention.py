@@ -194,3 +194,25 @@ def test_a_cache_buffer_widens_to_any_aligned_length_without_a_copy():
         wide = _wider(keys, _aligned(n) - n)
         assert wide.data_ptr() == buf.data_ptr() and wide.shape[2] == _aligned(n), n
         assert torch.isfinite(wide).all()
+
+
+def test_under_dynamo_one_graph_serves_every_key_length(monkeypatch):
+    """A compiled forward traces the cache length as a symbol. The column widening's arithmetic on
+    it made inductor's lowering fail ("Exponent must be non-negative": every compiled forward fell
+    back to eager on a CPU where ``columns_move``), and a branch on it would be one more graph per
+    side; so under dynamo nothing is widened, and one graph serves lengths on both sides of 192
+    and of a multiple of 16. (A tiny function: about 10 s of compiling.)"""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr("specbatch.engine.attention._columns_move", True)
+    monkeypatch.setattr("specbatch.engine.attention._rows_move", True)
+    torch._dynamo.reset()
+    counters.clear()
+    attn = _Attn(3)
+    compiled = torch.compile(lambda q, k, v, m: folded_sdpa(attn, q, k, v, m)[0], dynamic=True,
+                             fullgraph=True)
+    for length in (20, 64, 150, 300, 530):
+        q, k, v, seen = _inputs(2, 6, 2, 1, length, seed=length)
+        with torch.inference_mode():
+            torch.testing.assert_close(compiled(q, k, v, seen), folded_sdpa(attn, q, k, v, seen)[0])
+    assert counters["stats"]["unique_graphs"] == 1
