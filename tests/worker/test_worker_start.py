@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from specbatch.worker import monitor
 from specbatch.worker.monitor import active_queues, queue_workers
 from tests.worker.conftest import CLI
 from tests.worker.services import Proc, get_json, wait_for
@@ -47,6 +48,10 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
         "starting: loading models"
     view = next(v for v in queue_workers(cluster.settings, cluster.queue()) or [] if v.name.startswith("w1@"))
     assert not view.consuming      # online, not consuming: nothing is taken before the models are there
+    # the worker answers status's one broadcast itself (worker.panel), not through the two built-in commands
+    reply = next(r for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0) or {}).items()
+                 if w.startswith("w1@"))
+    assert reply == {"queues": [], "default_queue": cluster.queue(), "state": "starting: loading models"}
 
     # what a user sees: the worker is starting, not "no live worker ... start one"
     job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
@@ -65,6 +70,8 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
     cluster.wait_consuming(proc)
     assert cluster.wait_finished(job_id)["status"] == "completed"
     assert wait_for(lambda: _state(cluster, proc, "ready"), 30, "the ready state") == "ready (eager)"
+    assert [r["queues"] for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0) or {}).items()
+            if w.startswith("w1@")] == [[cluster.queue()]]
 
 
 def test_sigterm_stops_a_worker_while_it_loads(cluster, gate) -> None:  # noqa: ANN001
