@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from specbatch.worker import monitor
+from specbatch.worker import monitor, scratch
 from specbatch.worker.monitor import active_queues, queue_workers
 from tests.worker.conftest import CLI
 from tests.worker.services import Proc, get_json, wait_for
@@ -18,8 +18,8 @@ from tests.worker.services import Proc, get_json, wait_for
 pytestmark = pytest.mark.slow   # each starts a worker: spawning its child alone is seconds here
 
 
-def _worker(cluster, name: str, hook: str, compile_: str = "off") -> Proc:  # noqa: ANN001
-    argv = [sys.executable, "-m", "tests.worker.entry", "--imports", hook, "--compile", compile_,
+def _worker(cluster, name: str, *hooks: str, compile_: str = "off") -> Proc:  # noqa: ANN001
+    argv = [sys.executable, "-m", "tests.worker.entry", *(a for h in hooks for a in ("--imports", h)), "--compile", compile_,
             "--target", str(cluster.models / "llama"), "--draft", str(cluster.models / "llama-partial"),
             "-n", f"{name}@%h"]
     proc = Proc(argv, cluster.env, cluster.tmp / f"worker-{name}.log")
@@ -82,6 +82,29 @@ def test_sigterm_stops_a_worker_while_it_loads(cluster, gate) -> None:  # noqa: 
     proc.signal(signal.SIGTERM)
     assert proc.wait(30) == 0, proc.output()[-3000:]      # the bound is generous; measured ~3-5 s
     assert not any(_alive(pid) for pid in child), child
+
+
+@pytest.mark.parametrize("moment", ["import", "pool"])
+def test_sigterm_at_any_moment_of_the_start_up_stops_the_worker_cleanly(cluster, gate, moment) -> None:  # noqa: ANN001
+    """The test above flaked at load 10: SIGTERM came once the worker's scratch directory said
+    "starting", before Celery had installed its handler ("import"), and the worker died by the
+    default action (exit -15, no output). Signalled after the handler but before the consumer
+    started ("pool"), the worker waited forever for the child loading its models. Held at each
+    moment by a hook and signalled there."""
+    held = cluster.tmp / "held"
+    cluster.env.update(SPECBATCH_TEST_HOLD=moment, SPECBATCH_TEST_HELD=str(held))
+    proc = _worker(cluster, "w1", "tests.worker.gated_load_hook", "tests.worker.held_start_hook")
+    wait_for(lambda: held.exists() or proc.proc.poll() is not None, 120, "the start-up to be held")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()[-3000:]
+    wait_for(lambda: not _session_alive(proc.pid), 10, "the pool child to end")
+    assert not (scratch.workers_root(cluster.settings) / str(proc.pid)).exists()   # no "starting" left behind
+
+
+def _session_alive(sid: int) -> list[str]:
+    """The processes of the worker's session (its pool child, billiard's tracker) not yet ended."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=", "-s", str(sid)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[1][0] not in "ZX"]
 
 
 def test_a_compiling_worker_consumes_eagerly_shows_progress_and_stops_on_sigterm(cluster) -> None:  # noqa: ANN001
