@@ -122,7 +122,7 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
     the broker cannot be asked; ``states``: also each consuming worker's state (compiling ...)."""
     from specbatch.worker.monitor import queue_workers
 
-    workers = queue_workers(settings, queue, states=states)
+    workers = queue_workers(settings, queue)
     if workers is None:
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
         return

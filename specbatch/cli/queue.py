@@ -383,8 +383,9 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.enqueue import wait_for_broker
-    from specbatch.worker.runner import run_worker
+    from specbatch.worker.runner import run_worker, stop_on_sigterm
 
+    stop_on_sigterm()      # from here a SIGTERM exits 0 (the broker wait below can last a minute)
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
     plain = no_draft(drafts, no_speculation)

@@ -161,6 +161,21 @@ def _run_upgrade(engine: Engine, revision: str = "head") -> None:
     command.upgrade(_alembic_config(engine), revision)
 
 
+# The newest migration's revision (a test holds it equal to Alembic's head). A database already at
+# it is told by one SELECT, without importing Alembic and loading every migration script: that check
+# took 1.7 s of a `specbatch status` on PostgreSQL at load 10. Any other answer takes the full check.
+SCHEMA_HEAD = "0015"
+
+
+def _at_head(engine: Engine) -> bool:
+    # read-only: on SQLite a BEGIN IMMEDIATE here would wait for a busy writer just to read a version
+    with engine.execution_options(specbatch_readonly=True).connect() as conn:   # a database down raises here
+        try:
+            return set(conn.exec_driver_sql("SELECT version_num FROM alembic_version").scalars()) == {SCHEMA_HEAD}
+        except exc.DBAPIError:      # no alembic_version yet: a new database
+            return False
+
+
 def _needs_upgrade(engine: Engine) -> bool:
     from alembic.runtime.migration import MigrationContext
     from alembic.script import ScriptDirectory
@@ -198,7 +213,7 @@ def get_engine(url: str, pool_size: int | None = None) -> Engine:
             engine = None
         if engine is None:
             engine = _create(url, pool_size)
-            if _needs_upgrade(engine):
+            if not _at_head(engine) and _needs_upgrade(engine):
                 logger.info("migrating %s to the newest schema", mask(str(engine.url)))
                 _run_upgrade(engine)
             _engines[url] = engine

@@ -86,6 +86,7 @@ class ParsedFile:
     noop_fields: dict[str, int] = dataclasses.field(default_factory=dict)   # accepted, cannot change the text -> lines
     models: dict[str, int] = dataclasses.field(default_factory=dict)        # body.model -> lines
     model_map: dict[str, Route] | None = None
+    unused_defaults: list[str] = dataclasses.field(default_factory=list)    # job options every line overrides
 
     def warnings(self, target: str) -> list[str]:
         """One line per kind of thing the user may not expect (``target``: the job's target)."""
@@ -98,6 +99,10 @@ class ParsedFile:
         if others and self.model_map is None:
             listed = ", ".join(f"{k} ({n} line{'s' if n > 1 else ''})" for k, n in sorted(others.items()))
             out.append(f"model is ignored without --model-map: {listed}; every request runs on {target}")
+        for key in self.unused_defaults:     # `--temperature 0` meant as "all greedy" changed nothing
+            field = "max_tokens" if key == "max_new_tokens" else key
+            out.append(f"--{key.replace('_', '-')} applies to no line: every line sets its own {field}, "
+                       "which wins over the option")
         return out
 
 
@@ -451,6 +456,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
     if top_p_zero:
         params.update(temperature=0.0, top_p=1.0)
+    # the job's defaults this line does not take
+    own = {"max_new_tokens" if k in MAX_TOKENS_KEYS else k for k in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:])
+           if fields_.get(k) is not None} | ({"temperature", "top_p"} if top_p_zero else set())
     n_logprobs, more = _check_logprobs(fields_, prefix, chat=has_messages)
     problems += more
     if n_logprobs is not None:
@@ -481,7 +489,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     return {"custom_id": custom_id, "kind": "completion" if has_prompt else "chat", "prompt": prompt,
             "messages": messages, "params": params, "model": model,
             "target": route[0] if route else None, "drafts": list(route[1]) if route else None,
-            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop, "openai": bool(prefix)}
+            "metadata": metadata, "prompt_ids": prompt_ids, "noop": noop, "own": own, "openai": bool(prefix)}
 
 
 def _check_structured(fields_: dict[str, Any], prefix: str, kind: str | None,
@@ -614,6 +622,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
                 vocab_of: Callable[[str | None], int | None] | None = None) -> ParsedFile:
     """Like read_file, reading an open binary stream; ``name`` is used in messages."""
     base = job_params(defaults)
+    given = [k for k, v in (defaults or {}).items() if v not in (None, (), [])]
+    defaulted: dict[str, int] = {}      # a job option given -> the lines that take it
     noop_fields: dict[str, int] = {}
     models: dict[str, int] = {}
     errors: list[InputError] = []
@@ -688,6 +698,10 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             continue
         for k in fields_.pop("noop"):
             noop_fields[k] = noop_fields.get(k, 0) + 1
+        own = fields_.pop("own")
+        for k in given:
+            if k not in own:
+                defaulted[k] = defaulted.get(k, 0) + 1
         if fields_["model"] is not None:
             models[fields_["model"]] = models.get(fields_["model"], 0) + 1
         parsed.append((line_no, fields_))
@@ -727,7 +741,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
     if total_errors:
         errors.sort(key=lambda e: (e.line_no or 0))
         raise IntakeError(errors, total=total_errors)
-    return ParsedFile(requests, noop_fields, models, model_map)
+    return ParsedFile(requests, noop_fields, models, model_map, [k for k in given if not defaulted.get(k)])
 
 
 def _vocab_problems(fields_: dict[str, Any], vocab_of: Callable[[str | None], int | None]

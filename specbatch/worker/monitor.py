@@ -19,13 +19,20 @@ STATE_KEY = "specbatch_state"
 STARTING = "starting: loading models"
 
 
+# answered by specbatch.worker.panel: a worker's queues and state in one reply
+VIEW_COMMAND = "specbatch_view"
+
+
 def _inspect(settings: Settings, command: str, timeout: float) -> dict[str, Any] | None:
-    """worker name -> its reply to ``command``; None when the broker is unreachable."""
+    """worker name -> its reply to the remote-control ``command``, after one broadcast that waits
+    ``timeout`` seconds past the last reply; None when the broker is unreachable."""
+    from celery.app.control import flatten_reply
+
     app = app_for(settings)
     try:
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1, timeout=timeout)
-            return getattr(app.control.inspect(timeout=timeout, connection=conn), command)() or {}
+            return flatten_reply(app.control.broadcast(command, reply=True, timeout=timeout, connection=conn) or [])
     except Exception as e:
         logger.debug("broker unreachable: %s", e)
         return None
@@ -56,25 +63,34 @@ class WorkerView:
     state: str | None        # "starting: loading models", "compiling 2/4 (...)", ...; None: not said
 
 
-def queue_workers(settings: Settings, queue: str, timeout: float = 1.0,
-                  states: bool = True) -> list[WorkerView] | None:
+def _views(settings: Settings, timeout: float) -> dict[str, dict[str, Any]] | None:
+    """worker name -> {"queues", "default_queue", "state"} (``panel.specbatch_view``); None when the
+    broker is unreachable."""
+    replies = _inspect(settings, VIEW_COMMAND, timeout)
+    if replies is None or all(isinstance(r, dict) and "queues" in r for r in replies.values()):
+        return replies
+    # a worker of an older specbatch answers {"error": ...}: ask everyone the two built-in commands
+    consumers, confs = active_queues(settings, timeout), _inspect(settings, "conf", timeout)
+    if consumers is None or confs is None:
+        return None
+    return {w: {"queues": consumers.get(w, []), "default_queue": (confs.get(w) or {}).get("task_default_queue"),
+                "state": (confs.get(w) or {}).get(STATE_KEY)} for w in set(consumers) | set(confs)}
+
+
+def queue_workers(settings: Settings, queue: str, timeout: float = 1.0) -> list[WorkerView] | None:
     """The live workers consuming ``queue``, and the `specbatch worker`s for it still starting
     (online, not consuming until their models are loaded), so nobody is told to start another;
-    None when the broker is unreachable. ``states`` False: ask for states only when no worker
-    consumes the queue (one round trip less, ``timeout`` each)."""
-    consumers = active_queues(settings, timeout=timeout)
-    if consumers is None:
+    None when the broker is unreachable. One broadcast, ``timeout`` past the last reply."""
+    replies = _views(settings, timeout)
+    if replies is None:
         return None
-    consuming = {w for w, names in consumers.items() if queue in names}
-    confs = _inspect(settings, "conf", timeout) if states or not consuming else {}
     views = []
-    for worker in sorted(set(consumers) | set(confs or {})):
-        conf = (confs or {}).get(worker) or {}
-        state = conf.get(STATE_KEY) if isinstance(conf, dict) else None
-        starting = isinstance(conf, dict) and conf.get("task_default_queue") == queue and \
-            str(state or "").startswith("starting")
-        if worker in consuming or starting:
-            views.append(WorkerView(worker, worker in consuming, state))
+    for worker, reply in sorted(replies.items()):
+        state = reply.get("state")
+        consuming = queue in (reply.get("queues") or [])
+        starting = reply.get("default_queue") == queue and str(state or "").startswith("starting")
+        if consuming or starting:
+            views.append(WorkerView(worker, consuming, state))
     return views or starting_here(settings, queue)
 
 

@@ -20,8 +20,10 @@ the worker is online (heartbeats, Flower, ``celery inspect``) while the child lo
 show. The ``EngineReady`` consumer step consumes the queue once the child reports its models
 loaded, or exits non-zero with the loading error. Compiling happens after that, in the child's
 background (``specbatch.engine.background``), so the worker serves eagerly meanwhile.
-SIGTERM while the child loads: the warm shutdown kills the child (it cannot see the shutdown
-while it loads, and billiard would wait for it).
+SIGTERM at any moment of the start-up exits 0: before Celery installs its handler,
+``stop_on_sigterm``'s ends the start-up where it is; after, the warm shutdown kills a child still
+loading (``StopLoadingChild``: it cannot see the shutdown while it loads, and billiard would wait
+for it).
 """
 
 from __future__ import annotations
@@ -84,8 +86,7 @@ class HoldQueue(bootsteps.Step):
 class EngineReady(bootsteps.StartStopStep):
     """In the consumer's event loop: follow the pool child's state file (``specbatch_state``
     in the app config), consume the queue once it reports its models loaded, exit with the
-    loading error if it reports one. A shutdown before then kills the loading child: it does not
-    see a warm shutdown while it loads (billiard waits for it otherwise)."""
+    loading error if it reports one. (A shutdown before then: ``StopLoadingChild``.)"""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)
 
@@ -123,20 +124,30 @@ class EngineReady(bootsteps.StartStopStep):
             raise ModelLoadFailed(message)   # SystemExit: out of the event loop, the worker stops
 
     def stop(self, c: Any) -> None:
-        """Also on a reconnect (the consumer restarts): only a shutdown kills a loading child."""
-        from celery.worker import state
-
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.ready or not c.app.conf.get("specbatch_ready_file"):
+
+
+class StopLoadingChild(bootsteps.StartStopStep):
+    """At the worker's stop, before the pool's (it requires the pool; the consumer starts after
+    every other step): kill the pool child if it still loads its models. It does not see a warm
+    shutdown while it loads, and billiard would wait for it. Not a consumer step: a SIGTERM after
+    Celery installed its handler but before the consumer started (the child already spawned) skips
+    the consumer steps' stop, and the worker waited for the loading child forever."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def stop(self, worker: Any) -> None:
+        ready = worker.app.conf.get("specbatch_ready_file")
+        if not ready or _read(ready):   # solo, or the child has said how its loading ended
             return
-        if state.should_stop is None and state.should_terminate is None:
-            return
-        for pid in (getattr(c.pool, "info", None) or {}).get("processes", ()):
+        for pid in (getattr(worker.pool, "info", None) or {}).get("processes", ()):
             logger.info("stopping pool child %s while it loads its models", pid)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+    terminate = stop     # a cold shutdown
 
 
 class LeaseSweeper(bootsteps.StartStopStep):
@@ -184,51 +195,52 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     """
     from celery.utils.nodenames import default_nodename, host_format
 
+    stop_on_sigterm()
     drafts = names(parse_drafters(drafts))
     queue = queue_name(target, drafts)
     hostname = hostname or f"specbatch-{os.getpid()}@%h"
     metrics_dir, server = _serve_metrics(settings, metrics_port)
-    app = create_app(settings)
     own = worker_dir(settings)
-    node = host_format(default_nodename(hostname))
-    # `status` on this machine reads it when remote control does not answer in time (monitor.starting_here)
-    write_worker(own, node, queue, settings)
     ready = str(own / "ready")
-    app.conf.update(
-        specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,
-        specbatch_state=STARTING if pool == "prefork" else "ready",
-        specbatch_engine={"target": target, "drafts": drafts,
-                          "device": device or settings.device, "dtype": dtype or settings.dtype,
-                          "batch_size": batch_size or settings.batch_size, "max_memory": max_memory,
-                          "threads": threads, "compile": compile or settings.compile,
-                          "prefix_cache": settings.prefix_cache if prefix_cache is None else prefix_cache},
-        specbatch_ready_file=ready if pool == "prefork" else None,
-        specbatch_observe={"worker": node, "metrics": server is not None},
-        imports=list(imports),
-        task_default_queue=queue,
-        specbatch_sweep_queues=[queue],
-    )
-    app.steps["worker"].add(HoldQueue)
-    app.steps["worker"].add(LeaseSweeper)
-    app.steps["consumer"].add(EngineReady)
-    if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
-        from specbatch.worker import tasks
-
-        task = app.tasks[tasks.TASK_NAME]   # this app's instance holds the engine (tasks.EngineTask)
-        try:
-            task.prepare()
-        except SpecBatchError as e:
-            _stop_metrics(metrics_dir, server)
-            return EX_MODEL_LOAD, str(e)
-    code = 0
+    code, load_error = 0, None
     try:
-        app.worker_main(worker_argv(queue, hostname=hostname, loglevel=loglevel, pool=pool,
-                                    extra=extra_argv))
-    except SystemExit as e:
+        app = create_app(settings)
+        node = host_format(default_nodename(hostname))
+        # `status` on this machine reads it when remote control does not answer in time (monitor.starting_here)
+        write_worker(own, node, queue, settings)
+        app.conf.update(
+            specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,
+            specbatch_state=STARTING if pool == "prefork" else "ready",
+            specbatch_engine={"target": target, "drafts": drafts,
+                              "device": device or settings.device, "dtype": dtype or settings.dtype,
+                              "batch_size": batch_size or settings.batch_size, "max_memory": max_memory,
+                              "threads": threads, "compile": compile or settings.compile,
+                              "prefix_cache": settings.prefix_cache if prefix_cache is None else prefix_cache},
+            specbatch_ready_file=ready if pool == "prefork" else None,
+            specbatch_observe={"worker": node, "metrics": server is not None},
+            imports=list(imports),
+            task_default_queue=queue,
+            specbatch_sweep_queues=[queue],
+        )
+        app.steps["worker"].add(HoldQueue)
+        app.steps["worker"].add(StopLoadingChild)
+        app.steps["worker"].add(LeaseSweeper)
+        app.steps["consumer"].add(EngineReady)
+        if pool != "prefork":  # solo/threads: the models live in this process; load them before consuming
+            from specbatch.worker import tasks
+
+            task = app.tasks[tasks.TASK_NAME]   # this app's instance holds the engine (tasks.EngineTask)
+            try:
+                task.prepare()
+            except SpecBatchError as e:
+                code, load_error = EX_MODEL_LOAD, str(e)
+        if load_error is None:
+            app.worker_main(worker_argv(queue, hostname=hostname, loglevel=loglevel, pool=pool,
+                                        extra=extra_argv))
+    except SystemExit as e:     # Celery's exit, or a SIGTERM before its handler (stop_on_sigterm)
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         _stop_metrics(metrics_dir, server)
-    load_error = None
     try:
         with open(ready) as f:
             text = f.read()
@@ -242,6 +254,20 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     # frozen objects are not scanned again
     gc.freeze()
     return code, load_error
+
+
+def _exit_on_sigterm(_signum: int, _frame: Any) -> None:
+    raise SystemExit(0)
+
+
+def stop_on_sigterm() -> None:
+    """Until Celery installs its own SIGTERM handler (its warm shutdown, once the worker starts),
+    a SIGTERM ends the start-up where it is: SystemExit(0), so ``run_worker`` cleans up and the
+    process exits 0. The default action killed it outright (exit -15, no output, its scratch
+    directory left announcing "starting"): a worker stopped as soon as it announced itself died so
+    at load 10, where Celery took seconds more to install its handler. No pool child exists before
+    then (the pool starts after the handler), so there is none to stop."""
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def worker_dir(settings: Settings) -> Path:

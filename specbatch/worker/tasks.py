@@ -34,6 +34,7 @@ from specbatch.worker.cancel import CancelWatch, job_stopping
 from specbatch.worker.chunk import ChunkReport, process_chunk
 from specbatch.worker.guard import allows_fallback, draft_only, refusal
 from specbatch.worker.interrupt import Interrupted, interruptible
+from specbatch.worker.panel import specbatch_view  # noqa: F401 - registers the remote-control command
 from specbatch.worker.transaction import TRANSIENT_DB_ERRORS, transact
 
 if TYPE_CHECKING:

@@ -653,7 +653,7 @@ def test_resume_imports_no_model_library(db_url):
 
 def _fresh_cli(db_url: str, args: list[str]) -> list[str]:
     """``args`` through the real entry point in a fresh interpreter (as a user's shell starts it):
-    exit code, stderr's last line, and which model libraries it imported."""
+    exit code, stderr's last line, and which model libraries (and Alembic) it imported."""
     import os
     import subprocess
     import sys
@@ -664,11 +664,33 @@ def _fresh_cli(db_url: str, args: list[str]) -> list[str]:
             f"r = CliRunner().invoke(cli, {args!r}, obj={{}})\n"
             "print(r.exit_code, repr(r.exception) if not isinstance(r.exception, SystemExit) else None)\n"
             "print(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else '')\n"
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+            "print(sorted(m for m in ('torch', 'transformers', 'alembic') if m in sys.modules))\n")
     env = {**os.environ, "SPECBATCH_DATABASE_URL": db_url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
+
+
+def test_status_and_cancel_import_no_model_library_and_no_alembic(db_url):
+    """`status` and `cancel` took 9-14 s at load 10: 5 s of imports, 1.7 s of them Alembic's
+    migration check (a database at head is told without it). Never torch or transformers."""
+    job_id, _ = make_job(db_url)
+    out = _fresh_cli(db_url, ["status", job_id])
+    assert out[0] == "0 None" and out[2] == "[]", out
+    assert _fresh_cli(db_url, ["cancel", job_id]) == ["0 None", "", "[]"]
+
+
+def test_status_asks_the_workers_once(db_url, monkeypatch):
+    """One remote-control broadcast per queue: each waits its whole timeout (1 s) for replies."""
+    import specbatch.worker.monitor as monitor
+
+    asked: list[str] = []
+    monkeypatch.setattr(monitor, "_inspect", lambda settings, command, timeout: asked.append(command) or {})
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert "no live worker consumes queue sb.q1" in result.stderr
+    assert asked == [monitor.VIEW_COMMAND]
 
 
 def test_run_resume_of_no_job_answers_before_torch(db_url):

@@ -342,6 +342,22 @@ def test_job_defaults_and_line_overrides(tmp_path):
     assert intake.job_params(defaults)["stop"] == ["###"]
 
 
+def test_a_job_option_that_every_line_overrides_is_warned_about(tmp_path):
+    """`--temperature 0` meant as "all greedy" over lines that each set a temperature changes
+    nothing: the warning names the option. One line taking it is enough to say nothing."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(prompt="a", max_tokens=5, temperature=0.7)
+                     + L(method="POST", url="/v1/completions", body={"prompt": "b", "max_completion_tokens": 4,
+                                                                     "top_p": 0}))   # top_p 0: greedy, its own
+    defaults = {"max_new_tokens": 16, "temperature": 0.0, "top_p": 0.9, "seed": 3, "stop": ()}
+    got = intake.read_file(path, defaults, Settings(database_url="sqlite://"))
+    assert got.warnings("t") == [
+        "--max-new-tokens applies to no line: every line sets its own max_tokens, which wins over the option",
+        "--temperature applies to no line: every line sets its own temperature, which wins over the option"]
+    path.write_bytes(path.read_bytes() + L(prompt="c"))
+    assert intake.read_file(path, defaults, Settings(database_url="sqlite://")).warnings("t") == []
+
+
 def test_a_line_at_the_byte_limit_is_accepted(tmp_path):
     line = L(prompt="x" * 86).rstrip(b"\n")
     assert len(line) == 100

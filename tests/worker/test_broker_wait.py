@@ -93,6 +93,24 @@ def test_a_worker_started_with_the_broker_down_says_so_once_and_exits_1(tmp_path
 
 
 @pytest.mark.slow
+def test_sigterm_while_a_worker_waits_for_the_broker_exits_0_quietly(tmp_path: Path) -> None:
+    """Killed by the default action before: exit -15 (a start-up stopped is not a failure)."""
+    import signal
+
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1",
+           "SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'sb.db'}",
+           "SPECBATCH_BROKER_URL": f"redis://127.0.0.1:{free_port()}/0", "SPECBATCH_BROKER_WAIT_SECONDS": "300"}
+    proc = Proc([*CLI, "worker", "--target", "smollm2-135m", "--no-speculation"], env, tmp_path / "worker.log")
+    try:
+        wait_for(lambda: "waiting up to 300s" in proc.output(), 120, "the worker to say it waits for the broker")
+        proc.signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.output()
+        assert "Traceback" not in proc.output(), proc.output()
+    finally:
+        proc.stop()
+
+
+@pytest.mark.slow
 def test_a_worker_started_before_the_broker_consumes_once_it_is_up(tmp_path: Path, tiny_models: Path) -> None:
     from specbatch.worker.monitor import active_queues
     from specbatch.worker.queues import queue_name

@@ -6,24 +6,39 @@ from specbatch.config import Settings
 from specbatch.worker import monitor, scratch
 
 
-def test_consumers_and_workers_starting_for_the_queue_not_others(monkeypatch) -> None:  # noqa: ANN001
-    replies = {
-        "active_queues": {"a@h": [{"name": "q1"}], "b@h": [], "c@h": [], "d@h": [{"name": "q2"}]},
-        "conf": {"a@h": {"task_default_queue": "q1", "specbatch_state": "compiling 1/2 (t graph 1/2), ..."},
-                 "b@h": {"task_default_queue": "q1", "specbatch_state": "starting: loading models"},
-                 "c@h": {"task_default_queue": "q2", "specbatch_state": "starting: loading models"},
-                 "d@h": {"task_default_queue": "specbatch.default"}},
-    }
+def test_consumers_and_workers_starting_for_the_queue_not_others_in_one_broadcast(monkeypatch) -> None:  # noqa: ANN001
+    """One remote-control round trip (worker.panel's command), not two: each waits its whole timeout
+    (1 s) for replies, two of them were two seconds of every `status`."""
+    replies = {monitor.VIEW_COMMAND: {
+        "a@h": {"queues": ["q1"], "default_queue": "q1", "state": "compiling 1/2 (t graph 1/2), ..."},
+        "b@h": {"queues": [], "default_queue": "q1", "state": "starting: loading models"},
+        "c@h": {"queues": [], "default_queue": "q2", "state": "starting: loading models"},
+        "d@h": {"queues": ["q2"], "default_queue": "specbatch.default", "state": None}}}
     asked: list[str] = []
     monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: asked.append(command) or replies[command])
     views = monitor.queue_workers(Settings.from_env({}), "q1")
     assert views == [monitor.WorkerView("a@h", True, "compiling 1/2 (t graph 1/2), ..."),
                      monitor.WorkerView("b@h", False, "starting: loading models")]
-    asked.clear()
-    assert [v.name for v in monitor.queue_workers(Settings.from_env({}), "q2", states=False) or []] == ["d@h"]
-    assert asked == ["active_queues"]            # a consumer exists: no second round trip
+    assert [v.name for v in monitor.queue_workers(Settings.from_env({}), "q2") or []] == ["c@h", "d@h"]
+    assert asked == [monitor.VIEW_COMMAND] * 2
     monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: None)
     assert monitor.queue_workers(Settings.from_env({}), "q1") is None     # broker unreachable
+
+
+def test_a_worker_of_an_older_specbatch_is_asked_the_built_in_commands(monkeypatch) -> None:  # noqa: ANN001
+    """A worker started before an upgrade answers the new command with an error: it still counts."""
+    replies = {
+        monitor.VIEW_COMMAND: {"a@h": {"error": "KeyError('specbatch_view')"},
+                               "b@h": {"queues": [], "default_queue": "q1", "state": "starting: loading models"}},
+        "active_queues": {"a@h": [{"name": "q1"}], "b@h": []},
+        "conf": {"a@h": {"task_default_queue": "q1", "specbatch_state": "ready (eager)"},
+                 "b@h": {"task_default_queue": "q1", "specbatch_state": "starting: loading models"}},
+    }
+    asked: list[str] = []
+    monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: asked.append(command) or replies[command])
+    assert monitor.queue_workers(Settings.from_env({}), "q1") == [
+        monitor.WorkerView("a@h", True, "ready (eager)"), monitor.WorkerView("b@h", False, "starting: loading models")]
+    assert asked == [monitor.VIEW_COMMAND, "active_queues", "conf"]
 
 
 def test_a_worker_of_this_machine_is_seen_starting_when_remote_control_hears_nothing(monkeypatch, tmp_path) -> None:  # noqa: ANN001

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from specbatch.worker import monitor, scratch
 from specbatch.worker.monitor import active_queues, queue_workers
 from tests.worker.conftest import CLI
 from tests.worker.services import Proc, get_json, wait_for
@@ -17,8 +18,8 @@ from tests.worker.services import Proc, get_json, wait_for
 pytestmark = pytest.mark.slow   # each starts a worker: spawning its child alone is seconds here
 
 
-def _worker(cluster, name: str, hook: str, compile_: str = "off") -> Proc:  # noqa: ANN001
-    argv = [sys.executable, "-m", "tests.worker.entry", "--imports", hook, "--compile", compile_,
+def _worker(cluster, name: str, *hooks: str, compile_: str = "off") -> Proc:  # noqa: ANN001
+    argv = [sys.executable, "-m", "tests.worker.entry", *(a for h in hooks for a in ("--imports", h)), "--compile", compile_,
             "--target", str(cluster.models / "llama"), "--draft", str(cluster.models / "llama-partial"),
             "-n", f"{name}@%h"]
     proc = Proc(argv, cluster.env, cluster.tmp / f"worker-{name}.log")
@@ -47,6 +48,10 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
         "starting: loading models"
     view = next(v for v in queue_workers(cluster.settings, cluster.queue()) or [] if v.name.startswith("w1@"))
     assert not view.consuming      # online, not consuming: nothing is taken before the models are there
+    # the worker answers status's one broadcast itself (worker.panel), not through the two built-in commands
+    reply = next(r for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0) or {}).items()
+                 if w.startswith("w1@"))
+    assert reply == {"queues": [], "default_queue": cluster.queue(), "state": "starting: loading models"}
 
     # what a user sees: the worker is starting, not "no live worker ... start one"
     job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
@@ -65,6 +70,8 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
     cluster.wait_consuming(proc)
     assert cluster.wait_finished(job_id)["status"] == "completed"
     assert wait_for(lambda: _state(cluster, proc, "ready"), 30, "the ready state") == "ready (eager)"
+    assert [r["queues"] for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0) or {}).items()
+            if w.startswith("w1@")] == [[cluster.queue()]]
 
 
 def test_sigterm_stops_a_worker_while_it_loads(cluster, gate) -> None:  # noqa: ANN001
@@ -75,6 +82,29 @@ def test_sigterm_stops_a_worker_while_it_loads(cluster, gate) -> None:  # noqa: 
     proc.signal(signal.SIGTERM)
     assert proc.wait(30) == 0, proc.output()[-3000:]      # the bound is generous; measured ~3-5 s
     assert not any(_alive(pid) for pid in child), child
+
+
+@pytest.mark.parametrize("moment", ["import", "pool"])
+def test_sigterm_at_any_moment_of_the_start_up_stops_the_worker_cleanly(cluster, gate, moment) -> None:  # noqa: ANN001
+    """The test above flaked at load 10: SIGTERM came once the worker's scratch directory said
+    "starting", before Celery had installed its handler ("import"), and the worker died by the
+    default action (exit -15, no output). Signalled after the handler but before the consumer
+    started ("pool"), the worker waited forever for the child loading its models. Held at each
+    moment by a hook and signalled there."""
+    held = cluster.tmp / "held"
+    cluster.env.update(SPECBATCH_TEST_HOLD=moment, SPECBATCH_TEST_HELD=str(held))
+    proc = _worker(cluster, "w1", "tests.worker.gated_load_hook", "tests.worker.held_start_hook")
+    wait_for(lambda: held.exists() or proc.proc.poll() is not None, 120, "the start-up to be held")
+    proc.signal(signal.SIGTERM)
+    assert proc.wait(30) == 0, proc.output()[-3000:]
+    wait_for(lambda: not _session_alive(proc.pid), 10, "the pool child to end")
+    assert not (scratch.workers_root(cluster.settings) / str(proc.pid)).exists()   # no "starting" left behind
+
+
+def _session_alive(sid: int) -> list[str]:
+    """The processes of the worker's session (its pool child, billiard's tracker) not yet ended."""
+    out = subprocess.run(["ps", "-o", "pid=,stat=", "-s", str(sid)], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.split()[1][0] not in "ZX"]
 
 
 def test_a_compiling_worker_consumes_eagerly_shows_progress_and_stops_on_sigterm(cluster) -> None:  # noqa: ANN001
