@@ -414,3 +414,22 @@ def test_an_export_sweeps_temporary_files_a_killed_export_left(job, tmp_path):
         export.export_job(s, job_id, "csv", out / "answers.csv")
     assert not stale.exists() and fresh.exists() and mine_not.exists()
     assert (out / "answers.csv").exists()
+
+
+def test_the_formats_doc_lists_every_parquet_column_and_param():
+    """docs/FORMATS.md's Parquet table is what a dataset builder reads: every column of the schema
+    is in it (``lossy`` was not), and the ``params`` row names every field of the struct."""
+    import re
+
+    from specbatch.jobs.table import parquet_schema
+
+    doc = (Path(__file__).parents[2] / "docs" / "FORMATS.md").read_text()
+    table = doc.split("## Parquet:", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split(" | ", 1) for line in table.splitlines() if line.startswith("| `")]
+    listed = [name for first, _ in rows for name in re.findall(r"`([a-z_]+)`", first)]
+    schema = parquet_schema()
+    assert sorted(listed) == sorted(schema.names)
+    params_row = next(rest for first, rest in rows if first == "| `params`")
+    params = schema.field("params").type
+    assert [params.field(i).name for i in range(params.num_fields)
+            if not re.search(rf"\b{params.field(i).name} ", params_row)] == []
