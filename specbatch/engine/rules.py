@@ -129,8 +129,10 @@ def check_stop(v: Any) -> tuple[list[str], str | None]:
     if v is None:
         return [], None
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+    if not isinstance(stops, (list, tuple)):
         return v, f"must be a string or a list of strings, got {json_type(v)}"
+    if (bad := next((i for i, s in enumerate(stops) if not isinstance(s, str)), None)) is not None:
+        return v, f"must be a string or a list of strings; item {bad} is {json_type(stops[bad])}"
     if any(s == "" for s in stops):
         return v, "stop strings must not be empty"
     return list(stops), None

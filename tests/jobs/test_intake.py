@@ -84,6 +84,9 @@ BAD_CASES = {
     "seed_string": (L(prompt="a", seed="1"), ["1: seed: must be an integer, got a string"]),
     "stop_number": (L(prompt="a", stop=5), ["1: stop: must be a string or a list of strings, got the number 5"]),
     "stop_empty_string": (L(prompt="a", stop=["ok", ""]), ["1: stop: stop strings must not be empty"]),
+    # the element at fault, not "got an array" for an array (walk8)
+    "stop_list_number": (L(prompt="a", stop=["ok", 1]),
+                         ["1: stop: must be a string or a list of strings; item 1 is the number 1"]),
     # README: stop must be non-empty (walk3 QA: [] was taken)
     "stop_empty_list": (L(prompt="a", stop=[]),
                         ["1: stop: must not be an empty list; leave stop out (or null) for no stop string"]),
