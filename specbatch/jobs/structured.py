@@ -22,6 +22,10 @@ from typing import Any
 from specbatch.engine.grammar_spec import GrammarSpec, spec_problem
 from specbatch.jobs.openai_fields import json_type
 
+# Python's JSON reader raises RecursionError past about 1000 levels (its C scanner shares the
+# interpreter's recursion limit): an upload's line, or a schema given as JSON text, says this
+TOO_DEEP = "nested too deeply (Python's JSON reader stops near 1000 levels)"
+
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -125,6 +129,8 @@ def _kind_spec(kind: str, value: Any, where: str) -> tuple[GrammarSpec | None, P
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 return None, [(where, f"is a string but not JSON: {e.msg} (column {e.colno})")]
+            except RecursionError:
+                return None, [(where, f"is a string but not JSON: {TOO_DEEP}")]
         if not isinstance(value, dict):
             return None, [(where, f"must be a JSON schema object, got {json_type(value)}")]
         spec = GrammarSpec.json_schema(value)

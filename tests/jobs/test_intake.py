@@ -182,6 +182,24 @@ def test_bad_input_is_reported_and_nothing_is_written(case, seeded_url, tmp_path
     assert snapshot(seeded_url) == before
 
 
+def test_json_nested_too_deeply_is_a_line_error(seeded_url, tmp_path):
+    """Python's JSON parser raises RecursionError past ~1000 levels: a line's own, or a vLLM
+    guided_json schema given as JSON text. It was an 'unexpected error' (run/submit) and a 500
+    with a traceback in the server's log (POST /v1/batches); now the line's error, nothing written."""
+    deep = "[" * 5000 + "]" * 5000
+    lines = [json.dumps({"prompt": "a"}), '{"prompt": "a", "stop": ' + deep + "}",
+             json.dumps({"prompt": "a", "guided_json": deep})]
+    path = tmp_path / "deep.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    assert str(e.value).splitlines()[1:] == [
+        f"{path}:2: invalid JSON: {intake.TOO_DEEP}",
+        f"{path}:3: guided_json: is a string but not JSON: {intake.TOO_DEEP}"]
+    assert snapshot(seeded_url) == before
+
+
 ARRAY_HINT = ("this looks like a JSON array; the file must be JSON Lines: one JSON object per line "
               "(`jq -c '.[]'` converts an array)")
 PRETTY_HINT = ("this looks like pretty-printed JSON; the file must be JSON Lines: one JSON object per line "
