@@ -84,6 +84,11 @@ BAD_CASES = {
     "seed_string": (L(prompt="a", seed="1"), ["1: seed: must be an integer, got a string"]),
     "stop_number": (L(prompt="a", stop=5), ["1: stop: must be a string or a list of strings, got the number 5"]),
     "stop_empty_string": (L(prompt="a", stop=["ok", ""]), ["1: stop: stop strings must not be empty"]),
+    # a JSON integer too big for a float: OverflowError, a 500 from the API (walk8); not echoed whole
+    "temperature_huge_integer": (L(prompt="a", temperature=10**400),
+                                 ["1: temperature: must be in [0, 2] (OpenAI's range), got 1000000000... (401 digits)"]),
+    "logit_bias_huge_integer": (L(prompt="a", logit_bias={"5": -10**400}),
+                                ["1: logit_bias.5: must be in [-100, 100], got -1000000000... (401 digits)"]),
     # the element at fault, not "got an array" for an array (walk8)
     "stop_list_number": (L(prompt="a", stop=["ok", 1]),
                          ["1: stop: must be a string or a list of strings; item 1 is the number 1"]),
