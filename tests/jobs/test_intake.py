@@ -205,6 +205,23 @@ def test_json_nested_too_deeply_is_a_line_error(seeded_url, tmp_path):
     assert snapshot(seeded_url) == before
 
 
+def test_a_long_key_or_value_is_not_echoed_whole(seeded_url, tmp_path):
+    """A line error quotes what it refuses: a 50 kB key (a prompt written as a key) or role made a
+    50 kB error line, in the terminal and in an API batch's errors.data. The middle is cut; the
+    start (where) and the end (what is expected) stay."""
+    big = "z" * 50_000
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "a", big: 1}) + "\n"
+                    + json.dumps({"messages": [{"role": big, "content": "x"}]}) + "\n")
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    first, second = e.value.errors
+    assert all(len(str(x)) < 1000 for x in e.value.errors), [len(str(x)) for x in e.value.errors]
+    assert first.field.startswith("zzz") and " ... " in first.field and first.reason.startswith("unknown key")
+    assert second.field == "messages[0].role" and second.reason.startswith("must be one of system, ")
+    assert " ... " in second.reason and second.reason.endswith('zzz")')
+
+
 ARRAY_HINT = ("this looks like a JSON array; the file must be JSON Lines: one JSON object per line "
               "(`jq -c '.[]'` converts an array)")
 PRETTY_HINT = ("this looks like pretty-printed JSON; the file must be JSON Lines: one JSON object per line "
