@@ -20,6 +20,7 @@ from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
 from specbatch.engine.gamma import CostModel
+from specbatch.engine.grammar import GrammarSpec, Matcher, refuse, vocab_for
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
 from specbatch.engine.memory import (
     MAX_DRAFT,
@@ -313,8 +314,9 @@ class Engine:
               messages: list[dict[str, Any]] | None = None, *, input_ids: list[int] | None = None,
               params: GenerationParams | None = None) -> Scored:
         """The target alone on ``tokens`` following the prompt, in one forward (teacher forcing):
-        each token's raw log-probability, and its probability under ``params``' processors and
-        warp (what sampling could draw). For audits (specbatch.jobs.audit)."""
+        each token's raw log-probability, and its probability under ``params``' grammar mask,
+        processors and warp, in a decode step's order (what sampling could draw). For audits
+        (specbatch.jobs.audit)."""
         from specbatch.engine.processors import RowProcessors
         from specbatch.engine.sampling import Warp
 
@@ -328,6 +330,8 @@ class Engine:
             logits = self.target.model(seq).logits[0, len(ids) - 1: -1].float()      # (n, V)
             at = torch.tensor(toks, device=logits.device)[:, None]
             raw = logits.log_softmax(-1).gather(1, at)[:, 0].tolist()
+            if params.structured is not None:     # then processors and warp: a decode step's order
+                self._mask_by_grammar(logits, toks, params.structured)
             procs = RowProcessors.build(params, len(ids))
             x = logits if procs is None else procs(logits, ids, [toks[:j] for j in range(len(toks))])
             if params.greedy:
@@ -336,6 +340,17 @@ class Engine:
                 warp = Warp(params.temperature, params.top_k, params.top_p, params.min_p)
                 probs = warp.probs(x).gather(1, at)[:, 0].tolist()
         return Scored(raw, probs)
+
+    def _mask_by_grammar(self, logits: torch.Tensor, tokens: list[int], spec: GrammarSpec) -> None:
+        """logits (n, V) in place: position j masked by the grammar state after tokens[:j], as the
+        decoder masks p. Past a token the grammar refuses nothing is masked: that token's
+        probability is already 0, which is what an audit reports."""
+        t = self.target
+        m = Matcher(vocab_for(t.tokenizer, t.vocab_size, tuple(sorted(t.eos_token_ids))), spec)
+        for j, token in enumerate(tokens):
+            refuse(logits[j], m.mask())
+            if not m.advance([token]):
+                break
 
     @property
     def speculates(self) -> bool:

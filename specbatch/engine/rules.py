@@ -27,7 +27,7 @@ def json_type(v: Any) -> str:
     if isinstance(v, bool):
         return "a boolean"
     if isinstance(v, (int, float)):
-        return f"the number {v!r}"    # "an integer ..., got a number" hid that 16.0 is not one
+        return f"the number {shown(v)}"    # "an integer ..., got a number" hid that 16.0 is not one
     if isinstance(v, str):
         return "a string"
     return "an array" if isinstance(v, (list, tuple)) else "an object"
@@ -39,6 +39,19 @@ def is_int(v: Any) -> bool:
 
 def is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def finite(v: float) -> bool:
+    """A JSON number is finite: an int always (math.isfinite raises OverflowError past a float's
+    range, as for a 400-digit integer in a prompt file)."""
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def shown(v: float) -> str:
+    """A number as a message echoes it: an integer of more than 20 digits by its start and length."""
+    text = str(v)
+    digits = text.lstrip("-")
+    return text if not is_int(v) or len(digits) <= 20 else f"{text[:len(text) - len(digits) + 10]}... ({len(digits)} digits)"
 
 
 def _fmt(x: float) -> str:
@@ -79,7 +92,7 @@ class Rule:
         return f"{kind} {self.range_text}".rstrip() if self.typed_range else kind
 
     def within(self, v: float) -> bool:
-        if not math.isfinite(v):
+        if not finite(v):
             return False
         if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
             return False
@@ -92,7 +105,7 @@ class Rule:
         if not (is_int(v) if self.integer else is_number(v)):
             return v, f"must be {self.expected}{self.hint}, got {json_type(v)}"
         if not self.within(v):
-            return v, f"must be {self.range_text}, got {v}"
+            return v, f"must be {self.range_text}, got {shown(v)}"
         return (v if self.integer else float(v)), None
 
 
@@ -129,8 +142,10 @@ def check_stop(v: Any) -> tuple[list[str], str | None]:
     if v is None:
         return [], None
     stops = [v] if isinstance(v, str) else v
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+    if not isinstance(stops, (list, tuple)):
         return v, f"must be a string or a list of strings, got {json_type(v)}"
+    if (bad := next((i for i, s in enumerate(stops) if not isinstance(s, str)), None)) is not None:
+        return v, f"must be a string or a list of strings; item {bad} is {json_type(stops[bad])}"
     if any(s == "" for s in stops):
         return v, "stop strings must not be empty"
     return list(stops), None
@@ -167,8 +182,8 @@ def check_logit_bias(v: Any, vocab_size: int | None = None
             problems.append((where, f"token id {tid} is outside the target's vocabulary [0, {vocab_size})"))
         if not is_number(bias):
             problems.append((where, f"must be a number in [-100, 100], got {json_type(bias)}"))
-        elif not (math.isfinite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
-            problems.append((where, f"must be in [-100, 100], got {bias}"))
+        elif not (finite(bias) and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            problems.append((where, f"must be in [-100, 100], got {shown(bias)}"))
         elif tid is not None:
             out[tid] = float(bias)
     return out, problems

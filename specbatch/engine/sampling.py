@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+# Below this temperature the logits are shifted by their max before dividing (Warp.probs): where
+# dividing alone could overflow float32. Above it, the plain division, as every seeded output was
+# drawn before (a shift moves the probabilities' last bits, and so a race within rounding of a tie).
+TINY_TEMPERATURE = 1e-3
+
 
 @dataclass(frozen=True)
 class Warp:
@@ -25,7 +30,13 @@ class Warp:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (..., V) -> probabilities (..., V) in float32."""
-        x = logits.float() / self.temperature
+        x = logits.float()
+        if self.temperature < TINY_TEMPERATURE:
+            # logits / 1e-40 overflow float32 to inf (and 1e-300 is 0 in float32): shifted by their
+            # max first, the top logits stay 0 and the rest fall to -inf, the limit as T -> 0
+            x = (x - x.amax(dim=-1, keepdim=True)) / max(self.temperature, torch.finfo(torch.float32).tiny)
+        else:
+            x = x / self.temperature
         if 0 < self.top_k < x.shape[-1]:
             kth = torch.topk(x, self.top_k, dim=-1).values[..., -1:]
             x = x.masked_fill(x < kth, float("-inf"))

@@ -6,7 +6,7 @@ say, per request, whether the stored output is the target's (``specbatch audit J
   - sampled requests: the stored tokens are scored by the target alone in one forward. With
     stored logprobs, each must equal the target's raw log-probability of its token (within
     ``LOGPROB_TOL``: they are stored as float32); without, each token must be one the processed,
-    warped target could draw (a weaker check, reported as such).
+    warped target could draw under the request's grammar, if any (a weaker check, reported as such).
 
 A lossy result (``--fallback-draft``: the draft alone) never passes. The engine work is in
 ``Engine``; this module picks the rows and compares.

@@ -31,6 +31,7 @@ from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields, structured
 from specbatch.jobs.context import ContextCheck
 from specbatch.jobs.openai_fields import json_type
+from specbatch.jobs.structured import TOO_DEEP
 from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
@@ -617,6 +618,16 @@ def _not_jsonl(first: str) -> str | None:
     return None
 
 
+def _clip(text: str, limit: int) -> str:
+    """A line error quotes what it refuses (a key, a role, a URL): past ``limit`` characters its
+    middle is cut, keeping where it starts and what is expected at its end (a 50 kB key, a prompt
+    written as a key, made a 50 kB error line and errors.data entry)."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    return f"{text[:head]} ... {text[-(limit - head - 5):]}"
+
+
 def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settings: Settings,
                 model_map: dict[str, Route] | None = None, limits: ContextCheck | None = None,
                 vocab_of: Callable[[str | None], int | None] | None = None) -> ParsedFile:
@@ -633,7 +644,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         nonlocal total_errors
         total_errors += 1
         if len(errors) < KEPT_ERRORS:
-            errors.append(InputError(message, path=name, line_no=line_no, field=field))
+            errors.append(InputError(_clip(message, 600), path=name, line_no=line_no,
+                                     field=None if field is None else _clip(field, 120)))
 
     parsed: list[tuple[int, dict[str, Any]]] = []
     ids: list[tuple[int, Any]] = []     # (line_no, _given_id) of every JSON-object line, bad lines too
@@ -664,6 +676,9 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
         except json.JSONDecodeError as e:
             err(line_no, None, f"invalid JSON: {e.msg} (column {e.colno})")
+            continue
+        except RecursionError:
+            err(line_no, None, f"invalid JSON: {TOO_DEEP}")
             continue
         except ValueError as e:
             err(line_no, None, f"invalid JSON: {e}")

@@ -17,10 +17,16 @@ compile is refused with the library's own message, per line, before anything is 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from specbatch.engine.grammar_spec import GrammarSpec, spec_problem
 from specbatch.jobs.openai_fields import json_type
+
+# Python's JSON reader raises RecursionError past about 1000 levels (its C scanner shares the
+# interpreter's recursion limit): an upload's line, or a schema given as JSON text, says this
+TOO_DEEP = "nested too deeply (Python's JSON reader stops near 1000 levels)"
+QUOTE_KEEP, MESSAGE_KEEP = 80, 300     # characters of a library message kept (_one_line)
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 JSON_SCHEMA_KEYS = ("name", "schema", "strict", "description")
@@ -60,10 +66,14 @@ def _compiles(spec: GrammarSpec, field: str) -> Problems:
 
 
 def _one_line(message: str) -> str:
-    """The library's message without its source echo and caret lines: one problem, one line."""
+    """The library's message without its source echo and caret lines: one problem, one line.
+    A quoted span past ``QUOTE_KEEP`` characters (llguidance quotes the whole regex) is cut to its
+    ends, so a 100 kB regex does not make a 100 kB error line; then the line to ``MESSAGE_KEEP``."""
     kept = [line.strip() for line in message.splitlines()
             if line.strip() and not line.startswith(" ") and line.strip() != "^"]
-    return " ".join(kept) or message.strip()
+    text = " ".join(kept) or message.strip()
+    text = re.sub(rf'"([^"]{{{QUOTE_KEEP + 1},}})"', lambda m: f'"{m[1][:QUOTE_KEEP - 20]}...{m[1][-20:]}"', text)
+    return text if len(text) <= MESSAGE_KEEP else text[:MESSAGE_KEEP - 3] + "..."
 
 
 def _response_format(v: Any, field: str) -> tuple[GrammarSpec | None, Problems]:
@@ -125,6 +135,8 @@ def _kind_spec(kind: str, value: Any, where: str) -> tuple[GrammarSpec | None, P
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 return None, [(where, f"is a string but not JSON: {e.msg} (column {e.colno})")]
+            except RecursionError:
+                return None, [(where, f"is a string but not JSON: {TOO_DEEP}")]
         if not isinstance(value, dict):
             return None, [(where, f"must be a JSON schema object, got {json_type(value)}")]
         spec = GrammarSpec.json_schema(value)

@@ -112,7 +112,9 @@ def parquet_record(job: Job, req: Request, res: Result | None) -> dict[str, Any]
                        "frequency_penalty": params.get("frequency_penalty", 0.0),
                        "repetition_penalty": params.get("repetition_penalty", 1.0),
                        "min_p": params.get("min_p", 0.0), "n": params.get("n", 1),
-                       "logit_bias": _entries(params.get("logit_bias") or {})},
+                       "logit_bias": _entries(params.get("logit_bias") or {}),
+                       # the output's grammar (GrammarSpec.to_dict), None for free text
+                       "structured": params.get("structured")},
                text=None, finish_reason=None, prompt_tokens=None, completion_tokens=None, token_ids=None,
                conversation=conversation(req, res), stats=None, worker=None, started_at=None,
                finished_at=None, latency_seconds=None, **_logprobs(res))
@@ -150,7 +152,8 @@ def parquet_schema() -> Any:
     params = pa.struct([("max_new_tokens", i64), ("temperature", f64), ("top_p", f64), ("top_k", i64),
                         ("seed", i64), ("stop", pa.list_(s)), ("presence_penalty", f64),
                         ("frequency_penalty", f64), ("repetition_penalty", f64), ("min_p", f64), ("n", i64),
-                        ("logit_bias", entries(f64))])
+                        ("logit_bias", entries(f64)),
+                        ("structured", pa.struct([("kind", s), ("source", s), ("strict", pa.bool_())]))])
     return pa.schema([
         ("job_id", s), ("request_id", i64), ("sample_index", i64), ("custom_id", s), ("line_no", i64), ("kind", s), ("status", s),
         ("model", s), ("target", s), ("drafts", pa.list_(s)), ("prompt", s), ("prompt_ids", pa.list_(i64)),

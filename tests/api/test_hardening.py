@@ -186,6 +186,25 @@ MULTIPART = "multipart/form-data; boundary=XX"
 PART = b'--XX\r\nContent-Disposition: form-data; name="%s"%s\r\n\r\n%s\r\n'
 
 
+def test_lines_that_broke_the_parser_fail_the_batch_not_the_server(api: Api) -> None:
+    """Python's JSON reader raises RecursionError on a line ~1000 levels deep, and a 400-digit
+    integer overflowed the range check (math.isfinite): POST /v1/batches was a 500 with a
+    traceback in the log (and the client's next call on that connection failed)."""
+    from specbatch.jobs.structured import TOO_DEEP
+
+    c = api.client(KEYS[0])
+    deep = '{"custom_id": "d", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": ' \
+           '[{"role": "user", "content": "x"}], "metadata": ' + "[" * 5000 + "]" * 5000 + "}}"
+    huge = json.dumps({**chat_line(1), "body": {**chat_line(1)["body"], "temperature": 10**400}})
+    f = c.files.create(file=("deep.jsonl", "\n".join([json.dumps(chat_line(0)), deep, huge, ""]).encode()),
+                       purpose="batch")
+    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert b.status == "failed" and b.errors is not None
+    assert [(e.line, e.message) for e in b.errors.data] == [
+        (2, f"invalid JSON: {TOO_DEEP}"), (3, "must be in [0, 2] (OpenAI's range), got 1000000000... (401 digits)")]
+    assert "Traceback" not in api.procs[0].output()
+
+
 def _form(purpose: bytes = b"batch", filename: bytes = b"a.jsonl", end: bytes = b"--XX--\r\n") -> bytes:
     return (PART % (b"purpose", b"", purpose) + PART % (b"file", b'; filename="' + filename + b'"',
                                                          b'{"prompt": "hi"}\n') + end)

@@ -96,3 +96,15 @@ def test_lossy_verifier_is_detected(load, monkeypatch):
     outside = sum(c for k, c in counts.items() if k not in joint)
     assert outside > 0 or chi2_pvalue(counts, joint) < 1e-3
 
+
+
+def test_a_tiny_temperature_decodes_as_its_greedy_limit(load):
+    """A temperature of 1e-40 (valid: (0, 2]) samples the T -> 0 limit, the target's greedy tokens,
+    speculating or not: the float32 overflow made every race pick token 0."""
+    target = load("llama")
+    want = Engine(target, []).generate(prompt="The quick brown fox", params=GenerationParams(
+        max_new_tokens=12)).token_ids
+    for drafts in ([], [load("llama-partial")]):
+        got = Engine(target, drafts).generate(prompt="The quick brown fox", params=GenerationParams(
+            max_new_tokens=12, temperature=1e-40, seed=1, gamma=3, adaptive=False))
+        assert got.token_ids == want, drafts

@@ -249,3 +249,27 @@ def test_a_lossy_verifier_is_caught(load, monkeypatch):
     joint = exact_joint(target)
     outside = sum(c for k, c in counts.items() if k not in joint)
     assert outside > 0 or chi2_pvalue(counts, joint) < 1e-3
+
+
+# ------------------------------------------------------------------ score (the audit's support check)
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_score_sees_the_grammar_as_the_decoder_does(load, temperature):
+    """engine.score masks by the grammar before the processors and the warp, as a decode step does:
+    with top_k 1 every token the engine emitted under a regex is the masked target's only choice
+    (probability 1), although the unmasked target's top token is another (the audit failed such
+    results: 'token 0 has probability 0 under the target's sampling parameters')."""
+    target = load("llama")
+    spec = GrammarSpec("regex", r"[0-9]{3}-[0-9]{4}")
+    params = GenerationParams(max_new_tokens=12, temperature=temperature, top_k=1, seed=3, structured=spec)
+    engine = Engine(target, [load("llama-partial")])
+    out = engine.generate(prompt=PROMPTS[0], params=params)
+    assert valid_prefix(target, spec, out.token_ids) and out.token_ids
+    scored = engine.score(out.token_ids, prompt=PROMPTS[0], params=params)
+    assert scored.probs == [1.0] * len(out.token_ids)
+    # a token the grammar refuses has probability 0 even where the unmasked target prefers it
+    ids = target.tokenizer(PROMPTS[0]).input_ids
+    with torch.inference_mode():
+        free = int(target.model(torch.tensor([ids])).logits[0, -1].argmax())
+    assert not valid_prefix(target, spec, [free])
+    assert engine.score([free], prompt=PROMPTS[0], params=params).probs == [0.0]

@@ -114,6 +114,17 @@ def test_warp_matches_transformers(temperature, top_k, top_p):
     assert torch.allclose(Warp(temperature, top_k, top_p).probs(logits), expected, atol=1e-6)
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 1e-6])
+def test_a_tiny_temperature_is_its_limit_not_nan(temperature):
+    """temperature in (0, 2] is accepted at intake; logits / 1e-40 overflowed float32 to inf and the
+    softmax gave NaN, so every race picked token 0 (walk8: 'The capital of France is' came out
+    empty, greedy says ' Paris'). The limit as T -> 0 is uniform over the top logits."""
+    logits = torch.tensor([[3.0, 5.0, 5.0, 1.0, float("-inf")], [30.0, -2.0, 29.5, 0.0, 1.0]])
+    p = Warp(temperature, top_p=0.9, min_p=0.05).probs(logits)
+    assert torch.equal(p, torch.tensor([[0, 0.5, 0.5, 0, 0], [1.0, 0, 0, 0, 0]]))
+    assert race(p, torch.ones_like(p)).tolist() == [1, 0]
+
+
 def test_tree_merges_shared_prefixes():
     tree = build_tree([Proposal([1, 2, 3]), Proposal([1, 2, 4]), Proposal([5]), None])
     assert tree.tokens == [1, 2, 3, 4, 5]

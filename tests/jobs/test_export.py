@@ -91,7 +91,8 @@ FILE = [
         {"role": "user", "name": "ann", "content": [{"type": "text", "text": "Hi é"}]}],
         "max_completion_tokens": 8, "metadata": {"batch": "a", "topic": "greeting"}, "store": False}),
     _line("ids-ok", COMPLETIONS, {"model": "babbage-002", "prompt": [5, 6, 7], "max_tokens": 4}),
-    _line("bad-request", CHAT, {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}]}),
+    _line("bad-request", CHAT, {"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "x"}],
+                                "response_format": {"type": "json_object"}}),
     _line("worker-died", COMPLETIONS, {"model": "babbage-002", "prompt": "y"}),
     _line("never-ran", COMPLETIONS, {"model": "babbage-002", "prompt": "z"}),
 ]
@@ -281,7 +282,8 @@ def test_parquet_types(job, tmp_path):
         "max_new_tokens": pa.int64(), "temperature": pa.float64(), "top_p": pa.float64(), "top_k": pa.int64(),
         "seed": pa.int64(), "stop": pa.list_(pa.string()), "presence_penalty": pa.float64(),
         "frequency_penalty": pa.float64(), "repetition_penalty": pa.float64(), "min_p": pa.float64(), "n": pa.int64(),
-        "logit_bias": pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())]))}
+        "logit_bias": pa.list_(pa.struct([("key", pa.string()), ("value", pa.float64())])),
+        "structured": pa.struct([("kind", pa.string()), ("source", pa.string()), ("strict", pa.bool_())])}
     stats = schema.field("stats").type
     types = {stats.field(i).name: stats.field(i).type for i in range(stats.num_fields)}
     # every statistics field, typed: the CSV's columns and the three the SQL view adds
@@ -306,6 +308,9 @@ def test_parquet_types(job, tmp_path):
     assert t[0]["stats"]["draft_steps"] == 2 and t[0]["stats"]["accepted_at_position"] == [2, 1]
     assert t[1]["prompt_ids"] == [5, 6, 7] and t[1]["conversation"] is None     # a completion: prompt + text
     assert t[4]["stats"] is None and t[4]["text"] is None
+    # the output's grammar, as the CSV's params carry it: which rows were constrained, and by what
+    assert t[2]["params"]["structured"] == {"kind": "json", "source": '{"type": "object"}', "strict": True}
+    assert t[0]["params"]["structured"] is None
 
 
 def test_parquet_in_duckdb_and_pandas(job, tmp_path):
@@ -414,3 +419,22 @@ def test_an_export_sweeps_temporary_files_a_killed_export_left(job, tmp_path):
         export.export_job(s, job_id, "csv", out / "answers.csv")
     assert not stale.exists() and fresh.exists() and mine_not.exists()
     assert (out / "answers.csv").exists()
+
+
+def test_the_formats_doc_lists_every_parquet_column_and_param():
+    """docs/FORMATS.md's Parquet table is what a dataset builder reads: every column of the schema
+    is in it (``lossy`` was not), and the ``params`` row names every field of the struct."""
+    import re
+
+    from specbatch.jobs.table import parquet_schema
+
+    doc = (Path(__file__).parents[2] / "docs" / "FORMATS.md").read_text()
+    table = doc.split("## Parquet:", 1)[1].split("\n\n", 2)[1]
+    rows = [line.split(" | ", 1) for line in table.splitlines() if line.startswith("| `")]
+    listed = [name for first, _ in rows for name in re.findall(r"`([a-z_]+)`", first)]
+    schema = parquet_schema()
+    assert sorted(listed) == sorted(schema.names)
+    params_row = next(rest for first, rest in rows if first == "| `params`")
+    params = schema.field("params").type
+    assert [params.field(i).name for i in range(params.num_fields)
+            if not re.search(rf"\b{params.field(i).name} ", params_row)] == []

@@ -84,6 +84,14 @@ BAD_CASES = {
     "seed_string": (L(prompt="a", seed="1"), ["1: seed: must be an integer, got a string"]),
     "stop_number": (L(prompt="a", stop=5), ["1: stop: must be a string or a list of strings, got the number 5"]),
     "stop_empty_string": (L(prompt="a", stop=["ok", ""]), ["1: stop: stop strings must not be empty"]),
+    # a JSON integer too big for a float: OverflowError, a 500 from the API (walk8); not echoed whole
+    "temperature_huge_integer": (L(prompt="a", temperature=10**400),
+                                 ["1: temperature: must be in [0, 2] (OpenAI's range), got 1000000000... (401 digits)"]),
+    "logit_bias_huge_integer": (L(prompt="a", logit_bias={"5": -10**400}),
+                                ["1: logit_bias.5: must be in [-100, 100], got -1000000000... (401 digits)"]),
+    # the element at fault, not "got an array" for an array (walk8)
+    "stop_list_number": (L(prompt="a", stop=["ok", 1]),
+                         ["1: stop: must be a string or a list of strings; item 1 is the number 1"]),
     # README: stop must be non-empty (walk3 QA: [] was taken)
     "stop_empty_list": (L(prompt="a", stop=[]),
                         ["1: stop: must not be an empty list; leave stop out (or null) for no stop string"]),
@@ -177,6 +185,41 @@ def test_bad_input_is_reported_and_nothing_is_written(case, seeded_url, tmp_path
     for want in expected:       # "N: ..." for a line, ": ..." for the whole file
         assert f"{path}{':' if want[0].isdigit() else ''}{want}" in message, message
     assert snapshot(seeded_url) == before
+
+
+def test_json_nested_too_deeply_is_a_line_error(seeded_url, tmp_path):
+    """Python's JSON parser raises RecursionError past ~1000 levels: a line's own, or a vLLM
+    guided_json schema given as JSON text. It was an 'unexpected error' (run/submit) and a 500
+    with a traceback in the server's log (POST /v1/batches); now the line's error, nothing written."""
+    deep = "[" * 5000 + "]" * 5000
+    lines = [json.dumps({"prompt": "a"}), '{"prompt": "a", "stop": ' + deep + "}",
+             json.dumps({"prompt": "a", "guided_json": deep})]
+    path = tmp_path / "deep.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    assert str(e.value).splitlines()[1:] == [
+        f"{path}:2: invalid JSON: {intake.TOO_DEEP}",
+        f"{path}:3: guided_json: is a string but not JSON: {intake.TOO_DEEP}"]
+    assert snapshot(seeded_url) == before
+
+
+def test_a_long_key_or_value_is_not_echoed_whole(seeded_url, tmp_path):
+    """A line error quotes what it refuses: a 50 kB key (a prompt written as a key) or role made a
+    50 kB error line, in the terminal and in an API batch's errors.data. The middle is cut; the
+    start (where) and the end (what is expected) stay."""
+    big = "z" * 50_000
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"prompt": "a", big: 1}) + "\n"
+                    + json.dumps({"messages": [{"role": big, "content": "x"}]}) + "\n")
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    first, second = e.value.errors
+    assert all(len(str(x)) < 1000 for x in e.value.errors), [len(str(x)) for x in e.value.errors]
+    assert first.field.startswith("zzz") and " ... " in first.field and first.reason.startswith("unknown key")
+    assert second.field == "messages[0].role" and second.reason.startswith("must be one of system, ")
+    assert " ... " in second.reason and second.reason.endswith('zzz")')
 
 
 ARRAY_HINT = ("this looks like a JSON array; the file must be JSON Lines: one JSON object per line "

@@ -136,6 +136,16 @@ def test_bad_constraints_are_refused_per_line(fields, want):
     assert "\n" not in errors[0]      # one problem, one line (the library's caret diagram left out)
 
 
+@pytest.mark.parametrize("fields", [{"guided_regex": "x" * 100_000 + "(("},
+                                    {"structured_outputs": {"regex": "(" * 100_000}}])
+def test_the_librarys_message_does_not_echo_a_long_source(fields):
+    """llguidance quotes the whole regex in its message: a 100 kB regex made a 100 kB error line
+    (a terminal flooded, an API batch's errors.data that size). The source is shortened, the
+    library's reason kept."""
+    [error] = refused(chat(**fields))
+    assert len(error) < 400 and error.endswith("unclosed group"), error[:500]
+
+
 def test_every_problem_of_a_file_is_listed_and_nothing_parsed():
     errors = refused(chat(structured_outputs={"choice": []}),
                      chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}})
