@@ -63,6 +63,21 @@ def _save(model, tok_dir: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out)
 
 
+def without_chat_template(src: Path, out: Path) -> Path:
+    """A copy of the saved model ``src`` at ``out`` whose tokenizer has no chat template (a base
+    model): a short chat line to it passes intake and the engine refuses that request alone, which
+    makes a real per-request failure for job tests."""
+    import json
+
+    shutil.copytree(src, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    return out
+
+
 def _perturbed(model, scale: float, seed: int):
     import copy
 

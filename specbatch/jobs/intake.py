@@ -16,6 +16,7 @@ line ends are fine.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable, Iterator
@@ -761,29 +762,37 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
 
 def _vocab_problems(fields_: dict[str, Any], vocab_of: Callable[[str | None], int | None]
                     ) -> list[tuple[str, str]]:
-    """[(field, why)] for the line's logit_bias keys outside its target's vocabulary (if known here)."""
-    bias = fields_["params"].get("logit_bias")
-    if not bias or (vocab := vocab_of(fields_.get("target"))) is None:
+    """[(field, why)] for the line's token ids (logit_bias keys, a prompt given as ids) outside
+    its target's vocabulary (if known here)."""
+    return _outside_vocab(fields_["params"].get("logit_bias"), fields_.get("prompt_ids"),
+                          bool(fields_.get("openai")), lambda: vocab_of(fields_.get("target")))
+
+
+def _outside_vocab(bias: Any, prompt_ids: list[int] | None, openai: bool, vocab: Callable[[], int | None]
+                   ) -> list[tuple[str, str]]:
+    """[(field, why)]: logit_bias keys and prompt token ids at or past the vocabulary size, which
+    ``vocab()`` gives (None: not known here, the worker refuses them)."""
+    if (not bias and not prompt_ids) or (size := vocab()) is None:
         return []
-    _, problems = rules.check_logit_bias(bias, vocab)
-    prefix = ("body." if fields_.get("openai") else "") + "logit_bias"
-    return [(prefix + where, why) for where, why in problems]
+    prefix = "body." if openai else ""
+    problems = [(prefix + "logit_bias" + where, why) for where, why in rules.check_logit_bias(bias, size)[1]]
+    if prompt_ids and (bad := next((i for i, t in enumerate(prompt_ids) if t >= size), None)) is not None:
+        problems.append((prefix + "prompt", f"token ids must be below the target's vocabulary size {size}; "
+                                            f"item {bad} is {rules.shown(prompt_ids[bad])}"))
+    return problems
 
 
 def check_token_ids(parsed: ParsedFile, name: str, vocab_of: Callable[[str | None], int | None]) -> None:
     """Once a target's vocabulary is known (``specbatch run`` loads the target before writing the
-    job; ``submit`` reads a local model's config): every logit_bias key must be a token id below
-    ``vocab_of(request's route target)`` (None: the job's own target; a None answer: not known
-    here, the worker checks). Raises one IntakeError listing each bad key as
-    ``FILE:LINE: body.logit_bias.ID: why``."""
+    job; ``submit`` reads a local model's config): every logit_bias key and prompt token id must be
+    below ``vocab_of(request's route target)`` (None: the job's own target; a None answer: not
+    known here, the worker checks). Raises one IntakeError listing each bad one as
+    ``FILE:LINE: body.logit_bias.ID: why`` / ``FILE:LINE: body.prompt: why``."""
     errors = []
     for r in parsed.requests:
-        if not r.params.get("logit_bias") or (vocab := vocab_of(r.target)) is None:
-            continue
-        _, problems = rules.check_logit_bias(r.params["logit_bias"], vocab)
-        for where, why in problems:
-            errors.append(InputError(why, path=name, line_no=r.line_no,
-                                     field=("body." if r.openai else "") + "logit_bias" + where))
+        for field, why in _outside_vocab(r.params.get("logit_bias"), r.prompt_ids, r.openai,
+                                         functools.partial(vocab_of, r.target)):
+            errors.append(InputError(why, path=name, line_no=r.line_no, field=field))
     if errors:
         raise IntakeError(errors)
 

@@ -31,7 +31,7 @@ from sqlalchemy import select
 
 from specbatch.config import Settings
 from specbatch.engine.types import GenerationOutput
-from specbatch.errors import SpecBatchError
+from specbatch.errors import InputError, SpecBatchError
 from specbatch.observability import tracing
 from specbatch.worker.guard import engine_models
 from specbatch.worker.transaction import PERMANENT_DB_ERRORS, transact, with_db_retry
@@ -120,6 +120,17 @@ def _engine_request(claimed: Any) -> EngineRequest:
 
     return EngineRequest(prompt=claimed.prompt, messages=claimed.messages, params=claimed.params,
                          input_ids=claimed.input_ids)
+
+
+def _own_fault(out: Any) -> tuple[str | None, str | None]:
+    """(message, field) of a request's own error (None, None: no error), in its line's terms: the
+    engine names a token-id prompt ``input_ids`` (its argument), the line wrote it as ``prompt``."""
+    if not isinstance(out, SpecBatchError):
+        return None, None
+    field_ = getattr(out, "field", None)
+    if isinstance(out, InputError) and field_ == "input_ids":
+        return str(InputError(out.reason, field="prompt")), "prompt"
+    return str(out), field_
 
 
 def _classify(session_factory: Any, ids: Sequence[int], report: ChunkReport) -> set[str]:
@@ -320,8 +331,8 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
         for idx, out in engine.generate_many(requests, batch_size=size, on_start=start,
                                              more=more if refill and run else None):
             c, generated_ns = run[idx], time.time_ns()
-            msg = str(out) if isinstance(out, SpecBatchError) else None  # the request's own fault
-            error_type, param = store.INVALID_REQUEST, getattr(out, "field", None)
+            msg, param = _own_fault(out)
+            error_type = store.INVALID_REQUEST
             if msg is None:
                 try:
                     transact(sf, _store_result, c, out, worker, engine_models(engine),

@@ -40,8 +40,16 @@ def _line(cid: str, url: str, body: dict) -> str:
     return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
 
-def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path) -> None:
+def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     from specbatch.engine import Engine, GenerationParams
+    from specbatch.jobs import intake
+
+    # a target whose vocabulary intake cannot read (files only the worker holds): then a prompt
+    # token id past it reaches the engine, which refuses that request alone (a local target's
+    # vocabulary refuses the line at intake: tests/cli/test_queue_cli.py)
+    monkeypatch.setattr(intake, "local_vocab_size", lambda model, cache_dir: None)
+    monkeypatch.setattr(intake, "check_token_ids", lambda parsed, name, vocab_of: None)
 
     llama, gpt2 = str(tiny_models / "llama"), str(tiny_models / "gpt2")
     messages = [{"role": "developer", "content": "Be brief."},
@@ -54,8 +62,8 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
         _line("ids-b", "/v1/completions", {"model": "model-b", "prompt": [10, 11, 12, 13], "max_tokens": 6,
                                            "echo": False}),
         _line("text-b", "/v1/completions", {"model": "model-b", "prompt": "Once upon a time", "max_tokens": 6}),
-        # a token id past the vocabulary: valid JSON that only the engine refuses (a prompt too long
-        # for the context is refused at intake, before any job exists)
+        # a token id past the vocabulary: valid JSON that only the engine refuses here (above; a
+        # prompt too long for the context is refused at intake, before any job exists)
         _line("bad-ids", "/v1/completions", {"model": "model-a", "prompt": [10**6], "max_tokens": 6}),
     ]) + "\n"
     result = invoke("run", "-", "--model-map", f"model-a={llama},{tiny_models / 'llama-partial'}",
@@ -105,7 +113,9 @@ def test_run_stdin_with_model_map_export_pair(tmp_path: Path, tiny_models: Path)
     assert want["ids-b"].text != alone_a.generate(input_ids=[10, 11, 12, 13], params=params).text
     (bad_ids,) = map(json.loads, err.read_text().splitlines())
     assert check_line(bad_ids).response.status_code == 400
-    assert bad_ids["response"]["body"]["error"]["param"] == "input_ids"
+    # named as the line wrote it (prompt), not as the engine takes it (input_ids)
+    error = bad_ids["response"]["body"]["error"]
+    assert error["param"] == "prompt" and error["message"] == "prompt: token ids must be in [0, 384)", error
 
     again = invoke("export", jid, "-o", str(out))
     assert again.exit_code == 1 and again.stderr.strip() == f"Error: {out} exists; give --force to overwrite it"

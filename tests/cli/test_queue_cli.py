@@ -167,6 +167,23 @@ def test_logit_bias_outside_the_targets_vocabulary_writes_nothing(tmp_path: Path
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])
+def test_a_token_id_prompt_outside_the_vocabulary_writes_nothing(tmp_path: Path, tiny_models: Path,
+                                                                 command: str) -> None:
+    """As a logit_bias key: a completions prompt given as token ids is checked against the target's
+    vocabulary where it is known (walk8: the line became a job whose request failed, exit 3)."""
+    path = tmp_path / "ids.jsonl"
+    lines = [{"custom_id": "ok", "prompt": [5, 383]},
+             {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": [5, 384, 10**6]}}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    result = CliRunner().invoke(cli, [command, str(path), "--target", str(tiny_models / "llama")])
+    assert result.exit_code == 1, result.output
+    assert (f"{path}:2: body.prompt: token ids must be below the target's vocabulary size 384; "
+            "item 1 is 384") in result.output
+    listed = CliRunner().invoke(cli, ["jobs", "--json"])
+    assert listed.exit_code != 0 or json.loads(listed.stdout) == []
+
+
+@pytest.mark.parametrize("command", ["run", "submit"])
 def test_logit_bias_outside_the_vocabulary_is_listed_with_the_files_other_errors(
         tmp_path: Path, tiny_models: Path, command: str) -> None:
     """One pass lists every problem: a key outside a local target's vocabulary is found at intake,

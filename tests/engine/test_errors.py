@@ -6,7 +6,6 @@ a failed request or one readable line; anything else is a crash.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from specbatch.errors import DeviceError, ModelLoadError, RequestError, SpecBatchError
-from tests.tiny import build_tokenizer
+from tests.tiny import build_tokenizer, without_chat_template
 
 OTHER_CORPUS = [
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor.",
@@ -325,16 +324,7 @@ def test_draft_with_shorter_context(load, short_context_draft):
 
 @pytest.fixture(scope="module")
 def no_template_model(tmp_path_factory, tiny_models) -> Path:
-    out = tmp_path_factory.mktemp("notemplate") / "llama"
-    shutil.copytree(tiny_models / "llama", out)
-    (out / "chat_template.jinja").unlink(missing_ok=True)
-    import json
-
-    cfg_path = out / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg.pop("chat_template", None)
-    cfg_path.write_text(json.dumps(cfg))
-    return out
+    return without_chat_template(tiny_models / "llama", tmp_path_factory.mktemp("notemplate") / "llama")
 
 
 def test_messages_without_chat_template(load, no_template_model):

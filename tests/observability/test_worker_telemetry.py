@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.tiny import without_chat_template
 from tests.worker.conftest import CLI
 from tests.worker.services import Proc, free_port, wait_for
 
@@ -79,22 +80,24 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver
     port = free_port()
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     m = cluster.models
-    pair = ["--target", str(m / "llama"), "--draft", str(m / "llama-partial")]
+    # a base model (no chat template): the engine fails a chat line on its own (a token id past
+    # the vocabulary or a prompt over the context no longer reaches a worker: intake refuses it)
+    base = without_chat_template(m / "llama", cluster.tmp / "base")
+    pair = ["--target", str(base), "--draft", str(m / "llama-partial")]
     proc = Proc([*CLI, "worker", *pair, "-n", "obs@%h", "--metrics-port", str(port), "--batch-size", "1"], {**cluster.env, **otel},
                 cluster.tmp / "worker-obs.log")
     cluster.procs.append(proc)
-    cluster.wait_consuming(proc)
+    cluster.wait_consuming(proc, str(base))   # (an absolute path: models / it is itself)
     before = _scrape(port)   # the gauges are set once the child has its models
     host = next(dict(k[1])["worker"] for k in before if k[0] == "specbatch_batch_size")
-    labels = {"target": str(m / "llama"), "drafts": str(m / "llama-partial"), "worker": host}
+    labels = {"target": str(base), "drafts": str(m / "llama-partial"), "worker": host}
     assert host.startswith("obs@")
     assert before[("specbatch_batch_size", frozenset(labels.items()))] == 1
     assert before[("specbatch_speculation_enabled", frozenset(labels.items()))] == 1
 
     rows = [{"custom_id": f"r{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 5 + 3 * i}
-            for i in range(4)] + [{"custom_id": "bad-ids", "method": "POST", "url": "/v1/completions",
-                                   "body": {"prompt": [10**6], "max_tokens": 5}}]   # fails: past the vocabulary
-    # (a prompt over the context no longer reaches a worker: intake refuses it)
+            for i in range(4)] + [{"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                   "max_new_tokens": 5}]   # fails: the target has no chat template
     out = subprocess.run([*CLI, "submit", str(cluster.prompts(rows)), *pair, "--json"], env={**cluster.env, **otel},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -142,4 +145,4 @@ def test_worker_metrics_add_up_to_the_job_and_spans_reach_the_collector(receiver
     assert {c["parent"] for c in chunks} == {enqueue["span_id"]}
     assert {s["trace_id"] for s in spans} == {submit["trace_id"]}
     failed = [s for s in spans if s["name"] == "request" and "specbatch.error" in s["attrs"]]
-    assert len(failed) == 1 and "token ids must be in" in failed[0]["attrs"]["specbatch.error"].string_value
+    assert len(failed) == 1 and "has no chat template" in failed[0]["attrs"]["specbatch.error"].string_value

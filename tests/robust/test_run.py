@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from specbatch.cli.main import cli
 from specbatch.config import get_settings
+from tests.tiny import without_chat_template
 
 N = 40   # prompts: enough that Ctrl-C lands mid-job, few enough to resume quickly
 EXE = str(Path(sys.executable).parent / "specbatch")
@@ -188,12 +189,13 @@ def _other_vocabulary_model(models: Path, out: Path) -> None:
 
 def test_exit_status_follows_the_job(tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
-    target = ["--target", str(tiny_models / "llama")]
-    # a token id past the vocabulary fails on its own in the engine (a prompt too long for the
-    # context would be refused at intake: no job at all)
-    bad_ids = {"method": "POST", "url": "/v1/completions", "body": {"prompt": [10**6], "max_tokens": 3}}
+    base = without_chat_template(tiny_models / "llama", tmp_path / "base")
+    target = ["--target", str(base)]
+    # chat messages to a model with no chat template fail on their own in the engine (a prompt
+    # too long for the context or a token id past the vocabulary is refused at intake: no job)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     ok = {"prompt": "a b", "max_tokens": 3}
-    cases = {"failed": ([bad_ids, bad_ids], 1), "partial": ([ok, bad_ids], 3), "ok": ([ok], 0)}
+    cases = {"failed": ([chat, chat], 1), "partial": ([ok, chat], 3), "ok": ([ok], 0)}
     for name, (lines, code) in cases.items():
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -207,9 +209,11 @@ def test_retry_of_a_run_job_reruns_the_failures_here_without_a_broker(tmp_path: 
     env, url = _env(tmp_path)          # the broker URL points at a closed port
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"custom_id": "ok", "prompt": "a b", "max_tokens": 3}) + "\n"
-                    + json.dumps({"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
-                                  "body": {"prompt": [10**6], "max_tokens": 3}}) + "\n")
-    made = subprocess.run([EXE, "run", str(path), "--target", str(tiny_models / "llama"), "--json"], env=env,
+                    + json.dumps({"custom_id": "chat", "messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 3}) + "\n")
+    # (a base model: the engine refuses the chat line, as test_exit_status_follows_the_job)
+    base = without_chat_template(tiny_models / "llama", tmp_path / "base")
+    made = subprocess.run([EXE, "run", str(path), "--target", str(base), "--json"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 3, made.stderr
     job_id = json.loads(made.stdout)["id"]
@@ -224,7 +228,7 @@ def test_retry_of_a_run_job_reruns_the_failures_here_without_a_broker(tmp_path: 
                                             env={"SPECBATCH_DATABASE_URL": url}).output)
     assert summary["status"] == "completed_with_errors"
     (failure,) = summary["failures"]
-    assert failure["custom_id"] == "too-long" and "token ids must be in" in failure["error"], failure
+    assert failure["custom_id"] == "chat" and "has no chat template" in failure["error"], failure
     assert _counts(url) == (1, {"completed": 1, "failed": 1})    # the completed one was not redone
 
 
