@@ -82,6 +82,13 @@ class Positions:
 
 Processor = Callable[[torch.Tensor, Positions], torch.Tensor]
 
+# Below this repetition_penalty a seen token's positive logit divided by it can overflow float32
+# (1e-300 is 0 there: inf, then NaN in the softmax, and every sampled token was 0), here or in the
+# warp's division by a temperature: the row is shifted so that its penalised top is 0 first
+# (``_tiny_repetition``). Above it, the plain division, as every seeded output was drawn before.
+TINY_PENALTY = 1e-3
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def logit_bias(bias: Sequence[tuple[int, float]]) -> Processor:
     """OpenAI's logit_bias: add bias[id] to that token's logit."""
@@ -100,8 +107,12 @@ def penalties(repetition: float, frequency: float, presence: float) -> Processor
     then minus ``frequency`` per occurrence in the output and ``presence`` once if it occurs."""
     def apply(logits: torch.Tensor, pos: Positions) -> torch.Tensor:
         counts, seen = pos.counts(logits.shape[-1], logits.device)
-        if repetition != 1.0:
-            penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+        if repetition < TINY_PENALTY:
+            logits = _tiny_repetition(logits, seen, repetition)
+        elif repetition != 1.0:
+            # (a factor past float32's max would be inf there, and a zero logit times it NaN)
+            factor = min(repetition, FLOAT32_MAX)
+            penalised = torch.where(logits > 0, logits / factor, logits * factor)
             logits = torch.where(seen, penalised, logits)
         if frequency:
             logits = logits - frequency * counts
@@ -109,6 +120,23 @@ def penalties(repetition: float, frequency: float, presence: float) -> Processor
             logits = logits - presence * (counts > 0).float()
         return logits
     return apply
+
+
+def _tiny_repetition(logits: torch.Tensor, seen: torch.Tensor, repetition: float) -> torch.Tensor:
+    """logits (N, V) with a repetition penalty under TINY_PENALTY, less a constant per row: where a
+    seen token has a positive logit, the largest of them M gives every logit minus M / repetition,
+    the seen positive ones as (l - M) / repetition (0 at the top, the rest -inf where the quotient
+    overflows: the limit as the penalty goes to 0), so nothing overflows to +inf. What follows
+    only subtracts (frequency, presence), ranks (greedy's argmax) or softmaxes (the warp), so the
+    shift changes no probability; p and every q get it alike. A row with no seen positive logit
+    cannot overflow: its seen logits are multiplied, as above TINY_PENALTY."""
+    r = max(repetition, torch.finfo(torch.float32).tiny)   # (1e-300 is 0 in float32)
+    plain = torch.where(seen & (logits <= 0), logits * r, logits)
+    positive = seen & (logits > 0)
+    top = logits.masked_fill(~positive, float("-inf")).amax(dim=-1, keepdim=True)   # (N, 1) M
+    # (a row without M gets inf here, which torch.where below leaves unused)
+    shifted = torch.where(positive, (logits - top) / r, plain - top / r)
+    return torch.where(top > 0, shifted, plain)
 
 
 def processors_for(params: GenerationParams) -> tuple[Processor, ...]:

@@ -167,3 +167,55 @@ def test_bad_processor_params_are_request_errors(load, field, value, words):
     with pytest.raises(RequestError) as info:
         engine.generate(prompt="hi", params=GenerationParams(max_new_tokens=2, **{field: value}))
     assert field in str(info.value) and words in str(info.value)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40])
+def test_a_tiny_repetition_penalty_samples_its_limit(load, penalty):
+    """walk8: a seen token's positive logit / 1e-300 was inf, the softmax NaN and every sampled
+    token 0 (greedy took the first inf, not the largest logit). As the penalty goes to 0 the seen
+    token with the largest positive logit takes all the mass: sampled rows, with a draft or not,
+    give greedy's tokens, which are those of a penalty small but still finite in float32."""
+    target, draft = load("llama"), load("llama-partial")
+    prompt = PROMPTS[0]
+    limit = Engine(target).generate(prompt=prompt, params=GenerationParams(
+        max_new_tokens=10, repetition_penalty=1e-30)).token_ids
+    assert len(set(limit)) > 1
+    for engine in (Engine(target), Engine(target, [draft])):
+        greedy = engine.generate(prompt=prompt, params=GenerationParams(
+            max_new_tokens=10, repetition_penalty=penalty)).token_ids
+        assert greedy == limit
+        for seed in (0, 1):
+            sampled = engine.generate(prompt=prompt, params=GenerationParams(
+                max_new_tokens=10, temperature=1.0, seed=seed, repetition_penalty=penalty)).token_ids
+            assert sampled == limit, seed
+
+
+def test_repetition_penalty_keeps_its_bits_and_stays_finite_at_the_extremes():
+    """Ordinary penalties (>= TINY_PENALTY) compute exactly the plain formula, so seeded outputs
+    keep their bits; a tiny one gives finite probabilities on the largest seen positive logit; a
+    huge one (float32 inf) no NaN from a zero logit times it."""
+    from specbatch.engine.processors import TINY_PENALTY
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 40) * 4
+    logits[:, 7] = 0.0
+    ids = [1, 2, 7, 9, 30, 31]     # prompt [1, 2, 7], output [9, 30, 31]
+    seen = torch.zeros(40, dtype=torch.bool)
+    seen[ids] = True
+
+    def processed(penalty: float) -> torch.Tensor:
+        procs = RowProcessors.build(GenerationParams(repetition_penalty=penalty), n_prompt=3)
+        assert procs is not None
+        return procs(logits, ids, [[], [], []])
+
+    for penalty in (TINY_PENALTY, 0.7, 1.3, 1e30):
+        plain = torch.where(logits > 0, logits / penalty, logits * penalty)
+        assert torch.equal(processed(penalty), torch.where(seen, plain, logits)), penalty
+    top = logits.masked_fill(~(seen & (logits > 0)), float("-inf")).argmax(-1)
+    for penalty in (1e-300, 1e-40, 1e-20):
+        probs = Warp(0.01).probs(processed(penalty))
+        assert torch.isfinite(probs).all() and torch.equal(probs.argmax(-1), top), penalty
+        assert torch.equal(probs.amax(-1), torch.ones(3)), penalty
+    probs = Warp(1.0).probs(processed(1e39))
+    assert torch.isfinite(probs).all()
+    assert torch.all(probs[:, 7] > 0)      # the zero logit stays 0, not NaN
