@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from transformers.cache_utils import Cache
 
 from specbatch.engine.backend import PrefixKV, TargetBackend
 from specbatch.engine.hf_cache import append_rows, cache_length, gather_columns, kv_layers, new_cache
@@ -30,7 +31,7 @@ class BatchCache:
 
     def __init__(self, model: LoadedModel, n_rows: int = 0) -> None:
         self.model = model
-        self.cache = new_cache(grow=model.compiled is None)
+        self.cache: Cache = new_cache(grow=model.compiled is None)
         self.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=model.device)
         self.n_valid = torch.zeros(n_rows, dtype=torch.long, device=model.device)
         self._block: tuple[int, list[int]] = (0, [])  # last forward: first column, pad per row
@@ -79,21 +80,8 @@ class BatchCache:
     def _block_mask(self, pads: list[int], parents: Sequence[Sequence[int]] | None, width: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """New columns' validity (B, W), position ids (B, W) and the additive mask (B, 1, W, L + W)."""
-        dev = self.model.device
-        cols = torch.arange(width, device=dev)
-        pad = torch.tensor(pads, device=dev)
-        new_valid = cols[None, :] >= pad[:, None]                                   # (B, W)
-        if parents is None:
-            depth = (cols[None, :] - pad[:, None]).clamp(min=0)                     # (B, W)
-            seen = (cols[None, :] <= cols[:, None])[None] & new_valid[:, None, :]   # (B, W, W)
-        else:
-            depth, seen = _tree_block(parents, pads, width, dev)
-        seen[:, cols, cols] = True                                                  # pads see themselves
-        allowed = torch.cat([self.valid[:, None, :].expand(-1, width, -1), seen], dim=2)
-        dtype = self.model.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=dev)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return new_valid, self.n_valid[:, None] + depth, mask[:, None]
+        new_valid, pos, allowed = block_allowed(self.valid, self.n_valid, pads, parents, width)
+        return new_valid, pos, additive(allowed, self.model.model.dtype)[:, None]
 
     def reject(self, rejected: Sequence[Sequence[int]]) -> None:
         """Row b's feed indices ``rejected[b]`` in the last forward were not accepted: holes."""
@@ -108,7 +96,7 @@ class BatchCache:
             return
         if len(set(n_drop)) == 1 and self._dense():     # the same tail of every row: a crop
             n = n_drop[0]
-            self.cache.crop(-n)
+            self._crop(self.valid.shape[1] - n)
             self.valid, self.n_valid = self.valid[:, :-n], self.n_valid - n
             return
         cols = []
@@ -125,13 +113,17 @@ class BatchCache:
         any_valid = torch.nonzero(self.valid.any(dim=0)).flatten()
         keep = int(any_valid[-1]) + 1 if any_valid.numel() else 0
         if keep < self.valid.shape[1]:
-            length = cache_length(self.cache)
-            if keep < length:
-                self.cache.crop(keep - length)
+            self._crop(keep)
             self.valid = self.valid[:, :keep]
         cols_now = self.valid.shape[1]
         if cols_now > self.compact_min_cols and self.holes() > self.compact_share:
             self.compact()
+
+    def _crop(self, keep: int) -> None:
+        """Forget the cache's columns from ``keep`` on (``valid`` is trimmed by the caller)."""
+        length = cache_length(self.cache)
+        if keep < length:
+            self.cache.crop(keep - length)
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows (finished rows leave the batch); a repeated row is copied."""
@@ -209,14 +201,45 @@ class BatchCache:
         if not width:
             return
         order = torch.sort(self.valid.int(), dim=1, stable=True).indices[:, -width:]
+        self._gather(order)
+        self.valid = self.valid.gather(1, order)
+
+    def _gather(self, order: torch.Tensor) -> None:
+        """Keep, per row b, the cache columns ``order[b]`` (rows, width), in that order."""
         for layer in kv_layers(self.cache):
             gather_columns(layer, order)
-        self.valid = self.valid.gather(1, order)
 
 
 def _zero_rows(x: torch.Tensor, n_rows: int) -> torch.Tensor:
     """n_rows rows of zeros shaped like x's rows: (B, H, L, D) -> (n_rows, H, L, D)."""
     return x.new_zeros(n_rows, *x.shape[1:])
+
+
+def block_allowed(valid: torch.Tensor, n_valid: torch.Tensor, pads: list[int],
+                  parents: Sequence[Sequence[int]] | None, width: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A forward's block over a cache of ``valid`` (B, L) columns: the new columns' validity
+    (B, W), position ids (B, W), and which columns each fed token sees (B, W, L + W): its row's
+    valid columns, its ancestors in the feed (chains: the tokens before it) and itself (a pad
+    sees only itself, so no attention row is empty)."""
+    dev = valid.device
+    cols = torch.arange(width, device=dev)
+    pad = torch.tensor(pads, device=dev)
+    new_valid = cols[None, :] >= pad[:, None]                                   # (B, W)
+    if parents is None:
+        depth = (cols[None, :] - pad[:, None]).clamp(min=0)                     # (B, W)
+        seen = (cols[None, :] <= cols[:, None])[None] & new_valid[:, None, :]   # (B, W, W)
+    else:
+        depth, seen = _tree_block(parents, pads, width, dev)
+    seen[:, cols, cols] = True                                                  # pads see themselves
+    allowed = torch.cat([valid[:, None, :].expand(-1, width, -1), seen], dim=2)
+    return new_valid, n_valid[:, None] + depth, allowed
+
+
+def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean "may attend" mask as the additive one the model adds to its scores."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _tree_block(parents: Sequence[Sequence[int]], pads: list[int], width: int,

@@ -10,9 +10,11 @@ from typing import Any
 import torch
 
 from specbatch.engine.autopilot import AUTO, Autopilot, AutopilotPolicy, BatchSize, check_batch_size
+from specbatch.engine.backend import BackendFactory
 from specbatch.engine.background import BackgroundCompile
 from specbatch.engine.chat import encode
 from specbatch.engine.compile.decision import CompilePlan, resolve_mode
+from specbatch.engine.compile.forward import StaticForward
 from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
@@ -35,6 +37,7 @@ from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
+from specbatch.engine.static_cache import StaticBatchCache
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -94,9 +97,10 @@ class Engine:
 
     def __init__(self, target: LoadedModel, drafters: Sequence[LoadedModel | DrafterSpec] = (), *,
                  gamma: int = 4, batch_size: BatchSize = AUTO, max_memory: int | None = None,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, static_cache: bool = False) -> None:
         """``drafters``: the pool, a loaded model for each draft model (``model:``), a spec for each
-        drafter that loads none (``DrafterSpec.parse("ngram")``)."""
+        drafter that loads none (``DrafterSpec.parse("ngram")``). ``static_cache``: the target
+        decodes over ``StaticBatchCache`` (engine/static_cache.py) instead of ``BatchCache``."""
         if unloaded := [str(d) for d in drafters if isinstance(d, DrafterSpec) and d.loads_model]:
             raise ValueError(f"drafters {unloaded} load a model: pass the loaded model (Engine.load does)")
         # the models in the specs' order (one per name), then the specs, normalized
@@ -120,6 +124,9 @@ class Engine:
         # shared prompt prefixes computed once, kept across calls (engine/prefix.py); off: to measure
         self.prefix_cache = prefix_cache
         self.prefixes: PrefixStore | None = None
+        self.static_cache = static_cache
+        # the static backend's compiled shape classes (``compile="static"``), None: all eager
+        self.static_graphs: StaticForward | None = None
 
     @classmethod
     def load(cls, target: str, drafters: Sequence[str | DrafterSpec] = (), *,
@@ -253,7 +260,7 @@ class Engine:
             policy = self._policy(size, rows)
         decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
                           memory=self._memory(), grammar_drafts=self.grammar_drafts,
-                          prefixes=self._prefix_store())
+                          prefixes=self._prefix_store(), backend=self._backend())
         started: set[int] = set()
 
         def start(flat: list[int]) -> None:      # the caller hears of each request once
@@ -293,6 +300,13 @@ class Engine:
                     del samples[i]
                     yield i, first
         yield from refused
+
+    def _backend(self) -> BackendFactory | None:
+        """The target's backend: None (the decoder's default ``BatchCache``) or the static one."""
+        if not self.static_cache:
+            return None
+        target, graphs = self.target, self.static_graphs
+        return lambda n: StaticBatchCache(target, n, graphs)
 
     def _valid(self, requests: Sequence[EngineRequest], start: int,
                refused: list[tuple[int, SpecBatchError]]) -> list[Request]:

@@ -21,12 +21,12 @@ def cache_kwarg(model: Any) -> str:
     return name
 
 
-def kv_layers(cache: DynamicCache) -> list[Any]:
+def kv_layers(cache: Cache) -> list[Any]:
     """The cache's attention layers (each with ``keys`` / ``values`` of shape (B, H, L, D))."""
     return list(cache.layers)
 
 
-def cache_length(cache: DynamicCache | None) -> int:
+def cache_length(cache: Cache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
@@ -104,7 +104,7 @@ class GrowingLayer(DynamicLayer):
         assert self._k is not None and self._v is not None
         rows, n = self._uk
         order = indices.tolist()
-        if _moves_in_place(order, rows) and len(order) >= SHRINK * self._k.shape[0]:
+        if moves_in_place(order, rows) and len(order) >= SHRINK * self._k.shape[0]:
             for i, src in enumerate(order):
                 if i != src:
                     self._k[i, :, :n] = self._k[src, :, :n]
@@ -157,7 +157,7 @@ class GrowingLayer(DynamicLayer):
         self._uk = self._uv = (rows, width)
 
 
-def _moves_in_place(order: list[int], rows: int) -> bool:
+def moves_in_place(order: list[int], rows: int) -> bool:
     """Whether row i <- row order[i], for each i in turn, never reads a row already overwritten."""
     if len(order) > rows:
         return False

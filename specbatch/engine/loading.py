@@ -77,7 +77,7 @@ class LoadedModel:
                 try:
                     return compiled(input_ids, cache, kwarg, n_cached, **kwargs)
                 except Exception as e:  # noqa: BLE001 - a compiler failure: warn once, go eager
-                    if not _is_compile_error(e):
+                    if not is_compile_error(e):
                         raise
                     compiled.fail(e)
         return self.model(input_ids=input_ids, use_cache=True, **{kwarg: cache}, **kwargs)
@@ -87,7 +87,7 @@ class LoadedModel:
         return int(self.model.config.get_text_config().vocab_size)
 
 
-def _is_compile_error(e: BaseException) -> bool:
+def is_compile_error(e: BaseException) -> bool:
     """A failure of dynamo/inductor (or the C++ toolchain under it), not of the model's inputs."""
     mod = type(e).__module__
     return mod.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "subprocess")) or \

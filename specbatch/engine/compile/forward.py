@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -31,8 +32,12 @@ class ModelHandle(Protocol):
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any: ...
 
 
-class CompiledForward:
-    """A model's forward through ``torch.compile``; eager for prefill and after a failure."""
+class Graphs:
+    """What the compiled forwards share: the model through ``torch.compile`` (``inductor``'s
+    options), calls after warm-up through the warmed graphs only (a call that misses them all runs
+    eagerly, counted and warned about once), and a compiler failure: one warning, eager from then on."""
+
+    dynamic = True   # the graphs' sizes are symbolic (CompiledForward) or fixed (StaticForward)
 
     def __init__(self, model: Any, name: str, device: torch.device, frozen: bool = True) -> None:
         self.model = model
@@ -40,20 +45,55 @@ class CompiledForward:
         self.device = device
         self.frozen = frozen or device.type != "cpu"
         self.failed: str | None = None
-        self._fn = torch.compile(model, **compile_kwargs(device, self.frozen))
+        self._fn = torch.compile(model, **compile_kwargs(device, self.frozen, dynamic=self.dynamic))
         # after warm_up, a call that fails every warmed graph's guards runs eagerly instead of
         # compiling for minutes; it is counted and warned about, never silent (docs/COMPILE.md)
         self.warmed = False
         self.calls = 0     # calls after warm-up
         self.misses = 0    # of those, how many missed every warmed graph and ran eagerly
+        self.trial = False   # compiled only to be compared (``compare_not_frozen``)
+        _forwards.add(self)
+
+    def _served(self, inputs: dict[str, Any]) -> Any:
+        """A call after warm-up: through a warmed graph, or eagerly (counted) when it misses them
+        all. The stance is scoped to this call: nothing else in the process is affected."""
+        self.calls += 1
+        try:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self._fn(**inputs)
+        except RuntimeError as e:   # raised by dynamo before the frame runs: the cache is untouched
+            if not str(e).startswith(MISS):
+                raise
+            self.misses += 1
+            if _first(f"miss {self.name}"):
+                logger.warning("%s: a decode step matched no warmed compiled graph and ran eagerly (%s); "
+                               "further misses are counted, not logged (specbatch_compiled_forward_misses)",
+                               self.name, "; ".join(miss_reasons(e)[:3]) or "no guard reason given")
+            return self.model(**inputs)
+
+    def fail(self, error: BaseException) -> None:
+        """Give up compiling this model: log one warning (per process), stay eager from now on.
+        A trial (``compare_not_frozen``'s not-frozen graphs) only logs: the frozen ones serve."""
+        self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}" \
+            if str(error).strip() else type(error).__name__
+        if self.trial:
+            logger.info("%s: the not-frozen graphs failed to compile (%s); frozen ones serve", self.name, self.failed)
+        elif _first("compile"):
+            logger.warning("compiling %s failed, decoding eagerly instead (%s)", self.name, self.failed)
+
+
+class CompiledForward(Graphs):
+    """A model's forward through ``torch.compile`` over a ``DynamicCache``; eager for prefill and
+    after a failure."""
+
+    def __init__(self, model: Any, name: str, device: torch.device, frozen: bool = True) -> None:
+        super().__init__(model, name, device, frozen)
         # shape classes (several rows?, several tokens?) whose graph measured no faster than eager
         # on this machine: auto sends them to the eager model (``prepare``)
         self.eager_classes: set[tuple[bool, bool]] = set()
         # the other variant (frozen or not) where a first start compared the two: its graphs stay
         # on the model's code object anyway (``compare_not_frozen``), so it stays servable
         self.alternative: CompiledForward | None = None
-        self.trial = False   # compiled only to be compared (``compare_not_frozen``)
-        _forwards.add(self)
 
     def eligible(self, input_ids: torch.Tensor, n_cached: int) -> bool:
         # an empty cache is a prefill (long, once per request, eager GEMMs are fine there) and
@@ -96,36 +136,8 @@ class CompiledForward:
             out.logits = out.logits[:, -keep:]
         return out
 
-    def _served(self, inputs: dict[str, Any]) -> Any:
-        """A call after warm-up: through a warmed graph, or eagerly (counted) when it misses them
-        all. The stance is scoped to this call: nothing else in the process is affected."""
-        self.calls += 1
-        try:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self._fn(**inputs)
-        except RuntimeError as e:   # raised by dynamo before the frame runs: the cache is untouched
-            if not str(e).startswith(MISS):
-                raise
-            self.misses += 1
-            if _first(f"miss {self.name}"):
-                logger.warning("%s: a decode step matched no warmed compiled graph and ran eagerly (%s); "
-                               "further misses are counted, not logged (specbatch_compiled_forward_misses)",
-                               self.name, "; ".join(miss_reasons(e)[:3]) or "no guard reason given")
-            return self.model(**inputs)
-
-    def fail(self, error: BaseException) -> None:
-        """Give up compiling this model: log one warning (per process), stay eager from now on.
-        A trial (``compare_not_frozen``'s not-frozen graphs) only logs: the frozen ones serve."""
-        self.failed = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}" \
-            if str(error).strip() else type(error).__name__
-        if self.trial:
-            logger.info("%s: the not-frozen graphs failed to compile (%s); frozen ones serve", self.name, self.failed)
-        elif _first("compile"):
-            logger.warning("compiling %s failed, decoding eagerly instead (%s)", self.name, self.failed)
-
-
 _warned: set[str] = set()
-_forwards: weakref.WeakSet[CompiledForward] = weakref.WeakSet()
+_forwards: weakref.WeakSet[Graphs] = weakref.WeakSet()
 
 
 def _first(key: str) -> bool:
@@ -159,6 +171,28 @@ def causal_mask(rows: int, width: int, n_cached: int, dtype: torch.dtype,
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].expand(rows, 1, width, n_cached + width)
+
+
+class StaticForward(Graphs):
+    """The static-cache backend's model call (engine/static_cache.py) through ``torch.compile``
+    with fixed shapes: one graph per (slots, new tokens) class in ``classes``, every call already
+    in the class's shape (S slots, W tokens, a 4-D additive mask over all C columns, every
+    position's logits). On CPU the column count is dynamic (the backend marks it), so a class is
+    one graph over every column bucket; on CUDA the graphs are CUDA graphs (``reduce-overhead``)
+    and static in every size. Classes outside ``classes`` run eagerly (the backend's own path)."""
+
+    dynamic = False
+
+    def __init__(self, model: Any, name: str, device: torch.device,
+                 classes: Iterable[tuple[int, int]], frozen: bool = True) -> None:
+        super().__init__(model, name, device, frozen)
+        self.classes = set(classes)
+
+    def eligible(self, slots: int, width: int) -> bool:
+        return self.failed is None and (slots, width) in self.classes
+
+    def __call__(self, inputs: dict[str, Any]) -> Any:
+        return self._fn(**inputs) if not self.warmed else self._served(inputs)
 
 
 def compilable(model: torch.nn.Module) -> str | None:

@@ -44,16 +44,18 @@ def inductor_options(device: torch.device | str) -> dict[str, Any]:
     return options
 
 
-def compile_kwargs(device: torch.device, frozen: bool) -> dict[str, Any]:
+def compile_kwargs(device: torch.device, frozen: bool, dynamic: bool = True) -> dict[str, Any]:
     """``torch.compile`` keywords for a model's forward on ``device``, frozen or not (CPU).
 
     CUDA: CUDA graphs remove the per-kernel launch cost that dominates small batches; with the
     cache length symbolic a graph would be re-recorded at every new length, so
     ``configure_inductor`` tells inductor to skip them for dynamic graphs (Triton kernels still
-    fuse). Not frozen, the options patch inductor's config for this compile only."""
+    fuse). Not frozen, the options patch inductor's config for this compile only. ``dynamic=False``
+    (the static-cache backend's classes): sizes are fixed but for those the caller marks dynamic
+    (``torch._dynamo.mark_dynamic``), and no size becomes dynamic because another class ran."""
     if frozen:
-        return {"dynamic": True, "mode": "reduce-overhead" if device.type == "cuda" else None}
-    return {"dynamic": True, "options": dict(NOT_FROZEN)}
+        return {"dynamic": dynamic, "mode": "reduce-overhead" if device.type == "cuda" else None}
+    return {"dynamic": dynamic, "options": dict(NOT_FROZEN)}
 
 
 def use_cache_dir(cache_dir: str | os.PathLike[str]) -> Path:

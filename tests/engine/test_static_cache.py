@@ -1,0 +1,170 @@
+"""The static-slot target backend (engine/static_cache.py) decodes what ``BatchCache`` decodes.
+
+Two levels: the backend alone, driven op by op beside a ``BatchCache`` (forwards of chains and
+trees, rejections, crops, rows leaving, joining, forking, a loaded prefix, bucket moves and
+compaction), every forward's logits compared; and the whole decode loop through ``Engine`` with
+the static backend against the target's own greedy decoding and against ``BatchCache``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specbatch.engine import Engine, GenerationParams
+from specbatch.engine.cache import BatchCache
+from specbatch.engine.drafter_specs import NGRAM
+from specbatch.engine.engine import EngineRequest
+from specbatch.engine.static_cache import StaticBatchCache, columns_for, slots_for
+from tests.engine.test_greedy_exact import DRAFTS, target_greedy
+
+PROMPTS = ["Write a haiku about", "def fibonacci(n):", "The quick brown fox jumps over the lazy dog. The",
+           "a", "hello world hello world hello", "for i in range(10):\n    print(i)", "x = 1\ny = 2\nz ="]
+
+
+def test_buckets():
+    assert [slots_for(n) for n in (0, 1, 2, 3, 5, 16, 17)] == [1, 1, 2, 4, 8, 16, 32]
+    # 64, 128, then multiples of 128 as attention._aligned keeps them (256 -> 384, 768 -> 896)
+    assert [columns_for(n) for n in (1, 64, 65, 129, 384, 385, 513, 700, 1024)] == \
+        [64, 64, 128, 384, 384, 512, 640, 896, 1024]
+
+
+class Pair:
+    """A BatchCache and a StaticBatchCache fed the same operations; every forward's logits compared."""
+
+    def __init__(self, target, n_rows: int = 0) -> None:
+        self.target = target
+        self.ref, self.static = BatchCache(target, n_rows), StaticBatchCache(target, n_rows)
+
+    def forward(self, feeds, keep, parents=None):
+        a = self.ref.forward(feeds, keep, parents)
+        b = self.static.forward(feeds, keep, parents)
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+        assert torch.equal(self.static.valid, self.ref.valid) and torch.equal(self.static.n_valid, self.ref.n_valid)
+        return a
+
+    def both(self, name, *args):
+        getattr(self.ref, name)(*args)
+        getattr(self.static, name)(*args)
+        assert torch.equal(self.static.valid, self.ref.valid), name
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_operation_matches_batch_cache(load, seed, monkeypatch):
+    """Random steps over a batch that grows past its slot and column buckets, shrinks, forks and
+    compacts: the same logits as BatchCache at every forward (the same valid columns throughout)."""
+    rnd = random.Random(seed)
+    target = load("llama")
+    vocab = target.vocab_size
+    monkeypatch.setattr(BatchCache, "compact_min_cols", 16)   # compaction happens here too
+    gathered = []
+    gather = StaticBatchCache._gather
+    monkeypatch.setattr(StaticBatchCache, "_gather", lambda self, order: (gathered.append(1), gather(self, order)))
+    with torch.inference_mode():
+        pair = Pair(target, 3)
+        pair.forward([[rnd.randrange(vocab) for _ in range(rnd.randint(1, 12))] for _ in range(3)], 2)
+        slots, caps = set(), set()
+        for step in range(40):
+            n = pair.ref.n_rows
+            op = rnd.choice(["chain", "chain", "tree", "drop", "select", "fork", "extend", "prefix"])
+            if step == 20:   # a long prompt joins: the columns move up a bucket at least once
+                op, n = "extend", min(n, 11)
+            if op in ("chain", "tree"):
+                widths = [rnd.randint(1, 5) for _ in range(n)]
+                feeds = [[rnd.randrange(vocab) for _ in range(w)] for w in widths]
+                parents = None
+                if op == "tree":
+                    parents = [[-1] + [rnd.randrange(i) for i in range(1, w)] for w in widths]
+                pair.forward(feeds, max(widths), parents)
+                pair.both("reject", [[i for i in range(len(f)) if rnd.random() < 0.4] for f in feeds])
+            elif op == "drop":
+                pair.both("drop_tail", [rnd.randint(0, min(2, int(v))) for v in pair.ref.n_valid])
+            elif op == "select" and n > 1:
+                pair.both("select", sorted(rnd.sample(range(n), rnd.randint(1, n - 1))))
+            elif op == "fork" and n < 12:
+                pair.both("fork", [rnd.randrange(n) for _ in range(rnd.randint(1, 2 * n))])
+            elif op == "extend" and n < 12:
+                m = rnd.randint(1, 4)
+                feeds = [[rnd.randrange(vocab) for _ in range(100 if step == 20 and not j else rnd.randint(1, 40))]
+                         for j in range(m)]
+                joining = Pair(target, m)
+                joining.forward(feeds, 1)
+                pair.ref.extend(joining.ref)
+                pair.static.extend(joining.static)
+            elif op == "prefix" and n < 12:
+                alone = Pair(target, 1)
+                alone.forward([[rnd.randrange(vocab) for _ in range(rnd.randint(2, 20))]], 1)
+                m = rnd.randint(1, 3)
+                joining = Pair(target, m)
+                joining.ref.load_prefix(alone.ref.export_prefix())
+                joining.static.load_prefix(alone.static.export_prefix())
+                joining.forward([[rnd.randrange(vocab)] for _ in range(m)], 1)
+                pair.ref.extend(joining.ref)
+                pair.static.extend(joining.static)
+            slots.add(pair.static.shape.slots)
+            caps.add(pair.static.shape.capacity)
+            assert pair.static.n_rows <= pair.static.shape.slots
+            assert pair.static.valid.shape[1] <= pair.static.shape.capacity
+        # one more forward of every row: whatever moved, every row still reads its own columns
+        pair.forward([[rnd.randrange(vocab)] for _ in range(pair.ref.n_rows)], 1)
+    assert len(slots) > 1 and len(caps) > 1, "the batch moved between buckets"
+    assert gathered, "holes were squeezed out"
+
+
+def _engine(load, arch, drafts, static, batch):
+    names, ngram = (DRAFTS | {"none": ([], False)})[drafts]
+    return Engine(load(arch), [load(n.format(arch=arch)) for n in names] + [NGRAM] * ngram,
+                  batch_size=batch, static_cache=static)
+
+
+def _decode(engine, params):
+    reqs = [EngineRequest(p, None, q, None) for p, q in zip(PROMPTS, params)]
+    return {i: out for i, out in engine.generate_many(reqs)}
+
+
+@pytest.mark.parametrize(("arch", "drafts", "gamma", "batch"), [
+    ("llama", "partial", 4, 1), ("llama", "ngram", 1, 3), ("llama", "pool3", 4, 8), ("llama", "self", 4, 3),
+    ("gpt2", "pool3", 4, 3), ("gpt2", "partial", 1, 8), ("llama", "none", 4, 3)])
+def test_greedy_over_the_static_backend_is_the_target_own(load, arch, drafts, gamma, batch):
+    """Rows of different budgets join and leave a batch of ``batch``; each equals the target's
+    own greedy decoding, and the static backend decodes what BatchCache decodes."""
+    params = [GenerationParams(max_new_tokens=6 + 13 * (i % 4), gamma=gamma, adaptive=False)
+              for i in range(len(PROMPTS))]
+    static = _decode(_engine(load, arch, drafts, True, batch), params)
+    dynamic = _decode(_engine(load, arch, drafts, False, batch), params)
+    target = load(arch)
+    for i, (p, q) in enumerate(zip(PROMPTS, params)):
+        assert static[i].token_ids == target_greedy(target, p, q.max_new_tokens), (i, p)
+        assert static[i].token_ids == dynamic[i].token_ids
+        assert static[i].stats.accepted_tokens == dynamic[i].stats.accepted_tokens
+
+
+@pytest.mark.parametrize("batch", [3, 8])
+def test_samples_and_seeded_sampling_match_batch_cache(load, batch):
+    """``n`` > 1 (rows forked from one prefill), greedy and seeded sampling: the same tokens as
+    over BatchCache (sampling is keyed by seed and position, so the same logits give the same draws)."""
+    params = [GenerationParams(max_new_tokens=24, gamma=3, adaptive=False, n=1 + i % 3,
+                               temperature=0.0 if i % 2 else 0.9, seed=100 + i)
+              for i in range(len(PROMPTS))]
+    static = _decode(_engine(load, "llama", "pool3", True, batch), params)
+    dynamic = _decode(_engine(load, "llama", "pool3", False, batch), params)
+    for i in range(len(PROMPTS)):
+        for a, b in zip([static[i], *static[i].siblings], [dynamic[i], *dynamic[i].siblings], strict=True):
+            assert a.token_ids == b.token_ids, i
+
+
+def test_shared_prefixes_load_into_the_static_backend(load):
+    shared = "You are a helpful assistant. Answer briefly and clearly. " * 3
+    prompts = [shared + p for p in PROMPTS[:5]]
+    params = GenerationParams(max_new_tokens=12, gamma=4, adaptive=False)
+    outs = {}
+    for static in (True, False):
+        engine = _engine(load, "llama", "partial", static, 3)
+        reqs = [EngineRequest(p, None, params, None) for p in prompts]
+        outs[static] = dict(engine.generate_many(reqs))
+    assert sum(o.stats.cached_prompt_tokens for o in outs[True].values()) > 0
+    target = load("llama")
+    for i, p in enumerate(prompts):
+        assert outs[True][i].token_ids == outs[False][i].token_ids == target_greedy(target, p, 12)
