@@ -172,11 +172,12 @@ def nonempty_stops(ctx: click.Context, param: click.Parameter, value: tuple[str,
 
 
 def compile_option(f: Any) -> Any:
-    """--compile auto|on|off (default: SPECBATCH_COMPILE, itself auto). See docs/COMPILE.md."""
-    return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off"]), default=None,
+    """--compile auto|on|off|static (default: SPECBATCH_COMPILE, itself auto). See docs/COMPILE.md."""
+    return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off", "static"]), default=None,
                         help="torch.compile the models before decoding: on (minutes the first time on a "
                              "CPU; a stderr line says when it is ready), off, or auto (only when the job's "
                              "saved decoding time exceeds the compile time, else a stderr line says why, except on a "
                              "generate that did not ask; "
-                             "a worker compiles) "
+                             "a worker compiles); static: the target over a static KV cache, its "
+                             "few-row one-token steps compiled (minutes) "
                              "[default: SPECBATCH_COMPILE or auto].")(f)

@@ -18,6 +18,7 @@ from specbatch.engine.compile.forward import StaticForward
 from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
+from specbatch.engine.compile.static import static_plan
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
@@ -138,7 +139,8 @@ class Engine:
              background: Callable[[str], None] | bool = False) -> Engine:
         """Load the target and the pool's draft models (``drafters``: spec strings or specs,
         ``specbatch.engine.drafter_specs``; ModelLoadError for one not available); ``compile``
-        (auto / on / off) compiles them before returning (``expected_new_tokens``: the job's size,
+        (auto / on / off; static: the target decodes over ``StaticBatchCache`` with its
+        small-row classes compiled, engine/compile/static.py) compiles them before returning (``expected_new_tokens``: the job's size,
         for auto, as a total or one budget per request; None means a long-lived worker; ``notify``: told before each model compiles, see
         ``compile.prepare``). With batch_size "auto" the compile decision plans for
         ``planned_batch_size()`` rows. ``background`` (a worker): return eager at once and
@@ -156,6 +158,11 @@ class Engine:
                      batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
+        if mode == "static":   # (a worker too compiles these before it consumes: see docs/COMPILE.md)
+            engine.static_cache = True
+            rows = engine.batch_size if isinstance(engine.batch_size, int) else 64
+            engine.static_graphs, engine.compile_plan = static_plan(t, rows, cache, notify=notify)
+            return engine
         if background is not False and mode != "off":
             declined = compile_declined(t, engine.drafts, mode=mode, batch_size=engine.planned_batch_size(),
                                         cache_dir=cache)

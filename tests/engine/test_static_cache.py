@@ -15,8 +15,11 @@ import torch
 
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.cache import BatchCache
+from specbatch.engine.compile.forward import StaticForward
+from specbatch.engine.compile.static import prepare_static, static_classes
 from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.engine import EngineRequest
+from specbatch.engine.loading import load_model
 from specbatch.engine.static_cache import StaticBatchCache, columns_for, slots_for
 from tests.engine.test_greedy_exact import DRAFTS, target_greedy
 
@@ -168,3 +171,93 @@ def test_shared_prefixes_load_into_the_static_backend(load):
     target = load("llama")
     for i, p in enumerate(prompts):
         assert outs[True][i].token_ids == outs[False][i].token_ids == target_greedy(target, p, 12)
+
+
+# ------------------------------------------------------------------------------------------------
+# compiled shape classes (engine/compile/static.py)
+
+
+def test_classes_compiled_per_device():
+    assert static_classes("cpu", 32) == [(1, 1), (2, 1), (4, 1), (8, 1), (16, 1)]
+    assert static_classes("cpu", 3, widths=(1, 4)) == [(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)]
+    assert static_classes("cuda", 32)[-1] == (32, 1)
+
+
+def test_a_compile_failure_decodes_eagerly_with_one_warning(load, caplog):
+    """A class whose graph fails to compile: one warning, then the same tokens eagerly."""
+    target = load("llama")
+    graphs = StaticForward(target.model, target.name, target.device, [(1, 1), (2, 1), (4, 1)])
+
+    class Failed(Exception):
+        pass
+
+    Failed.__module__ = "torch._inductor.exc"   # what LoadedModel.forward counts as a compiler failure
+    calls = []
+
+    def fail(**inputs):
+        calls.append(1)
+        raise Failed("no C++ compiler")
+
+    graphs._fn = fail
+    params = [GenerationParams(max_new_tokens=9 + 5 * i) for i in range(len(PROMPTS))]
+    ref = _decode(_engine(load, "llama", "none", True, 4), params)
+    engine = _engine(load, "llama", "none", True, 4)
+    engine.static_graphs = graphs
+    with caplog.at_level("WARNING"):
+        out = _decode(engine, params)
+    assert {i: o.token_ids for i, o in out.items()} == {i: o.token_ids for i, o in ref.items()}
+    assert len(calls) == 1 and graphs.failed and "no C++ compiler" in graphs.failed
+    assert sum("decoding eagerly instead" in r.message for r in caplog.records) <= 1
+
+
+@pytest.fixture(scope="module")
+def static_graphs(tiny_models, tmp_path_factory):
+    """The tiny target's one-token classes of 1, 2 and 4 slots, compiled (a minute or two)."""
+    target = load_model(str(tiny_models / "llama"))
+    graphs, report = prepare_static(target, static_classes("cpu", 4), tmp_path_factory.mktemp("static"),
+                                    keep_all=True)
+    assert graphs is not None and report.enabled, report.to_dict()
+    return target, graphs, report
+
+
+@pytest.mark.slow
+def test_compiled_classes_decode_what_the_eager_backend_decodes(static_graphs):
+    """A batch of 4 draining to 1 runs its one-token steps through the 1-, 2- and 4-slot graphs
+    (none missed), greedy and seeded sampling, and decodes the same tokens as eagerly."""
+    target, graphs, report = static_graphs
+    assert set(report.graphs) == set(report.speedups) == {"1x1:1", "2x1:1", "4x1:1"}
+    params = [GenerationParams(max_new_tokens=10 + 11 * i, temperature=0.8 * (i % 2), seed=i)
+              for i in range(len(PROMPTS))]
+    outs = {}
+    for g in (None, graphs):
+        engine = Engine(target, [], batch_size=4, static_cache=True)
+        engine.static_graphs = g
+        outs[g is None] = {i: o.token_ids for i, o in _decode(engine, params).items()}
+    assert outs[True] == outs[False]
+    assert graphs.calls > 20 and graphs.misses == 0 and graphs.failed is None
+    for i, p in enumerate(PROMPTS):
+        if not params[i].temperature:
+            assert outs[False][i] == target_greedy(target, p, params[i].max_new_tokens)
+
+
+def test_compile_static_decodes_over_the_static_backend(tiny_models, tmp_path, monkeypatch):
+    """``compile="static"`` (``--compile static``, ``SPECBATCH_COMPILE=static``): the engine's
+    batches run over StaticBatchCache with the classes for its batch size compiled."""
+    from specbatch.engine.compile import static as S
+    from specbatch.engine.compile.record import CompileReport
+
+    asked = []
+
+    def fake(lm, classes, cache_dir, **_):
+        asked.append(list(classes))
+        return None, CompileReport(model=lm.name, enabled=True)
+
+    monkeypatch.setattr(S, "prepare_static", fake)
+    made = []
+    monkeypatch.setattr(StaticBatchCache, "__init__", lambda self, *a, init=StaticBatchCache.__init__: (
+        made.append(1), init(self, *a))[1])
+    engine = Engine.load(str(tiny_models / "llama"), compile="static", cache_dir=str(tmp_path), batch_size=4)
+    assert asked == [[(1, 1), (2, 1), (4, 1)]]
+    assert engine.static_cache and engine.compile_plan.mode == "static"
+    out = engine.generate(prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=8))
+    assert made and out.token_ids == target_greedy(engine.target, PROMPTS[0], 8)

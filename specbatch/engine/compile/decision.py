@@ -25,7 +25,9 @@ from specbatch.engine.hf_cache import cache_kwarg
 
 logger = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "on", "off")
+# static: the target decodes over the static-cache backend with its small-row classes compiled
+# (engine/static_cache.py, compile/static.py), not through the compiled forward
+COMPILE_MODES = ("auto", "on", "off", "static")
 # Eager / compiled decode time end to end, as measured per device type and batch size (rows;
 # docs/COMPILE.md), before a warm-up on this machine has measured it (``recorded_speedup``).
 # CPU, 2026-12-01, `specbatch bench --threads 1 --compile on --batch-sizes 1,16` on four 2-core

@@ -71,8 +71,9 @@ def host_key(device: torch.device | str) -> str:
     return f"{tag}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
 
 
-def marker(cache_dir: str | os.PathLike[str], lm: ModelHandle, frozen: bool = True) -> Path:
-    """Where the record of ``lm``'s warm-up (frozen or not) on this host (``host_key``) lives
+def marker(cache_dir: str | os.PathLike[str], lm: ModelHandle, frozen: bool = True, static: bool = False) -> Path:
+    """Where the record of ``lm``'s warm-up (frozen or not; the compiled forward's or, ``static``,
+    the static-cache backend's classes, engine/compile/static.py) on this host (``host_key``) lives
     under ``cache_dir``."""
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{lm.name}-{lm.info.get('source', '')}")
     # graphs compiled with other inductor options are not these (nor are their times and ratios)
@@ -80,6 +81,8 @@ def marker(cache_dir: str | os.PathLike[str], lm: ModelHandle, frozen: bool = Tr
     tag = "".join(c if c.isalnum() else "_" for c in tag) or "default"
     if not frozen and torch.device(lm.device).type == "cpu":
         tag = "not_frozen"
+    if static:
+        tag = f"static-{tag}"
     host = host_key(lm.device)
     return inductor_cache_dir(cache_dir) / "specbatch-warm" / f"{key[-120:]}-{torch.__version__}-{tag}-{host}.json"
 

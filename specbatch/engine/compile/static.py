@@ -1,0 +1,141 @@
+"""The static-cache backend's compiled shape classes: which to compile, compiling them before
+serving, timing each against the same backend eagerly, keeping the ones that pay here.
+
+``StaticBatchCache`` (engine/static_cache.py) sends a compiled class's call at a fixed shape:
+(slots, new tokens, columns), the columns dynamic on CPU. Which classes are worth a graph is a
+per-device measurement (docs/COMPILE.md, "The static-cache backend"): on a small CPU inductor's
+C++ GEMM template wins where the rows are few and MKL's packed products are as good from ~16 rows,
+so CPU compiles one-token steps of up to ``MAX_SLOTS["cpu"]`` slots (a batch's drain, as rows
+finish); on CUDA every slot bucket up to the batch (CUDA graphs remove launch costs at any size).
+Records, failure handling and the inductor cache directory are the compiled forward's
+(``record``, ``forward.Graphs``, ``inductor``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from specbatch.engine import clock
+from specbatch.engine.compile.decision import CompilePlan, compile_seconds_estimate, pays
+from specbatch.engine.compile.forward import ModelHandle, StaticForward, compilable, shape_key
+from specbatch.engine.compile.inductor import configure_inductor
+from specbatch.engine.compile.prepare import CompileNotice
+from specbatch.engine.compile.record import CompileReport, marker, write_marker
+from specbatch.engine.compile.warmup import Cancelled
+
+logger = logging.getLogger(__name__)
+
+# the most slots a one-token class compiles for, per device type (docs/COMPILE.md)
+MAX_SLOTS = {"cpu": 16}
+PRIMED = 100        # tokens a row has cached when a class is timed (a decode's column counts)
+ROUNDS = 3
+
+
+def static_classes(device: torch.device | str, batch_size: int, widths: Iterable[int] = (1,)
+                   ) -> list[tuple[int, int]]:
+    """(slots, new tokens) classes to compile for a batch of up to ``batch_size`` rows: every
+    power-of-two slot count up to the batch's, capped per device type (``MAX_SLOTS``)."""
+    from specbatch.engine.static_cache import slots_for
+
+    top = slots_for(max(1, batch_size))
+    cap = MAX_SLOTS.get(torch.device(device).type)
+    slots = [1 << i for i in range(top.bit_length()) if cap is None or 1 << i <= cap]
+    return [(s, w) for w in widths for s in slots]
+
+
+def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_dir: str | os.PathLike[str],
+                   *, keep_all: bool = False, progress: Callable[[str], None] | None = None
+                   ) -> tuple[StaticForward | None, CompileReport]:
+    """Compile and warm ``classes`` up now, each timed against the static backend eagerly at
+    the same rows; without ``keep_all`` only the classes that measured faster here
+    (``decision.pays``) stay compiled. Returns the graphs (None: nothing compiles, the report
+    says why) and the report, also recorded under ``cache_dir`` (``record.marker``, static)."""
+    from specbatch.engine.static_cache import StaticBatchCache
+
+    report = CompileReport(model=lm.name)
+    classes = list(classes)
+    if (why := compilable(lm.model)) is not None:
+        report.error = why
+        return None, report
+    configure_inductor(lm.device)
+    graphs = StaticForward(lm.model, lm.name, lm.device, classes)
+    report.frozen = graphs.frozen
+    record = marker(cache_dir, lm, graphs.frozen, static=True)
+    report.cached = record.exists()
+    t0 = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            for i, (slots, width) in enumerate(classes, 1):
+                if progress is not None:
+                    progress(f"{lm.name} static graph {i}/{len(classes)}")
+                compiled = StaticBatchCache(lm, slots, graphs)   # type: ignore[arg-type]
+                eager = StaticBatchCache(lm, slots)              # type: ignore[arg-type]
+                for b in (compiled, eager):
+                    b.forward([list(range(1, PRIMED + 1))] * slots, 1)
+                feed = [[7] * width] * slots
+                t = clock.now(lm.device)
+                compiled.forward(feed, width)
+                compiled.drop_tail([width] * slots)
+                key = shape_key(slots, width, width)
+                report.graphs[key] = clock.now(lm.device) - t
+                if graphs.failed:
+                    break
+                report.speedups[key] = _speedup(eager, compiled, feed, lm.device)
+    except Cancelled:
+        raise
+    except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
+        graphs.fail(e)
+    report.seconds = time.perf_counter() - t0
+    graphs.warmed = True
+    report.enabled = graphs.failed is None
+    report.error = graphs.failed
+    if not report.enabled:
+        return None, report
+    if not keep_all:
+        for key, speedup in report.speedups.items():
+            if not pays(speedup):
+                slots, width = (int(x) for x in key.split(":")[0].split("x"))
+                graphs.classes.discard((slots, width))
+                report.eager_shapes.append(key)
+    report.first_start_seconds = write_marker(record, report)
+    logger.info("%s: static classes compiled in %.0f s; eager / compiled step here: %s; eager: %s",
+                lm.name, report.seconds, {k: round(v, 2) for k, v in report.speedups.items()},
+                report.eager_shapes or "none")
+    return (graphs if graphs.classes else None), report
+
+
+def _speedup(eager: object, compiled: object, feed: list[list[int]], device: torch.device,
+             rounds: int = ROUNDS) -> float:
+    """Eager / compiled time of one step of ``feed`` over the same cached rows, best of
+    ``rounds``, alternating (the same load); each step rolled back after."""
+    best = {"eager": float("inf"), "compiled": float("inf")}
+    width = len(feed[0])
+    for _ in range(rounds):
+        for name, backend in (("eager", eager), ("compiled", compiled)):
+            t = clock.now(device)
+            backend.forward(feed, width)            # type: ignore[attr-defined]
+            best[name] = min(best[name], clock.now(device) - t)
+            backend.drop_tail([width] * len(feed))  # type: ignore[attr-defined]
+    return best["eager"] / best["compiled"]
+
+
+def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[str],
+                notify: Callable[[CompileNotice], None] | None = None
+                ) -> tuple[StaticForward | None, CompilePlan]:
+    """``compile="static"``: the classes ``static_classes`` picks for ``batch_size`` rows,
+    compiled and warmed up now, those that measured no faster here left eager. Returns the
+    graphs for the engine's ``StaticBatchCache``s and the plan (its report, or why not)."""
+    classes = static_classes(lm.device, batch_size)
+    cached = marker(cache_dir, lm, static=True).exists()
+    reason = f"static-cache classes (slots x tokens) {', '.join(f'{s}x{w}' for s, w in classes)}"
+    if notify is not None:
+        notify(CompileNotice(lm.name, len(classes), False, compile_seconds_estimate(len(classes), cached), reason))
+    graphs, report = prepare_static(lm, classes, cache_dir)
+    plan = CompilePlan("static", graphs is not None, reason if report.enabled
+                       else f"compiling failed, eager instead: {report.error}", models=[report])
+    return graphs, plan
