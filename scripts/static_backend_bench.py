@@ -102,7 +102,7 @@ def primed(make: Callable[[], Any], rows: list[list[int]]) -> Any:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch-sizes", type=ints, default=[1, 4, 8, 16, 32])
+    ap.add_argument("--batch-sizes", type=ints, default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--positions", type=ints, default=[1, 2, 3, 4, 5])
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--steps", type=int, default=6)
@@ -137,7 +137,8 @@ def main() -> None:
     classes = list(dict.fromkeys([(slots_for(b), 1) for b in a.batch_sizes]
                                  + [(1, k) for k in a.positions if "verify" not in skip]))
     t0 = time.perf_counter()
-    graphs, report = prepare_static(target, classes, a.cache_dir, keep_all=True,
+    graphs, report = prepare_static(target, classes, a.cache_dir, lambda n, g: StaticBatchCache(target, n, g),
+                                    keep_all=True,
                                     progress=lambda s: print(f"compiling: {s} ({time.perf_counter() - t0:.0f} s)", flush=True))
     assert graphs is not None, report.to_dict()
     result["compile"] = report.to_dict()

@@ -161,7 +161,8 @@ class Engine:
         if mode == "static":   # (a worker too compiles these before it consumes: see docs/COMPILE.md)
             engine.static_cache = True
             rows = engine.batch_size if isinstance(engine.batch_size, int) else 64
-            engine.static_graphs, engine.compile_plan = static_plan(t, rows, cache, notify=notify)
+            engine.static_graphs, engine.compile_plan = static_plan(
+                t, rows, cache, lambda n, g: StaticBatchCache(t, n, g), notify=notify)
             return engine
         if background is not False and mode != "off":
             declined = compile_declined(t, engine.drafts, mode=mode, batch_size=engine.planned_batch_size(),

@@ -215,7 +215,7 @@ def static_graphs(tiny_models, tmp_path_factory):
     """The tiny target's one-token classes of 1, 2 and 4 slots, compiled (a minute or two)."""
     target = load_model(str(tiny_models / "llama"))
     graphs, report = prepare_static(target, static_classes("cpu", 4), tmp_path_factory.mktemp("static"),
-                                    keep_all=True)
+                                    lambda n, g: StaticBatchCache(target, n, g), keep_all=True)
     assert graphs is not None and report.enabled, report.to_dict()
     return target, graphs, report
 
@@ -248,7 +248,7 @@ def test_compile_static_decodes_over_the_static_backend(tiny_models, tmp_path, m
 
     asked = []
 
-    def fake(lm, classes, cache_dir, **_):
+    def fake(lm, classes, cache_dir, backend, **_):
         asked.append(list(classes))
         return None, CompileReport(model=lm.name, enabled=True)
 

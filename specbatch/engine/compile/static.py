@@ -17,6 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -36,27 +37,29 @@ PRIMED = 100        # tokens a row has cached when a class is timed (a decode's 
 ROUNDS = 3
 
 
+Backend = Callable[[int, StaticForward | None], Any]
+"""(slots, graphs or None: eager) -> an empty ``StaticBatchCache`` of the model being compiled
+(passed in: this package imports nothing of the engine's modules that load models)."""
+
+
 def static_classes(device: torch.device | str, batch_size: int, widths: Iterable[int] = (1,)
                    ) -> list[tuple[int, int]]:
     """(slots, new tokens) classes to compile for a batch of up to ``batch_size`` rows: every
-    power-of-two slot count up to the batch's, capped per device type (``MAX_SLOTS``)."""
-    from specbatch.engine.static_cache import slots_for
-
-    top = slots_for(max(1, batch_size))
+    power-of-two slot count up to the batch's (``static_cache.slots_for``), capped per device
+    type (``MAX_SLOTS``)."""
+    top = 1 << max(0, batch_size - 1).bit_length()
     cap = MAX_SLOTS.get(torch.device(device).type)
     slots = [1 << i for i in range(top.bit_length()) if cap is None or 1 << i <= cap]
     return [(s, w) for w in widths for s in slots]
 
 
 def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_dir: str | os.PathLike[str],
-                   *, keep_all: bool = False, progress: Callable[[str], None] | None = None
+                   backend: Backend, *, keep_all: bool = False, progress: Callable[[str], None] | None = None
                    ) -> tuple[StaticForward | None, CompileReport]:
     """Compile and warm ``classes`` up now, each timed against the static backend eagerly at
     the same rows; without ``keep_all`` only the classes that measured faster here
     (``decision.pays``) stay compiled. Returns the graphs (None: nothing compiles, the report
     says why) and the report, also recorded under ``cache_dir`` (``record.marker``, static)."""
-    from specbatch.engine.static_cache import StaticBatchCache
-
     report = CompileReport(model=lm.name)
     classes = list(classes)
     if (why := compilable(lm.model)) is not None:
@@ -73,8 +76,7 @@ def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_di
             for i, (slots, width) in enumerate(classes, 1):
                 if progress is not None:
                     progress(f"{lm.name} static graph {i}/{len(classes)}")
-                compiled = StaticBatchCache(lm, slots, graphs)   # type: ignore[arg-type]
-                eager = StaticBatchCache(lm, slots)              # type: ignore[arg-type]
+                compiled, eager = backend(slots, graphs), backend(slots, None)
                 for b in (compiled, eager):
                     b.forward([list(range(1, PRIMED + 1))] * slots, 1)
                 feed = [[7] * width] * slots
@@ -109,7 +111,7 @@ def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_di
     return (graphs if graphs.classes else None), report
 
 
-def _speedup(eager: object, compiled: object, feed: list[list[int]], device: torch.device,
+def _speedup(eager: Any, compiled: Any, feed: list[list[int]], device: torch.device,
              rounds: int = ROUNDS) -> float:
     """Eager / compiled time of one step of ``feed`` over the same cached rows, best of
     ``rounds``, alternating (the same load); each step rolled back after."""
@@ -118,13 +120,13 @@ def _speedup(eager: object, compiled: object, feed: list[list[int]], device: tor
     for _ in range(rounds):
         for name, backend in (("eager", eager), ("compiled", compiled)):
             t = clock.now(device)
-            backend.forward(feed, width)            # type: ignore[attr-defined]
+            backend.forward(feed, width)
             best[name] = min(best[name], clock.now(device) - t)
-            backend.drop_tail([width] * len(feed))  # type: ignore[attr-defined]
+            backend.drop_tail([width] * len(feed))
     return best["eager"] / best["compiled"]
 
 
-def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[str],
+def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[str], backend: Backend,
                 notify: Callable[[CompileNotice], None] | None = None
                 ) -> tuple[StaticForward | None, CompilePlan]:
     """``compile="static"``: the classes ``static_classes`` picks for ``batch_size`` rows,
@@ -135,7 +137,7 @@ def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[s
     reason = f"static-cache classes (slots x tokens) {', '.join(f'{s}x{w}' for s, w in classes)}"
     if notify is not None:
         notify(CompileNotice(lm.name, len(classes), False, compile_seconds_estimate(len(classes), cached), reason))
-    graphs, report = prepare_static(lm, classes, cache_dir)
+    graphs, report = prepare_static(lm, classes, cache_dir, backend)
     plan = CompilePlan("static", graphs is not None, reason if report.enabled
                        else f"compiling failed, eager instead: {report.error}", models=[report])
     return graphs, plan
