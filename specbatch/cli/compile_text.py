@@ -50,11 +50,12 @@ def report_compile(plan: CompilePlan | None, say_eager: bool = True) -> None:
     if plan is None:
         return
     if not plan.enabled:
-        if say_eager and plan.mode == "auto" and not any(m.error for m in plan.models):
+        if say_eager and plan.mode in ("auto", "static") and not any(m.error for m in plan.models):
             click.echo(f"specbatch: decoding eagerly: {eager_reason(plan.reason)}", err=True)
         return
     cached = all(m.cached for m in plan.models)
-    click.echo(f"specbatch: compiled forward ready in {plan.seconds:.0f}s "
+    what = "static-cache classes" if plan.mode == "static" else "compiled forward"
+    click.echo(f"specbatch: {what} ready in {plan.seconds:.0f}s "
                f"({'cached' if cached else 'first start'}; {plan.reason})", err=True)
     for m in plan.models:   # what it buys on this machine: warm-up timed each graph against eager
         if m.speedups:

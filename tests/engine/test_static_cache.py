@@ -261,3 +261,16 @@ def test_compile_static_decodes_over_the_static_backend(tiny_models, tmp_path, m
     assert engine.static_cache and engine.compile_plan.mode == "static"
     out = engine.generate(prompt=PROMPTS[0], params=GenerationParams(max_new_tokens=8))
     assert made and out.token_ids == target_greedy(engine.target, PROMPTS[0], 8)
+
+
+def test_where_no_class_pays_the_static_cache_runs_eagerly_and_says_why(monkeypatch, capsys, load, tmp_path):
+    from specbatch.cli.compile_text import report_compile
+    from specbatch.engine.compile import static as S
+    from specbatch.engine.compile.record import CompileReport
+
+    monkeypatch.setattr(S, "prepare_static", lambda lm, *a, **k: (
+        None, CompileReport(model=lm.name, enabled=True, speedups={"1x1:1": 0.91}, eager_shapes=["1x1:1"])))
+    graphs, plan = S.static_plan(load("llama"), 1, tmp_path, lambda n, g: None)
+    assert graphs is None and not plan.enabled and plan.mode == "static"
+    report_compile(plan)
+    assert "decoding eagerly: static: no class measured faster than eager here (1x1 0.91x)" in capsys.readouterr().err

@@ -138,6 +138,9 @@ def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[s
     if notify is not None:
         notify(CompileNotice(lm.name, len(classes), False, compile_seconds_estimate(len(classes), cached), reason))
     graphs, report = prepare_static(lm, classes, cache_dir, backend)
-    plan = CompilePlan("static", graphs is not None, reason if report.enabled
-                       else f"compiling failed, eager instead: {report.error}", models=[report])
-    return graphs, plan
+    if not report.enabled:
+        reason = f"compiling failed, eager instead: {report.error}"
+    elif graphs is None:
+        measured = ", ".join(f"{k.split(':')[0]} {v:.2f}x" for k, v in report.speedups.items())
+        reason = f"static: no class measured faster than eager here ({measured}); the static cache runs eagerly"
+    return graphs, CompilePlan("static", graphs is not None, reason, models=[report])
