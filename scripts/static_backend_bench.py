@@ -44,11 +44,15 @@ def ints(s: str) -> list[int]:
 def measuring(max_load: float, wait_s: float) -> Iterator[dict[str, float]]:
     """The measure lock held and the load average at most ``max_load`` (waited for up to
     ``wait_s``); yields the load seen at the start, filled with the load at the end."""
+    t0 = time.time()
     with open("/work/wt/measure.lock", "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        t0 = time.time()
-        while os.getloadavg()[0] > max_load and time.time() - t0 < wait_s:
-            time.sleep(10)
+        while True:   # (the lock is not held while waiting for the load: others may time meanwhile)
+            while os.getloadavg()[0] > max_load and time.time() - t0 < wait_s:
+                time.sleep(10)
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if os.getloadavg()[0] <= max_load or time.time() - t0 >= wait_s:
+                break
+            fcntl.flock(f, fcntl.LOCK_UN)
         seen = {"load_start": os.getloadavg()[0], "waited_s": round(time.time() - t0)}
         try:
             yield seen
