@@ -109,6 +109,11 @@ class SlotLayer(StaticLayer):
         return keys[:, :, : s.visible], values[:, :, : s.visible]
 
 
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """The key length a mask built by the model must cover (eager, a 2-D mask: the columns in use)."""
+        return (self.shape.capacity if self.shape.full else self.shape.visible), 0
+
+
 def _buffer(like: torch.Tensor, shape: _Shape) -> torch.Tensor:
     """Zeros (slots, heads, capacity, head dim) of ``like``'s dtype and device: finite, as every
     column the mask hides must be (0 x NaN is NaN)."""
@@ -171,7 +176,11 @@ class StaticBatchCache(BatchCache):
             out = self._compiled(graphs, ids, pos, allowed)
         if out is None:
             self.shape.full, self.shape.visible = False, n_cols + width
-            mask = additive(allowed, self.model.model.dtype)[:, None]
+            if parents is None and not any(pads) and self._dense():
+                # BatchCache's dense path: the model's own causal mask is the same and cheaper
+                mask = torch.ones(n, n_cols + width, dtype=torch.long, device=dev)
+            else:
+                mask = additive(allowed, self.model.model.dtype)[:, None]
             extra = {"output_hidden_states": True} if hidden else {}
             out = self.model.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                                    logits_to_keep=logits_to_keep, **{cache_kwarg(self.model.model): self.cache},
