@@ -41,7 +41,7 @@ fi
 stage models 120 python3 scripts/gpu_models.py --tokenizer .gpu/qwen-tok --out "$MODELS" --dtype bfloat16 --scale "$SCALE"
 T="$MODELS/qwen2.5-coder-1.5b-shape"; D="$MODELS/qwen2.5-coder-0.5b-shape"
 
-stage cuda-tests 110 python3 -m pytest -p no:cacheprovider -q -n 0 tests/engine/test_cuda.py tests/engine/test_errors.py
+stage cuda-tests 180 python3 -m pytest -p no:cacheprovider -q -n 0 tests/engine/test_cuda.py tests/engine/test_errors.py
 
 stage job-bf16 150 "${SB[@]}" bench --job .gpu/job24.jsonl --device "$DEVICE" --dtype bfloat16 --target "$T" --draft "$D" \
     --no-llama-cpp --batch-sizes 8,24 --repeats 1 --no-breakdown --out /tmp/job-bf16
