@@ -49,7 +49,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 NAME = "specbatch_sdpa"
-ALIGNED = "specbatch_aligned_columns"   # a forward's keyword: its key length is _aligned(length) already
 
 
 def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -61,13 +60,9 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     Folds the query heads where there are several per key/value head and a mask says what each
     token sees; anything else (no mask: a causal prefill that SDPA's ``is_causal`` serves; a
     per-head mask, a position bias, dropout) is transformers' own SDPA path."""
-    # a caller whose key length is _aligned already (a compiled static-cache class, whose column
-    # count is a graph's dynamic size: _aligned's comparisons on it would guard the graph to one
-    # bucket) says so, and no width is computed
-    aligned = kwargs.pop(ALIGNED, False)
     groups = int(getattr(module, "num_key_value_groups", 1))
     pad_rows = query.device.type == "cpu" and rows_move()
-    pad_cols = query.device.type == "cpu" and columns_move() and not aligned
+    pad_cols = query.device.type == "cpu" and columns_move()
     if attention_mask is None and query.shape[2] == 1 and (pad_rows or pad_cols):
         # a one-token step sees every column: spelled as a mask, so that it is padded like the
         # verify block the same token would otherwise be scored in

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from specbatch.engine.attention import ALIGNED, _aligned
+from specbatch.engine.attention import _aligned
 from specbatch.engine.backend import PrefixKV, TargetBackend
 from specbatch.engine.cache import BatchCache, additive, block_allowed
 from specbatch.engine.hf_cache import cache_kwarg, moves_in_place
@@ -212,7 +212,7 @@ class StaticBatchCache(BatchCache):
             torch._dynamo.mark_dynamic(mask, 3)
         s.full = True
         inputs = {"input_ids": full_ids, "attention_mask": mask, "position_ids": full_pos, "use_cache": True,
-                  "logits_to_keep": 0, cache_kwarg(self.model.model): self.cache, ALIGNED: True}
+                  "logits_to_keep": 0, cache_kwarg(self.model.model): self.cache}
         try:
             return graphs(inputs)
         except Exception as e:  # noqa: BLE001 - a compiler failure: warn once, go eager
