@@ -136,19 +136,10 @@ def test_static_classes_as_cuda_graphs_decode_what_eager_decodes(on_cuda, tmp_pa
     seeded sampling: the same tokens as the static backend eagerly, no call missing the graphs."""
     from specbatch.engine.compile.static import prepare_static, static_classes
     from specbatch.engine.static_cache import StaticBatchCache
+    from tests.engine.test_static_cache import drain_eager_and_compiled
 
     target = on_cuda("llama")
     graphs, report = prepare_static(target, static_classes("cuda", 4), tmp_path,
                                     lambda n, g: StaticBatchCache(target, n, g), keep_all=True)
     assert graphs is not None and report.enabled, report.to_dict()
-    prompts = [*PROMPTS, " ".join(PROMPTS) * 2]
-    params = [GenerationParams(max_new_tokens=10 + 11 * i, temperature=0.8 * (i % 2), seed=i)
-              for i in range(len(prompts))]
-    outs = {}
-    for g in (None, graphs):
-        engine = Engine(target, [], batch_size=4, static_cache=True)
-        engine.static_graphs = g
-        reqs = [EngineRequest(prompt=p, params=q) for p, q in zip(prompts, params)]
-        outs[g is None] = {i: o.token_ids for i, o in engine.generate_many(reqs)}
-    assert outs[True] == outs[False]
-    assert graphs.calls > 20 and graphs.misses == 0 and graphs.failed is None
+    drain_eager_and_compiled(target, graphs)

@@ -220,14 +220,11 @@ def static_graphs(tiny_models, tmp_path_factory):
     return target, graphs, report
 
 
-@pytest.mark.slow
-def test_compiled_classes_decode_what_the_eager_backend_decodes(static_graphs):
-    """A batch of 4 draining to 1 runs its one-token steps through the 1-, 2- and 4-slot graphs
-    (none missed), greedy and seeded sampling, and decodes the same tokens as eagerly."""
-    target, graphs, report = static_graphs
-    assert set(report.graphs) == set(report.speedups) == {"1x1:1", "2x1:1", "4x1:1"}
-    # (the last prompt is long: its batch moves from 128 to 384 columns, a bucket the
-    # graphs were not warmed at: the column count is dynamic, and no call misses them)
+def drain_eager_and_compiled(target, graphs: StaticForward):
+    """A batch of 4 draining to 1 (greedy and seeded-sampled rows) decoded over the static backend
+    eagerly and through ``graphs``: the same tokens, every compiled call a warmed graph's. Returns
+    (prompts, params, the eager outputs). The last prompt is long: its batch moves from 128 to 384
+    columns, a bucket the graphs were not warmed at. Also run on CUDA (tests/engine/test_cuda.py)."""
     prompts = [*PROMPTS, " ".join(PROMPTS) * 2]
     params = [GenerationParams(max_new_tokens=10 + 11 * i, temperature=0.8 * (i % 2), seed=i)
               for i in range(len(prompts))]
@@ -239,9 +236,19 @@ def test_compiled_classes_decode_what_the_eager_backend_decodes(static_graphs):
         outs[g is None] = {i: o.token_ids for i, o in engine.generate_many(reqs)}
     assert outs[True] == outs[False]
     assert graphs.calls > 20 and graphs.misses == 0 and graphs.failed is None
+    return prompts, params, outs[True]
+
+
+@pytest.mark.slow
+def test_compiled_classes_decode_what_the_eager_backend_decodes(static_graphs):
+    """A batch of 4 draining to 1 runs its one-token steps through the 1-, 2- and 4-slot graphs
+    (none missed), greedy and seeded sampling, and decodes the same tokens as eagerly."""
+    target, graphs, report = static_graphs
+    assert set(report.graphs) == set(report.speedups) == {"1x1:1", "2x1:1", "4x1:1"}
+    prompts, params, outs = drain_eager_and_compiled(target, graphs)
     for i, p in enumerate(prompts):
         if not params[i].temperature:
-            assert outs[False][i] == target_greedy(target, p, params[i].max_new_tokens)
+            assert outs[i] == target_greedy(target, p, params[i].max_new_tokens)
 
 
 def test_compile_static_decodes_over_the_static_backend(tiny_models, tmp_path, monkeypatch):
