@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from static_compile_probe import job_rows  # the job's text as equal-length rows (scripts/ is on the path)
 
 
 def ints(s: str) -> list[int]:
@@ -59,21 +60,6 @@ def measuring(max_load: float, wait_s: float) -> Iterator[dict[str, float]]:
         finally:
             seen["load_end"] = os.getloadavg()[0]
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def job_text_rows(tokenizer: Any, batch: int, length: int) -> list[list[int]]:
-    """``batch`` rows of ``length`` token ids of the job's prompts (no padding, one length)."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "job-mixed-48.jsonl"
-    prompts = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in path.read_text().splitlines() if line]
-    rows = []
-    for b in range(batch):
-        ids: list[int] = []
-        i = b
-        while len(ids) < length:
-            ids += prompts[i % len(prompts)]
-            i += 1
-        rows.append(ids[:length])
-    return rows
 
 
 def timed_steps(backends: dict[str, Any], feed: list[list[int]], steps: int, rounds: int
@@ -155,7 +141,7 @@ def main() -> None:
         if "steps" not in skip:
             result["steps"] = []
             for b in a.batch_sizes:
-                rows = job_text_rows(target.tokenizer, b, a.prompt_len)
+                rows = job_rows(target.tokenizer, b, a.prompt_len).tolist()
                 backends = {"batch": primed(lambda: BatchCache(target, b), rows),       # noqa: B023
                             "static": primed(lambda: StaticBatchCache(target, b), rows),  # noqa: B023
                             "compiled": primed(lambda: StaticBatchCache(target, b, graphs), rows)}  # noqa: B023
@@ -165,7 +151,7 @@ def main() -> None:
                 print("STEP " + json.dumps(row), flush=True)
         if "verify" not in skip:
             result["verify"] = []
-            rows = job_text_rows(target.tokenizer, 1, a.prompt_len + max(a.positions))
+            rows = job_rows(target.tokenizer, 1, a.prompt_len + max(a.positions)).tolist()
             prompt, fed = [rows[0][: a.prompt_len]], rows[0][a.prompt_len:]
             backends = {"batch": primed(lambda: BatchCache(target, 1), prompt),
                         "static": primed(lambda: StaticBatchCache(target, 1), prompt),

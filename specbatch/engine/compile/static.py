@@ -27,7 +27,7 @@ from specbatch.engine.compile.forward import ModelHandle, StaticForward, compila
 from specbatch.engine.compile.inductor import configure_inductor
 from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.record import CompileReport, marker, write_marker
-from specbatch.engine.compile.warmup import Cancelled
+from specbatch.engine.compile.warmup import Cancelled, finish
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +93,7 @@ def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_di
         raise
     except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
         graphs.fail(e)
-    report.seconds = time.perf_counter() - t0
-    graphs.warmed = True
-    report.enabled = graphs.failed is None
-    report.error = graphs.failed
+    finish(report, graphs, t0)
     if not report.enabled:
         return None, report
     if not keep_all:

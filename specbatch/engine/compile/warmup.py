@@ -43,6 +43,15 @@ class Cancelled(Exception):
     """A background compile was told to stop (the worker is shutting down): nothing is installed."""
 
 
+def finish(report: CompileReport, graphs: Any, t0: float) -> None:
+    """A warm-up's end, compiled forward's or static classes': its time, the graphs serving from
+    now (a call must hit a warmed graph), and whether compiling failed."""
+    report.seconds = time.perf_counter() - t0
+    graphs.warmed = True
+    report.enabled = graphs.failed is None
+    report.error = graphs.failed
+
+
 def warm_up(lm: ModelHandle, shapes: Iterable[tuple[int, int, int]], cache_dir: str | os.PathLike[str],
             progress: Callable[[str], None] | None = None) -> CompileReport:
     """Compile ``lm``'s graphs for ``shapes`` now (before serving); falls back to eager on failure.
@@ -76,10 +85,7 @@ def warm_up(lm: ModelHandle, shapes: Iterable[tuple[int, int, int]], cache_dir: 
         raise
     except Exception as e:  # noqa: BLE001 - any compiler failure means: decode eagerly
         compiled.fail(e)
-    report.seconds = time.perf_counter() - t0
-    compiled.warmed = True
-    report.enabled = compiled.failed is None
-    report.error = compiled.failed
+    finish(report, compiled, t0)
     if report.enabled:
         report.first_start_seconds = write_marker(record, report)
     return report
