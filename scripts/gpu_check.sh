@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU session (docs/bench/report-gpu.md): the CUDA tests, then the benchmark pair's
 # shapes with random weights through `specbatch bench` (per prompt + throughput) and `bench --job`
-# in bf16 and fp32. Each stage has its own time cap inside DEADLINE seconds in all, so a slow or
-# failing stage costs only itself; everything is logged to OUT/gpu.log, reports copied to OUT.
+# in bf16 and fp32, and the static-cache backend's CUDA graphs per step (scripts/static_backend_bench.py).
+# Each stage has its own time cap inside DEADLINE seconds in all, so a slow or failing stage costs only itself; everything is logged to OUT/gpu.log, reports copied to OUT.
 #
 #   OUT=/tmp/gpu-out DEADLINE=520 bash scripts/gpu_check.sh
 #
@@ -33,26 +33,29 @@ stage() {   # stage NAME CAP_SECONDS COMMAND...: runs within what is left of DEA
 
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >>"$LOG" 2>&1
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD:$PWD/scripts
 else
-    export PYTHONPATH=$PWD
+    export PYTHONPATH=$PWD:$PWD/scripts
 fi
 
 stage models 120 python3 scripts/gpu_models.py --tokenizer .gpu/qwen-tok --out "$MODELS" --dtype bfloat16 --scale "$SCALE"
 T="$MODELS/qwen2.5-coder-1.5b-shape"; D="$MODELS/qwen2.5-coder-0.5b-shape"
 
-stage cuda-tests 180 python3 -m pytest -p no:cacheprovider -q -n 0 tests/engine/test_cuda.py tests/engine/test_errors.py
+stage cuda-tests 180 python3 -m pytest -p no:cacheprovider -q -rs -n 0 tests/engine/test_cuda.py tests/engine/test_errors.py
 
-stage job-bf16 150 "${SB[@]}" bench --job .gpu/job24.jsonl --device "$DEVICE" --dtype bfloat16 --target "$T" --draft "$D" \
+stage job-bf16 120 "${SB[@]}" bench --job .gpu/job24.jsonl --device "$DEVICE" --dtype bfloat16 --target "$T" --draft "$D" \
     --no-llama-cpp --batch-sizes 8,24 --repeats 1 --no-breakdown --out /tmp/job-bf16
 cp /tmp/job-bf16/job-report.md "$OUT/job-bf16.md" 2>/dev/null
 
-stage bench-bf16 150 "${SB[@]}" bench --device "$DEVICE" --dtype bfloat16 --target "$T" --draft "$D" --random-weights --no-ngram \
+stage static-bf16 150 python3 scripts/static_backend_bench.py --device "$DEVICE" --dtype bfloat16 --target "$T" --no-lock \
+    --skip job --batch-sizes 1,8 --positions 1,4 --rounds 3 --steps 5 --cache-dir /tmp/static-bf16 --json "$OUT/static-bf16.json"
+
+stage bench-bf16 120 "${SB[@]}" bench --device "$DEVICE" --dtype bfloat16 --target "$T" --draft "$D" --random-weights --no-ngram \
     --no-llama-cpp --num-prompts 4 --max-new-tokens 64 --repeats 1 --hf-settings const5 --gamma-grid 2,4,8 \
     --batch-sizes 1,8,32 --throughput-prompts 16 --out /tmp/bench-bf16
 cp /tmp/bench-bf16/report.md "$OUT/bench-bf16.md" 2>/dev/null
 
-stage job-fp32 120 "${SB[@]}" bench --job .gpu/job24.jsonl --device "$DEVICE" --dtype float32 --target "$T" --draft "$D" \
+stage job-fp32 100 "${SB[@]}" bench --job .gpu/job24.jsonl --device "$DEVICE" --dtype float32 --target "$T" --draft "$D" \
     --no-llama-cpp --batch-sizes 8 --repeats 1 --no-breakdown --out /tmp/job-fp32
 cp /tmp/job-fp32/job-report.md "$OUT/job-fp32.md" 2>/dev/null
 

@@ -2,6 +2,11 @@
 per-step time, a one-row verify, and a whole job (docs/COMPILE.md, "The static-cache backend").
 
     PYTHONPATH=TREE nice -n 5 python scripts/static_backend_bench.py --cache-dir /tmp/static-bench --json out.json
+    python scripts/static_backend_bench.py --device cuda --dtype bfloat16 --target DIR --no-lock --skip job ...
+
+On CPU one torch thread; on CUDA the classes are CUDA graphs (``reduce-overhead``) and every
+interval waits for the device (``engine.clock``), so the same table reads a GPU
+(scripts/gpu_check.sh runs it there on the benchmark pair's shapes, docs/bench/report-gpu.md).
 
 One process, 1 torch thread. First (no lock) the static classes are compiled and warmed up:
 one-token steps of every slot count in ``--batch-sizes`` and one-row verifies of ``--positions``
@@ -29,12 +34,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from static_compile_probe import job_rows  # the job's text as equal-length rows (scripts/ is on the path)
+
+from specbatch.engine import clock
 
 
 def ints(s: str) -> list[int]:
@@ -62,7 +69,7 @@ def measuring(max_load: float, wait_s: float) -> Iterator[dict[str, float]]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def timed_steps(backends: dict[str, Any], feed: list[list[int]], steps: int, rounds: int
+def timed_steps(backends: dict[str, Any], feed: list[list[int]], steps: int, rounds: int, device: str = "cpu"
                 ) -> tuple[dict[str, float], dict[str, bool]]:
     """Median ms per call of ``forward(feed)`` per backend over ``rounds`` rounds of ``steps``
     calls (each round rolled back), the backends in turn; and per backend whether every call's
@@ -72,12 +79,12 @@ def timed_steps(backends: dict[str, Any], feed: list[list[int]], steps: int, rou
     argmax: dict[str, list[torch.Tensor]] = {name: [] for name in backends}
     for r in range(rounds):
         for name, b in backends.items():
-            t0 = time.perf_counter()
+            t0 = clock.now(device)
             for _ in range(steps):
                 logits = b.forward(feed, width)
                 if r == 0:
                     argmax[name].append(logits.argmax(-1))
-            ms[name].append((time.perf_counter() - t0) * 1e3 / steps)
+            ms[name].append((clock.now(device) - t0) * 1e3 / steps)
             b.drop_tail([steps * width] * len(feed))
     first = next(iter(backends))
     same = {name: all(torch.equal(a, c) for a, c in zip(argmax[first], argmax[name])) for name in backends}
@@ -101,13 +108,18 @@ def main() -> None:
     ap.add_argument("--job-batch", type=int, default=32)
     ap.add_argument("--job-slots", type=int, default=16, help="job: compiled one-token classes up to this many slots")
     ap.add_argument("--job-rounds", type=int, default=2)
+    ap.add_argument("--target", help="the target (default: the default target)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-lock", action="store_true", help="time at once, without the measure lock (a machine of its own)")
     ap.add_argument("--max-load", type=float, default=2.5)
     ap.add_argument("--wait", type=float, default=1800, help="seconds to wait for the load to drop")
     ap.add_argument("--cache-dir", required=True, help="records and inductor's caches (compile.inductor.use_cache_dir)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: steps, verify, job")
     ap.add_argument("--json")
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    if a.device == "cpu":
+        torch.set_num_threads(1)
 
     from specbatch.bench.job import job_requests
     from specbatch.config import Settings
@@ -122,7 +134,8 @@ def main() -> None:
     skip = set(a.skip.split(","))
     use_cache_dir(a.cache_dir)
     settings = Settings.from_env()
-    target = load_model(settings.default_target, device="cpu", dtype="float32", cache_dir=settings.cache_dir or None)
+    target = load_model(a.target or settings.default_target, device=a.device, dtype=a.dtype,
+                        cache_dir=settings.cache_dir or None)
     result: dict[str, Any] = {"torch": torch.__version__, "args": vars(a)}
     classes = list(dict.fromkeys([(slots_for(b), 1) for b in a.batch_sizes]
                                  + [(1, k) for k in a.positions if "verify" not in skip]))
@@ -135,7 +148,8 @@ def main() -> None:
     print("COMPILE " + json.dumps(result["compile"]), flush=True)
     all_classes = set(graphs.classes)
 
-    with torch.inference_mode(), measuring(a.max_load, a.wait) as load:
+    timing = nullcontext({"load_start": os.getloadavg()[0], "waited_s": 0}) if a.no_lock else measuring(a.max_load, a.wait)
+    with torch.inference_mode(), timing as load:
         result["load"] = load
         print(f"measuring at load {load['load_start']:.2f} (waited {load['waited_s']} s)", flush=True)
         if "steps" not in skip:
@@ -145,7 +159,7 @@ def main() -> None:
                 backends = {"batch": primed(lambda: BatchCache(target, b), rows),       # noqa: B023
                             "static": primed(lambda: StaticBatchCache(target, b), rows),  # noqa: B023
                             "compiled": primed(lambda: StaticBatchCache(target, b, graphs), rows)}  # noqa: B023
-                ms, same = timed_steps(backends, [[rows[i][-1]] for i in range(b)], a.steps, a.rounds)
+                ms, same = timed_steps(backends, [[rows[i][-1]] for i in range(b)], a.steps, a.rounds, a.device)
                 row = {"B": b, "ms": ms, "argmax_same": same}
                 result["steps"].append(row)
                 print("STEP " + json.dumps(row), flush=True)
@@ -157,7 +171,7 @@ def main() -> None:
                         "static": primed(lambda: StaticBatchCache(target, 1), prompt),
                         "compiled": primed(lambda: StaticBatchCache(target, 1, graphs), prompt)}
             for k in a.positions:
-                ms, same = timed_steps(backends, [fed[:k]], 1, a.rounds * a.steps)
+                ms, same = timed_steps(backends, [fed[:k]], 1, a.rounds * a.steps, a.device)
                 row = {"k": k, "ms": ms, "argmax_same": same}
                 result["verify"].append(row)
                 print("VERIFY " + json.dumps(row), flush=True)
