@@ -25,12 +25,15 @@ SHAPES = {   # hidden, intermediate, layers, attention heads (2 key-value heads 
 }
 
 
-def build(tokenizer: Path, out: Path, dtype: str, scale: float, seed: int = 1234) -> list[Path]:
+def build(tokenizer: Path, out: Path, dtype: str, scale: float, seed: int = 1234, only: str | None = None
+          ) -> list[Path]:
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     made = []
     for i, (name, (hidden, inter, layers, heads)) in enumerate(SHAPES.items()):
+        if only and name != only:
+            continue
         head_dim = hidden // heads
         heads_s = max(2, round(heads * scale) // 2 * 2)
         cfg = Qwen2Config(
@@ -55,8 +58,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--only", choices=sorted(SHAPES), help="build this shape alone")
     a = ap.parse_args()
-    for p in build(a.tokenizer, a.out, a.dtype, a.scale):
+    for p in build(a.tokenizer, a.out, a.dtype, a.scale, only=a.only):
         print(p)
 
 

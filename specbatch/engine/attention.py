@@ -101,12 +101,35 @@ def _pad_rows(rows: int) -> int:
 
 def _aligned(n: int) -> int:
     """Key columns to give SDPA for ``n`` real ones: the next multiple of 16, and a last block of
-    512 columns (CPU flash attention's) not 193-383 long (there sgemm splits the sum over keys at a
-    point that moves with the length; at 384 and up, at fixed points, as below 193 where it does
-    not split): the real columns' numbers are then the same whatever the length
-    (scripts/kv_tail_probe.py)."""
+    512 columns (CPU flash attention's) of at most 192 or at least ``long_tail()``: past 192
+    columns sgemm splits the sum over keys at points that move with the length below that floor,
+    and sit still from it on, as below 193 where it does not split. The real columns' numbers are
+    then the same whatever the length (scripts/kv_tail_probe.py)."""
     base, tail = n // 512 * 512, -(-(n % 512) // 16) * 16
-    return base + (tail if tail <= 192 else max(tail, 384))
+    return base + (tail if tail <= 192 else max(tail, long_tail()))
+
+
+_long_tail: int | None = None   # long_tail's answer, once known (a plain global, as _columns_move)
+
+
+def long_tail() -> int:
+    """The shortest last block past 192 columns from which this CPU's SDPA sums the keys at fixed
+    points: 384 where lengths of 384 and more round a row alike (the AMD EPYC hosts of
+    docs/DESIGN.md), else a whole block, 512 (an Intel Xeon with AMX: there the split moves up to
+    496 columns, so 384 and 400 columns give a row over 381 real keys other numbers). A check,
+    once per process, as ``columns_move``."""
+    global _long_tail
+    if _long_tail is None:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (15, 1024, 1024))
+        with torch.inference_mode():
+            def sdpa(real: int, length: int) -> torch.Tensor:
+                seen = torch.arange(length) < real
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k[:, :, :length], v[:, :, :length], attn_mask=seen.expand(1, 1, 15, length))
+            _long_tail = 384 if all(torch.equal(sdpa(real, 384), sdpa(real, length))
+                                    for real in (200, 300, 381) for length in (400, 448, 496, 512, 1024)) else 512
+    return _long_tail
 
 
 def _pad_columns(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, cols: int

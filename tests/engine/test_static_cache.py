@@ -27,11 +27,15 @@ PROMPTS = ["Write a haiku about", "def fibonacci(n):", "The quick brown fox jump
            "a", "hello world hello world hello", "for i in range(10):\n    print(i)", "x = 1\ny = 2\nz ="]
 
 
-def test_buckets():
+@pytest.mark.parametrize(("long_tail", "columns"), [
+    (384, [64, 64, 128, 384, 384, 512, 640, 896, 1024]),    # 256 -> 384, 768 -> 896
+    (512, [64, 64, 128, 512, 512, 512, 640, 1024, 1024]),   # 256 -> 512, 768 -> 1024
+])
+def test_buckets(monkeypatch, long_tail, columns):
     assert [slots_for(n) for n in (0, 1, 2, 3, 5, 16, 17)] == [1, 1, 2, 4, 8, 16, 32]
-    # 64, 128, then multiples of 128 as attention._aligned keeps them (256 -> 384, 768 -> 896)
-    assert [columns_for(n) for n in (1, 64, 65, 129, 384, 385, 513, 700, 1024)] == \
-        [64, 64, 128, 384, 384, 512, 640, 896, 1024]
+    # 64, 128, then multiples of 128 as attention._aligned keeps them on a CPU of either long tail
+    monkeypatch.setattr("specbatch.engine.attention._long_tail", long_tail)
+    assert [columns_for(n) for n in (1, 64, 65, 129, 384, 385, 513, 700, 1024)] == columns
 
 
 class Pair:
