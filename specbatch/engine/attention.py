@@ -196,7 +196,8 @@ def use_folded_attention(model: Any) -> None:
     if getattr(model.config, "_attn_implementation", None) != "sdpa":
         return
     rows_move()
-    columns_move()
+    if columns_move():
+        long_tail()
     if NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(NAME, folded_sdpa)
         AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
