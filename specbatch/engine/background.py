@@ -14,6 +14,11 @@ tests hold greedy outputs identical), so a switch between two batches changes no
 
 ``adopt`` installs nothing when auto found nothing that measured faster here: then every shape
 class went to ``eager_classes`` and the compiled forward would only add a dispatch.
+
+``compile="static"`` goes the same way: its shape classes (``compile.static.static_plan``) compile
+and warm up here over static caches of their own, while the engine decodes over the static
+backend eagerly; ``adopt`` hands the engine the graphs (``graphs``), whose classes compute what the
+eager backend computes for the same rows (tests/engine/test_static_cache.py).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from specbatch.engine.compile.decision import CompilePlan, compile_memory_estimate
-from specbatch.engine.compile.forward import compilable
+from specbatch.engine.compile.forward import StaticForward, compilable
 from specbatch.engine.compile.prepare import prepare
 from specbatch.engine.compile.record import CompileReport
+from specbatch.engine.compile.static import Backend, static_classes, static_plan
 from specbatch.engine.compile.warmup import Cancelled, warm_shapes
 from specbatch.engine.loading import LoadedModel
 
@@ -62,12 +68,15 @@ class BackgroundCompile:
     """
 
     def __init__(self, target: LoadedModel, drafts: Sequence[LoadedModel], *, mode: str, batch_size: int,
-                 cache_dir: str, on_state: Callable[[str], None] | None = None) -> None:
+                 cache_dir: str, on_state: Callable[[str], None] | None = None,
+                 static_backend: Backend | None = None) -> None:
         self.models = [target, *drafts]
         # the same modules and tokenizers, their own compiled slot: what prepare installs lands here
         self.shadows = [dataclasses.replace(m, compiled=None) for m in self.models]
         self.mode, self.batch_size, self.cache_dir = mode, batch_size, cache_dir
         self.on_state = on_state
+        self.static_backend = static_backend   # mode "static": the engine's StaticBatchCache factory
+        self.graphs: StaticForward | None = None   # mode "static": the classes, once warmed
         self.plan: CompilePlan | None = None
         self.state = "compiling"
         self.adopted = False
@@ -96,7 +105,10 @@ class BackgroundCompile:
 
     def reserved_bytes(self) -> int:
         """Memory the compile adds on CPU while it runs (``compile_memory_estimate``), else 0."""
-        models = [(m, warm_shapes(self.batch_size)) for m in self.models if compilable(m.model) is None]
+        # (the estimate counts graphs: a static class, (slots, tokens), is one, spelled as a warm shape)
+        shapes = tuple((s, w, w) for s, w in static_classes(self.models[0].device, self.batch_size)) \
+            if self.static_backend is not None else warm_shapes(self.batch_size)
+        models = [(m, shapes) for m in self.models if compilable(m.model) is None]
         if self.done or not models or torch.device(self.models[0].device).type != "cpu":
             return 0
         return compile_memory_estimate(models)
@@ -118,8 +130,12 @@ class BackgroundCompile:
         t0 = time.perf_counter()
         target, *drafts = self.shadows
         try:
-            plan = prepare(target, drafts, mode=self.mode, batch_size=self.batch_size,
-                           cache_dir=self.cache_dir, progress=self._progress)
+            if self.static_backend is not None:
+                self.graphs, plan = static_plan(target, self.batch_size, self.cache_dir, self.static_backend,
+                                                progress=self._progress)
+            else:
+                plan = prepare(target, drafts, mode=self.mode, batch_size=self.batch_size,
+                               cache_dir=self.cache_dir, progress=self._progress)
         except Cancelled:
             plan = CompilePlan(self.mode, False, "compiling stopped (shutting down)")
         except Exception as e:  # noqa: BLE001 - a failed background compile leaves eager serving
@@ -139,6 +155,8 @@ class BackgroundCompile:
         """Whether some warmed graph serves: auto left eager every shape that measured no faster
         here (``eager_shapes``); ``on`` keeps them all, as told."""
         assert self.plan is None
+        if self.static_backend is not None:   # static_plan kept only the classes that paid here
+            return self.graphs is not None
         return any(s.compiled is not None and s.compiled.failed is None for s in self.shadows) and \
             any(r.enabled and len(r.eager_shapes) < max(1, len(r.speedups)) for r in self._reports)
 
@@ -150,8 +168,9 @@ class BackgroundCompile:
         self.adopted = True
         if not self.plan.enabled:
             return None
-        for model, shadow in zip(self.models, self.shadows):
-            model.compiled = shadow.compiled
+        if self.static_backend is None:   # (static: the engine takes ``graphs``)
+            for model, shadow in zip(self.models, self.shadows):
+                model.compiled = shadow.compiled
         logger.info("compiled forward in use from now on (%s, warmed up in %.0f s in the background)",
                     self.plan.reason, self.seconds)
         return self.plan

@@ -158,11 +158,18 @@ class Engine:
                      batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
-        if mode == "static":   # (a worker too compiles these before it consumes: see docs/COMPILE.md)
+        if mode == "static":
             engine.static_cache = True
             rows = engine.batch_size if isinstance(engine.batch_size, int) else 64
-            engine.static_graphs, engine.compile_plan = static_plan(
-                t, rows, cache, lambda n, g: StaticBatchCache(t, n, g), notify=notify)
+            backend = lambda n, g: StaticBatchCache(t, n, g)   # noqa: E731
+            if background is not False:   # (the static backend eagerly until its classes are warm)
+                engine.compile_plan = CompilePlan(mode, False, "compiling the static-cache classes in the "
+                                                  "background, decoding eagerly until then")
+                engine.background = BackgroundCompile(
+                    t, [], mode=mode, batch_size=rows, cache_dir=cache, static_backend=backend,
+                    on_state=background if callable(background) else None).start()
+                return engine
+            engine.static_graphs, engine.compile_plan = static_plan(t, rows, cache, backend, notify=notify)
             return engine
         if background is not False and mode != "off":
             declined = compile_declined(t, engine.drafts, mode=mode, batch_size=engine.planned_batch_size(),
@@ -194,6 +201,8 @@ class Engine:
         self.compile_plan, self.memory = background.plan, None
         if plan is None:
             return False
+        if background.graphs is not None:
+            self.static_graphs = background.graphs
         self.costs, self.autopilot = {}, None
         return True
 

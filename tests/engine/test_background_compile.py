@@ -164,3 +164,58 @@ def test_the_one_process_wide_fx_trace_is_done_before_the_compile_thread_starts(
     background = B.BackgroundCompile(load_model(str(tiny_models / "llama")), [], mode="on", batch_size=1,
                                      cache_dir=str(tmp_path)).start()
     assert background.join(timeout=600) and seen == [1]
+
+
+def test_static_classes_compile_in_the_background_while_the_static_backend_decodes_eagerly(
+        tiny_models, tmp_path, dynamo_only, monkeypatch):
+    """``compile="static"`` with ``background`` (a worker): the engine returns at once over the
+    static backend run eagerly, the classes compile on another thread, and between batches the
+    engine takes them; every output, before and after the switch, is the target alone's."""
+    gate, real = threading.Event(), B.static_plan
+
+    def held(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        gate.wait()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(B, "static_plan", held)
+    # dynamo's eager backend measures no faster than eager: keep its classes as if they paid here
+    monkeypatch.setattr("specbatch.engine.compile.static.pays", lambda speedup: True)
+    states: list[str] = []
+    engine = Engine.load(str(tiny_models / "llama"), compile="static", background=states.append, batch_size=4,
+                         cache_dir=str(tmp_path))
+    reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)
+    assert engine.static_cache and engine.static_graphs is None
+    assert engine.compile_plan is not None and "background" in engine.compile_plan.reason
+
+    first = _greedy(engine, PROMPTS[:2])                # eagerly, over the static backend
+    background = engine.background
+    assert background is not None and background.reserved_bytes() > 0
+    gate.set()
+    assert background.join(timeout=600)
+    second = _greedy(engine, PROMPTS[2:])               # switched before this batch
+    graphs = engine.static_graphs
+    assert engine.compile_plan.enabled and background.adopted, engine.compile_plan.to_dict()
+    assert graphs is not None and graphs.calls > 0 and graphs.misses == 0
+    assert first + second == reference
+    assert any("static graph 1/" in s and s.endswith("decoding eagerly until then") for s in states), states
+    assert states[-1].startswith("compiled after"), states
+
+
+@pytest.mark.slow
+def test_static_classes_through_inductor_in_the_background_then_switched(tiny_models, tmp_path, monkeypatch):
+    """The real compiler builds the static classes on another thread while this one decodes over
+    the static backend eagerly: every output meanwhile and after the switch is the target's own."""
+    monkeypatch.setattr("specbatch.engine.compile.static.pays", lambda speedup: True)   # keep every class
+    engine = Engine.load(str(tiny_models / "llama"), compile="static", background=True, batch_size=2,
+                         cache_dir=str(tmp_path))
+    reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)
+    background = engine.background
+    assert background is not None
+    rounds = 0
+    while not background.done:
+        assert _greedy(engine, PROMPTS[:1]) == reference[:1]
+        rounds += 1
+    assert _greedy(engine, PROMPTS) == reference
+    assert engine.compile_plan.enabled, engine.compile_plan.to_dict()
+    graphs = engine.static_graphs
+    assert graphs is not None and graphs.calls > 0 and graphs.misses == 0 and rounds > 0

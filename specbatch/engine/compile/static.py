@@ -125,17 +125,18 @@ def _speedup(eager: Any, compiled: Any, feed: list[list[int]], device: torch.dev
 
 
 def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[str], backend: Backend,
-                notify: Callable[[CompileNotice], None] | None = None
-                ) -> tuple[StaticForward | None, CompilePlan]:
+                notify: Callable[[CompileNotice], None] | None = None,
+                progress: Callable[[str], None] | None = None) -> tuple[StaticForward | None, CompilePlan]:
     """``compile="static"``: the classes ``static_classes`` picks for ``batch_size`` rows,
     compiled and warmed up now, those that measured no faster here left eager. Returns the
-    graphs for the engine's ``StaticBatchCache``s and the plan (its report, or why not)."""
+    graphs for the engine's ``StaticBatchCache``s and the plan (its report, or why not);
+    ``progress`` hears each class as it starts (``prepare_static``)."""
     classes = static_classes(lm.device, batch_size)
     cached = marker(cache_dir, lm, static=True).exists()
     reason = f"static-cache classes (slots x tokens) {', '.join(f'{s}x{w}' for s, w in classes)}"
     if notify is not None:
         notify(CompileNotice(lm.name, len(classes), False, compile_seconds_estimate(len(classes), cached), reason))
-    graphs, report = prepare_static(lm, classes, cache_dir, backend)
+    graphs, report = prepare_static(lm, classes, cache_dir, backend, progress=progress)
     if not report.enabled:
         reason = f"compiling failed, eager instead: {report.error}"
     elif graphs is None:
