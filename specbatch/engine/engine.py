@@ -38,7 +38,7 @@ from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
-from specbatch.engine.static_cache import StaticBatchCache
+from specbatch.engine.static_cache import StaticBatchCache, columns_for
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -394,7 +394,8 @@ class Engine:
                 # what the compile running beside decoding will add (reset once it is adopted)
                 budget = max(budget - self.background.reserved_bytes(), budget // 2)
             shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
-            self.memory = MemoryBudget(budget, shapes, high_water=not is_cuda(self.target.device))
+            self.memory = MemoryBudget(budget, shapes, high_water=not is_cuda(self.target.device),
+                                       static_columns=columns_for if self.static_cache else None)
         return self.memory
 
     def _prefix_store(self) -> PrefixStore | None:

@@ -9,6 +9,10 @@ Estimate, per row of the batch (``MemoryBudget.row_bytes``):
   ``specbatch.engine.hf_cache``; its buffer may also keep up to a third more rows than are in
   use, ``hf_cache.SHRINK``, which the holes factor and the measured scale below cover: every row
   is planned at its final width, doubled);
+  with ``--compile static`` the target's cache is ``StaticBatchCache``'s buffers instead: the same
+  doubled columns rounded up to their bucket (``static_cache.columns_for``: up to 4x short of 200
+  columns where a last block widens to 512), in a power of two of slots (up to 2x the rows,
+  ``STATIC_SLOTS_FACTOR``), no spare quarter;
   activations: the logits of one verify step (draft length + 1 positions x vocab x 4 bytes, once
   more for their softmax) plus the hidden states of the widest layer over those positions.
 The check: after each step the process's memory (``torch.cuda.memory_allocated`` on CUDA, the
@@ -28,7 +32,9 @@ RAM on CPU, 80% of the free memory of the GPU.
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +45,7 @@ HOLES_FACTOR = 2.0
 SPARE_FACTOR = 1.25     # hf_cache._regrow: a full layer grows by a quarter
 MAX_DRAFT = 12          # GammaController.max_gamma: the widest draft an adaptive gamma grows to
 SLACK = 256 * 1024**2   # allocator caches and workspaces that do not grow with the rows
+STATIC_SLOTS_FACTOR = 2.0   # static_cache.slots_for: n rows sit in the next power of two of slots
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -124,10 +131,16 @@ class MemoryBudget:
     reserved: int = 0               # held outside the rows: the prefix cache (engine/prefix.py)
     high_water: bool = False        # the measure never shrinks (a CPU resident set): module docstring
     peak: float = 0.0               # the largest unscaled estimate since the baseline (high_water)
+    # the target (``shapes[0]``) over ``StaticBatchCache``: its column buckets (``columns_for``)
+    static_columns: Callable[[int], int] | None = None
 
     def row_bytes(self, columns: int, gamma: int) -> float:
         """Estimated bytes one row needs with ``columns`` tokens of context and draft length gamma."""
-        kv = sum(s.kv_bytes_per_token for s in self.shapes) * columns * HOLES_FACTOR * SPARE_FACTOR
+        held = columns * HOLES_FACTOR
+        kv = sum(s.kv_bytes_per_token for s in self.shapes) * held * SPARE_FACTOR
+        if self.static_columns is not None:
+            target = self.shapes[0].kv_bytes_per_token
+            kv += target * (self.static_columns(math.ceil(held)) * STATIC_SLOTS_FACTOR - held * SPARE_FACTOR)
         positions = gamma + 1
         acts = max(s.vocab * 4 * 2 + s.hidden * s.dtype_bytes * 4 for s in self.shapes) * positions
         return (kv + acts) * self.scale

@@ -181,6 +181,24 @@ def test_shared_prefixes_load_into_the_static_backend(load):
 # compiled shape classes (engine/compile/static.py)
 
 
+def test_the_memory_budget_counts_the_static_buffers(load, monkeypatch):
+    """With the static backend the target's cache is whole buckets of columns in a power of two of
+    slots: the budget plans for them, and so caps a batch where BatchCache's estimate would not."""
+    monkeypatch.setattr("specbatch.engine.attention._long_tail", 512)
+    target = load("llama")
+    plain, static = (Engine(target, batch_size=8, static_cache=s, max_memory=10**9)._memory() for s in (False, True))
+    assert plain.static_columns is None and static.static_columns is columns_for
+    kv = plain.shapes[0].kv_bytes_per_token
+    for columns in (30, 100, 129, 700):
+        held = 2 * columns       # holes: doubled, as for BatchCache
+        assert static.row_bytes(columns, 4) - plain.row_bytes(columns, 4) == \
+            pytest.approx(kv * (2 * columns_for(held) - 1.25 * held))
+    # 100 columns: BatchCache plans 250 a row, the static backend 2 slots' worth of a 256 -> 512 bucket
+    budget = int(3 * plain.row_bytes(100, 4))
+    plain.budget = static.budget = budget
+    assert plain.max_rows(100, 4) == 3 and static.max_rows(100, 4) == 1
+
+
 def test_classes_compiled_per_device():
     assert static_classes("cpu", 32) == [(1, 1), (2, 1), (4, 1)]
     assert static_classes("cpu", 3, widths=(1, 4)) == [(1, 1), (2, 1), (4, 1), (1, 4), (2, 4), (4, 4)]
