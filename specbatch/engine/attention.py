@@ -41,6 +41,7 @@ nothing is copied there; a tensor whose storage ends sooner gets zero columns co
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -120,16 +121,24 @@ def long_tail() -> int:
     once per process, as ``columns_move``."""
     global _long_tail
     if _long_tail is None:
-        gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (15, 1024, 1024))
-        with torch.inference_mode():
-            def sdpa(real: int, length: int) -> torch.Tensor:
-                seen = torch.arange(length) < real
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k[:, :, :length], v[:, :, :length], attn_mask=seen.expand(1, 1, 15, length))
-            _long_tail = 384 if all(torch.equal(sdpa(real, 384), sdpa(real, length))
-                                    for real in (200, 300, 381) for length in (400, 448, 496, 512, 1024)) else 512
+        sdpa = _keys_probe(15, 1024)
+        _long_tail = 384 if all(torch.equal(sdpa(real, 384), sdpa(real, length))
+                                for real in (200, 300, 381) for length in (400, 448, 496, 512, 1024)) else 512
     return _long_tail
+
+
+def _keys_probe(rows: int, keys: int) -> Callable[[int, int], torch.Tensor]:
+    """SDPA of ``rows`` seeded random query rows over the first ``length`` of ``keys`` random key
+    columns, the first ``real`` of them seen: what the start-up checks ask of a key length."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (rows, keys, keys))
+
+    def sdpa(real: int, length: int) -> torch.Tensor:
+        seen = (torch.arange(length) < real).expand(1, 1, rows, length)
+        with torch.inference_mode():
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k[:, :, :length], v[:, :, :length], attn_mask=seen)
+    return sdpa
 
 
 def _pad_columns(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, cols: int
@@ -159,15 +168,9 @@ def columns_move() -> bool:
     of the sum over keys past 192 columns). A check at model load, as ``rows_move``."""
     global _columns_move
     if _columns_move is None:
-        gen = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(1, 1, n, 64, generator=gen) for n in (8, 420, 420))
-        with torch.inference_mode():
-            def sdpa(real: int, length: int) -> torch.Tensor:
-                seen = torch.arange(length) < real
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k[:, :, :length], v[:, :, :length], attn_mask=seen.expand(1, 1, 8, length))
-            _columns_move = any(not torch.equal(sdpa(real, real), sdpa(real, length))
-                                for real, length in ((5, 16), (14, 16), (29, 32), (150, 208), (150, 240), (300, 400)))
+        sdpa = _keys_probe(8, 420)
+        _columns_move = any(not torch.equal(sdpa(real, real), sdpa(real, length))
+                            for real, length in ((5, 16), (14, 16), (29, 32), (150, 208), (150, 240), (300, 400)))
     return _columns_move
 
 

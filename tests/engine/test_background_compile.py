@@ -24,6 +24,20 @@ def _greedy(engine: Engine, prompts: list[str]) -> list[list[int]]:
     return [engine.generate(prompt=p, params=GenerationParams(max_new_tokens=N)).token_ids for p in prompts]
 
 
+def _decode_through_the_switch(engine: Engine, tiny_models) -> int:
+    """Decode one prompt at a time while the background compile runs (eagerly the whole time),
+    then every prompt after it: each the target alone's greedy tokens. Returns the eager rounds."""
+    reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)
+    background = engine.background
+    assert background is not None
+    rounds = 0
+    while not background.done:
+        assert _greedy(engine, PROMPTS[:1]) == reference[:1]
+        rounds += 1
+    assert _greedy(engine, PROMPTS) == reference
+    return rounds
+
+
 @pytest.fixture
 def dynamo_only(monkeypatch):
     """torch.compile with dynamo's own eager backend: the same tracing, guards and graph dispatch
@@ -116,14 +130,7 @@ def test_inductor_in_the_background_while_decoding_eagerly_then_switched(tiny_mo
     monkeypatch.setattr(D, "recorded_frozen", lambda *a, **k: True)   # frozen only: 2 graphs, not 4
     engine = Engine.load(str(tiny_models / "llama"), compile="on", background=True, batch_size=1,
                          cache_dir=str(tmp_path))
-    reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)
-    background = engine.background
-    assert background is not None
-    rounds = 0
-    while not background.done:          # decoding eagerly the whole time it compiles
-        assert _greedy(engine, PROMPTS[:1]) == reference[:1]
-        rounds += 1
-    assert _greedy(engine, PROMPTS) == reference
+    rounds = _decode_through_the_switch(engine, tiny_models)
     assert engine.compile_plan.enabled, engine.compile_plan.to_dict()
     compiled = engine.target.compiled
     assert compiled is not None and compiled.calls > 0 and compiled.misses == 0 and rounds > 0
@@ -208,14 +215,7 @@ def test_static_classes_through_inductor_in_the_background_then_switched(tiny_mo
     monkeypatch.setattr("specbatch.engine.compile.static.pays", lambda speedup: True)   # keep every class
     engine = Engine.load(str(tiny_models / "llama"), compile="static", background=True, batch_size=2,
                          cache_dir=str(tmp_path))
-    reference = _greedy(Engine(load_model(str(tiny_models / "llama")), batch_size=1), PROMPTS)
-    background = engine.background
-    assert background is not None
-    rounds = 0
-    while not background.done:
-        assert _greedy(engine, PROMPTS[:1]) == reference[:1]
-        rounds += 1
-    assert _greedy(engine, PROMPTS) == reference
+    rounds = _decode_through_the_switch(engine, tiny_models)
     assert engine.compile_plan.enabled, engine.compile_plan.to_dict()
     graphs = engine.static_graphs
     assert graphs is not None and graphs.calls > 0 and graphs.misses == 0 and rounds > 0
