@@ -3,6 +3,7 @@ speculative verify) over the same cached columns: bitwise equal or not, per prom
 
     OMP_NUM_THREADS=1 python scripts/block_vs_steps.py                 # the default target
     OMP_NUM_THREADS=1 python scripts/block_vs_steps.py --model PATH     # any model load_model takes
+    OMP_NUM_THREADS=1 python scripts/block_vs_steps.py --lengths 180:1100:23   # past 192 cached columns
 
 docs/DESIGN.md ("Query blocks of 1-3 rows") has what it printed and why some lengths differ.
 """
@@ -23,13 +24,14 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=5)
+    ap.add_argument("--lengths", default="2:80:3", help="prompt lengths START:STOP:STEP (a Python range)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     lm = load_model(a.model, cache_dir=Settings().cache_dir)
     g = torch.Generator().manual_seed(0)
     equal, differ = [], []
     with torch.inference_mode():
-        for length in range(2, 80, 3):
+        for length in range(*(int(x) for x in a.lengths.split(":"))):
             prompt = torch.randint(3, lm.vocab_size, (length,), generator=g).tolist()
             toks = torch.randint(3, lm.vocab_size, (a.tokens,), generator=g).tolist()
             steps = BatchCache(lm, 1)

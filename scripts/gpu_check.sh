@@ -45,9 +45,9 @@ T="$MODELS/qwen2.5-coder-1.5b-shape"; D="$MODELS/qwen2.5-coder-0.5b-shape"
 
 stage cuda-tests 120 python3 -m pytest -p no:cacheprovider -q -rs -n 0 tests/engine/test_cuda.py tests/engine/test_errors.py
 
-# (--prompt-len 100: the 128-column bucket the classes are warmed at; past it they miss on CUDA, report-gpu.md)
+# (the classes serve every row of up to compile.static.FIXED_COLUMNS on CUDA: report-gpu.md)
 stage static-bf16 180 python3 scripts/static_backend_bench.py --device "$DEVICE" --dtype bfloat16 --target "$T" --no-lock \
-    --skip job --batch-sizes 1,8 --positions 1,2,4 --prompt-len 100 --rounds 3 --steps 5 --cache-dir /tmp/static-bf16 \
+    --skip job --batch-sizes 1,8 --positions 1,2,4 --prompt-len 200 --rounds 3 --steps 5 --cache-dir /tmp/static-bf16 \
     --json "$OUT/static-bf16.json"
 
 # (12 lines: on an H200 the 1.5B shape's eager step is ~21 ms of launches, and random weights never stop early,

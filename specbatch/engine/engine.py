@@ -394,8 +394,10 @@ class Engine:
                 # what the compile running beside decoding will add (reset once it is adopted)
                 budget = max(budget - self.background.reserved_bytes(), budget // 2)
             shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
+            floor = self.static_graphs.columns or 0 if self.static_graphs is not None else 0
             self.memory = MemoryBudget(budget, shapes, high_water=not is_cuda(self.target.device),
-                                       static_columns=columns_for if self.static_cache else None)
+                                       static_columns=(lambda c: max(floor, columns_for(c))) if self.static_cache
+                                       else None)
         return self.memory
 
     def _prefix_store(self) -> PrefixStore | None:

@@ -16,7 +16,8 @@ Two ways a forward runs:
   pair chosen to compile): the model sees all S slots and all C columns, padding rows fed token 0
   and attending only to their own new column, with a (S, 1, W, C) additive mask. On CPU the column
   count is the graph's one dynamic size (``mark_dynamic``), so one graph serves every column bucket;
-  on CUDA it stays static too (CUDA graphs need fixed shapes), one graph per bucket.
+  on CUDA it stays static too (CUDA graphs need fixed shapes), so the buffers keep the one capacity
+  the graphs were compiled at (``StaticForward.columns``) and do not move below it.
 - **eagerly** (every other class, prefill, hidden states): the model sees views of the rows and
   columns in use (the first n slots, L + W columns), the same shapes and numbers as ``BatchCache``,
   in-place writes instead of concatenation.
@@ -143,9 +144,11 @@ class StaticBatchCache(BatchCache):
         self.n_valid = torch.zeros(n_rows, dtype=torch.long, device=dev)
         self._block: tuple[int, list[int]] = (0, [])
         self.last_hidden: torch.Tensor | None = None
-        self.shape = _Shape(slots_for(n_rows), MIN_COLUMNS,
+        # graphs of one fixed capacity (CUDA): the buffers never narrower, so calls keep their shape
+        self.min_columns = graphs.columns if graphs is not None and graphs.columns else MIN_COLUMNS
+        self.shape = _Shape(slots_for(n_rows), self.min_columns,
                             start=torch.zeros((), dtype=torch.long, device=dev),
-                            dynamic_columns=graphs is not None and dev.type == "cpu")
+                            dynamic_columns=graphs is not None and not graphs.columns)
         n_layers = int(model.model.config.get_text_config().num_hidden_layers)
         self.cache = Cache(layers=[SlotLayer(self.shape) for _ in range(n_layers)])
 
@@ -232,7 +235,7 @@ class StaticBatchCache(BatchCache):
         """Move down a bucket once the rows or the columns in use fill at most half of it."""
         s, cols = self.shape, self.valid.shape[1]
         slots = min(s.slots, slots_for(max(1, self.n_rows)))
-        capacity = columns_for(cols) if cols <= s.capacity // 2 else s.capacity
+        capacity = max(self.min_columns, columns_for(cols)) if cols <= s.capacity // 2 else s.capacity
         if (slots, capacity) != (s.slots, s.capacity):
             self._resize(slots, min(capacity, s.capacity))
 

@@ -8,6 +8,7 @@ the static backend against the target's own greedy decoding and against ``BatchC
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -38,12 +39,12 @@ def test_buckets(monkeypatch, long_tail, columns):
     assert [columns_for(n) for n in (1, 64, 65, 129, 384, 385, 513, 700, 1024)] == columns
 
 
-class Pair:
+class _Pair:
     """A BatchCache and a StaticBatchCache fed the same operations; every forward's logits compared."""
 
-    def __init__(self, target, n_rows: int = 0) -> None:
+    def __init__(self, target, n_rows: int = 0, graphs: StaticForward | None = None) -> None:
         self.target = target
-        self.ref, self.static = BatchCache(target, n_rows), StaticBatchCache(target, n_rows)
+        self.ref, self.static = BatchCache(target, n_rows), StaticBatchCache(target, n_rows, graphs)
 
     def forward(self, feeds, keep, parents=None):
         a = self.ref.forward(feeds, keep, parents)
@@ -58,13 +59,17 @@ class Pair:
         assert torch.equal(self.static.valid, self.ref.valid), name
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_every_operation_matches_batch_cache(load, seed, monkeypatch):
+@pytest.mark.parametrize(("seed", "fixed"), [(0, None), (1, None), (2, None), (3, None), (0, 96), (1, 96)])
+def test_every_operation_matches_batch_cache(load, seed, fixed, monkeypatch):
     """Random steps over a batch that grows past its slot and column buckets, shrinks, forks and
-    compacts: the same logits as BatchCache at every forward (the same valid columns throughout)."""
+    compacts: the same logits as BatchCache at every forward (the same valid columns throughout).
+    ``fixed``: over graphs of one column capacity (CUDA's, ``StaticForward.columns``; no class
+    eligible here, so every call is eager): the buffers never narrower than it."""
     rnd = random.Random(seed)
     target = load("llama")
     vocab = target.vocab_size
+    graphs = None if fixed is None else StaticForward(target.model, target.name, target.device, [], columns=fixed)
+    Pair = functools.partial(_Pair, graphs=graphs)  # noqa: N806 - every pair of this test over the same graphs
     monkeypatch.setattr(BatchCache, "compact_min_cols", 16)   # compaction happens here too
     gathered = []
     gather = StaticBatchCache._gather
@@ -112,6 +117,8 @@ def test_every_operation_matches_batch_cache(load, seed, monkeypatch):
                 pair.static.extend(joining.static)
             slots.add(pair.static.shape.slots)
             caps.add(pair.static.shape.capacity)
+            assert pair.static.shape.capacity >= (fixed or 64)
+            assert pair.static.shape.dynamic_columns is False
             assert pair.static.n_rows <= pair.static.shape.slots
             assert pair.static.valid.shape[1] <= pair.static.shape.capacity
         # one more forward of every row: whatever moved, every row still reads its own columns
@@ -187,7 +194,8 @@ def test_the_memory_budget_counts_the_static_buffers(load, monkeypatch):
     monkeypatch.setattr("specbatch.engine.attention._long_tail", 512)
     target = load("llama")
     plain, static = (Engine(target, batch_size=8, static_cache=s, max_memory=10**9)._memory() for s in (False, True))
-    assert plain.static_columns is None and static.static_columns is columns_for
+    assert plain.static_columns is None and static.static_columns is not None
+    assert [static.static_columns(c) for c in (10, 200, 700)] == [columns_for(c) for c in (10, 200, 700)]
     kv = plain.shapes[0].kv_bytes_per_token
     for columns in (30, 100, 129, 700):
         held = 2 * columns       # holes: doubled, as for BatchCache
@@ -240,6 +248,20 @@ def static_graphs(tiny_models, tmp_path_factory):
                                     lambda n, g: StaticBatchCache(target, n, g), keep_all=True)
     assert graphs is not None and report.enabled, report.to_dict()
     return target, graphs, report
+
+
+@pytest.mark.slow   # a minute or two: three classes compiled at static shapes
+def test_classes_at_one_fixed_capacity_serve_every_call_that_fits_it(tiny_models, tmp_path, monkeypatch):
+    """CUDA's way (``FIXED_COLUMNS``: every size of a graph static) tried on this CPU: the classes
+    compiled at 512 columns serve a batch that moves from 128 to 384 columns in use without a
+    miss, and decode what the eager backend decodes. (Warmed at one bucket instead, every call at
+    another missed on an H200: docs/bench/report-gpu.md.)"""
+    monkeypatch.setattr("specbatch.engine.compile.static.FIXED_COLUMNS", {"cpu": 512})
+    target = load_model(str(tiny_models / "llama"))
+    graphs, report = prepare_static(target, static_classes("cpu", 4), tmp_path,
+                                    lambda n, g: StaticBatchCache(target, n, g), keep_all=True)
+    assert graphs is not None and report.enabled and graphs.columns == 512, report.to_dict()
+    drain_eager_and_compiled(target, graphs)
 
 
 def drain_eager_and_compiled(target, graphs: StaticForward):

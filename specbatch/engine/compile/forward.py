@@ -177,16 +177,20 @@ class StaticForward(Graphs):
     """The static-cache backend's model call (engine/static_cache.py) through ``torch.compile``
     with fixed shapes: one graph per (slots, new tokens) class in ``classes``, every call already
     in the class's shape (S slots, W tokens, a 4-D additive mask over all C columns, every
-    position's logits). On CPU the column count is dynamic (the backend marks it), so a class is
-    one graph over every column bucket; on CUDA the graphs are CUDA graphs (``reduce-overhead``)
-    and static in every size. Classes outside ``classes`` run eagerly (the backend's own path)."""
+    position's logits). ``columns`` None (CPU): the column count is dynamic (the backend marks
+    it), so a class is one graph over every column bucket. Else (CUDA: CUDA graphs,
+    ``reduce-overhead``, static in every size) every class is compiled and served at that one
+    column capacity: a backend over these graphs keeps its buffers that wide, so a decode never
+    leaves the warmed shape until a row outgrows it (then the calls miss, counted, and run
+    eagerly). Classes outside ``classes`` run eagerly (the backend's own path)."""
 
     dynamic = False
 
     def __init__(self, model: Any, name: str, device: torch.device,
-                 classes: Iterable[tuple[int, int]], frozen: bool = True) -> None:
+                 classes: Iterable[tuple[int, int]], frozen: bool = True, columns: int | None = None) -> None:
         super().__init__(model, name, device, frozen)
         self.classes = set(classes)
+        self.columns = columns
 
     def eligible(self, slots: int, width: int) -> bool:
         return self.failed is None and (slots, width) in self.classes

@@ -2,7 +2,8 @@
 serving, timing each against the same backend eagerly, keeping the ones that pay here.
 
 ``StaticBatchCache`` (engine/static_cache.py) sends a compiled class's call at a fixed shape:
-(slots, new tokens, columns), the columns dynamic on CPU. Which classes are worth a graph is a
+(slots, new tokens, columns), the columns dynamic on CPU and one fixed capacity on CUDA
+(``FIXED_COLUMNS``). Which classes are worth a graph is a
 per-device measurement (docs/COMPILE.md, "The static-cache backend"): on a small CPU inductor's
 C++ GEMM template wins where the rows are few and the eager packed products are as good from ~8 rows,
 so CPU compiles one-token steps of up to ``MAX_SLOTS["cpu"]`` slots (a batch's drain, as rows
@@ -34,6 +35,11 @@ logger = logging.getLogger(__name__)
 # the most slots a one-token class compiles for, per device type: on a 2-core CPU the compiled
 # step measured 2.2-2.4x eager at 1-4 slots, 0.95x at 8, 0.76x at 16 (docs/COMPILE.md)
 MAX_SLOTS = {"cpu": 4}
+# the one column capacity a class is compiled at, per device type; absent: the columns are dynamic.
+# On CUDA every size of a CUDA graph is static, and classes warmed at one bucket missed at every
+# other (an H200, docs/bench/report-gpu.md); there attention over masked columns is cheap beside the
+# launches a graph saves. A row past it decodes eagerly (its misses are counted).
+FIXED_COLUMNS = {"cuda": 2048}
 PRIMED = 100        # tokens a row has cached when a class is timed (a decode's column counts)
 ROUNDS = 3
 
@@ -67,7 +73,7 @@ def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_di
         report.error = why
         return None, report
     configure_inductor(lm.device)
-    graphs = StaticForward(lm.model, lm.name, lm.device, classes)
+    graphs = StaticForward(lm.model, lm.name, lm.device, classes, columns=FIXED_COLUMNS.get(lm.device.type))
     report.frozen = graphs.frozen
     record = marker(cache_dir, lm, graphs.frozen, static=True)
     report.cached = record.exists()
