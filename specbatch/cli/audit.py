@@ -22,7 +22,8 @@ from specbatch.plural import plural
 @click.option("--json", "as_json", is_flag=True, help="Print {id, audited, passed, failed, requests} as JSON.")
 def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype: str | None,
           as_json: bool) -> None:
-    """Re-decode a finished job's requests with the target alone and compare (exit 0: all match).
+    """Re-decode a finished job's requests with the target alone and compare (exit 0: all match;
+    1: one does not, or nothing completed to audit).
 
     Greedy requests must be token-identical to the target decoding alone; sampled requests'
     stored logprobs must equal the target's (without stored logprobs: every token must be one
@@ -70,5 +71,8 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
                    + (f", {weak} sampled without stored logprobs only possible under it (send "
                       "logprobs to compare exactly)" if weak else "")
                    + f", {len(failed)} do not", err=True)
-    if failed:
+    if not verdicts:   # an audit of nothing certifies nothing: not a pass
+        click.echo(f"specbatch: nothing to audit: job {jid} has no completed request "
+                   f"(`specbatch status {jid}` says where its requests are)", err=True)
+    if failed or not verdicts:
         raise SystemExit(1)

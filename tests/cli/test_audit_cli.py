@@ -96,3 +96,24 @@ def test_sample_picks_a_subset_and_bad_sample_is_one_line(job):
     bad = run("audit", job_id, "--sample", "0")
     assert bad.exit_code == 1 and "--sample: '0': give a count >= 1" in bad.output
     assert "Traceback" not in bad.output
+
+
+def test_audit_of_a_job_with_nothing_completed_is_not_a_pass(tmp_path, monkeypatch, tiny_models):
+    url = f"sqlite:///{tmp_path / 'empty.db'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    get_settings.cache_clear()
+    db.upgrade(url)
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in LINES[:2]))
+    parsed = intake.read_file(path, {}, Settings(database_url=url))
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target=str(tiny_models / "llama"), drafts=[], params={},
+                                  requests=parsed.requests, queue="q").id
+    try:
+        result = run("audit", job_id)
+        assert result.exit_code == 1, result.output
+        assert f"nothing to audit: job {job_id} has no completed request" in result.stderr
+        result = run("audit", job_id, "--json")
+        assert result.exit_code == 1 and json.loads(result.stdout)["audited"] == 0
+    finally:
+        db.forget_engines()
