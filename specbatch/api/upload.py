@@ -75,6 +75,11 @@ class _Parts:
         _, opts = parse_options_header(self._headers.get(b"content-disposition", b""))
         self._name = opts.get(b"name", b"").decode("utf-8", "replace")
         if self._name == "file":
+            if self.upload.filename is not None and self.error is None:
+                # a second part would be appended to the first's bytes: its first line could run
+                # into the first part's last one, a line the client never wrote
+                self.error = ApiError(400, "the form has more than one 'file' part; upload one file per request",
+                                      param="file")
             self.upload.filename = opts.get(b"filename", b"upload.jsonl").decode("utf-8", "replace") or "upload.jsonl"
             if "\x00" in self.upload.filename and self.error is None:    # PostgreSQL text cannot hold it
                 self.error = ApiError(400, "the file's name contains a NUL character", param="file")

@@ -329,3 +329,20 @@ def test_where_no_class_pays_the_static_cache_runs_eagerly_and_says_why(monkeypa
     assert graphs is None and not plan.enabled and plan.mode == "static"
     report_compile(plan)
     assert "decoding eagerly: static: no class measured faster than eager here (1x1 0.91x)" in capsys.readouterr().err
+
+
+def test_the_plan_names_only_the_classes_kept_compiled(monkeypatch, load, tmp_path):
+    """A worker logged "compiled forward in use from now on (static-cache classes (slots x tokens)
+    1x1, 2x1, 4x1, ...)" right after measuring 4x1 at 0.98x and leaving it eager: the plan's reason
+    was the classes asked for, before the measurement. It names those that serve, and the others."""
+    from types import SimpleNamespace
+
+    from specbatch.engine.compile import static as S
+    from specbatch.engine.compile.record import CompileReport
+
+    report = CompileReport(model="llama", enabled=True, speedups={"1x1:1": 1.57, "2x1:1": 1.24, "4x1:1": 0.98},
+                           eager_shapes=["4x1:1"])
+    monkeypatch.setattr(S, "prepare_static", lambda lm, *a, **k: (SimpleNamespace(classes={(2, 1), (1, 1)}), report))
+    graphs, plan = S.static_plan(load("llama"), 4, tmp_path, lambda n, g: None)
+    assert graphs is not None and plan.enabled
+    assert plan.reason == "static-cache classes (slots x tokens) 1x1, 2x1 compiled; 4x1 stays eager (no faster here)"

@@ -148,4 +148,9 @@ def static_plan(lm: ModelHandle, batch_size: int, cache_dir: str | os.PathLike[s
     elif graphs is None:
         measured = ", ".join(f"{k.split(':')[0]} {v:.2f}x" for k, v in report.speedups.items())
         reason = f"static: no class measured faster than eager here ({measured}); the static cache runs eagerly"
+    elif report.eager_shapes:   # the classes that serve, not those asked for (a worker logs it as in use)
+        kept = ", ".join(f"{s}x{w}" for s, w in sorted(graphs.classes))
+        eager = [k.split(":")[0] for k in report.eager_shapes]
+        reason = (f"static-cache classes (slots x tokens) {kept} compiled; {', '.join(eager)} "
+                  f"{'stays' if len(eager) == 1 else 'stay'} eager (no faster here)")
     return graphs, CompilePlan("static", graphs is not None, reason, models=[report])

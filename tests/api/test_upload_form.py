@@ -1,0 +1,52 @@
+"""POST /v1/files at the form's edges, in process (no server, no broker): what a client sends
+that OpenAI's form does not have."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", ' \
+       b'"body": {"messages": [{"role": "user", "content": "hi"}]}}'
+
+
+@pytest.fixture
+def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'api.db'}")
+    monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
+    monkeypatch.delenv("SPECBATCH_API_KEYS", raising=False)
+    get_settings.cache_clear()
+    try:
+        with TestClient(create_app(get_settings())) as c:
+            yield c
+    finally:
+        get_settings.cache_clear()
+
+
+@pytest.mark.parametrize("second", [LINE + b"\n", LINE.replace(b'"a"', b'"b"')])
+def test_two_file_parts_are_refused_not_joined(client: Any, tmp_path: Path, second: bytes) -> None:
+    """Two ``file`` parts were stored as one file, the second's bytes after the first's: a first
+    part without a final newline ran its last line and the next part's first into one line, and
+    the batch failed on lines the client never wrote. One file per upload, as OpenAI's form."""
+    got = client.post("/v1/files", data={"purpose": "batch"},
+                      files=[("file", ("a.jsonl", LINE, "application/jsonl")),
+                             ("file", ("b.jsonl", second, "application/jsonl"))])
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == "file" and "more than one 'file' part" in error["message"], error
+    assert client.get("/v1/files").json()["data"] == []
+    assert not any(p.is_file() for p in (tmp_path / "files").rglob("*"))
+
+
+def test_one_file_part_is_stored_whole(client: Any) -> None:
+    got = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", LINE + b"\n")})
+    assert got.status_code == 200, got.text
+    assert client.get(f"/v1/files/{got.json()['id']}/content").content == LINE + b"\n"
