@@ -607,7 +607,7 @@ def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, mo
     assert "worker w1@h: compiling 2/4 (t graph 2/4), decoding eagerly until then" in result.stderr
     assert "no live worker" not in result.stderr and "starting" not in result.stderr
 
-    why = "compiling gains 1.05x at 8 rows (measured here at the last warm-up), not above the 1.05x needed"
+    why = "compiling gains 1.05x at 8 rows (measured here at the last warm-up); auto compiles only above 1.05x"
     views[:] = [monitor.WorkerView("w1@h", True, f"eager: auto: {why}")]
     result = run("status", job_id, "--json")     # decoding, in words a user reads as that
     assert f"worker w1@h: decoding, not compiled: {why}\n" in result.stderr, result.stderr

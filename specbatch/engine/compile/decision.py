@@ -210,7 +210,7 @@ def no_gain(speedup: float, measured: bool, target: ModelHandle, batch_size: int
     where = ("measured here at the last warm-up" if measured
              else f"the least any {torch.device(target.device).type} host measured, docs/COMPILE.md; "
                   "a --compile on start measures this one")
-    return f"compiling gains {speedup:.2f}x at {rows} ({where}), not above the {MIN_SPEEDUP:.2f}x needed"
+    return f"compiling gains {speedup:.2f}x at {rows} ({where}); auto compiles only above {MIN_SPEEDUP:.2f}x"
 
 
 def _secs(seconds: float) -> str:
