@@ -29,15 +29,20 @@ LINES = [
 ]
 
 
-@pytest.fixture
-def job(tmp_path, monkeypatch, tiny_models):
+def _database(tmp_path, monkeypatch, lines):
+    """A fresh SQLite database the CLI uses, and ``lines`` parsed as a submitted file."""
     url = f"sqlite:///{tmp_path / 'audit.db'}"
     monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
     get_settings.cache_clear()
     db.upgrade(url)
     path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in LINES))
-    parsed = intake.read_file(path, {}, Settings(database_url=url))
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return url, intake.read_file(path, {}, Settings(database_url=url))
+
+
+@pytest.fixture
+def job(tmp_path, monkeypatch, tiny_models):
+    url, parsed = _database(tmp_path, monkeypatch, LINES)
     target = str(tiny_models / "llama")
     engine = Engine(load_model(target), [load_model(str(tiny_models / "llama-partial")), NGRAM])
     with db.session_factory(url).begin() as s:
@@ -99,13 +104,7 @@ def test_sample_picks_a_subset_and_bad_sample_is_one_line(job):
 
 
 def test_audit_of_a_job_with_nothing_completed_is_not_a_pass(tmp_path, monkeypatch, tiny_models):
-    url = f"sqlite:///{tmp_path / 'empty.db'}"
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
-    get_settings.cache_clear()
-    db.upgrade(url)
-    path = tmp_path / "in.jsonl"
-    path.write_text("".join(json.dumps(x) + "\n" for x in LINES[:2]))
-    parsed = intake.read_file(path, {}, Settings(database_url=url))
+    url, parsed = _database(tmp_path, monkeypatch, LINES[:2])
     with db.session_factory(url).begin() as s:
         job_id = store.create_job(s, target=str(tiny_models / "llama"), drafts=[], params={},
                                   requests=parsed.requests, queue="q").id
