@@ -7,11 +7,11 @@ the stored file; the batch row is written in the job's transaction.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Connection
 
 from specbatch.api.auth import Keyed
@@ -32,12 +32,23 @@ logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["batches"])
 
 
+class ExpiresAfter(BaseModel):
+    """OpenAI's bounds, checked so a bad value is a 400; outputs are kept until deleted anyway."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)   # 1 hour to 30 days
+
+
 class CreateBatch(BaseModel):
+    # an unknown field is a 400 naming it, as OpenAI's "Unrecognized request argument": silently
+    # dropping a misspelt option would run the batch without it
+    model_config = ConfigDict(extra="forbid")
     input_file_id: str
     endpoint: str
     completion_window: str
     metadata: dict[str, Any] | None = None
-    output_expires_after: dict[str, Any] | None = None     # accepted; outputs are kept until deleted
+    output_expires_after: ExpiresAfter | None = None
 
 
 def _read(sb: AppState, c: Connection, rows: list[Any], jobs: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:

@@ -196,7 +196,10 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
              ({"metadata": {"specbatch_temperature": "hot"}}, "metadata.specbatch_temperature"),
              ({"metadata": {"specbatch_max_tokens": "0"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_max_tokens": "abc"}}, "metadata.specbatch_max_tokens"),
-             ({"metadata": {"specbatch_colour": "red"}}, "metadata.specbatch_colour")]
+             ({"metadata": {"specbatch_colour": "red"}}, "metadata.specbatch_colour"),
+             ({"output_expires_after": {"anchor": "created_at", "seconds": -5}}, "output_expires_after.seconds"),
+             ({"output_expires_after": {"anchor": "last_active_at", "seconds": 3600}}, "output_expires_after.anchor"),
+             ({"extra_body": {"completion_windw": "24h"}}, "completion_windw")]
     if missing_weights("qwen2.5-coder-1.5b"):    # a known model whose weights are not installed here
         cases.append(({"metadata": {"specbatch_target": "qwen2.5-coder-1.5b"}}, "metadata.specbatch_target"))
     for change, param in cases:
@@ -206,6 +209,9 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
         assert e.value.body["param"] == param, (change, e.value.body)
         # the openai client shows only the message ("Error code: 400 - must be an integer, got 'abc'")
         assert param in e.value.message, (change, e.value.message)
+    within = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              output_expires_after={"anchor": "created_at", "seconds": 86_400})
+    assert within.id.startswith("batch_")
     with pytest.raises(openai.BadRequestError) as e:
         c.files.create(file=("x.jsonl", b'{"prompt": "hi"}\n'), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"
