@@ -97,6 +97,9 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
                              field=f"metadata.{key}")
     target = metadata.get("specbatch_target", "").strip() or None
     drafts = [d.strip() for d in metadata.get("specbatch_draft", "").split(",") if d.strip()]
+    if not drafts and metadata.get("specbatch_draft", "").strip():   # "," alone: a typo, not the default pair
+        raise InputError("names no draft: give drafter specs, comma-separated (as --draft), or leave the key out "
+                         "for the default pair", field="metadata.specbatch_draft")
     try:
         ngram = _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram")    # sugar, as --ngram
         pair = Pair.resolve(settings, target, drafts, ["ngram"] if ngram else [])

@@ -197,6 +197,7 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
              ({"metadata": {"specbatch_max_tokens": "0"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_max_tokens": "abc"}}, "metadata.specbatch_max_tokens"),
              ({"metadata": {"specbatch_colour": "red"}}, "metadata.specbatch_colour"),
+             ({"metadata": {"specbatch_draft": " , "}}, "metadata.specbatch_draft"),
              ({"output_expires_after": {"anchor": "created_at", "seconds": -5}}, "output_expires_after.seconds"),
              ({"output_expires_after": {"anchor": "last_active_at", "seconds": 3600}}, "output_expires_after.anchor"),
              ({"extra_body": {"completion_windw": "24h"}}, "completion_windw")]
