@@ -17,6 +17,7 @@ Importing this module imports no torch (``submit`` parses drafters without an en
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -85,6 +86,11 @@ class DrafterSpec:
         else:
             spec = cls(MODEL, text)
         kind = KINDS[spec.kind]
+        if spec.kind == MODEL and "," in spec.arg and not os.path.exists(os.path.expanduser(spec.arg)):
+            # `--draft ngram,foo` read as one model name: say how a pool is written
+            first, _, rest = spec.arg.partition(",")
+            raise ModelLoadError(f"drafter {text!r}: one drafter a spec; for a pool give each its own "
+                                 f"(--draft {first.strip()} --draft {rest.strip()})")
         if kind.build is None:
             raise ModelLoadError(f"drafter {text!r}: {kind.missing}")
         if kind.argument and not spec.arg:

@@ -50,6 +50,7 @@ def test_a_model_keeps_its_bare_name_as_before_specs():
     ("model:", "model takes a model name"),
     ("model", "model takes a model name"),
     ("ngram:3", "ngram takes no argument"),
+    ("ngram,smollm2-135m-int8", r"for a pool give each its own \(--draft ngram --draft smollm2-135m-int8\)"),
 ])
 def test_unavailable_or_malformed_specs_are_refused_by_name(text, says):
     with pytest.raises(ModelLoadError, match=says) as e:
