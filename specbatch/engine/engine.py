@@ -38,7 +38,7 @@ from specbatch.engine.model_files import context_problem
 from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
-from specbatch.engine.static_cache import StaticBatchCache, columns_for
+from specbatch.engine.static_cache import StaticBatchCache, capacity_for
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -394,9 +394,9 @@ class Engine:
                 # what the compile running beside decoding will add (reset once it is adopted)
                 budget = max(budget - self.background.reserved_bytes(), budget // 2)
             shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
-            floor = self.static_graphs.columns or 0 if self.static_graphs is not None else 0
+            graphs = self.static_graphs
             self.memory = MemoryBudget(budget, shapes, high_water=not is_cuda(self.target.device),
-                                       static_columns=(lambda c: max(floor, columns_for(c))) if self.static_cache
+                                       static_columns=(lambda c: capacity_for(c, graphs)) if self.static_cache
                                        else None)
         return self.memory
 

@@ -137,10 +137,10 @@ class MemoryBudget:
     def row_bytes(self, columns: int, gamma: int) -> float:
         """Estimated bytes one row needs with ``columns`` tokens of context and draft length gamma."""
         held = columns * HOLES_FACTOR
-        kv = sum(s.kv_bytes_per_token for s in self.shapes) * held * SPARE_FACTOR
-        if self.static_columns is not None:
-            target = self.shapes[0].kv_bytes_per_token
-            kv += target * (self.static_columns(math.ceil(held)) * STATIC_SLOTS_FACTOR - held * SPARE_FACTOR)
+        target, *drafts = (s.kv_bytes_per_token for s in self.shapes)
+        target_columns = held * SPARE_FACTOR if self.static_columns is None \
+            else self.static_columns(math.ceil(held)) * STATIC_SLOTS_FACTOR
+        kv = target * target_columns + sum(drafts) * held * SPARE_FACTOR
         positions = gamma + 1
         acts = max(s.vocab * 4 * 2 + s.hidden * s.dtype_bytes * 4 for s in self.shapes) * positions
         return (kv + acts) * self.scale

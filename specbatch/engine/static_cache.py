@@ -63,6 +63,12 @@ def columns_for(cols: int) -> int:
     return _aligned(-(-cols // 128) * 128)
 
 
+def capacity_for(cols: int, graphs: StaticForward | None) -> int:
+    """The buffers' column capacity for ``cols`` columns over ``graphs``: ``columns_for``, never
+    below the one capacity graphs of fixed shape were compiled at (``StaticForward.columns``, CUDA)."""
+    return max(graphs.columns if graphs is not None and graphs.columns else 0, columns_for(cols))
+
+
 @dataclass
 class _Shape:
     """What every layer of one backend shares: the buffers' size, the first column this call
@@ -73,7 +79,7 @@ class _Shape:
     start: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     full: bool = False    # return the whole buffers (a compiled class) or the views in use (eager)
     visible: int = 0      # eager: the columns in use after this call's writes
-    dynamic_columns: bool = False   # mark the column dimension dynamic (a compiled CPU class)
+    dynamic_columns: bool = False   # mark the column dimension dynamic (compiled, no fixed capacity: CPU)
 
 
 class SlotLayer(StaticLayer):
@@ -109,7 +115,6 @@ class SlotLayer(StaticLayer):
         values.index_copy_(2, cols, value_states)
         return keys[:, :, : s.visible], values[:, :, : s.visible]
 
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The key length a mask built by the model must cover (eager, a 2-D mask: the columns in use)."""
         return (self.shape.capacity if self.shape.full else self.shape.visible), 0
@@ -124,8 +129,9 @@ def _buffer(like: torch.Tensor, shape: _Shape) -> torch.Tensor:
 
 
 def _mark(buf: torch.Tensor, shape: _Shape) -> None:
-    """A compiled class's buffer: on CPU its column count is dynamic (one graph for every
-    bucket); on CUDA its address is static (CUDA graphs replay over it without a copy)."""
+    """A compiled class's buffer: its column count dynamic where the graphs have no fixed
+    capacity (CPU: one graph for every bucket); else, on CUDA, its address static (CUDA graphs
+    replay over it without a copy)."""
     if shape.dynamic_columns:
         torch._dynamo.mark_dynamic(buf, 2)
     elif buf.device.type == "cuda":
@@ -145,8 +151,7 @@ class StaticBatchCache(BatchCache):
         self._block: tuple[int, list[int]] = (0, [])
         self.last_hidden: torch.Tensor | None = None
         # graphs of one fixed capacity (CUDA): the buffers never narrower, so calls keep their shape
-        self.min_columns = graphs.columns if graphs is not None and graphs.columns else MIN_COLUMNS
-        self.shape = _Shape(slots_for(n_rows), self.min_columns,
+        self.shape = _Shape(slots_for(n_rows), capacity_for(0, graphs),
                             start=torch.zeros((), dtype=torch.long, device=dev),
                             dynamic_columns=graphs is not None and not graphs.columns)
         n_layers = int(model.model.config.get_text_config().num_hidden_layers)
@@ -235,7 +240,7 @@ class StaticBatchCache(BatchCache):
         """Move down a bucket once the rows or the columns in use fill at most half of it."""
         s, cols = self.shape, self.valid.shape[1]
         slots = min(s.slots, slots_for(max(1, self.n_rows)))
-        capacity = max(self.min_columns, columns_for(cols)) if cols <= s.capacity // 2 else s.capacity
+        capacity = capacity_for(cols, self.graphs) if cols <= s.capacity // 2 else s.capacity
         if (slots, capacity) != (s.slots, s.capacity):
             self._resize(slots, min(capacity, s.capacity))
 

@@ -103,9 +103,9 @@ def prepare_static(lm: ModelHandle, classes: Iterable[tuple[int, int]], cache_di
     if not report.enabled:
         return None, report
     if not keep_all:
-        for key, speedup in report.speedups.items():
-            if not pays(speedup):
-                slots, width = (int(x) for x in key.split(":")[0].split("x"))
+        for slots, width in classes:
+            key = shape_key(slots, width, width)
+            if key in report.speedups and not pays(report.speedups[key]):
                 graphs.classes.discard((slots, width))
                 report.eager_shapes.append(key)
     report.first_start_seconds = write_marker(record, report)
