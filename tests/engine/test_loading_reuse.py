@@ -201,7 +201,27 @@ def test_an_int8_draft_beside_a_bfloat16_target_computes_in_float32_and_decodes_
     alone = greedy(target)
     engine = Engine(target, [draft])
     params = GenerationParams(max_new_tokens=16, gamma=3, adaptive=False)   # drafts at every step
-    assert [engine.generate(prompt=p, params=params).token_ids for p in PROMPTS] == alone
+    outs = [engine.generate(prompt=p, params=params) for p in PROMPTS]
+    assert all(o.stats.drafted_tokens > 0 for o in outs)
+    # bfloat16 is not the token-exact contract (float32 is): a verify block rounds unlike a
+    # one-token step, so where two logits tie within bfloat16's rounding the text may take the
+    # other (seen on an AVX2 host: the two best both 5.15625 at the 15th token). So: every token
+    # is the target's choice up to that rounding, and the text is the target alone's where none tied
+    for p, o in zip(PROMPTS, outs):
+        assert _off_target_choice(target, p, o.token_ids) == []
+    assert sum(o.token_ids == a for o, a in zip(outs, alone)) >= 2
+
+
+def _off_target_choice(m: loading.LoadedModel, prompt: str, tokens: list[int]) -> list[int]:
+    """The positions of ``tokens`` (a continuation of ``prompt``) that are not ``m``'s greedy choice
+    there within two bfloat16 rounding steps of its best logit."""
+    ids = m.tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        logits = m.model(torch.cat([ids, torch.tensor([tokens])], 1)).logits[0, ids.shape[1] - 1:-1].float()
+    best = logits.max(-1).values
+    step = 2.0 ** (torch.floor(torch.log2(best.abs().clamp_min(1e-30))) - 7)   # bfloat16's ulp there
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    return (chosen < best - 2 * step).nonzero()[:, 0].tolist()
 
 
 @pytest.mark.parametrize("cache", ["new", "written-before-the-fix"])
