@@ -121,14 +121,15 @@ def audit_item(engine: Engine, item: Item) -> Verdict:
     n = len(item.token_ids)
     seeded = not params.greedy and params.seed is not None
     if seeded:
+        alone = f"the target alone's sample with seed {params.seed}" + (
+            f" (sample {item.sample_index})" if item.sample_index else "")
         params = replace(params, seed=sample_seed(params.seed, item.sample_index))
     if params.greedy or seeded:
         out = engine.generate(prompt=item.prompt, messages=item.messages, input_ids=item.prompt_ids,
                               params=params)
         at = first_difference(item.token_ids, out.token_ids)
         if at is None:
-            alone = f"the target alone's sample with seed {params.seed}" if seeded else "the target alone"
-            return verdict("identical", True, f"{n} tokens identical to {alone}")
+            return verdict("identical", True, f"{n} tokens identical to {alone if seeded else 'the target alone'}")
         got = out.token_ids[at] if at < len(out.token_ids) else "end"
         want = item.token_ids[at] if at < n else "end"
         return verdict("identical", False, f"token {at} differs: stored {want}, target alone {got}")

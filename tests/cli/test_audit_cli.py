@@ -88,6 +88,8 @@ def test_audit_passes_on_a_speculative_job(job):
     # target alone re-decodes it token for token, as a greedy request
     assert checks == {"greedy": "identical", "penalised": "identical", "sampled-lp": "identical",
                       "sampled": "identical", "unseeded-lp": "logprobs", "unseeded": "support"}
+    details = {r["custom_id"]: r["detail"] for r in report["requests"]}
+    assert details["sampled"] == "10 tokens identical to the target alone's sample with seed 2", details
 
 
 @pytest.mark.parametrize("custom_id", ["greedy", "penalised", "sampled-lp", "sampled", "unseeded-lp"])
