@@ -411,7 +411,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     else:
         problems += _check_native_keys(obj, noop)
         fields_, prefix = obj, ""
-        has_prompt, has_messages = "prompt" in obj, "messages" in obj
+        # null is "not given", as for every other field: a table of chat and completion rows
+        # (datasets' to_json, pandas') writes the column a row does not use as null
+        has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
     # model and metadata, as OpenAI's body has them: a native line may give them too
     model = fields_.get("model")
     if model is not None and not isinstance(model, str):
