@@ -365,8 +365,8 @@ def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[
                                        openai_fields.CHAT_FIELDS, "/v1/chat/completions")
     allowed = fields_ | set(openai_fields.EXTENSIONS) | {"max_completion_tokens"}
     for k, v in body.items():
-        if kind is None:
-            continue
+        if kind is None or (v is None and k in other and k not in allowed):
+            continue      # null is "not given": a table of both URLs' lines has the other's fields null
         if k not in allowed:
             why = (f"a field of {api} requests, not of {next(u for u, x in BATCH_URLS.items() if x == kind)}"
                    if k in other else "unknown field; not part of the OpenAI request body")
