@@ -463,7 +463,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     # the job's defaults this line does not take
     own = {"max_new_tokens" if k in MAX_TOKENS_KEYS else k for k in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:])
            if fields_.get(k) is not None} | ({"temperature", "top_p"} if top_p_zero else set())
-    n_logprobs, more = _check_logprobs(fields_, prefix, chat=has_messages)
+    # a body's URL says which API it is (a chat body missing messages is that one error); a native
+    # line is chat when it gives messages
+    n_logprobs, more = _check_logprobs(fields_, prefix, chat=kind == "chat" if prefix else has_messages)
     problems += more
     if n_logprobs is not None:
         params["logprobs"] = n_logprobs

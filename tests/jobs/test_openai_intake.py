@@ -489,3 +489,12 @@ def test_a_null_field_of_the_other_url_is_not_given(tmp_path):
         intake.parse_file(path, None, Settings(database_url="sqlite://"))
     assert [str(err) for err in e.value.errors] == [
         f"{path}:1: body.prompt: a field of /v1/completions requests, not of /v1/chat/completions"]
+
+
+def test_a_chat_body_without_messages_reads_logprobs_as_chat():
+    """The URL says which API a body is: a chat body missing ``messages`` is that one error, its
+    ``logprobs: true`` (chat's boolean) not a second one about completions' integer."""
+    with pytest.raises(IntakeError) as e:
+        read(line({"model": "m", "logprobs": True, "top_logprobs": 2}))
+    assert [str(err) for err in e.value.errors] == [
+        "batch.jsonl:1: body.messages: is required for /v1/chat/completions"]
