@@ -25,9 +25,9 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
     """Re-decode a finished job's requests with the target alone and compare (exit 0: all match;
     1: one does not, or nothing completed to audit).
 
-    Greedy requests must be token-identical to the target decoding alone; sampled requests'
-    stored logprobs must equal the target's (without stored logprobs: every token must be one
-    the target could sample). Speculation is lossless when this passes.
+    Greedy and seeded requests must be token-identical to the target decoding alone; unseeded
+    sampled requests' stored logprobs must equal the target's (without stored logprobs: every
+    token must be one the target could sample). Speculation is lossless when this passes.
 
     \b
     Example:
@@ -62,14 +62,14 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
         echo_json({"id": jid, "audited": len(verdicts), "passed": len(verdicts) - len(failed),
                    "failed": len(failed), "requests": [v.to_dict() for v in verdicts]})
     else:
-        # a support check (sampled, no logprobs stored) is weaker than a match: say how many
+        # a support check (sampled, no seed, no logprobs stored) is weaker than a match: say how many
         weak = sum(v.ok and v.check == "support" for v in verdicts)
         exact = len(verdicts) - len(failed) - weak
         # (a request with n samples is n results: each sample is audited)
         what = "result" if any(v.sample_index for v in verdicts) else "request"
         click.echo(f"{plural(len(verdicts), what)} audited: {exact} match the target alone"
-                   + (f", {weak} sampled without stored logprobs only possible under it (send "
-                      "logprobs to compare exactly)" if weak else "")
+                   + (f", {weak} sampled without a seed or stored logprobs only possible under it "
+                      "(a seed re-decodes a sample exactly)" if weak else "")
                    + f", {len(failed)} do not", err=True)
     if not verdicts:   # an audit of nothing certifies nothing: not a pass
         click.echo(f"specbatch: nothing to audit: job {jid} has no completed request "

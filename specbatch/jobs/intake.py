@@ -365,8 +365,8 @@ def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[
                                        openai_fields.CHAT_FIELDS, "/v1/chat/completions")
     allowed = fields_ | set(openai_fields.EXTENSIONS) | {"max_completion_tokens"}
     for k, v in body.items():
-        if kind is None:
-            continue
+        if kind is None or (v is None and k in other and k not in allowed):
+            continue      # null is "not given": a table of both URLs' lines has the other's fields null
         if k not in allowed:
             why = (f"a field of {api} requests, not of {next(u for u, x in BATCH_URLS.items() if x == kind)}"
                    if k in other else "unknown field; not part of the OpenAI request body")
@@ -411,7 +411,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     else:
         problems += _check_native_keys(obj, noop)
         fields_, prefix = obj, ""
-        has_prompt, has_messages = "prompt" in obj, "messages" in obj
+        # null is "not given", as for every other field: a table of chat and completion rows
+        # (datasets' to_json, pandas') writes the column a row does not use as null
+        has_prompt, has_messages = obj.get("prompt") is not None, obj.get("messages") is not None
     # model and metadata, as OpenAI's body has them: a native line may give them too
     model = fields_.get("model")
     if model is not None and not isinstance(model, str):
@@ -461,7 +463,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     # the job's defaults this line does not take
     own = {"max_new_tokens" if k in MAX_TOKENS_KEYS else k for k in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:])
            if fields_.get(k) is not None} | ({"temperature", "top_p"} if top_p_zero else set())
-    n_logprobs, more = _check_logprobs(fields_, prefix, chat=has_messages)
+    # a body's URL says which API it is (a chat body missing messages is that one error); a native
+    # line is chat when it gives messages
+    n_logprobs, more = _check_logprobs(fields_, prefix, chat=kind == "chat" if prefix else has_messages)
     problems += more
     if n_logprobs is not None:
         params["logprobs"] = n_logprobs

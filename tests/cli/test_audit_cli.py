@@ -26,6 +26,12 @@ LINES = [
               "seed": 4, "logprobs": True, "top_logprobs": 2}},
     {"custom_id": "sampled", "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0.9,
      "top_k": 8, "seed": 2, "presence_penalty": 1.0},
+    # no seed: nothing to re-decode, so the stored logprobs (or the support) are what is checked
+    {"custom_id": "unseeded-lp", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 10, "temperature": 1.2,
+              "logprobs": True, "top_logprobs": 2}},
+    {"custom_id": "unseeded", "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 0.9,
+     "top_k": 8},
 ]
 
 
@@ -76,28 +82,60 @@ def test_audit_passes_on_a_speculative_job(job):
     result = run("audit", job_id, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert (report["audited"], report["failed"]) == (4, 0)
+    assert (report["audited"], report["failed"]) == (6, 0)
     checks = {r["custom_id"]: r["check"] for r in report["requests"]}
-    assert checks == {"greedy": "identical", "penalised": "identical", "sampled-lp": "logprobs",
-                      "sampled": "support"}
+    # a seeded sample is a function of the target, the prompt, the parameters and the seed: the
+    # target alone re-decodes it token for token, as a greedy request
+    assert checks == {"greedy": "identical", "penalised": "identical", "sampled-lp": "identical",
+                      "sampled": "identical", "unseeded-lp": "logprobs", "unseeded": "support"}
+    details = {r["custom_id"]: r["detail"] for r in report["requests"]}
+    assert details["sampled"] == "10 tokens identical to the target alone's sample with seed 2", details
 
 
-@pytest.mark.parametrize("custom_id", ["greedy", "penalised", "sampled-lp"])
+@pytest.mark.parametrize("custom_id", ["greedy", "penalised", "sampled-lp", "sampled", "unseeded-lp"])
 def test_audit_fails_when_a_stored_token_is_altered(job, custom_id):
     url, job_id = job
     _alter(url, job_id, custom_id)
     result = run("audit", job_id)
     assert result.exit_code == 1
     assert f"FAIL {custom_id}: " in result.stdout and "token 2" in result.stdout
-    # the sampled line without stored logprobs passed the weaker support check only: counted apart
-    assert ("2 match the target alone, 1 sampled without stored logprobs only possible under it"
+    # the unseeded sampled line without stored logprobs passed the weaker support check only
+    assert ("4 match the target alone, 1 sampled without a seed or stored logprobs only possible under it"
             in result.stderr and result.stderr.rstrip().endswith("1 do not")), result.stderr
+
+
+def test_a_seeded_sample_with_another_possible_token_fails(tmp_path, monkeypatch, tiny_models):
+    """A token the target could have drawn, but did not with this seed: the support check passes
+    it; the re-decode does not (a seeded sample is certified like a greedy one)."""
+    line = {"custom_id": "wide", "prompt": "The quick brown fox", "max_tokens": 10, "temperature": 1.0,
+            "seed": 3}
+    url, parsed = _database(tmp_path, monkeypatch, [line])
+    target = str(tiny_models / "llama")
+    engine = Engine(load_model(target), [load_model(str(tiny_models / "llama-partial"))])
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target=target, drafts=["llama-partial"], params={},
+                                  requests=parsed.requests, queue="q").id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids, "w", 60, 3)
+        req = parsed.requests[0]
+        store.record_result(s, ids[0], engine.generate(prompt=req.prompt, params=req.generation_params()), "w")
+        store.refresh_job(s, job_id)
+    try:
+        assert run("audit", job_id).exit_code == 0
+        _alter(url, job_id, "wide")     # temperature 1, no top-k: every token stays possible
+        result = run("audit", job_id, "--json")
+        assert result.exit_code == 1, result.output
+        (verdict,) = json.loads(result.stdout)["requests"]
+        assert (verdict["check"], verdict["ok"]) == ("identical", False), verdict
+        assert verdict["detail"].startswith("token 2 differs"), verdict
+    finally:
+        db.forget_engines()
 
 
 def test_sample_picks_a_subset_and_bad_sample_is_one_line(job):
     url, job_id = job
     result = run("audit", job_id, "--sample", "50%", "--json")
-    assert result.exit_code == 0 and json.loads(result.stdout)["audited"] == 2
+    assert result.exit_code == 0 and json.loads(result.stdout)["audited"] == 3
     bad = run("audit", job_id, "--sample", "0")
     assert bad.exit_code == 1 and "--sample: '0': give a count >= 1" in bad.output
     assert "Traceback" not in bad.output

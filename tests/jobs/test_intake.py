@@ -466,3 +466,21 @@ def test_a_native_line_takes_the_openai_aliases_model_and_metadata(tmp_path):
         intake.parse_file(path, None, settings)
     fields = {err.field for err in e.value.errors}
     assert {"model", "metadata.k", "max_completion_tokens"} <= fields, fields
+
+
+def test_a_null_prompt_or_messages_is_not_given(tmp_path):
+    """A table of chat and completion rows written by ``datasets.Dataset.to_json`` (or pandas'
+    ``to_json(orient="records", lines=True)``) gives every row both columns, the unused one null:
+    null is "not given" there, as for the other fields, so the row is the kind of the other."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="c", prompt=None, messages=[{"role": "user", "content": "Hi"}], logprobs=None,
+                       n=2, temperature=0.7, seed=1)
+                     + L(custom_id="p", prompt="The capital of France is", messages=None, logprobs=2, n=None))
+    chat, comp = intake.parse_file(path, None, Settings(database_url="sqlite://"))
+    assert (chat.kind, chat.prompt, chat.messages) == ("chat", None, [{"role": "user", "content": "Hi"}])
+    assert (comp.kind, comp.prompt, comp.messages) == ("completion", "The capital of France is", None)
+    assert comp.params["logprobs"] == 2
+    path.write_bytes(L(custom_id="x", prompt=None, messages=None))
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, None, Settings(database_url="sqlite://"))
+    assert [str(err) for err in e.value.errors] == [f'{path}:1: prompt: is required (or "messages")']

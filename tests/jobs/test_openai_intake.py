@@ -466,3 +466,35 @@ def test_a_near_miss_of_a_known_model_name_is_refused_with_the_name_it_meant(tmp
     with pytest.raises(IntakeError) as e:
         intake.parse_model_map(["gpt-4o=org/big,smollm2-135m-int9"])
     assert "did you mean smollm2-135m-int8?" in str(e.value.errors[0])
+
+
+def test_a_null_field_of_the_other_url_is_not_given(tmp_path):
+    """Batch lines of both URLs in one table, written by ``datasets.Dataset.to_json``: each body
+    gets the other URL's fields as null (a chat body ``"prompt": null``); null is "not given"
+    there as everywhere in a body, while a value of the other URL is still refused."""
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                     "prompt": None, "echo": None, "suffix": None}}
+    comp = {"custom_id": "p", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "m", "prompt": "The capital", "max_tokens": 4, "logprobs": 1, "messages": None,
+                     "top_logprobs": None, "response_format": None}}
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(chat) + "\n" + json.dumps(comp) + "\n")
+    a, b = intake.parse_file(path, None, Settings(database_url="sqlite://"))
+    assert (a.kind, a.messages, b.kind, b.prompt, b.params["logprobs"]) == (
+        "chat", [{"role": "user", "content": "Hi"}], "completion", "The capital", 1)
+    chat["body"]["prompt"] = "x"
+    path.write_text(json.dumps(chat) + "\n")
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, None, Settings(database_url="sqlite://"))
+    assert [str(err) for err in e.value.errors] == [
+        f"{path}:1: body.prompt: a field of /v1/completions requests, not of /v1/chat/completions"]
+
+
+def test_a_chat_body_without_messages_reads_logprobs_as_chat():
+    """The URL says which API a body is: a chat body missing ``messages`` is that one error, its
+    ``logprobs: true`` (chat's boolean) not a second one about completions' integer."""
+    with pytest.raises(IntakeError) as e:
+        read(line({"model": "m", "logprobs": True, "top_logprobs": 2}))
+    assert [str(err) for err in e.value.errors] == [
+        "batch.jsonl:1: body.messages: is required for /v1/chat/completions"]
