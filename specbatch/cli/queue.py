@@ -511,7 +511,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     if resumed is not None and not resumed.routes:    # nothing to generate: nothing to set up
         _report(settings, resumed.job_id, True, as_json)
         return
-    configure_threads(tp.threads, settings.local_workers)
+    configure_threads(tp.threads, settings.local_workers, settings.lanes)
     tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
     options = LoadOptions(device or settings.device, dtype or settings.dtype, tp.batch_size,
                           compile_ or settings.compile, tp.max_memory, tp.prefix_cache)
@@ -550,7 +550,7 @@ def run_in_process(job_id: str, as_json: bool) -> None:
 
     settings = get_settings()
     tp = resolve_throughput(settings, None, None, None, False)
-    configure_threads(tp.threads, settings.local_workers)
+    configure_threads(tp.threads, settings.local_workers, settings.lanes)
     tracing.configure("specbatch")
     _run_here(settings, job_id, LoadOptions(settings.device, settings.dtype, tp.batch_size, settings.compile,
                                             tp.max_memory, tp.prefix_cache), as_json)

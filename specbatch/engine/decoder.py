@@ -16,6 +16,7 @@ Call ``Decoder.run`` under ``torch.inference_mode()``.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -110,7 +111,8 @@ class Decoder:
 
     def run(self, requests: Iterable[Request], on_start: Callable[[list[int]], None] | None = None,
             *, forks: Mapping[int, int] | None = None,
-            refill: Callable[[int], list[Request]] | None = None) -> Iterator[tuple[int, GenerationOutput]]:
+            refill: Callable[[int], list[Request]] | None = None,
+            halt: threading.Event | None = None) -> Iterator[tuple[int, GenerationOutput]]:
         """Yield (index, output) as each request finishes.
 
         ``on_start(indices)`` is called as requests join the batch, before any forward over them:
@@ -128,6 +130,9 @@ class Decoder:
         claims more of its job there), so a batch stays full until the work runs out instead of
         draining at the end of every claim. Its requests' samples must be in ``self.forks`` by
         then (the caller adds them).
+
+        ``halt``: once set, the run ends before its next step, its rows dropped (engine/lanes.py:
+        the other lanes of a failed or closed run).
         """
         waiting = deque(longest_first(requests))
         self.forks = dict(forks or {})
@@ -148,7 +153,7 @@ class Decoder:
         paused: deque[Row] = deque()
         if self.memory is not None:
             self.memory.check(measure(self.target.device), 0, 0, 0)   # the baseline
-        while True:
+        while halt is None or not halt.is_set():
             limit = max(1, self.policy.max_rows(len(waiting) + len(paused)))
             if len(self.rows) > limit:
                 paused.extendleft(reversed(self._pause(len(self.rows) - limit)))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +24,7 @@ from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_draf
 from specbatch.engine.drafters import Drafter
 from specbatch.engine.gamma import CostModel
 from specbatch.engine.grammar import GrammarSpec, Matcher, refuse, vocab_for
+from specbatch.engine.lanes import deal, run_lanes
 from specbatch.engine.loading import LoadedModel, check_same_tokenizer, load_model
 from specbatch.engine.memory import (
     MAX_DRAFT,
@@ -39,6 +40,7 @@ from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
 from specbatch.engine.static_cache import StaticBatchCache, capacity_for
+from specbatch.engine.threads import configured_lanes
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -46,6 +48,16 @@ logger = logging.getLogger(__name__)
 
 AUTO_MAX_BATCH = 256     # the autopilot's ceiling, below whatever the memory budget allows
 PREFIX_SHARE = 0.25      # of the memory budget, the most shared prompt prefixes may hold
+
+
+@dataclass
+class _Lane:
+    """A decode lane's own state past the first (engine/lanes.py)."""
+
+    costs: dict[int, CostModel] = field(default_factory=dict)
+    pilot: Autopilot | None = None
+    memory: MemoryBudget | None = None
+    prefixes: PrefixStore | None = None
 
 
 @dataclass(frozen=True)
@@ -98,10 +110,11 @@ class Engine:
 
     def __init__(self, target: LoadedModel, drafters: Sequence[LoadedModel | DrafterSpec] = (), *,
                  gamma: int = 4, batch_size: BatchSize = AUTO, max_memory: int | None = None,
-                 prefix_cache: bool = True, static_cache: bool = False) -> None:
+                 prefix_cache: bool = True, static_cache: bool = False, lanes: int = 1) -> None:
         """``drafters``: the pool, a loaded model for each draft model (``model:``), a spec for each
         drafter that loads none (``DrafterSpec.parse("ngram")``). ``static_cache``: the target
-        decodes over ``StaticBatchCache`` (engine/static_cache.py) instead of ``BatchCache``."""
+        decodes over ``StaticBatchCache`` (engine/static_cache.py) instead of ``BatchCache``.
+        ``lanes``: decode loops an automatic batch may run at once on a CPU (engine/lanes.py)."""
         if unloaded := [str(d) for d in drafters if isinstance(d, DrafterSpec) and d.loads_model]:
             raise ValueError(f"drafters {unloaded} load a model: pass the loaded model (Engine.load does)")
         # the models in the specs' order (one per name), then the specs, normalized
@@ -128,6 +141,11 @@ class Engine:
         self.static_cache = static_cache
         # the static backend's compiled shape classes (``compile="static"``), None: all eager
         self.static_graphs: StaticForward | None = None
+        self.lanes = max(1, lanes)
+        self.lanes_used = 1     # by the last decode
+        # lanes past the first, by (lane, lanes in use): their own autopilot, step costs, memory
+        # share and prefix store (the first lane's are the attributes above)
+        self.lane_state: dict[tuple[int, int], _Lane] = {}
 
     @classmethod
     def load(cls, target: str, drafters: Sequence[str | DrafterSpec] = (), *,
@@ -136,7 +154,7 @@ class Engine:
              max_memory: int | None = None, compile: str = "off", prefix_cache: bool = True,
              expected_new_tokens: int | Sequence[int] | None = None,
              notify: Callable[[CompileNotice], None] | None = None,
-             background: Callable[[str], None] | bool = False) -> Engine:
+             background: Callable[[str], None] | bool = False, lanes: int | None = None) -> Engine:
         """Load the target and the pool's draft models (``drafters``: spec strings or specs,
         ``specbatch.engine.drafter_specs``; ModelLoadError for one not available); ``compile``
         (auto / on / off; static: the target decodes over ``StaticBatchCache`` with its
@@ -145,7 +163,8 @@ class Engine:
         ``compile.prepare``). With batch_size "auto" the compile decision plans for
         ``planned_batch_size()`` rows. ``background`` (a worker): return eager at once and
         compile in a thread instead (``specbatch.engine.background``; a callable hears its state),
-        switching to the compiled forward between batches once it is warmed up and faster."""
+        switching to the compiled forward between batches once it is warmed up and faster.
+        ``lanes``: None, those ``threads.configure_threads`` chose for this process."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
               "trust_remote_code": trust_remote_code}
         specs = parse_drafters(drafters)
@@ -155,7 +174,8 @@ class Engine:
         t = load_model(target, **kw)
         # a draft of the target's own weights (the default pair) is quantized from them in memory
         engine = cls(t, [load_model(s.arg, **kw, loaded=[t]) if s.loads_model else s for s in specs], gamma=gamma,
-                     batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache)
+                     batch_size=batch_size, max_memory=max_memory, prefix_cache=prefix_cache,
+                     lanes=configured_lanes() if lanes is None else lanes)
         if expected_new_tokens is not None and not isinstance(expected_new_tokens, int):
             expected_new_tokens = decodable_tokens(expected_new_tokens, t.max_positions)
         if mode == "static":
@@ -273,11 +293,11 @@ class Engine:
         yield from refused
         refused.clear()
         rows, owner, forks = sample_rows(valid)
-        if policy is None:
-            policy = self._policy(size, rows)
-        decoder = Decoder(self.target, self.new_drafters(), policy, default_gamma=self.gamma,
-                          memory=self._memory(), grammar_drafts=self.grammar_drafts,
-                          prefixes=self._prefix_store(), backend=self._backend())
+        lanes = self.lanes_used = self._lanes_for(size, policy, valid)
+        decoders = [Decoder(self.target, self.new_drafters(), policy or self._policy(size, rows, k, lanes),
+                            default_gamma=self.gamma, memory=self._memory(k, lanes),
+                            grammar_drafts=self.grammar_drafts, prefixes=self._prefix_store(k, lanes),
+                            backend=self._backend()) for k in range(lanes)]
         started: set[int] = set()
 
         def start(flat: list[int]) -> None:      # the caller hears of each request once
@@ -290,10 +310,10 @@ class Engine:
         wanted = {i: p.n for i, _, p in valid}
         given = len(requests)
 
-        refill: Callable[[int], list[Request]] | None = None
-        if more is not None:     # (without ``more``, the decoder asks no one)
+        def refill_for(decoder: Decoder) -> Callable[[int], list[Request]]:
             def refill(room: int) -> list[Request]:
                 nonlocal given
+                assert more is not None
                 extra = list(more(room))
                 fresh = self._valid(extra, given, refused)
                 given += len(extra)
@@ -302,9 +322,17 @@ class Engine:
                 decoder.forks.update(new_forks)
                 wanted.update((i, p.n) for i, _, p in fresh)
                 return new_rows
+            return refill
 
+        # (without ``more``, the decoder asks no one)
+        if lanes == 1:
+            decoded = decoders[0].run(rows, start, forks=forks,
+                                      refill=refill_for(decoders[0]) if more is not None else None)
+        else:
+            decoded = run_lanes(decoders, deal(self._lane_groups(rows, forks), lanes), start, forks,
+                                refill_for if more is not None else None)
         with torch.inference_mode():
-            for f, out in decoder.run(rows, start, forks=forks, refill=refill):
+            for f, out in decoded:
                 yield from refused
                 refused.clear()
                 i, k = owner[f]
@@ -387,48 +415,93 @@ class Engine:
     def speculates(self) -> bool:
         return bool(self.specs)
 
-    def _memory(self) -> MemoryBudget:
+    def _memory(self, lane: int = 0, lanes: int = 1) -> MemoryBudget:
+        """The memory budget of one decode (``lanes`` > 1: lane ``lane``'s share of it)."""
+        if lanes > 1:
+            state = self._lane(lane, lanes)
+            if state.memory is None:
+                state.memory = self._new_memory(lanes)
+            return state.memory
         if self.memory is None:
-            budget = self.max_memory or default_budget(self.target.device)
-            if self.max_memory is None and self.background is not None and not self.background.done:
-                # what the compile running beside decoding will add (reset once it is adopted)
-                budget = max(budget - self.background.reserved_bytes(), budget // 2)
-            shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
-            graphs = self.static_graphs
-            self.memory = MemoryBudget(budget, shapes, high_water=not is_cuda(self.target.device),
-                                       static_columns=(lambda c: capacity_for(c, graphs)) if self.static_cache
-                                       else None)
+            self.memory = self._new_memory(1)
         return self.memory
 
-    def _prefix_store(self) -> PrefixStore | None:
+    def _new_memory(self, lanes: int) -> MemoryBudget:
+        budget = self.max_memory or default_budget(self.target.device)
+        if self.max_memory is None and self.background is not None and not self.background.done:
+            # what the compile running beside decoding will add (reset once it is adopted)
+            budget = max(budget - self.background.reserved_bytes(), budget // 2)
+        shapes = tuple(ModelShape.of(m.model) for m in (self.target, *self.drafts))
+        graphs = self.static_graphs
+        return MemoryBudget(budget // lanes, shapes, high_water=not is_cuda(self.target.device),
+                            static_columns=(lambda c: capacity_for(c, graphs)) if self.static_cache else None)
+
+    def _prefix_store(self, lane: int = 0, lanes: int = 1) -> PrefixStore | None:
         """The worker's shared prompt prefixes, within a share of the memory budget (which
-        then leaves the rows what the store holds: ``MemoryBudget.reserved``)."""
+        then leaves the rows what the store holds: ``MemoryBudget.reserved``); a lane's own."""
         if not self.prefix_cache:
             return None
-        memory = self._memory()
-        if self.prefixes is None:
-            self.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
-        memory.reserved = self.prefixes.nbytes
-        return self.prefixes
+        memory = self._memory(lane, lanes)
+        if lanes > 1:
+            state = self._lane(lane, lanes)
+            if state.prefixes is None:
+                state.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
+            store = state.prefixes
+        else:
+            if self.prefixes is None:
+                self.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
+            store = self.prefixes
+        memory.reserved = store.nbytes
+        return store
 
-    def _policy(self, size: BatchSize, valid: list[Request]) -> Policy:
+    def _policy(self, size: BatchSize, valid: list[Request], lane: int = 0, lanes: int = 1) -> Policy:
         if size != AUTO:
             return MeasuredPolicy(int(size), self.costs)
         # the search's ceiling: rows of the median request that fit (admission checks each one)
         cols = sorted(row_columns(len(ids), p, self.gamma) for _, ids, p in valid) or [1]
         width = max((draft_width(p, self.gamma) for _, _, p in valid), default=MAX_DRAFT)
-        cap = min(AUTO_MAX_BATCH, self._memory().max_rows(cols[len(cols) // 2], width))
-        if self.autopilot is None:
-            self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
-        self.autopilot.cap = cap
-        return AutopilotPolicy(cap, self.costs, pilot=self.autopilot)
+        cap = min(AUTO_MAX_BATCH, self._memory(lane, lanes).max_rows(cols[len(cols) // 2], width))
+        if lane == 0:      # the first lane's autopilot is the engine's: what it reports
+            if self.autopilot is None:
+                self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
+            pilot, costs = self.autopilot, self.costs
+        else:
+            state = self._lane(lane, lanes)
+            if state.pilot is None:
+                state.pilot = Autopilot(cap=cap, speculation=self.speculates)
+            pilot, costs = state.pilot, state.costs
+        pilot.cap = cap
+        return AutopilotPolicy(cap, costs, pilot=pilot)
+
+    def _lane(self, lane: int, lanes: int) -> _Lane:
+        return self.lane_state.setdefault((lane, lanes), _Lane())
+
+    def _lanes_for(self, size: BatchSize, policy: Policy | None, valid: list[Request]) -> int:
+        """Lanes this decode runs: the engine's, for an automatic batch of eager CPU decoding
+        (a compiled graph is not called from two threads; a fixed batch size means that many
+        rows), at most one a request; else 1."""
+        eager = not self.static_cache and self.background is None and \
+            not (self.compile_plan is not None and self.compile_plan.enabled)
+        if self.lanes == 1 or size != AUTO or policy is not None or not eager or \
+                str(self.target.device).split(":")[0] != "cpu":
+            return 1
+        return max(1, min(self.lanes, len(valid)))
+
+    @staticmethod
+    def _lane_groups(rows: list[Request], forks: Mapping[int, int]) -> list[list[Request]]:
+        """Rows that must decode in one lane: a request's samples (they fork from one prefill)."""
+        groups: dict[int, list[Request]] = {}
+        for row in rows:
+            groups.setdefault(forks.get(row[0], row[0]), []).append(row)
+        return list(groups.values())
 
     def rows_now(self) -> int | None:
         """Rows decoding keeps now: the autopilot's kept size once it decoded, else a fixed
         batch size; None while automatic and nothing decoded yet (what the worker's gauge shows
         and its claims follow)."""
-        if self.autopilot is not None:
-            return self.autopilot.kept[0]
+        if self.autopilot is not None:      # (with lanes: the rows of every lane of the last decode)
+            lanes = [st.pilot for (k, n), st in self.lane_state.items() if n == self.lanes_used and k and st.pilot]
+            return self.autopilot.kept[0] + sum(p.kept[0] for p in lanes)
         return None if self.batch_size == AUTO else int(self.batch_size)
 
     def speculating_now(self) -> bool:
@@ -445,4 +518,6 @@ class Engine:
 
     def batch_report(self) -> dict[str, Any] | None:
         """What the autopilot chose and measured so far (None before an automatic batch ran)."""
-        return self.autopilot.summary() if self.autopilot is not None else None
+        if self.autopilot is None:
+            return None
+        return {**self.autopilot.summary(), "lanes": self.lanes_used}

@@ -119,11 +119,12 @@ def audit_item(engine: Engine, item: Item) -> Verdict:
     # sample i of a seeded request is the target alone's n = 1 sample with seed sample_seed(seed, i)
     params = replace(params_from_dict(item.params), n=1)
     n = len(item.token_ids)
-    seeded = not params.greedy and params.seed is not None
-    if seeded:
-        alone = f"the target alone's sample with seed {params.seed}" + (
+    seed = None if params.greedy else params.seed
+    seeded = seed is not None
+    if seed is not None:
+        alone = f"the target alone's sample with seed {seed}" + (
             f" (sample {item.sample_index})" if item.sample_index else "")
-        params = replace(params, seed=sample_seed(params.seed, item.sample_index))
+        params = replace(params, seed=sample_seed(seed, item.sample_index))
     if params.greedy or seeded:
         out = engine.generate(prompt=item.prompt, messages=item.messages, input_ids=item.prompt_ids,
                               params=params)

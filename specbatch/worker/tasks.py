@@ -65,7 +65,7 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
 
     settings = get_settings()
     mode = spec.get("compile") or "off"      # the compile decision, read once for both uses
-    configure_threads(spec.get("threads"), settings.local_workers)   # before the first forward
+    configure_threads(spec.get("threads"), settings.local_workers, settings.lanes)   # before the first forward
     if settings.cache_dir and mode != "off":   # caches shared across starts
         use_cache_dir(settings.cache_dir)
     return Engine.load(spec["target"], list(spec.get("drafts") or ()),

@@ -1,0 +1,157 @@
+"""Decode lanes (engine/lanes.py): an automatic batch split over decode loops on threads of one
+process decodes what one loop decodes (greedy: the target alone), each lane really on its own
+thread; a lane's error, a stop, and a closed iterator end every lane; work is dealt by tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.drafter_specs import NGRAM
+from specbatch.engine.lanes import deal
+from specbatch.engine.threads import plan
+from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
+from tests.engine.test_batch import LENGTHS, PROMPTS
+from tests.engine.test_greedy_exact import target_greedy
+
+
+def requests(params: dict | None = None) -> list[EngineRequest]:
+    return [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n, **(params or {})))
+            for p, n in zip(PROMPTS, LENGTHS)]
+
+
+def lane_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("specbatch-lane")]
+
+
+@pytest.fixture
+def forward_threads(load):
+    """The names of the threads the tiny target's forwards ran on."""
+    names: set[str] = set()
+    handle = load("llama").model.register_forward_pre_hook(lambda *_: names.add(threading.current_thread().name))
+    yield names
+    handle.remove()
+
+
+@pytest.mark.parametrize("drafts,ngram", [(["llama-partial"], False), ([], True), ([], False)])
+def test_two_lanes_decode_the_target_alone_each_on_its_own_thread(load, forward_threads, drafts, ngram):
+    target = load("llama")
+    engine = Engine(target, [load(d) for d in drafts] + [NGRAM] * ngram, lanes=2)
+    got = dict(engine.generate_many(requests()))
+    assert forward_threads == {"specbatch-lane-0", "specbatch-lane-1"}
+    assert engine.lanes_used == 2 and engine.batch_report()["lanes"] == 2
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+    assert lane_threads() == []
+
+
+def test_seeded_samples_and_stop_strings_are_the_same_in_two_lanes_as_in_one(load):
+    target, draft = load("llama"), load("llama-partial")
+    params = {"temperature": 0.9, "seed": 7, "n": 2, "stop": ["e t"]}
+    one = dict(Engine(target, [draft], lanes=1).generate_many(requests(params)))
+    two = dict(Engine(target, [draft], lanes=2).generate_many(requests(params)))
+    assert {i: [o.token_ids, *(s.token_ids for s in o.siblings)] for i, o in two.items()} == \
+        {i: [o.token_ids, *(s.token_ids for s in o.siblings)] for i, o in one.items()}
+    assert {i: o.text for i, o in two.items()} == {i: o.text for i, o in one.items()}
+
+
+def test_lanes_refill_from_the_caller_and_start_each_request_once(load, forward_threads):
+    target = load("llama")
+    reqs = requests()
+    first, rest = reqs[:2], list(reqs[2:])
+    started: list[int] = []
+    asked: list[str] = []
+
+    def more(room: int) -> list[EngineRequest]:
+        asked.append(threading.current_thread().name)
+        taken = rest[:room]
+        del rest[:room]
+        return taken
+
+    got = dict(Engine(target, lanes=2).generate_many(first, on_start=started.extend, more=more))
+    assert sorted(got) == list(range(len(reqs))) and sorted(started) == sorted(set(started)) == sorted(got)
+    assert set(asked) <= {"specbatch-lane-0", "specbatch-lane-1"} and asked
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+
+
+def test_a_lane_error_is_raised_to_the_caller_and_every_lane_ends(load):
+    target = load("llama")
+    calls = [0]
+
+    def fail(*_):
+        if threading.current_thread().name == "specbatch-lane-1":
+            calls[0] += 1
+            if calls[0] == 3:
+                raise RuntimeError("lane 1 broke")
+
+    handle = target.model.register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="lane 1 broke"):
+            dict(Engine(target, lanes=2).generate_many(requests()))
+    finally:
+        handle.remove()
+    assert lane_threads() == []
+
+
+def test_a_stop_interrupts_every_lane(load):
+    target = load("llama")
+    engine = Engine(target, lanes=2)
+    stop = StopRequest()
+    with interruptible(engine, stop):
+        it = engine.generate_many([EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=200))
+                                   for p in PROMPTS])
+        stop.event.set()
+        with pytest.raises(Interrupted):
+            dict(it)
+    assert lane_threads() == []
+
+
+def test_closing_the_iterator_stops_the_lanes(load):
+    target = load("llama")
+    it = Engine(target, lanes=2).generate_many(requests())
+    next(it)
+    it.close()
+    assert lane_threads() == []
+
+
+def test_one_lane_where_lanes_cannot_apply(load, forward_threads):
+    target = load("llama")
+    for engine, reqs in ((Engine(target, lanes=2, batch_size=4), requests()),    # a fixed batch size
+                         (Engine(target, lanes=2), requests()[:1])):             # one request
+        dict(engine.generate_many(reqs))
+        assert engine.lanes_used == 1
+    assert forward_threads == {threading.current_thread().name}
+
+
+def test_deal_balances_tokens_and_keeps_groups_together():
+    def req(i: int, n: int) -> tuple[int, list[int], GenerationParams]:
+        return (i, [1, 2], GenerationParams(max_new_tokens=n))
+
+    groups = [[req(0, 100)], [req(1, 60), req(2, 60)], [req(3, 50)], [req(4, 40)], [req(5, 10)]]
+    parts = deal(groups, 2)
+    assert sorted(i for p in parts for i, _, _ in p) == list(range(6))
+    assert any({1, 2} <= {i for i, _, _ in p} for p in parts)
+    loads = sorted(sum(r[2].max_new_tokens for r in p) for p in parts)
+    assert loads == [160, 160]
+
+
+def test_plan_divides_the_cores_among_the_lanes_asked_for(monkeypatch):
+    monkeypatch.setattr("specbatch.engine.threads.usable_cores", lambda: 2)
+    assert plan(None) == (2, 1)                 # the default: one loop of every core
+    assert plan(None, lanes=2) == (1, 2)
+    assert plan(2, lanes=2) == (2, 2) and plan(1) == (1, 1)
+    assert plan(None, lanes=2, local_workers=2) == (1, 2)
+    monkeypatch.setattr("specbatch.engine.threads.usable_cores", lambda: 16)
+    assert plan(None, lanes=2) == (8, 2)
+
+
+def test_engine_load_takes_the_lanes_the_process_configured(monkeypatch, tiny_models):
+    from specbatch.engine import threads
+
+    monkeypatch.setattr(threads, "_SET", [(1, 2)])
+    assert Engine.load(str(tiny_models / "llama")).lanes == 2
+    monkeypatch.setattr(threads, "_SET", [])
+    assert Engine.load(str(tiny_models / "llama")).lanes == 1
