@@ -87,12 +87,14 @@ def test_the_int8_twin_of_a_linear_is_row_independent_and_close_to_it():
 
 def test_where_8_bit_activations_could_saturate_fbgemm_takes_7(monkeypatch):
     """AVX2 without VNNI sums pairs of uint8 x int8 products in int16: 8-bit activations could
-    saturate there, so such a CPU takes 7 (numbers of their own in the fingerprint). Either way the
-    Linear is exact integer arithmetic on round(x / s): checked against that arithmetic in float."""
+    saturate there, so such a CPU takes 7 (numbers of their own in the fingerprint). The range the
+    CPU takes is exact integer arithmetic on round(x / s), checked against that arithmetic in float;
+    on a CPU without VNNI, 8 bits are shown to saturate (they differ from it)."""
     from specbatch.engine import int8 as int8_mod
 
     if not int8_mod._fbgemm():
         return      # (the torch._int_mm path: 8 bits everywhere)
+    vnni = int8_mod.fbgemm_activation_range() == (127.0, 128)     # this CPU's own range
     torch.manual_seed(1)
     lin = torch.nn.Linear(64, 48)
     x = torch.randn(16, 64) * torch.logspace(-2, 2, 16)[:, None]
@@ -106,5 +108,9 @@ def test_where_8_bit_activations_could_saturate_fbgemm_takes_7(monkeypatch):
         want = (torch.round(x / s) @ torch.round(w / w_scale).t()) * w_scale.t() * s + lin.bias.detach()
         with torch.inference_mode():
             got = q(x)
-        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())), (name, (got - want).abs().max())
+        exact = torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        if name == "rows8" and not vnni:    # here 8 bits do saturate: why such a CPU takes 7
+            assert not exact, "8-bit activations did not saturate AVX2's int16 sums"
+        else:
+            assert exact, (name, (got - want).abs().max())
         assert torch.round(x / s).abs().max() == qmax
