@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import pytest
 import torch
 
 from specbatch.engine import int8
@@ -39,20 +38,6 @@ def qwen2() -> torch.nn.Module:
                 m.bias.normal_(0, 0.5)
     assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     return model
-
-
-@pytest.fixture
-def count_products(monkeypatch):
-    """A list that grows by one per int8 product (one fbgemm or _int_mm call)."""
-    calls: list[int] = []
-    forward = int8.RowInt8Linear.forward
-
-    def counted(self, x):
-        calls.append(self.out_features)
-        return forward(self, x)
-
-    monkeypatch.setattr(int8.RowInt8Linear, "forward", counted)
-    return calls
 
 
 def test_a_gqa_llamas_fused_int8_draft_decodes_bitwise_as_the_unfused(load, count_products):

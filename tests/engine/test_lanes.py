@@ -20,7 +20,6 @@ from specbatch.engine.threads import plan
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
 from tests.engine.test_batch import LENGTHS, PROMPTS
 from tests.engine.test_greedy_exact import target_greedy
-from tests.engine.test_int8_fused import count_products  # noqa: F401 (a fixture)
 
 
 def requests(params: dict | None = None) -> list[EngineRequest]:
