@@ -16,6 +16,7 @@ measures the candidates (docs/DESIGN.md, "Batch invariance").
 from __future__ import annotations
 
 import functools
+import threading
 import warnings
 from typing import Any
 
@@ -133,23 +134,31 @@ class _SharedProduct:
         self.linear = RowInt8Linear(cat)
         ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
         self.columns = list(zip([0, *ends[:-1]], ends))
-        # (input, output, members served): held from the first member's call to the last one's.
-        # One tuple, read and replaced whole, so that a call on another thread sees a consistent
-        # pair; identity is safe because the held input cannot be freed and its id reused.
-        self._last: tuple[torch.Tensor, torch.Tensor, set[int]] | None = None
+        # (input, output, members served), per thread: held from the first member's call to the
+        # last one's. Decode lanes (engine/lanes.py) run one draft on several threads, whose calls
+        # interleave: one slot for all made each thread's next member redo the product of the
+        # other's input. Identity is safe: the held input cannot be freed and its id reused.
+        self._held = threading.local()
 
     def columns_of(self, member: int, x: torch.Tensor) -> torch.Tensor:
         """The member's columns of the group's product for ``x`` (..., K) -> (..., N_member)."""
-        last = self._last
+        last: tuple[torch.Tensor, torch.Tensor, set[int]] | None = getattr(self._held, "last", None)
         if last is None or last[0] is not x or member in last[2]:
             last = (x, self.linear(x), set())
-            self._last = last
         served = last[2]
         served.add(member)
-        if len(served) == len(self.columns) and self._last is last:
-            self._last = None       # every member served: let go of the input and output
+        # every member served: let go of the input and output
+        self._held.last = None if len(served) == len(self.columns) else last
         a, b = self.columns[member]
         return last[1][..., a:b]    # a view: the callers reshape the last axis or multiply
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles hold nothing (a ``threading.local`` is neither)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_held"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._held = threading.local()
 
 
 class RowInt8Part(torch.nn.Module):

@@ -55,7 +55,11 @@ def run_lanes(decoders: Sequence[Decoder], parts: Sequence[list[Request]],
               ) -> Iterator[tuple[int, GenerationOutput]]:
     """Yield (index, output) as each lane's requests finish, as ``Decoder.run`` does for one.
 
-    ``refill(decoder)``: that lane's refill. The caller's callbacks run one lane at a time. A
+    ``refill(decoder)``: that lane's refill. The caller's callbacks (``on_start``, the refills)
+    run on the lanes' threads one at a time, and never while the caller holds an output (between
+    its taking one and asking for the next): its code there and theirs share its state (a
+    worker's chunk: the result cache, the requests it claimed), as with one decoder, where they
+    run inside its ``next``. None runs once the lanes are halted. A
     lane's error is raised here (the other lanes stop at their next step); so is a stop asked
     through the models' hooks (worker/interrupt.py), which every lane meets. Closing the iterator
     stops every lane at its next step and waits for them."""
@@ -65,13 +69,14 @@ def run_lanes(decoders: Sequence[Decoder], parts: Sequence[list[Request]],
 
     def locked(fn: Callable[[int], list[Request]]) -> Callable[[int], list[Request]]:
         def call(room: int) -> list[Request]:
-            with lock:
-                return fn(room)
+            with lock:      # (halted: the caller is gone, claim nothing more for it)
+                return [] if halt.is_set() else fn(room)
         return call
 
     def started(indices: list[int]) -> None:
         with lock:
-            on_start(indices)
+            if not halt.is_set():
+                on_start(indices)
 
     def lane(decoder: Decoder, part: list[Request]) -> None:
         own = {i for i, _, _ in part}
@@ -99,7 +104,8 @@ def run_lanes(decoders: Sequence[Decoder], parts: Sequence[list[Request]],
             elif isinstance(item, _Failed):
                 raise item.error
             else:
-                yield item     # type: ignore[misc]
+                with lock:     # held while the caller handles it: no callback beside its code
+                    yield item     # type: ignore[misc]
     except KeyboardInterrupt:   # a second Ctrl-C: out at once (the lanes are daemons)
         halt.set()
         raise

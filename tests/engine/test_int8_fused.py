@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 
-import pytest
 import torch
 
 from specbatch.engine import int8
@@ -39,20 +38,6 @@ def qwen2() -> torch.nn.Module:
                 m.bias.normal_(0, 0.5)
     assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     return model
-
-
-@pytest.fixture
-def count_products(monkeypatch):
-    """A list that grows by one per int8 product (one fbgemm or _int_mm call)."""
-    calls: list[int] = []
-    forward = int8.RowInt8Linear.forward
-
-    def counted(self, x):
-        calls.append(self.out_features)
-        return forward(self, x)
-
-    monkeypatch.setattr(int8.RowInt8Linear, "forward", counted)
-    return calls
 
 
 def test_a_gqa_llamas_fused_int8_draft_decodes_bitwise_as_the_unfused(load, count_products):
@@ -102,3 +87,40 @@ def test_siblings_fed_different_inputs_still_get_their_own_products():
     with torch.inference_mode():
         for name, inp in (("q_proj", x), ("k_proj", y), ("v_proj", x), ("q_proj", x), ("q_proj", y)):
             assert torch.equal(getattr(fused, name)(inp), getattr(unfused, name)(inp)), name
+
+
+def test_two_threads_calling_one_layers_siblings_in_turn_each_get_one_product(count_products):
+    """Decode lanes (engine/lanes.py) run one int8 draft on two threads: a thread's q, k and v
+    share its product even where the other thread's calls fall between them."""
+    import threading
+
+    torch.manual_seed(0)
+    block = torch.nn.Module()
+    for name, n in (("q_proj", 32), ("k_proj", 16), ("v_proj", 16)):
+        setattr(block, name, torch.nn.Linear(24, n))
+    unfused, fused = twins(block)
+    inputs = {"a": torch.randn(5, 24), "b": torch.randn(3, 24)}
+    order = [(t, name) for name in ("q_proj", "k_proj", "v_proj") for t in ("a", "b")]   # a, b in turn
+    turn, cond, got = [0], threading.Condition(), {}
+
+    def run(t: str) -> None:
+        with torch.inference_mode():
+            for k, (who, name) in enumerate(order):
+                if who != t:
+                    continue
+                with cond:
+                    cond.wait_for(lambda k=k: turn[0] == k, timeout=10)
+                    got[t, name] = getattr(fused, name)(inputs[t])
+                    turn[0] += 1
+                    cond.notify_all()
+
+    count_products.clear()
+    threads = [threading.Thread(target=run, args=(t,)) for t in inputs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(count_products) == 2      # one product per thread's input, not one per call
+    with torch.inference_mode():
+        for (t, name), out in got.items():
+            assert torch.equal(out, getattr(unfused, name)(inputs[t])), (t, name)

@@ -4,12 +4,17 @@ thread; a lane's error, a stop, and a closed iterator end every lane; work is de
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import sys
 import threading
 
 import pytest
 
 from specbatch.engine import Engine, EngineRequest, GenerationParams
+from specbatch.engine.autopilot import Autopilot
 from specbatch.engine.drafter_specs import NGRAM
+from specbatch.engine.int8 import quantize_linears
 from specbatch.engine.lanes import deal
 from specbatch.engine.threads import plan
 from specbatch.worker.interrupt import Interrupted, StopRequest, interruptible
@@ -47,6 +52,27 @@ def test_two_lanes_decode_the_target_alone_each_on_its_own_thread(load, forward_
     assert lane_threads() == []
 
 
+def test_two_lanes_share_an_int8_draft_and_decode_the_target_alone(load, count_products, monkeypatch):
+    """The int8 draft's shared q/k/v and gate/up products (engine/int8.py) are held per thread:
+    both lanes call the same modules, each its own product per layer (every step speculates)."""
+    monkeypatch.setattr(Autopilot, "speculate", lambda self, rows: True)
+    target, partial = load("llama"), load("llama-partial")
+    draft = dataclasses.replace(partial, model=quantize_linears(copy.deepcopy(partial.model)))
+    engine = Engine(target, [draft], lanes=2)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)      # the lanes' Python taken in turns often: their calls interleave
+    try:
+        got = dict(engine.generate_many(requests()))
+    finally:
+        sys.setswitchinterval(interval)
+    assert engine.lanes_used == 2
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+    # a layer's products: q|k|v, o, gate|up, down (never one more for a sibling); the head: 1
+    layers = partial.model.config.num_hidden_layers
+    assert count_products and len(count_products) % (4 * layers + 1) == 0
+
+
 def test_seeded_samples_and_stop_strings_are_the_same_in_two_lanes_as_in_one(load):
     target, draft = load("llama"), load("llama-partial")
     params = {"temperature": 0.9, "seed": 7, "n": 2, "stop": ["e t"]}
@@ -73,6 +99,38 @@ def test_lanes_refill_from_the_caller_and_start_each_request_once(load, forward_
     got = dict(Engine(target, lanes=2).generate_many(first, on_start=started.extend, more=more))
     assert sorted(got) == list(range(len(reqs))) and sorted(started) == sorted(set(started)) == sorted(got)
     assert set(asked) <= {"specbatch-lane-0", "specbatch-lane-1"} and asked
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
+
+
+def test_no_callback_runs_while_the_caller_handles_an_output(load):
+    """``on_start`` and ``more`` run on the lanes' threads, but never while the caller's own code
+    runs between two outputs: a worker's chunk stores results and resolves its result cache's
+    duplicates there, which its claims in ``more`` read and write too (worker/chunk.py)."""
+    target = load("llama")
+    reqs = requests()
+    first, rest = reqs[:2], list(reqs[2:])
+    busy, overlapped = [False], threading.Event()
+
+    def seen() -> None:
+        if busy[0]:
+            overlapped.set()
+
+    def more(room: int) -> list[EngineRequest]:
+        seen()
+        taken = rest[:room]
+        del rest[:room]
+        return taken
+
+    got = {}
+    for i, out in Engine(target, lanes=2).generate_many(first, on_start=lambda _: seen(), more=more):
+        busy[0] = True
+        if not got:         # the first output: the other lane decodes on, this one has room
+            overlapped.wait(timeout=2)
+        got[i] = out
+        busy[0] = False
+    assert not overlapped.is_set()
+    assert sorted(got) == list(range(len(reqs)))
     for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
         assert got[i].token_ids == target_greedy(target, p, n), i
 
