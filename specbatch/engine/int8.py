@@ -16,11 +16,12 @@ measures the candidates (docs/DESIGN.md, "Batch invariance").
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from typing import Any
 
 import torch
+
+from specbatch.engine.siblings import HeldProduct, shared_input_groups
 
 _QMAX = 127.0     # symmetric int8: -127..127, so a row's max |x| lands on 127 exactly
 _ZERO = 128       # fbgemm's activations are uint8: -127..127 sits at 1..255
@@ -111,54 +112,23 @@ class RowInt8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows"
 
 
-# Sibling Linears that read one input in the architectures we run (transformers' Llama, Qwen2,
-# Mistral: the attention's q/k/v projections, the MLP's gate and up): one int8 product serves each
-# group. A model that feeds them different inputs (cross-attention) still computes the same
-# numbers, each call then doing the whole group's product (RowInt8Part).
-SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class _SharedProduct:
-    """One RowInt8Linear over sibling Linears' concatenated weights, run once per input tensor:
-    its first member called with ``x`` computes every member's columns, the others take theirs.
-    A plain object, not a Module, so the model's state_dict and modules() list it through its
-    members only. Per-row scales and an exact int32 product make each column the same, bit for
-    bit, as its own Linear's (tests/engine/test_int8_fused.py)."""
+class _SharedProduct(HeldProduct):
+    """One RowInt8Linear over sibling Linears' concatenated weights, run once per input tensor
+    (``HeldProduct``). A plain object, not a Module, so the model's state_dict and modules() list
+    it through its members only. Per-row scales and an exact int32 product make each column the
+    same, bit for bit, as its own Linear's (tests/engine/test_int8_fused.py)."""
 
     def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        super().__init__([m.out_features for m in linears])
         cat = torch.nn.Linear(linears[0].in_features, sum(m.out_features for m in linears),
                               bias=linears[0].bias is not None, device="meta")
         cat.weight = torch.nn.Parameter(torch.cat([m.weight.detach() for m in linears]), requires_grad=False)
         if cat.bias is not None:
             cat.bias = torch.nn.Parameter(torch.cat([m.bias.detach() for m in linears]), requires_grad=False)
         self.linear = RowInt8Linear(cat)
-        ends = torch.tensor([m.out_features for m in linears]).cumsum(0).tolist()
-        self.columns = list(zip([0, *ends[:-1]], ends))
-        # (input, output, members served), per thread: held from the first member's call to the
-        # last one's. Decode lanes (engine/lanes.py) run one draft on several threads, whose calls
-        # interleave: one slot for all made each thread's next member redo the product of the
-        # other's input. Identity is safe: the held input cannot be freed and its id reused.
-        self._held = threading.local()
 
-    def columns_of(self, member: int, x: torch.Tensor) -> torch.Tensor:
-        """The member's columns of the group's product for ``x`` (..., K) -> (..., N_member)."""
-        last: tuple[torch.Tensor, torch.Tensor, set[int]] | None = getattr(self._held, "last", None)
-        if last is None or last[0] is not x or member in last[2]:
-            last = (x, self.linear(x), set())
-        served = last[2]
-        served.add(member)
-        # every member served: let go of the input and output
-        self._held.last = None if len(served) == len(self.columns) else last
-        a, b = self.columns[member]
-        return last[1][..., a:b]    # a view: the callers reshape the last axis or multiply
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles hold nothing (a ``threading.local`` is neither)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_held"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._held = threading.local()
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
 
 
 class RowInt8Part(torch.nn.Module):
@@ -185,23 +155,10 @@ class RowInt8Part(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 rows, columns {a}:{b} of a shared product"
 
 
-def _shared_input_groups(model: torch.nn.Module) -> list[list[str]]:
-    """The SHARED_INPUT groups among ``model``'s own children that can share one product: all
-    Linears of one input width, all with a bias or all without."""
-    kids = dict(model.named_children())
-    out = []
-    for names in SHARED_INPUT:
-        ms = [kids.get(n) for n in names]
-        if all(isinstance(m, torch.nn.Linear) for m in ms) \
-                and len({(m.in_features, m.bias is None) for m in ms if m is not None}) == 1:
-            out.append(list(names))
-    return out
-
-
 def quantize_linears(model: torch.nn.Module, fuse: bool = True) -> torch.nn.Module:
     """``model`` with every Linear replaced by a RowInt8Linear, in place (returned for chaining);
-    ``fuse``: SHARED_INPUT siblings by RowInt8Parts of one product (the same numbers, fewer calls)."""
-    for names in _shared_input_groups(model) if fuse else []:
+    ``fuse``: siblings.SHARED_INPUT groups by RowInt8Parts of one product (the same numbers, fewer calls)."""
+    for names in shared_input_groups(model) if fuse else []:
         shared = _SharedProduct([getattr(model, n) for n in names])
         for i, n in enumerate(names):
             setattr(model, n, RowInt8Part(shared, i))

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specbatch.engine.siblings import HeldProduct, shared_input_groups
+
 logger = logging.getLogger(__name__)
 
 # The row count a weight is packed for. The layouts do not depend on it, but the kernels picked
@@ -117,6 +119,29 @@ def kernel_check(k: Kernel) -> str | None:
 
 
 @functools.cache
+def group_check(k: Kernel) -> str | None:
+    """None where ``k``'s product over sibling weights concatenated gives every column the bits of
+    its own weight's product, at every row count that matters; else why not."""
+    gen = torch.Generator().manual_seed(1)
+    try:
+        with torch.inference_mode():
+            for n_in, outs, bias in ((96, (96, 32, 32), True), (1536, (64, 160), False)):
+                ws = [torch.randn(n, n_in, generator=gen) for n in outs]
+                bs = [torch.randn(n, generator=gen) if bias else None for n in outs]
+                cat = torch.cat(ws)
+                cat_b = torch.cat(bs) if bias else None  # type: ignore[arg-type]
+                packed, alone = k.pack(cat), [k.pack(w) for w in ws]
+                x = torch.randn(300, n_in, generator=gen)
+                for rows in (1, 2, 3, 17, 40, 64, 300):
+                    want = torch.cat([k.product(x[:rows], p, w, b) for p, w, b in zip(alone, ws, bs)], -1)
+                    if not torch.equal(k.product(x[:rows], packed, cat, cat_b), want):
+                        return f"{k.name}'s product over concatenated weights rounds unlike each weight's at {rows} rows"
+    except RuntimeError as e:
+        return f"{k.name}'s product over concatenated weights failed: {e}"
+    return None
+
+
+@functools.cache
 def kernel() -> Kernel | None:
     """This process's packed product: ``SPECBATCH_LINEARS`` if set, else the first of ``KERNELS``
     that passes ``kernel_check``; None: Linears stay ``F.linear``. Logged once (why not, too)."""
@@ -169,19 +194,60 @@ def _version(weight: torch.Tensor) -> int | None:
     return None if weight.is_inference() else weight._version
 
 
+class _Group(HeldProduct):
+    """Sibling PackedLinears that read one input (engine/siblings.py), multiplied as one packed
+    product over their concatenated weights (``HeldProduct``). Each column has the bits of its own
+    weight's product (``group_check``), so this saves calls, never changes a number. A member whose
+    weight was replaced or written in place is no longer served: it packs its own
+    (``PackedLinear``). Shared by copies of its modules (a copy's weights are others: it is not
+    served), dead once unpickled, as ``_Packed``."""
+
+    def __init__(self, members: list[torch.nn.Linear] | None = None, k: Kernel | None = None) -> None:
+        super().__init__([m.out_features for m in members or ()])
+        self.sources: list[tuple[weakref.ref[torch.Tensor], int | None]] = []
+        if not members or k is None:
+            return
+        self.kernel = k
+        self.sources = [(weakref.ref(m.weight), _version(m.weight)) for m in members]
+        cat = torch.cat([m.weight.detach() for m in members])
+        self.bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
+        self.packed = k.pack(cat)
+        # oneDNN's product reads only the weight's shape; MKL's op takes the weight itself
+        self.weight = cat if k.name == "mkl" else torch.empty(cat.shape, device="meta")
+
+    def serves(self, member: int, weight: torch.Tensor) -> bool:
+        if member >= len(self.sources):
+            return False
+        ref, version = self.sources[member]
+        return ref() is weight and version is not None and version == _version(weight)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.product(x, self.packed, self.weight, self.bias)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Group:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Group, ()
+
+
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` (same parameters, same state dict) whose forward multiplies by this
-    process's kernel's packed copy of its weight. The copy is made again if the weight was replaced
-    or written in place."""
+    process's kernel's packed copy of its weight, or takes its columns of its siblings' shared
+    product (``_Group``). The copy is made again if the weight was replaced or written in place."""
 
     _packed: _Packed
+    _group: _Group | None = None
+    _member = 0
 
     @classmethod
-    def of(cls, linear: torch.nn.Linear) -> PackedLinear:
-        """``linear`` itself, its class swapped (its parameters, hooks and tied weights stay)."""
+    def of(cls, linear: torch.nn.Linear, group: _Group | None = None, member: int = 0) -> PackedLinear:
+        """``linear`` itself, its class swapped (its parameters, hooks and tied weights stay);
+        with ``group``: its ``member``-th Linear (no packed copy of its own until it leaves it)."""
         linear.__class__ = cls
         assert isinstance(linear, PackedLinear)
-        linear._packed = _Packed(linear.weight, kernel())
+        linear._packed = _Packed(None, None) if group is not None else _Packed(linear.weight, kernel())
+        linear._group, linear._member = group, member
         return linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,6 +260,11 @@ class PackedLinear(torch.nn.Linear):
                 x.shape[-1:] != (self.in_features,) or \
                 (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
             return F.linear(x, self.weight, self.bias)
+        group = self._group
+        if group is not None:
+            if group.serves(self._member, self.weight):
+                return group.columns_of(self._member, x)
+            self._group = None      # its weight changed: multiplied alone from now on
         if not self._packed.packs(self.weight):
             self._packed = _Packed(self.weight, kernel())
         k = self._packed.kernel
@@ -202,8 +273,9 @@ class PackedLinear(torch.nn.Linear):
         return k.product(x, self._packed.tensor, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        k = self._packed.kernel
-        return super().extra_repr() + (f", {k.name}-packed" if k is not None else "")
+        k = self._group.kernel if self._group is not None and self._group.sources else self._packed.kernel
+        return super().extra_repr() + (f", {k.name}-packed" if k is not None else "") + \
+            (", columns of a shared product" if self._group is not None else "")
 
 
 def packed_kernel(model: torch.nn.Module) -> str | None:
@@ -224,9 +296,24 @@ def pack_linears(model: torch.nn.Module) -> int:
     """Every plain float32 CPU ``nn.Linear`` of ``model`` made a PackedLinear, in place; how many."""
     if not can_pack(model):
         return 0
+    k = kernel()
+    assert k is not None
+    shared = group_check(k) is None
     n = 0
-    for m in model.modules():
-        if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
-            PackedLinear.of(m)
-            n += 1
+    for parent in list(model.modules()):
+        grouped = set()
+        for names in shared_input_groups(parent) if shared else []:
+            members = [getattr(parent, x) for x in names]
+            if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+                   and m.weight.device.type == "cpu" and not m.weight.is_inference() for m in members):
+                group = _Group(members, k)
+                for i, m in enumerate(members):
+                    PackedLinear.of(m, group, i)
+                grouped.update(names)
+                n += len(members)
+        for name, m in parent.named_children():
+            if name not in grouped and type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 \
+                    and m.weight.device.type == "cpu":
+                PackedLinear.of(m)
+                n += 1
     return n

@@ -203,3 +203,70 @@ def test_a_pickled_packed_linear_packs_again_where_it_is_loaded():
 def test_onednn_passes_its_check_on_x86():
     """Else every test here would skip and Linears would silently stay unpacked."""
     assert kernel_check(KERNELS[0]) is None
+
+
+def _ungrouped(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose grouped siblings multiply each by its own packed weight."""
+    twin = copy.deepcopy(model)
+    for m in twin.modules():
+        if isinstance(m, PackedLinear):
+            m._group = None
+    return twin
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 17, 40])
+def test_siblings_share_one_product_with_each_columns_own_bits(rows, each_kernel):
+    """q/k/v and gate/up: one packed product over their concatenated weights, a view each; the
+    logits are bitwise those of one product per Linear (biases on q/k/v: Qwen2)."""
+    if packed.group_check(each_kernel) is not None:
+        pytest.skip(packed.group_check(each_kernel))
+    model = qwen2()
+    pack_linears(model)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    shared = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+    assert all(m._group is not None for m in shared)
+    assert attn.q_proj._group is attn.v_proj._group is not mlp.up_proj._group
+    assert attn.o_proj._group is None and mlp.down_proj._group is None
+    assert attn.q_proj._packed.tensor is None        # no packed copy of its own besides the group's
+    alone = _ungrouped(model)
+    ids = torch.randint(0, 300, (rows, 9), generator=torch.Generator().manual_seed(rows))
+    calls = []
+    original = each_kernel.product
+
+    def counting(*a):
+        calls.append(a[1].shape)
+        return original(*a)
+
+    with torch.inference_mode():
+        want = alone(input_ids=ids).logits
+        object.__setattr__(each_kernel, "product", counting)
+        try:
+            got = model(input_ids=ids).logits
+        finally:
+            object.__setattr__(each_kernel, "product", original)
+    assert torch.equal(got, want)
+    assert len(calls) == 2 * 4 + 1       # a layer: q/k/v, o, gate/up, down; and the head
+
+
+def test_a_sibling_whose_weight_changed_leaves_the_group_and_the_others_stay():
+    model = qwen2()
+    pack_linears(model)
+    attn = model.model.layers[0].self_attn
+    if attn.q_proj._group is None:
+        pytest.skip("this kernel's product over concatenated weights is not each weight's")
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        attn.k_proj.weight.mul_(2)
+    with torch.inference_mode():
+        k_out, q_out = attn.k_proj(x), attn.q_proj(x)
+    assert attn.k_proj._group is None and attn.q_proj._group is not None
+    assert torch.allclose(k_out, F.linear(x, attn.k_proj.weight, attn.k_proj.bias), atol=1e-4)
+    assert torch.allclose(q_out, F.linear(x, attn.q_proj.weight, attn.q_proj.bias), atol=1e-4)
+
+
+def test_a_kernel_whose_concatenated_product_rounds_otherwise_shares_none(each_kernel):
+    def off(x, p, w, b):
+        y = each_kernel.product(x, p, w, b)
+        return y + (y.shape[-1] > 160) * 1e-3      # a wider product rounds otherwise
+    fake = packed.Kernel("fake", each_kernel.pack, off)
+    assert "rounds unlike" in (packed.group_check(fake) or "")
