@@ -52,10 +52,11 @@ PREFIX_SHARE = 0.25      # of the memory budget, the most shared prompt prefixes
 
 @dataclass
 class _Lane:
-    """A decode lane's own state past the first (engine/lanes.py)."""
+    """A decode lane's own state (engine/lanes.py), named as the engine's: the first lane's
+    autopilot and step costs are the engine's, a lone decode's memory and prefix store too."""
 
     costs: dict[int, CostModel] = field(default_factory=dict)
-    pilot: Autopilot | None = None
+    autopilot: Autopilot | None = None
     memory: MemoryBudget | None = None
     prefixes: PrefixStore | None = None
 
@@ -143,8 +144,7 @@ class Engine:
         self.static_graphs: StaticForward | None = None
         self.lanes = max(1, lanes)
         self.lanes_used = 1     # by the last decode
-        # lanes past the first, by (lane, lanes in use): their own autopilot, step costs, memory
-        # share and prefix store (the first lane's are the attributes above)
+        # each lane's own state by (lane, lanes in use), where it is not the attributes above
         self.lane_state: dict[tuple[int, int], _Lane] = {}
 
     @classmethod
@@ -417,14 +417,10 @@ class Engine:
 
     def _memory(self, lane: int = 0, lanes: int = 1) -> MemoryBudget:
         """The memory budget of one decode (``lanes`` > 1: lane ``lane``'s share of it)."""
-        if lanes > 1:
-            state = self._lane(lane, lanes)
-            if state.memory is None:
-                state.memory = self._new_memory(lanes)
-            return state.memory
-        if self.memory is None:
-            self.memory = self._new_memory(1)
-        return self.memory
+        owner = self if lanes == 1 else self._lane(lane, lanes)
+        if owner.memory is None:
+            owner.memory = self._new_memory(lanes)
+        return owner.memory
 
     def _new_memory(self, lanes: int) -> MemoryBudget:
         budget = self.max_memory or default_budget(self.target.device)
@@ -442,17 +438,11 @@ class Engine:
         if not self.prefix_cache:
             return None
         memory = self._memory(lane, lanes)
-        if lanes > 1:
-            state = self._lane(lane, lanes)
-            if state.prefixes is None:
-                state.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
-            store = state.prefixes
-        else:
-            if self.prefixes is None:
-                self.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
-            store = self.prefixes
-        memory.reserved = store.nbytes
-        return store
+        owner = self if lanes == 1 else self._lane(lane, lanes)
+        if owner.prefixes is None:
+            owner.prefixes = PrefixStore(int(memory.budget * PREFIX_SHARE))
+        memory.reserved = owner.prefixes.nbytes
+        return owner.prefixes
 
     def _policy(self, size: BatchSize, valid: list[Request], lane: int = 0, lanes: int = 1) -> Policy:
         if size != AUTO:
@@ -461,17 +451,12 @@ class Engine:
         cols = sorted(row_columns(len(ids), p, self.gamma) for _, ids, p in valid) or [1]
         width = max((draft_width(p, self.gamma) for _, _, p in valid), default=MAX_DRAFT)
         cap = min(AUTO_MAX_BATCH, self._memory(lane, lanes).max_rows(cols[len(cols) // 2], width))
-        if lane == 0:      # the first lane's autopilot is the engine's: what it reports
-            if self.autopilot is None:
-                self.autopilot = Autopilot(cap=cap, speculation=self.speculates)
-            pilot, costs = self.autopilot, self.costs
-        else:
-            state = self._lane(lane, lanes)
-            if state.pilot is None:
-                state.pilot = Autopilot(cap=cap, speculation=self.speculates)
-            pilot, costs = state.pilot, state.costs
-        pilot.cap = cap
-        return AutopilotPolicy(cap, costs, pilot=pilot)
+        # the first lane's autopilot is the engine's: what it reports
+        owner = self if lane == 0 else self._lane(lane, lanes)
+        if owner.autopilot is None:
+            owner.autopilot = Autopilot(cap=cap, speculation=self.speculates)
+        owner.autopilot.cap = cap
+        return AutopilotPolicy(cap, owner.costs, pilot=owner.autopilot)
 
     def _lane(self, lane: int, lanes: int) -> _Lane:
         return self.lane_state.setdefault((lane, lanes), _Lane())
@@ -500,7 +485,7 @@ class Engine:
         batch size; None while automatic and nothing decoded yet (what the worker's gauge shows
         and its claims follow)."""
         if self.autopilot is not None:      # (with lanes: the rows of every lane of the last decode)
-            lanes = [st.pilot for (k, n), st in self.lane_state.items() if n == self.lanes_used and k and st.pilot]
+            lanes = [st.autopilot for (k, n), st in self.lane_state.items() if n == self.lanes_used and k and st.autopilot]
             return self.autopilot.kept[0] + sum(p.kept[0] for p in lanes)
         return None if self.batch_size == AUTO else int(self.batch_size)
 
