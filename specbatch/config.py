@@ -65,6 +65,7 @@ class Settings(BaseSettings):
     threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers
     local_workers: Positive = 1           # worker processes started together on this machine
     lanes: Positive = 1                   # decode loops a process runs over its models (engine/lanes.py)
+    processes: Positive = 1               # `specbatch run`: processes decoding after one load (worker/forked.py)
     compile: Literal["auto", "on", "off", "static"] = "auto"   # compiled forward, or static: docs/COMPILE.md
     prefix_cache: bool = True             # shared prompt prefixes computed once (engine/prefix.py)
     flower_user: str = "admin"

@@ -463,13 +463,16 @@ EXIT_INTERRUPTED = 130
 @click.option("--resume", "resume_job", metavar="JOB", default=None,
               help="Finish an interrupted (or stranded) job in this process instead of reading FILE.")
 @cache_option
+@click.option("--processes", type=click.IntRange(min=1), default=None,
+              help="On a CPU, processes that decode the job after the models load once, sharing their "
+                   "weights; the cores are divided among them [SPECBATCH_PROCESSES, default 1].")
 @click.option("--json", "as_json", is_flag=True, help="Print the finished job's summary as JSON.")
 def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bool, model_map: tuple[str, ...],
         max_new_tokens: int | None, temperature: float | None, top_p: float | None, top_k: int | None,
         seed: int | None, stop: tuple[str, ...], device: str | None, dtype: str | None,
         batch_size: int | str | None, max_memory: int | None, threads: int | None, no_prefix_cache: bool,
         no_speculation: bool, compile_: str | None, resume_job: str | None, no_cache: bool,
-        as_json: bool) -> None:
+        processes: int | None, as_json: bool) -> None:
     """Submit, generate and summarise a prompt file ('-': standard input) in this process (no Redis).
 
     With no model option it uses the default pair (see `specbatch models`). Results go to the
@@ -511,10 +514,11 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     if resumed is not None and not resumed.routes:    # nothing to generate: nothing to set up
         _report(settings, resumed.job_id, True, as_json)
         return
-    configure_threads(tp.threads, settings.local_workers, settings.lanes)
+    processes = _processes(settings, processes or settings.processes, device, compile_)
+    configure_threads(tp.threads, settings.local_workers, settings.lanes, processes)
     tracing.configure("specbatch")   # a trace of the run when OTEL_* asks for it
     options = LoadOptions(device or settings.device, dtype or settings.dtype, tp.batch_size,
-                          compile_ or settings.compile, tp.max_memory, tp.prefix_cache)
+                          compile_ or settings.compile, tp.max_memory, tp.prefix_cache, processes)
     if resumed is not None:
         _run_here(settings, resumed, options, as_json)
         return
@@ -550,10 +554,22 @@ def run_in_process(job_id: str, as_json: bool) -> None:
 
     settings = get_settings()
     tp = resolve_throughput(settings, None, None, None, False)
-    configure_threads(tp.threads, settings.local_workers, settings.lanes)
+    processes = _processes(settings, settings.processes, None, None)
+    configure_threads(tp.threads, settings.local_workers, settings.lanes, processes)
     tracing.configure("specbatch")
     _run_here(settings, job_id, LoadOptions(settings.device, settings.dtype, tp.batch_size, settings.compile,
-                                            tp.max_memory, tp.prefix_cache), as_json)
+                                            tp.max_memory, tp.prefix_cache, processes), as_json)
+
+
+def _processes(settings: Settings, processes: int, device: str | None, compile_: str | None) -> int:
+    """The processes `run` decodes in: one, with a warning, where the options cannot fork."""
+    from specbatch.worker.forked import cannot_fork
+
+    if processes > 1 and (why := cannot_fork(device or settings.device, compile_ or settings.compile,
+                                             settings.lanes, settings.database_url)):
+        warn(f"decoding in one process, not {processes}: {why}")
+        return 1
+    return processes
 
 
 def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine: Engine | None = None) -> None:

@@ -290,11 +290,15 @@ def dispose_engines(close: bool = False) -> None:
             engine.dispose(close=close)
 
 
-def forget_engines() -> None:
-    """Dispose and forget every engine (tests, and before deleting a database)."""
+def forget_engines(close: bool = True) -> None:
+    """Dispose and forget every engine (tests, and before deleting a database). ``close=False``:
+    in a child after a fork, whose pooled connections are the parent's; it opens its own."""
+    global _lock
+    if not close:
+        _lock = threading.RLock()   # another thread of the parent may have held it at the fork
     with _lock:
         for engine in (*_engines.values(), *_read_engines.values()):
-            engine.dispose()
+            engine.dispose(close=close)
         _engines.clear()
         _read_engines.clear()
         _factories.clear()

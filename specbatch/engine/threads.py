@@ -11,13 +11,20 @@ models instead (engine/lanes.py), each with its share of torch threads: on a mac
 tenants keep a core busy, two lanes of one thread decoded the default job 2x as fast as one loop of
 two threads, whose every operator waits for the thread that is not running; on a quiet machine
 0.8-1.1x (the lanes take turns on the GIL for their Python). docs/DESIGN.md, "Decode lanes".
+
+``processes`` (``specbatch run --processes``) divides them among processes forked after the load
+(worker/forked.py). The loading process then runs one thread until it forks: a process forked
+after GNU OpenMP (PyTorch's) ran a parallel region of more threads hangs in its own first one
+(measured: a child of a parent that multiplied on 2 threads never finished a 512x512 product on 2;
+on 1 it did), so each child takes its share only where its parent never ran more than one.
 """
 
 from __future__ import annotations
 
 import os
 
-_SET: list[tuple[int, int]] = []     # (torch threads, lanes), once set
+# (this process's torch threads, lanes, threads of each process forked to decode), once set
+_SET: list[tuple[int, int, int]] = []
 
 
 def usable_cores() -> int:
@@ -39,17 +46,39 @@ def plan(threads: int | None, lanes: int | None = None, local_workers: int = 1) 
     return threads or max(1, default_threads(local_workers) // lanes), lanes
 
 
-def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | None = None) -> int:
+def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | None = None,
+                      processes: int = 1) -> int:
     """Set torch's intra-op threads and the lanes once per process (None or 0: the default);
-    later calls return the thread count already set."""
+    later calls return the thread count already set. ``processes`` > 1: this process loads on one
+    thread and each process it forks takes ``threads`` (default: its share of the cores)."""
     if _SET:
         return _SET[0][0]
     import torch
 
-    n, lanes = plan(threads, lanes, local_workers)
-    torch.set_num_threads(n)
-    _SET.append((n, lanes))
-    return n
+    n, lanes = plan(threads, lanes, local_workers * max(1, processes))
+    own = 1 if processes > 1 else n
+    torch.set_num_threads(own)
+    _SET.append((own, lanes, n))
+    return own
+
+
+def forked_threads() -> int:
+    """Torch threads for a process forked from this one to decode: its planned share where this
+    process never ran more than one thread, else one (the module docstring says why)."""
+    import torch
+
+    if _SET and _SET[0][0] == 1 and torch.get_num_threads() == 1:
+        return _SET[0][2]
+    return 1
+
+
+def decode_here(processes: int) -> None:
+    """This process decodes after all, not the ``processes`` it planned to fork: it takes their
+    threads."""
+    import torch
+
+    if _SET and processes > 1:
+        torch.set_num_threads(min(usable_cores(), _SET[0][2] * processes))
 
 
 def configured_lanes() -> int:

@@ -39,6 +39,7 @@ class LoadOptions:
     compile: str = "off"
     max_memory: int | None = None
     prefix_cache: bool = True
+    processes: int = 1            # on a CPU, forked after the load, each decoding part of a route
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,6 @@ def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunH
     """Generate ``job``'s routes one pair at a time (``engine``: its own pair, already loaded);
     False when ``stop`` interrupted it (the job is then marked interrupted, see ``run_embedded``).
     A failure of the engine itself propagates; finished results are kept either way."""
-    # here, not at the top: it imports torch (seconds), and reading a job to resume must not wait
-    # for that (`run --resume BADID` answered after 19 s)
-    from specbatch.worker.embedded import run_embedded
-
     loaded = (job.target, job.drafts) if engine is not None else None
     for route, ids in job.routes.items():
         pair = (route[0], route_drafters(route[1], job.drafts)) if route is not None else (job.target, job.drafts)
@@ -126,10 +123,26 @@ def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunH
         # every route's own ids; a job of one pair made here: all of it (nothing else is pending)
         only = ids if len(job.routes) > 1 or job.resumed else None
         with hooks.progress(job.job_id, len(ids)) as on_result:
-            if not run_embedded(settings, job.job_id, engine, on_result, batch_size=options.batch_size,
-                                only=only, stop=stop):
+            if not _decode(settings, job.job_id, engine, options, hooks, on_result, only, stop):
                 return False
     return True
+
+
+def _decode(settings: Settings, job_id: str, engine: Engine, options: LoadOptions, hooks: RunHooks,
+            on_result: Callable[[ResultEvent], None], only: list[int] | None, stop: StopRequest | None) -> bool:
+    """One route's requests through ``engine``: in this process, or in ``options.processes``."""
+    from specbatch.engine.threads import decode_here
+    from specbatch.worker.embedded import run_embedded
+    from specbatch.worker.forked import forkable, run_forked
+
+    if options.processes > 1:
+        if (why := forkable(engine, settings.database_url)) is None:
+            return run_forked(settings, job_id, engine, options.processes, on_result,
+                              batch_size=options.batch_size, only=only, stop=stop)
+        hooks.warn(f"decoding in one process, not {options.processes}: {why}")
+        decode_here(options.processes)
+    return run_embedded(settings, job_id, engine, on_result, batch_size=options.batch_size, only=only,
+                        stop=stop)
 
 
 def fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:
