@@ -28,6 +28,7 @@ import torch
 from specbatch.engine import clock, constrained
 from specbatch.engine.backend import BackendFactory, TargetBackend, joining
 from specbatch.engine.cache import BatchCache
+from specbatch.engine.contention import Contention
 from specbatch.engine.drafters import Drafter, Proposal, common_prefix
 from specbatch.engine.gamma import GammaController
 from specbatch.engine.grammar import Matcher, vocab_for
@@ -85,11 +86,12 @@ class Decoder:
     def __init__(self, target: LoadedModel, drafters: Sequence[Drafter], policy: Policy,
                  default_gamma: int = 4, memory: MemoryBudget | None = None,
                  backend: BackendFactory | None = None, grammar_drafts: bool = True,
-                 prefixes: PrefixStore | None = None) -> None:
+                 prefixes: PrefixStore | None = None, contention: Contention | None = None) -> None:
         """``target`` gives the tokenizer, stop ids and device; ``backend`` runs it (default: the
         transformers model itself over a ``BatchCache``; see engine/backend.py). ``prefixes``:
         where shared prompt prefixes are kept across decodes (None: every row prefills its whole
-        prompt)."""
+        prompt). ``contention``: told each step's wall and CPU time, it sets the torch threads
+        (engine/contention.py; None: they stay)."""
         self.target, self.drafters, self.policy = target, list(drafters), policy
         self.grammar_drafts = grammar_drafts   # structured rows: the grammar's forced tokens as a draft chain
         self.default_gamma = default_gamma
@@ -105,6 +107,7 @@ class Decoder:
         # (their first proposal then feeds the backlog: a catch-up, not a measured step)
         self.drafts_behind = False
         self.prefixes = prefixes
+        self.contention = contention
         self.pool = (target.name, *(d.name for d in self.drafters))   # a stored prefix's owner
         self.shared: dict[int, int] = {}    # request index -> length of a prefix others share
         self.known: set[tuple[int, ...]] = set()   # those prefixes (refilled requests read them too)
@@ -244,7 +247,8 @@ class Decoder:
         speculating = self.policy.gamma_cap(len(self.rows) + len(new)) != 0 \
             or any(r.ctl.fixed and r.ctl.gamma for r in (*self.rows, *new))   # (fixed rows draft anyway)
         new, entries = self._prefixes(new, len(arrivals), speculating)
-        t0 = clock.now(self.target.device)    # (a prefix computed just now is its computing row's: _prefixes)
+        # (a prefix computed just now is its computing row's: _prefixes)
+        t0, c0 = clock.now(self.target.device), time.process_time()
         # samples of one request joining together: one prefill (after their shared prefix, if
         # one is stored), forked to their rows
         resumed = {id(r) for r in resuming}
@@ -275,6 +279,8 @@ class Decoder:
         self.drafts_behind |= prefill and not draft_prefill
         if forwards:    # (the samples of a request each count the prefill they share)
             seconds = clock.now(self.target.device) - t0
+            if self.contention is not None:
+                self.contention.observe(seconds, time.process_time() - c0)
             if self.prefixes is not None:     # a prefill's rate: what a cached token saves
                 self.prefixes.observe(seconds, sum(fed))
             if not self.rows:   # a fresh batch's prompts, which its first step caches otherwise:
@@ -359,7 +365,7 @@ class Decoder:
         elif not any(k) and any(d.keeps_cache for d in self.drafters):
             self.drafts_behind = True
         # (every clock read waits for the device: on CUDA a forward returns before its work is done)
-        t0 = clock.now(self.target.device)
+        t0, c0 = clock.now(self.target.device), time.process_time()
         proposals = [d.propose(rows, k) for d in self.drafters] if any(k) else []
         # (structured rows: no draft token the grammar refuses; the tokens it forces, a chain)
         proposals = constrained.trim(rows, proposals)
@@ -392,6 +398,8 @@ class Decoder:
         verdicts = self._verify(trees, logits)
         self._logprobs(trees, raw, verdicts)
         t2 = clock.now(self.target.device)
+        if self.contention is not None:
+            self.contention.observe(t2 - t0, time.process_time() - c0)
         if with_prompts and self.prefixes is not None:     # a fresh batch's prefill: a rate too
             self.prefixes.observe(t2 - t1, sum(len(p) for p in pending))
         # 3. roll back: the nodes off each row's accepted path become holes (drafters: their own)

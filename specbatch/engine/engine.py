@@ -19,6 +19,7 @@ from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
 from specbatch.engine.compile.static import static_plan
+from specbatch.engine.contention import Contention, governor
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
@@ -40,7 +41,7 @@ from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
 from specbatch.engine.static_cache import StaticBatchCache, capacity_for
-from specbatch.engine.threads import configured_lanes
+from specbatch.engine.threads import adaptable_threads, configured_lanes
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -144,6 +145,9 @@ class Engine:
         self.static_graphs: StaticForward | None = None
         self.lanes = max(1, lanes)
         self.lanes_used = 1     # by the last decode
+        # the torch threads one loop decodes on, lowered while other processes hold the cores
+        # (engine/contention.py); made at the first decode that may use it
+        self.contention: Contention | None = None
         # each lane's own state by (lane, lanes in use), where it is not the attributes above
         self.lane_state: dict[tuple[int, int], _Lane] = {}
 
@@ -297,7 +301,7 @@ class Engine:
         decoders = [Decoder(self.target, self.new_drafters(), policy or self._policy(size, rows, k, lanes),
                             default_gamma=self.gamma, memory=self._memory(k, lanes),
                             grammar_drafts=self.grammar_drafts, prefixes=self._prefix_store(k, lanes),
-                            backend=self._backend()) for k in range(lanes)]
+                            backend=self._backend(), contention=self._contention(lanes)) for k in range(lanes)]
         started: set[int] = set()
 
         def start(flat: list[int]) -> None:      # the caller hears of each request once
@@ -458,6 +462,18 @@ class Engine:
         owner.autopilot.cap = cap
         return AutopilotPolicy(cap, owner.costs, pilot=owner.autopilot)
 
+    def _contention(self, lanes: int) -> Contention | None:
+        """The threads' governor of an eager CPU loop whose threads are the default (one loop:
+        lanes share the process's threads), once the target's logits agree on every count."""
+        if self.contention is None and lanes == 1 and self._eager() and \
+                str(self.target.device).split(":")[0] == "cpu" and (full := adaptable_threads()):
+            self.contention = governor(self.target, full)
+        return self.contention if lanes == 1 else None
+
+    def _eager(self) -> bool:
+        return not self.static_cache and self.background is None and \
+            not (self.compile_plan is not None and self.compile_plan.enabled)
+
     def _lane(self, lane: int, lanes: int) -> _Lane:
         return self.lane_state.setdefault((lane, lanes), _Lane())
 
@@ -465,9 +481,7 @@ class Engine:
         """Lanes this decode runs: the engine's, for an automatic batch of eager CPU decoding
         (a compiled graph is not called from two threads; a fixed batch size means that many
         rows), at most one a request; else 1."""
-        eager = not self.static_cache and self.background is None and \
-            not (self.compile_plan is not None and self.compile_plan.enabled)
-        if self.lanes == 1 or size != AUTO or policy is not None or not eager or \
+        if self.lanes == 1 or size != AUTO or policy is not None or not self._eager() or \
                 str(self.target.device).split(":")[0] != "cpu":
             return 1
         return max(1, min(self.lanes, len(valid)))

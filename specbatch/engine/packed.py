@@ -40,7 +40,7 @@ import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -304,16 +304,20 @@ def pack_linears(model: torch.nn.Module) -> int:
         grouped = set()
         for names in shared_input_groups(parent) if shared else []:
             members = [getattr(parent, x) for x in names]
-            if all(type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
-                   and m.weight.device.type == "cpu" and not m.weight.is_inference() for m in members):
+            # (an inference tensor cannot be concatenated into the group's weight outside inference mode)
+            if all(_packable(m) and not m.weight.is_inference() for m in members):
                 group = _Group(members, k)
                 for i, m in enumerate(members):
                     PackedLinear.of(m, group, i)
                 grouped.update(names)
                 n += len(members)
         for name, m in parent.named_children():
-            if name not in grouped and type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 \
-                    and m.weight.device.type == "cpu":
+            if name not in grouped and _packable(m):
                 PackedLinear.of(m)
                 n += 1
     return n
+
+
+def _packable(m: torch.nn.Module) -> TypeGuard[torch.nn.Linear]:
+    """A plain float32 CPU Linear."""
+    return type(m) is torch.nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import os
 
-# (this process's torch threads, lanes, threads of each process forked to decode), once set
-_SET: list[tuple[int, int, int]] = []
+# (this process's torch threads, lanes, threads of each process forked to decode, whether the
+# threads are the default: not given by the user), once set
+_SET: list[tuple[int, int, int, bool]] = []
 
 
 def usable_cores() -> int:
@@ -58,8 +59,20 @@ def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | 
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)
-    _SET.append((own, lanes, n))
+    _SET.append((own, lanes, n, not threads))
     return own
+
+
+def adaptable_threads() -> int:
+    """Torch threads a decode loop may lower while other processes hold the cores
+    (engine/contention.py): this process's where they are the default (the user set none) and
+    one loop runs them; 0 where they are fixed."""
+    import torch
+
+    if not _SET or not _SET[0][3] or _SET[0][1] > 1:
+        return 0
+    n = torch.get_num_threads()
+    return n if n > 1 else 0
 
 
 def forked_threads() -> int:

@@ -1,0 +1,144 @@
+"""Torch threads that follow the cores the machine leaves this process, by measurement.
+
+A decode loop of N torch threads splits every operator N ways and waits for all N. When another
+process keeps a core busy, one of them is off its core at every operator and the others wait
+for it: on a 2-core host with one ``while True: pass`` process beside it, the default job decoded
+at 70-74 tok/s on 2 threads against 171-177 on 1 (``scripts/run_variants.py ... --busy``). On a
+quiet machine 2 threads were 1.5x one, so the count cannot simply be lowered.
+
+The sign is cheap to read: the process's CPU time over a step against its wall time x threads.
+Measured over the default job's 128 steps (2 threads): 0.96-1.03 per step on a quiet host (10th
+to 90th percentile), 0.58-0.75 with the busy process beside it. So after ``WINDOW`` steps whose
+median is under ``LOW``, the loop drops to the threads that were running (at least one); after
+``hold`` steps there it tries all of them again for a window, and stays if they run on their
+cores, or drops again and waits twice as long next time (up to ``MAX_HOLD``). A quiet machine
+pays nothing (no trial ever runs); a busy one pays a window of the slow count every ``hold``
+steps.
+
+The first decode starts at the threads a check's own forwards found on their cores. The text
+does not move: a thread count changes which core computes which part of a product, not a number,
+where that check (``governor``, once per process before any switch) finds the target's logits
+bitwise the same on 1 thread as on all of them; where they differ nothing switches.
+docs/DESIGN.md, "Threads that follow the machine".
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+WINDOW = 4          # steps a decision reads
+LOW = 0.85          # CPU time / (wall x threads) under which the threads are not all on cores
+FIRST_HOLD = 32     # steps at fewer threads before all of them are tried again
+MAX_HOLD = 512
+
+
+@dataclass
+class Contention:
+    """The threads one process decodes on: ``full`` (configured) or fewer while contended."""
+
+    full: int
+    now: int = 0
+    hold: int = FIRST_HOLD
+    waited: int = 0                  # steps at fewer threads since the last drop
+    recent: list[float] = field(default_factory=list)
+    history: list[tuple[int, int]] = field(default_factory=list)   # (step, threads) at each change
+    steps: int = 0
+    set_threads: Any = None          # torch.set_num_threads (a test passes its own)
+
+    def __post_init__(self) -> None:
+        self.now = self.now or self.full
+        if self.set_threads is None:
+            import torch
+
+            self.set_threads = torch.set_num_threads
+
+    def observe(self, wall: float, cpu: float) -> None:
+        """One step took ``wall`` seconds and the process ``cpu`` seconds of CPU time."""
+        self.steps += 1
+        if self.now < self.full:
+            self.waited += 1
+            if self.waited >= self.hold:       # try them all again (judged as any window at full)
+                self._set(self.full)
+                self.recent.clear()
+            return
+        if wall <= 0:
+            return
+        self.recent.append(cpu / (wall * self.now))
+        if len(self.recent) < WINDOW:
+            return
+        use = statistics.median(self.recent)
+        self.recent.clear()
+        if use >= LOW:
+            if self.history and self.history[-1][1] == self.full:
+                self.hold = FIRST_HOLD     # a full window on cores after a retry: contention over
+            return
+        tried_again = bool(self.history) and self.history[-1][1] == self.full
+        self.hold = min(MAX_HOLD, 2 * self.hold) if tried_again else self.hold
+        self.waited = 0
+        self._set(max(1, min(self.full - 1, int(use * self.now))))
+
+    def _set(self, n: int) -> None:
+        if n != self.now:
+            self.now = n
+            self.set_threads(n)
+            self.history.append((self.steps, n))
+            logger.debug("torch threads %d (step %d)", n, self.steps)
+
+
+_AGREE: dict[tuple[int, int], bool] = {}    # (id of the torch model, threads) -> threads_agree
+
+
+def governor(model: Any, full: int) -> Contention | None:
+    """A governor of ``full`` threads for decoding ``model`` (a loaded target), or None where its
+    logits differ on one thread (checked once per model and count). It starts at the threads the
+    check's own forwards found on their cores: a decode's first prefill is its longest step."""
+    key = (id(model.model), full)
+    use = None
+    if key not in _AGREE:
+        _AGREE[key], use = _agree(model, full)
+        if not _AGREE[key]:
+            logger.info("the target's logits differ on 1 thread and on %d: the threads stay %d", full, full)
+    if not _AGREE[key]:
+        return None
+    start = full if use is None or use >= LOW else max(1, min(full - 1, int(use * full)))
+    governed = Contention(full, start)
+    if start != full:
+        governed.set_threads(start)
+        governed.history.append((0, start))
+    return governed
+
+
+def _agree(model: Any, full: int) -> tuple[bool, float]:
+    """(the logits bitwise the same on 1 thread as on ``full``: a prompt's forward at 1 and 6
+    rows and one step over its cache; CPU time / (wall x threads) of the ``full`` pass)."""
+    import torch
+
+    from specbatch.engine.cache import BatchCache
+
+    before = torch.get_num_threads()
+    vocab = model.vocab_size
+
+    def logits(threads: int) -> tuple[list[torch.Tensor], float]:
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(0)
+        out = []
+        w0, c0 = time.perf_counter(), time.process_time()
+        for rows in (1, 6):
+            ids = torch.randint(0, vocab, (rows, 8), generator=g).tolist()
+            cache = BatchCache(model, rows)
+            out.append(cache.forward(ids, logits_to_keep=8))
+            out.append(cache.forward([[r[0]] for r in ids], logits_to_keep=1))
+        return out, (time.process_time() - c0) / max(1e-9, (time.perf_counter() - w0) * threads)
+
+    try:
+        with torch.inference_mode():
+            (many, use), (one, _) = logits(full), logits(1)
+            return all(torch.equal(a, b) for a, b in zip(many, one, strict=True)), use
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,119 @@
+"""Torch threads that follow the cores the machine leaves (specbatch/engine/contention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbatch.engine import Engine, EngineRequest, GenerationParams, contention, threads
+from specbatch.engine.contention import FIRST_HOLD, LOW, MAX_HOLD, WINDOW, Contention, governor
+from tests.engine.test_batch import LENGTHS, PROMPTS
+from tests.engine.test_greedy_exact import target_greedy
+
+
+def scripted(full: int = 2) -> tuple[Contention, list[int]]:
+    calls: list[int] = []
+    return Contention(full, set_threads=calls.append), calls
+
+
+def run(c: Contention, steps: int, use: float) -> None:
+    for _ in range(steps):
+        c.observe(0.1, 0.1 * use * c.now)
+
+
+def test_a_quiet_machine_keeps_every_thread_and_tries_nothing() -> None:
+    c, calls = scripted()
+    run(c, 1000, 0.97)
+    assert c.now == 2 and calls == [] and c.history == []
+
+
+def test_a_window_off_the_cores_drops_threads_then_all_are_tried_again_less_often() -> None:
+    c, calls = scripted()
+    run(c, WINDOW - 1, 0.65)
+    assert c.now == 2                                   # one window decides, not one step
+    run(c, 1, 0.65)
+    assert c.now == 1 and calls == [1]
+    run(c, FIRST_HOLD - 1, 1.0)
+    assert c.now == 1
+    run(c, 1, 1.0)
+    assert c.now == 2 and calls == [1, 2]               # after the hold: all of them again
+    run(c, WINDOW, 0.6)                                 # still contended: back down, twice the wait
+    assert c.now == 1 and c.hold == 2 * FIRST_HOLD
+    for _ in range(10):                                 # ... up to MAX_HOLD
+        run(c, c.hold, 1.0)
+        run(c, WINDOW, 0.6)
+    assert c.hold == MAX_HOLD and c.now == 1
+    run(c, c.hold, 1.0)
+    run(c, WINDOW, 0.98)                                # the other process ended: they stay
+    assert c.now == 2 and c.hold == FIRST_HOLD
+    run(c, 500, 0.98)
+    assert c.now == 2
+
+
+def test_the_threads_follow_the_share_of_cores_measured() -> None:
+    c, calls = scripted(8)
+    run(c, WINDOW, 0.52)                                # about 4 of 8 on their cores
+    assert c.now == 4 and calls == [4]
+    c, calls = scripted(8)
+    run(c, WINDOW, LOW - 0.01)                          # just under: one fewer at least
+    assert c.now == 6
+
+
+def test_the_governor_starts_where_its_check_found_the_cores(load, monkeypatch) -> None:
+    target = load("llama")
+    monkeypatch.setattr(contention, "_AGREE", {})
+    assert contention._agree(target, 2)[0]              # the tiny llama: the same bits on 1 and 2 threads
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(contention, "_agree", lambda model, full: (True, 0.6))
+        g = governor(target, 2)
+        assert g is not None and g.now == 1 and torch.get_num_threads() == 1
+        monkeypatch.setattr(contention, "_AGREE", {})
+        monkeypatch.setattr(contention, "_agree", lambda model, full: (False, 1.0))
+        assert governor(target, 2) is None              # logits that differ: the threads stay
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_an_engine_governs_only_default_threads_of_one_loop(load, monkeypatch) -> None:
+    target = load("llama")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "_SET", [(2, 1, 2, True)])
+        assert Engine(target)._contention(1) is not None
+        assert Engine(target)._contention(2) is None                   # lanes share the process's threads
+        monkeypatch.setattr(threads, "_SET", [(2, 1, 2, False)])       # --threads 2: the user's
+        assert Engine(target)._contention(1) is None
+        monkeypatch.setattr(threads, "_SET", [])                       # a library caller's own threads
+        assert Engine(target)._contention(1) is None
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("drafts", [["llama-partial"], []])
+def test_greedy_is_the_target_alone_while_the_threads_change_every_few_steps(load, monkeypatch, drafts) -> None:
+    """Whatever the thread count at each step and prefill, the tokens are the target's."""
+    target = load("llama")
+    seen: set[int] = set()
+
+    class Flipping(Contention):
+        def observe(self, wall: float, cpu: float) -> None:
+            seen.add(torch.get_num_threads())
+            self.steps += 1
+            if self.steps % 3 == 0:
+                self.now = 1 if self.now == 2 else 2
+                self.set_threads(self.now)
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = Engine(target, [load(d) for d in drafts])
+        engine.contention = Flipping(2)
+        reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = dict(engine.generate_many(reqs, batch_size=3))
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {1, 2} and engine.contention.steps > 6
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
