@@ -102,6 +102,10 @@ class Rule:
         """(normalised value, problem or None); numbers become floats unless ``integer``."""
         if v is None and self.nullable:
             return None, None
+        if self.integer and isinstance(v, float) and v.is_integer() and abs(v) <= 2 ** 53:
+            # a whole number written as a float: pandas writes an integer column that has nulls so
+            # (`"seed": 1.0`); up to 2**53 a float holds every integer exactly
+            v = int(v)
         if not (is_int(v) if self.integer else is_number(v)):
             return v, f"must be {self.expected}{self.hint}, got {json_type(v)}"
         if not self.within(v):

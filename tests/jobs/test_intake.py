@@ -484,3 +484,20 @@ def test_a_null_prompt_or_messages_is_not_given(tmp_path):
     with pytest.raises(IntakeError) as e:
         intake.parse_file(path, None, Settings(database_url="sqlite://"))
     assert [str(err) for err in e.value.errors] == [f'{path}:1: prompt: is required (or "messages")']
+
+
+def test_whole_numbers_written_as_floats_are_integers(tmp_path):
+    """pandas writes an integer column that holds nulls as floats (`"seed": 1.0`): taken as the
+    integers they are; a fraction, or a float past 2**53 (which no longer holds every integer),
+    is still refused."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(prompt="a", seed=1.0, max_tokens=16.0, top_k=5.0, temperature=0.5, n=2.0)
+                     + L(prompt="b", seed=None, max_tokens=8))
+    a, b = intake.parse_file(path, {}, Settings(database_url="sqlite://"))
+    assert a.params["seed"] == 1 and type(a.params["seed"]) is int
+    assert a.params["max_new_tokens"] == 16 and a.params["top_k"] == 5 and a.generation_params().n == 2
+    assert b.params["seed"] is None
+    for bad, words in [(dict(seed=1.5), "seed: must be an integer"), (dict(seed=2.0 ** 60), "seed: must be an integer")]:
+        path.write_bytes(L(prompt="a", **bad))
+        with pytest.raises(IntakeError, match=words):
+            intake.parse_file(path, {}, Settings(database_url="sqlite://"))
