@@ -433,8 +433,8 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     elif not has_prompt and not has_messages and not prefix:
         problems.append(("prompt", "is required (or \"messages\")"))
 
-    custom_id = obj.get("custom_id")
-    if "custom_id" in obj and (why := _custom_id_problem(custom_id)):
+    custom_id = obj.get("custom_id")      # null: not given, as for every field (a table's empty cell)
+    if custom_id is not None and (why := _custom_id_problem(custom_id)):
         problems.append(("custom_id", why))
 
     prompt = messages = prompt_ids = None
@@ -585,9 +585,9 @@ def _bad_text(value: Any, where: str = "") -> Iterator[tuple[str | None, str]]:
 
 def _given_id(obj: dict[str, Any]) -> Any:
     """The line's custom_id for the duplicate check: the string, None when the key is absent (the
-    line gets the line-N default), _MISSING when the value is itself invalid (reported on its own;
-    an id that is not valid cannot collide)."""
-    if "custom_id" not in obj:
+    line gets the line-N default; null too), _MISSING when the value is itself invalid (reported on
+    its own; an id that is not valid cannot collide)."""
+    if obj.get("custom_id") is None:
         return None
     cid = obj["custom_id"]
     if _custom_id_problem(cid) or any(_bad_text(cid)):

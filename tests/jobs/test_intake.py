@@ -480,6 +480,9 @@ def test_a_null_prompt_or_messages_is_not_given(tmp_path):
     assert (chat.kind, chat.prompt, chat.messages) == ("chat", None, [{"role": "user", "content": "Hi"}])
     assert (comp.kind, comp.prompt, comp.messages) == ("completion", "The capital of France is", None)
     assert comp.params["logprobs"] == 2
+    path.write_bytes(L(custom_id=None, prompt="a") + L(custom_id="q", prompt="b") + L(custom_id=None, prompt="c"))
+    assert [r.custom_id for r in intake.parse_file(path, None, Settings(database_url="sqlite://"))] == \
+        ["line-1", "q", "line-3"]                       # a null custom_id: the line-N default, as a missing one
     path.write_bytes(L(custom_id="x", prompt=None, messages=None))
     with pytest.raises(IntakeError) as e:
         intake.parse_file(path, None, Settings(database_url="sqlite://"))
