@@ -54,7 +54,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     finished = True
     stop = stop or StopRequest()
 
-    ids = transact(sf, _resumable, job_id, None if only is None else set(only))
+    ids = transact(sf, ids_to_decode, job_id, None if only is None else set(only))
     try:
         with CancelWatch(settings, job_id, stop=stop), interruptible(engine, stop), \
                 tracing.span("run", {"specbatch.job.id": job_id, "specbatch.worker": worker}):
@@ -75,7 +75,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
     return finished
 
 
-def _resumable(s: Any, job_id: str, only: set[int] | None) -> list[int]:
+def ids_to_decode(s: Any, job_id: str, only: set[int] | None) -> list[int]:
     """The job's requests to generate (of ``only``, when given), in prefix order; the job is no
     longer interrupted and what dead ``specbatch run`` processes of this host held is released."""
     from specbatch.jobs import store

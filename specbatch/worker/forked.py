@@ -114,10 +114,10 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
     from specbatch.engine.memory import default_budget
     from specbatch.engine.threads import decode_here, forked_threads
     from specbatch.jobs import store
-    from specbatch.worker.embedded import _resumable, run_embedded
+    from specbatch.worker.embedded import ids_to_decode, run_embedded
 
     sf = session_factory(settings.database_url)
-    ids = transact(sf, _resumable, job_id, None if only is None else set(only))
+    ids = transact(sf, ids_to_decode, job_id, None if only is None else set(only))
     budgets = dict(zip(ids, _budgets(sf, job_id, ids), strict=True))
     parts = split(ids, [budgets[i] for i in ids], processes)
     if len(parts) < 2:     # too few rows to share
