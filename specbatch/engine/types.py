@@ -52,10 +52,13 @@ class GenerationParams:
         """Raise RequestError naming the first bad field (the rules of specbatch.engine.rules);
         returns the parameters normalised (logit_bias as sorted (int id, float bias) pairs).
         ``vocab_size``: the target's, to check logit_bias token ids against."""
-        for name in rules.RULES:
-            _, problem = rules.check(name, getattr(self, name))
+        whole: dict[str, Any] = {}     # integers written as floats (1.0), as the integers they are
+        for name, rule in rules.RULES.items():
+            value, problem = rule.check(getattr(self, name))
             if problem:
                 raise RequestError(problem, field=name)
+            if rule.integer and value is not None:
+                whole[name] = value
         _, problem = rules.check_stop(self.stop)
         if problem:
             raise RequestError(problem, field="stop")
@@ -65,7 +68,7 @@ class GenerationParams:
             raise RequestError(why, field="logit_bias" + where)
         if self.structured is not None and (problem := spec_problem(self.structured)):
             raise RequestError(problem, field="structured")
-        return replace(self, logit_bias=tuple(sorted(bias.items())))
+        return replace(self, logit_bias=tuple(sorted(bias.items())), **whole)
 
     @property
     def processed(self) -> bool:

@@ -504,3 +504,14 @@ def test_whole_numbers_written_as_floats_are_integers(tmp_path):
         path.write_bytes(L(prompt="a", **bad))
         with pytest.raises(IntakeError, match=words):
             intake.parse_file(path, {}, Settings(database_url="sqlite://"))
+
+
+def test_validate_keeps_whole_floats_as_the_integers_they_are():
+    """The library's GenerationParams.validate: 1.0 passes its rule as 1, so the engine must get 1
+    (a float seed hashed its samples differently: "seed:1.0:1"; a float n or top_k is a TypeError)."""
+    from specbatch.engine.types import GenerationParams
+
+    p = GenerationParams(seed=1.0, n=2.0, top_k=5.0, max_new_tokens=4.0, logprobs=2.0).validate()
+    assert [(v, type(v)) for v in (p.seed, p.n, p.top_k, p.max_new_tokens, p.logprobs)] == [
+        (1, int), (2, int), (5, int), (4, int), (2, int)]
+    assert GenerationParams(seed=None).validate().seed is None
