@@ -39,6 +39,7 @@ _engines: dict[str, Engine] = {}
 _read_engines: dict[str, Engine] = {}
 _factories: dict[tuple[str, bool], sessionmaker] = {}
 _lock = threading.RLock()
+_FORKED_AWAY: list[Any] = []    # a forked child's pools of its parent's connections (forget_engines)
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -298,6 +299,8 @@ def forget_engines(close: bool = True) -> None:
         _lock = threading.RLock()   # another thread of the parent may have held it at the fork
     with _lock:
         for engine in (*_engines.values(), *_read_engines.values()):
+            if not close:   # kept, never collected here: collecting would close the parent's connections
+                _FORKED_AWAY.append(engine.pool)
             engine.dispose(close=close)
         _engines.clear()
         _read_engines.clear()

@@ -17,8 +17,9 @@ steps.
 
 The first decode starts at the threads a check's own forwards found on their cores. The text
 does not move: a thread count changes which core computes which part of a product, not a number,
-where that check (``governor``, once per process before any switch) finds the target's logits
-bitwise the same on 1 thread as on all of them; where they differ nothing switches.
+where a check (``same_logits``, once per process, model and count, before the count is used)
+finds the target's logits bitwise the same on it as on all of them; where they differ on one
+thread nothing switches, and a count between that differs is skipped for one thread.
 docs/DESIGN.md, "Threads that follow the machine".
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,10 +48,13 @@ class Contention:
     now: int = 0
     hold: int = FIRST_HOLD
     waited: int = 0                  # steps at fewer threads since the last drop
+    retrying: bool = False           # all threads are back for a window after a hold
     recent: list[float] = field(default_factory=list)
     history: list[tuple[int, int]] = field(default_factory=list)   # (step, threads) at each change
     steps: int = 0
     set_threads: Any = None          # torch.set_num_threads (a test passes its own)
+    # whether the target's logits on n threads are those on ``full`` (checked before n is used)
+    agrees: Callable[[int], bool] = lambda n: True
 
     def __post_init__(self) -> None:
         self.now = self.now or self.full
@@ -66,6 +71,7 @@ class Contention:
             if self.waited >= self.hold:       # try them all again (judged as any window at full)
                 self._set(self.full)
                 self.recent.clear()
+                self.retrying = True
             return
         if wall <= 0:
             return
@@ -74,14 +80,15 @@ class Contention:
             return
         use = statistics.median(self.recent)
         self.recent.clear()
+        retried, self.retrying = self.retrying, False
         if use >= LOW:
-            if self.history and self.history[-1][1] == self.full:
+            if retried:
                 self.hold = FIRST_HOLD     # a full window on cores after a retry: contention over
             return
-        tried_again = bool(self.history) and self.history[-1][1] == self.full
-        self.hold = min(MAX_HOLD, 2 * self.hold) if tried_again else self.hold
+        self.hold = min(MAX_HOLD, 2 * self.hold) if retried else self.hold
         self.waited = 0
-        self._set(max(1, min(self.full - 1, int(use * self.now))))
+        n = max(1, min(self.full - 1, int(use * self.now)))
+        self._set(n if n == 1 or self.agrees(n) else 1)
 
     def _set(self, n: int) -> None:
         if n != self.now:
@@ -91,32 +98,37 @@ class Contention:
             logger.debug("torch threads %d (step %d)", n, self.steps)
 
 
-_AGREE: dict[tuple[int, int], bool] = {}    # (id of the torch model, threads) -> threads_agree
+_SAME: dict[tuple[int, int, int], tuple[bool, float]] = {}   # (model id, threads, threads) -> _same
 
 
 def governor(model: Any, full: int) -> Contention | None:
     """A governor of ``full`` threads for decoding ``model`` (a loaded target), or None where its
-    logits differ on one thread (checked once per model and count). It starts at the threads the
-    check's own forwards found on their cores: a decode's first prefill is its longest step."""
-    key = (id(model.model), full)
-    use = None
-    if key not in _AGREE:
-        _AGREE[key], use = _agree(model, full)
-        if not _AGREE[key]:
-            logger.info("the target's logits differ on 1 thread and on %d: the threads stay %d", full, full)
-    if not _AGREE[key]:
+    logits differ on one thread (checked once per model and count; any other count is checked
+    before it is first used). It starts at the threads the check's own forwards found on their
+    cores: a decode's first prefill is its longest step."""
+    agree, use = same_logits(model, full, 1)
+    if not agree:
+        logger.info("the target's logits differ on 1 thread and on %d: the threads stay %d", full, full)
         return None
-    start = full if use is None or use >= LOW else max(1, min(full - 1, int(use * full)))
-    governed = Contention(full, start)
+    start = full if use >= LOW else 1
+    governed = Contention(full, start, agrees=lambda n: same_logits(model, full, n)[0])
+    governed.set_threads(start)     # (a previous engine's governor may have left fewer)
     if start != full:
-        governed.set_threads(start)
         governed.history.append((0, start))
     return governed
 
 
-def _agree(model: Any, full: int) -> tuple[bool, float]:
-    """(the logits bitwise the same on 1 thread as on ``full``: a prompt's forward at 1 and 6
-    rows and one step over its cache; CPU time / (wall x threads) of the ``full`` pass)."""
+def same_logits(model: Any, full: int, n: int) -> tuple[bool, float]:
+    """(whether ``model`` computes the same logits bitwise on ``n`` threads as on ``full``: a
+    prompt's forward at 1 and 6 rows and one step over its cache; CPU time / (wall x threads) of
+    the first ``full`` pass), once per model and pair of counts."""
+    key = (id(model.model), full, n)
+    if key not in _SAME:
+        _SAME[key] = _same(model, full, n)
+    return _SAME[key]
+
+
+def _same(model: Any, full: int, n: int) -> tuple[bool, float]:
     import torch
 
     from specbatch.engine.cache import BatchCache
@@ -138,7 +150,7 @@ def _agree(model: Any, full: int) -> tuple[bool, float]:
 
     try:
         with torch.inference_mode():
-            (many, use), (one, _) = logits(full), logits(1)
-            return all(torch.equal(a, b) for a, b in zip(many, one, strict=True)), use
+            (many, use), (few, _) = logits(full), logits(n)
+            return all(torch.equal(a, b) for a, b in zip(many, few, strict=True)), use
     finally:
         torch.set_num_threads(before)

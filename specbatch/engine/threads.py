@@ -63,18 +63,6 @@ def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | 
     return own
 
 
-def adaptable_threads() -> int:
-    """Torch threads a decode loop may lower while other processes hold the cores
-    (engine/contention.py): this process's where they are the default (the user set none) and
-    one loop runs them; 0 where they are fixed."""
-    import torch
-
-    if not _SET or not _SET[0][3] or _SET[0][1] > 1:
-        return 0
-    n = torch.get_num_threads()
-    return n if n > 1 else 0
-
-
 def forked_threads() -> int:
     """Torch threads for a process forked from this one to decode: its planned share where this
     process never ran more than one thread, else one (the module docstring says why)."""
@@ -85,13 +73,30 @@ def forked_threads() -> int:
     return 1
 
 
+def decode_on(n: int) -> None:
+    """This process decodes on ``n`` threads from now on: a forked child its share, or the
+    parent that decodes after all (``decode_here``); what ``adaptable_threads`` governs."""
+    import torch
+
+    torch.set_num_threads(n)
+    if _SET:
+        _SET[0] = (n, *_SET[0][1:])
+
+
 def decode_here(processes: int) -> None:
     """This process decodes after all, not the ``processes`` it planned to fork: it takes their
     threads."""
-    import torch
-
     if _SET and processes > 1:
-        torch.set_num_threads(min(usable_cores(), _SET[0][2] * processes))
+        decode_on(min(usable_cores(), _SET[0][2] * processes))
+
+
+def adaptable_threads() -> int:
+    """Torch threads a decode loop may lower while other processes hold the cores
+    (engine/contention.py): those this process decodes on, where they are the default (the user
+    set none) and one loop runs them; 0 where they are fixed."""
+    if not _SET or not _SET[0][3] or _SET[0][1] > 1:
+        return 0
+    return _SET[0][0] if _SET[0][0] > 1 else 0
 
 
 def configured_lanes() -> int:

@@ -84,7 +84,8 @@ def forkable(engine: Engine, database_url: str) -> str | None:
 
 def split(ids: Sequence[int], budgets: Sequence[int], parts: int) -> list[list[int]]:
     """``ids`` (in order) cut into at most ``parts`` contiguous runs of about equal tokens to
-    generate (``budgets``, one per id), none shorter than ``MIN_ROWS`` ids but the only one."""
+    generate (``budgets``, one per id); a run is cut only after ``MIN_ROWS`` ids (the last may hold
+    fewer), and there is one run where ``ids`` hold fewer than 2 x ``MIN_ROWS``."""
     parts = max(1, min(parts, len(ids) // MIN_ROWS))
     total = sum(budgets) or 1
     out: list[list[int]] = [[]]
@@ -137,10 +138,17 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
         for part in parts:
             results, send = ctx.Pipe(duplex=False)
             stops, told = ctx.Pipe(duplex=False)
+            # the earlier children's pipes, which this child must not hold open (their ends)
+            inherited = [c for child in children for c in (child.results, child.stop)]
             process = ctx.Process(target=_child, name="specbatch-decode", daemon=True,
-                                  args=(send, stops, os.getpid(), settings, job_id, engine, part,
+                                  args=(send, stops, inherited, os.getpid(), settings, job_id, engine, part,
                                         memory // len(parts), batch_size, threads))
-            process.start()
+            # no signal between the fork and the child's own handlers (it would run ours there)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+            try:
+                process.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             send.close()
             stops.close()
             children.append(_Child(process, results, told))
@@ -153,6 +161,10 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
         for child in children:
             child.process.join()
         raise
+    finally:
+        for child in children:
+            child.results.close()
+            child.stop.close()
     transact(sf, store.refresh_job, job_id)
     if error is not None:
         raise SpecBatchError(f"job {job_id} stopped: decoding failed in one of its {len(parts)} processes "
@@ -221,22 +233,26 @@ def _gather(children: list[_Child], stop: StopRequest,
     return finished, error
 
 
-def _child(send: Connection, stops: Connection, parent: int, settings: Settings, job_id: str, engine: Engine,
-           part: list[int], memory: int, batch_size: int | str | None, threads: int) -> None:
+def _child(send: Connection, stops: Connection, inherited: list[Connection], parent: int, settings: Settings,
+           job_id: str, engine: Engine, part: list[int], memory: int, batch_size: int | str | None,
+           threads: int) -> None:
     """A forked process: decode ``part`` of the job, tell the parent each result, then its end."""
-    import torch
-
     from specbatch.db import forget_engines
+    from specbatch.engine.threads import decode_on
     from specbatch.worker.embedded import run_embedded
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the parent's stop reaches us through ``stops``
     signal.signal(signal.SIGTERM, signal.SIG_DFL)    # its second Ctrl-C: at once
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    for conn in inherited:
+        conn.close()
     # the parent's progress bar may have replaced them with proxies whose lock another of its
     # threads held at the fork: this process writes (a log line) to the streams themselves
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     forget_engines(close=False)
-    torch.set_num_threads(threads)
-    engine.max_memory, engine.memory = memory, None
+    decode_on(threads)
+    # its own share of memory, and its own governor of its own threads (the parent's counted its)
+    engine.max_memory, engine.memory, engine.contention = memory, None, None
     stop = StopRequest()
 
     def watch() -> None:     # until the parent says stop, or is gone (killed: its pipes stay open here)

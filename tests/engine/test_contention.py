@@ -48,6 +48,8 @@ def test_a_window_off_the_cores_drops_threads_then_all_are_tried_again_less_ofte
     assert c.now == 2 and c.hold == FIRST_HOLD
     run(c, 500, 0.98)
     assert c.now == 2
+    run(c, WINDOW, 0.6)                                 # busy again later: the first hold, not twice it
+    assert c.now == 1 and c.hold == FIRST_HOLD
 
 
 def test_the_threads_follow_the_share_of_cores_measured() -> None:
@@ -57,19 +59,27 @@ def test_the_threads_follow_the_share_of_cores_measured() -> None:
     c, calls = scripted(8)
     run(c, WINDOW, LOW - 0.01)                          # just under: one fewer at least
     assert c.now == 6
+    c, calls = scripted(8)
+    c.agrees = lambda n: n == 1                         # logits on 4 threads not those on 8: one thread
+    run(c, WINDOW, 0.52)
+    assert c.now == 1 and calls == [1]
 
 
 def test_the_governor_starts_where_its_check_found_the_cores(load, monkeypatch) -> None:
     target = load("llama")
-    monkeypatch.setattr(contention, "_AGREE", {})
-    assert contention._agree(target, 2)[0]              # the tiny llama: the same bits on 1 and 2 threads
+    monkeypatch.setattr(contention, "_SAME", {})
+    assert contention._same(target, 2, 1)[0]            # the tiny llama: the same bits on 1 and 2 threads
     before = torch.get_num_threads()
     try:
-        monkeypatch.setattr(contention, "_agree", lambda model, full: (True, 0.6))
+        monkeypatch.setattr(contention, "_same", lambda model, full, n: (True, 0.6))
         g = governor(target, 2)
         assert g is not None and g.now == 1 and torch.get_num_threads() == 1
-        monkeypatch.setattr(contention, "_AGREE", {})
-        monkeypatch.setattr(contention, "_agree", lambda model, full: (False, 1.0))
+        monkeypatch.setattr(contention, "_same", lambda model, full, n: (True, 1.0))
+        monkeypatch.setattr(contention, "_SAME", {})
+        g = governor(target, 2)                         # a quiet start puts back what an earlier one left
+        assert g is not None and g.now == 2 and torch.get_num_threads() == 2
+        monkeypatch.setattr(contention, "_SAME", {})
+        monkeypatch.setattr(contention, "_same", lambda model, full, n: (False, 1.0))
         assert governor(target, 2) is None              # logits that differ: the threads stay
     finally:
         torch.set_num_threads(before)
@@ -82,6 +92,8 @@ def test_an_engine_governs_only_default_threads_of_one_loop(load, monkeypatch) -
         torch.set_num_threads(2)
         monkeypatch.setattr(threads, "_SET", [(2, 1, 2, True)])
         assert Engine(target)._contention(1) is not None
+        torch.set_num_threads(1)       # an earlier engine's governor left one: the next still governs 2
+        assert threads.adaptable_threads() == 2 and Engine(target)._contention(1).full == 2
         assert Engine(target)._contention(2) is None                   # lanes share the process's threads
         monkeypatch.setattr(threads, "_SET", [(2, 1, 2, False)])       # --threads 2: the user's
         assert Engine(target)._contention(1) is None
