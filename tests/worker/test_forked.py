@@ -163,3 +163,27 @@ def test_ctrl_c_stops_every_process_and_resume_finishes(tmp_path: Path, tiny_mod
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert _counts(url) == (40, {"completed": 40})
+
+
+def test_ctrl_c_as_a_process_is_forked_does_not_reach_it(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two Ctrl-Cs that land in a child between its fork and its own handlers (simulated: it
+    signals itself first) run nothing of the parent's there: no KeyboardInterrupt from its
+    bootstrap (a traceback, a decode process ended with status 1); it is born with them blocked
+    and ignores them once it unblocks them."""
+    from specbatch.worker import forked
+
+    real = forked._child
+
+    def early(*args):   # noqa: ANN002, ANN202
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(*args)
+
+    monkeypatch.setattr(forked, "_child", early)
+    parent = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    _run(url, str(_prompts(tmp_path / "p.jsonl", 30)), "--target", str(tiny_models / "llama"),
+         "--processes", "2", "--no-cache")
+    assert len(_results(url)[0]) == 34
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == parent     # this process's mask is back
