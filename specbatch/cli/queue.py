@@ -532,8 +532,12 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
         warn(line)
     # the models before the job: a pair that cannot load leaves no job behind (a --model-map
     # route that cannot load later fails its own requests, with the reason)
-    engine = _load_shown(settings, options)(target_, drafts_,
-                                            [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
+    try:
+        engine = _load_shown(settings, options)(target_, drafts_,
+                                                [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
+    except KeyboardInterrupt:   # Ctrl-C while loading: 130 as for any interrupted run (not click's "Aborted!", 1)
+        click.echo("interrupted while loading the models; no job was made", err=True)
+        sys.exit(EXIT_INTERRUPTED)
     # logit_bias keys against the loaded target's vocabulary: still nothing written
     vocab = engine.target.vocab_size
     # (for a target whose files told no size at intake, a GGUF not yet read, say)

@@ -281,3 +281,26 @@ def test_an_unexpected_error_in_any_command_is_one_line_unless_debug(monkeypatch
         "Error: unexpected error (ValueError: a bug); --debug shows the stack trace; please report it")
     debug = CliRunner().invoke(cli, ["--debug", "models"])
     assert isinstance(debug.exception, ValueError)
+
+
+def test_ctrl_c_while_the_models_load_exits_130_and_makes_no_job(tmp_path: Path, tiny_models: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's exit status for an interrupted run, not click's "Aborted!" and 1 (procqa)."""
+    import specbatch.worker.local as local
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+
+    def interrupted(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(local, "load_pair", interrupted)
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["run", str(_prompts(tmp_path / "p.jsonl", 3, 4)),
+                                      "--target", str(tiny_models / "llama")])
+    assert result.exit_code == 130, result.output
+    assert "interrupted while loading the models; no job was made" in result.stderr
+    assert "Aborted" not in result.output
+    get_settings.cache_clear()
+    listing = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).stdout)
+    assert listing == [] or "no database" in listing["error"]["message"], listing
