@@ -37,3 +37,22 @@ def _fresh_settings():
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _own_threads():
+    """What a test's in-process `specbatch run` configured (engine/threads.py: torch threads,
+    lanes, whether the thread governor may act) stays its own: without this, every later engine
+    of the same test process was governed, and the governor's start-up check ran forwards through
+    a compiled test's graphs (3 tests of test_compiled.py failed after a CLI test, in order)."""
+    import sys
+
+    from specbatch.engine import threads
+
+    saved = list(threads._SET)
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    threads._SET[:] = saved
+    if before is not None and torch is not None:
+        torch.set_num_threads(before)

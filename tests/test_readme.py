@@ -146,10 +146,15 @@ class Subst:
         self.pairs, self.used = pairs, set()
 
     def __call__(self, cmd: str) -> str:
-        for i, (old, new) in enumerate(self.pairs):
-            if old in cmd:
-                cmd, _ = cmd.replace(old, new), self.used.add(i)
-        return cmd
+        # one pass over the README's text: a replacement's own text is never matched again (a free
+        # Redis port 55557 read "--port 5555" and took Flower's port: "--port 360977")
+        olds = [old for old, _ in self.pairs]
+
+        def one(m: re.Match[str]) -> str:
+            i = olds.index(m.group(0))
+            self.used.add(i)
+            return self.pairs[i][1]
+        return re.sub("|".join(map(re.escape, olds)), one, cmd)
 
     def check(self) -> None:
         stale = [old for i, (old, _) in enumerate(self.pairs) if i not in self.used]

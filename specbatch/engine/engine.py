@@ -471,7 +471,8 @@ class Engine:
         return self.contention if lanes == 1 else None
 
     def _eager(self) -> bool:
-        return not self.static_cache and self.background is None and \
+        """No compiled forward: none planned, none warming up, none installed on the target."""
+        return not self.static_cache and self.background is None and self.target.compiled is None and \
             not (self.compile_plan is not None and self.compile_plan.enabled)
 
     def _lane(self, lane: int, lanes: int) -> _Lane:
