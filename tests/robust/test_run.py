@@ -19,6 +19,7 @@ from tests.tiny import without_chat_template
 
 N = 40   # prompts: enough that Ctrl-C lands mid-job, few enough to resume quickly
 EXE = str(Path(sys.executable).parent / "specbatch")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(path: Path, n: int, max_tokens: int, stagger: int = 0) -> Path:
@@ -45,13 +46,19 @@ def _counts(url: str) -> tuple[int, dict[str, int]]:
     return results, {getattr(k, "value", k): v for k, v in by.items()}
 
 
-def _start_run(tmp_path: Path, env: dict[str, str], models: Path, *extra: str) -> subprocess.Popen:
+def _start_run(tmp_path: Path, env: dict[str, str], models: Path, *extra: str,
+               slow: bool = False) -> subprocess.Popen:
     # staggered lengths: rows finish one by one, so Ctrl-C after the first results lands mid-job
     # even where the whole batch decodes in a second (with one length, they all finished together)
     prompts = _prompts(tmp_path / "p.jsonl", N, 8, stagger=4)
-    return subprocess.Popen([EXE, "run", str(prompts), "--target", str(models / "llama"),
+    # ``slow``: every decode step 50 ms longer (tests/worker/slow_step_hook.py), so a Ctrl-C or a
+    # `specbatch cancel` (a process's start) lands mid-job: a Zen 5 host decoded all 40 rows first
+    cmd = [sys.executable, "-c", "import tests.worker.slow_step_hook; from specbatch.cli.main import cli; cli()"] \
+        if slow else [EXE]
+    return subprocess.Popen([*cmd, "run", str(prompts), "--target", str(models / "llama"),
                              "--draft", str(models / "llama-partial"), *extra],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env={**env, "PYTHONPATH": str(REPO)} if slow else env, cwd=REPO if slow else None,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_results(url: str, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -76,7 +83,7 @@ def _env(tmp_path: Path) -> tuple[dict[str, str], str]:
 @pytest.mark.slow     # ~1-2 min on 2 busy cores; .ci/run runs it (nothing else interrupts a run)
 def test_ctrl_c_stops_keeps_results_releases_claims_and_resume_finishes(tmp_path: Path, tiny_models: Path) -> None:
     env, url = _env(tmp_path)
-    proc = _start_run(tmp_path, env, tiny_models)
+    proc = _start_run(tmp_path, env, tiny_models, slow=True)
     _wait_results(url, 3, proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -110,7 +117,7 @@ def test_ctrl_c_stops_keeps_results_releases_claims_and_resume_finishes(tmp_path
 def test_second_ctrl_c_exits_at_once_and_resume_without_broker_finishes(tmp_path: Path,
                                                                          tiny_models: Path) -> None:
     env, url = _env(tmp_path)
-    proc = _start_run(tmp_path, env, tiny_models, "--batch-size", "4")
+    proc = _start_run(tmp_path, env, tiny_models, "--batch-size", "4", slow=True)
     _wait_results(url, 2, proc)
     proc.send_signal(signal.SIGINT)
     proc.send_signal(signal.SIGINT)
@@ -130,7 +137,7 @@ def test_second_ctrl_c_exits_at_once_and_resume_without_broker_finishes(tmp_path
 @pytest.mark.slow     # as above
 def test_cancel_from_another_shell_stops_a_run_keeps_results_and_exits_1(tmp_path: Path, tiny_models: Path) -> None:
     env, url = _env(tmp_path)
-    proc = _start_run(tmp_path, env, tiny_models, "--no-cache")
+    proc = _start_run(tmp_path, env, tiny_models, "--no-cache", slow=True)
     _wait_results(url, 3, proc)
     get_settings.cache_clear()
     job_id = json.loads(CliRunner().invoke(cli, ["jobs", "--json"],

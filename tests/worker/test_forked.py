@@ -21,6 +21,7 @@ from specbatch.worker.forked import MIN_ROWS, forkable, split
 from tests.robust.test_run import _counts, _wait_results
 
 EXE = str(Path(sys.executable).parent / "specbatch")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _prompts(path: Path, n: int) -> Path:
@@ -141,9 +142,12 @@ def test_ctrl_c_stops_every_process_and_resume_finishes(tmp_path: Path, tiny_mod
            "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0", "SPECBATCH_PROCESSES": "2"}
     lines = [{"custom_id": f"q{i}", "prompt": f"word {i} and", "max_tokens": 8 + 4 * i} for i in range(40)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    proc = subprocess.Popen([EXE, "run", str(tmp_path / "p.jsonl"), "--target", str(tiny_models / "llama"),
-                             "--draft", str(tiny_models / "llama-partial"), "--no-cache"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # every step 50 ms longer (tests/worker/slow_step_hook.py, in both children): the signal lands mid-job
+    slow = "import tests.worker.slow_step_hook; from specbatch.cli.main import cli; cli()"
+    proc = subprocess.Popen([sys.executable, "-c", slow, "run", str(tmp_path / "p.jsonl"), "--target",
+                             str(tiny_models / "llama"), "--draft", str(tiny_models / "llama-partial"), "--no-cache"],
+                            env={**env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     _wait_results(url, 3, proc)
     for _ in range(signals):
         proc.send_signal(signal.SIGINT)
