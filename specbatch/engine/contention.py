@@ -15,7 +15,7 @@ cores, or drops again and waits twice as long next time (up to ``MAX_HOLD``). A 
 pays nothing (no trial ever runs); a busy one pays a window of the slow count every ``hold``
 steps.
 
-The first decode starts at the threads a check's own forwards found on their cores. The text
+The first decode starts on one thread where a check's own forwards found the cores taken. The text
 does not move: a thread count changes which core computes which part of a product, not a number,
 where a check (``same_logits``, once per process, model and count, before the count is used)
 finds the target's logits bitwise the same on it as on all of them; where they differ on one
@@ -104,8 +104,8 @@ _SAME: dict[tuple[int, int, int], tuple[bool, float]] = {}   # (model id, thread
 def governor(model: Any, full: int) -> Contention | None:
     """A governor of ``full`` threads for decoding ``model`` (a loaded target), or None where its
     logits differ on one thread (checked once per model and count; any other count is checked
-    before it is first used). It starts at the threads the check's own forwards found on their
-    cores: a decode's first prefill is its longest step."""
+    before it is first used). It starts on one thread where the check's own forwards found the
+    cores taken: a decode's first prefill is its longest step."""
     agree, use = same_logits(model, full, 1)
     if not agree:
         logger.info("the target's logits differ on 1 thread and on %d: the threads stay %d", full, full)

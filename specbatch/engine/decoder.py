@@ -248,7 +248,7 @@ class Decoder:
             or any(r.ctl.fixed and r.ctl.gamma for r in (*self.rows, *new))   # (fixed rows draft anyway)
         new, entries = self._prefixes(new, len(arrivals), speculating)
         # (a prefix computed just now is its computing row's: _prefixes)
-        t0, c0 = clock.now(self.target.device), time.process_time()
+        t0, c0 = clock.now(self.target.device), self._cpu()
         # samples of one request joining together: one prefill (after their shared prefix, if
         # one is stored), forked to their rows
         resumed = {id(r) for r in resuming}
@@ -354,6 +354,10 @@ class Decoder:
                    logprobs=None if params.logprobs is None else [], grammar=grammar)
 
     # -- one step for every row: draft, verify the trees in one forward, accept, roll back
+    def _cpu(self) -> float:
+        """The process's CPU time, where a governor reads it (engine/contention.py)."""
+        return time.process_time() if self.contention is not None else 0.0
+
     def _step(self) -> None:
         rows, n = self.rows, len(self.rows)
         pending = [r.ids[int(m):] for r, m in zip(rows, self.cache.n_valid.tolist())]
@@ -365,7 +369,7 @@ class Decoder:
         elif not any(k) and any(d.keeps_cache for d in self.drafters):
             self.drafts_behind = True
         # (every clock read waits for the device: on CUDA a forward returns before its work is done)
-        t0, c0 = clock.now(self.target.device), time.process_time()
+        t0, c0 = clock.now(self.target.device), self._cpu()
         proposals = [d.propose(rows, k) for d in self.drafters] if any(k) else []
         # (structured rows: no draft token the grammar refuses; the tokens it forces, a chain)
         proposals = constrained.trim(rows, proposals)

@@ -22,10 +22,19 @@ on 1 it did), so each child takes its share only where its parent never ran more
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
-# (this process's torch threads, lanes, threads of each process forked to decode, whether the
-# threads are the default: not given by the user), once set
-_SET: list[tuple[int, int, int, bool]] = []
+
+class Plan(NamedTuple):
+    """What ``configure_threads`` set for this process."""
+
+    threads: int      # torch threads this process decodes on (1 while it loads to fork)
+    lanes: int
+    forked: int       # threads of each process it forks to decode
+    default: bool     # the threads are the default (the user gave none): the governor may lower them
+
+
+_SET: list[Plan] = []     # once set
 
 
 def usable_cores() -> int:
@@ -53,13 +62,13 @@ def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | 
     later calls return the thread count already set. ``processes`` > 1: this process loads on one
     thread and each process it forks takes ``threads`` (default: its share of the cores)."""
     if _SET:
-        return _SET[0][0]
+        return _SET[0].threads
     import torch
 
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)
-    _SET.append((own, lanes, n, not threads))
+    _SET.append(Plan(own, lanes, n, not threads))
     return own
 
 
@@ -68,8 +77,8 @@ def forked_threads() -> int:
     process never ran more than one thread, else one (the module docstring says why)."""
     import torch
 
-    if _SET and _SET[0][0] == 1 and torch.get_num_threads() == 1:
-        return _SET[0][2]
+    if _SET and _SET[0].threads == 1 and torch.get_num_threads() == 1:
+        return _SET[0].forked
     return 1
 
 
@@ -80,26 +89,26 @@ def decode_on(n: int) -> None:
 
     torch.set_num_threads(n)
     if _SET:
-        _SET[0] = (n, *_SET[0][1:])
+        _SET[0] = _SET[0]._replace(threads=n)
 
 
 def decode_here(processes: int) -> None:
     """This process decodes after all, not the ``processes`` it planned to fork: it takes their
     threads."""
     if _SET and processes > 1:
-        decode_on(min(usable_cores(), _SET[0][2] * processes))
+        decode_on(min(usable_cores(), _SET[0].forked * processes))
 
 
 def adaptable_threads() -> int:
     """Torch threads a decode loop may lower while other processes hold the cores
     (engine/contention.py): those this process decodes on, where they are the default (the user
     set none) and one loop runs them; 0 where they are fixed."""
-    if not _SET or not _SET[0][3] or _SET[0][1] > 1:
+    if not _SET or not _SET[0].default or _SET[0].lanes > 1:
         return 0
-    return _SET[0][0] if _SET[0][0] > 1 else 0
+    return _SET[0].threads if _SET[0].threads > 1 else 0
 
 
 def configured_lanes() -> int:
     """The lanes ``configure_threads`` set; 1 where it was not called (a library caller that set
     its own threads)."""
-    return _SET[0][1] if _SET else 1
+    return _SET[0].lanes if _SET else 1

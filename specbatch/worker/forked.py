@@ -119,8 +119,7 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
 
     sf = session_factory(settings.database_url)
     ids = transact(sf, ids_to_decode, job_id, None if only is None else set(only))
-    budgets = dict(zip(ids, _budgets(sf, job_id, ids), strict=True))
-    parts = split(ids, [budgets[i] for i in ids], processes)
+    parts = split(ids, _budgets(sf, ids), processes)
     if len(parts) < 2:     # too few rows to share
         decode_here(processes)
         return run_embedded(settings, job_id, engine, on_progress, batch_size=batch_size, stop=stop,
@@ -173,7 +172,8 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
     return finished
 
 
-def _budgets(sf: Any, job_id: str, ids: list[int]) -> list[int]:
+def _budgets(sf: Any, ids: list[int]) -> list[int]:
+    """Each id's tokens to generate (``store.token_budgets`` gives a job's in no order, without n)."""
     from sqlalchemy import select
 
     from specbatch.db.models import Request

@@ -90,12 +90,12 @@ def test_an_engine_governs_only_default_threads_of_one_loop(load, monkeypatch) -
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        monkeypatch.setattr(threads, "_SET", [(2, 1, 2, True)])
+        monkeypatch.setattr(threads, "_SET", [threads.Plan(2, 1, 2, True)])
         assert Engine(target)._contention(1) is not None
         torch.set_num_threads(1)       # an earlier engine's governor left one: the next still governs 2
         assert threads.adaptable_threads() == 2 and Engine(target)._contention(1).full == 2
         assert Engine(target)._contention(2) is None                   # lanes share the process's threads
-        monkeypatch.setattr(threads, "_SET", [(2, 1, 2, False)])       # --threads 2: the user's
+        monkeypatch.setattr(threads, "_SET", [threads.Plan(2, 1, 2, False)])       # --threads 2: the user's
         assert Engine(target)._contention(1) is None
         monkeypatch.setattr(threads, "_SET", [])                       # a library caller's own threads
         assert Engine(target)._contention(1) is None

@@ -209,7 +209,7 @@ def test_plan_divides_the_cores_among_the_lanes_asked_for(monkeypatch):
 def test_engine_load_takes_the_lanes_the_process_configured(monkeypatch, tiny_models):
     from specbatch.engine import threads
 
-    monkeypatch.setattr(threads, "_SET", [(1, 2, 1, True)])
+    monkeypatch.setattr(threads, "_SET", [threads.Plan(1, 2, 1, True)])
     assert Engine.load(str(tiny_models / "llama")).lanes == 2
     monkeypatch.setattr(threads, "_SET", [])
     assert Engine.load(str(tiny_models / "llama")).lanes == 1
