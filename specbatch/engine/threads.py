@@ -4,7 +4,9 @@ first forward.
 On a shared CPU more torch threads than free cores make every forward slower and noisier
 (measured with the tiny models on a busy 2-core machine: 2 threads were about 6x slower than 1),
 so the default is the cores this process may use divided among the worker processes started
-together on the machine (``SPECBATCH_LOCAL_WORKERS``), in one decode loop.
+together on the machine (``SPECBATCH_LOCAL_WORKERS``), in one decode loop. ``OMP_NUM_THREADS``,
+where set, is the user's choice as ``--threads`` / ``SPECBATCH_THREADS`` are (they come first): a
+job scheduler or a shell profile that sets it means this process should use that many.
 
 ``lanes`` (``SPECBATCH_LANES``, ``--lanes``) splits them among several decode loops over the same
 models instead (engine/lanes.py), each with its share of torch threads: on a machine whose other
@@ -56,15 +58,24 @@ def plan(threads: int | None, lanes: int | None = None, local_workers: int = 1) 
     return threads or max(1, default_threads(local_workers) // lanes), lanes
 
 
+def omp_threads() -> int:
+    """``OMP_NUM_THREADS`` (its first level, as OpenMP reads it); 0 where it is unset or not a
+    positive integer (OpenMP ignores such a value too)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(first) if first.isdigit() and int(first) > 0 else 0
+
+
 def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | None = None,
                       processes: int = 1) -> int:
-    """Set torch's intra-op threads and the lanes once per process (None or 0: the default);
-    later calls return the thread count already set. ``processes`` > 1: this process loads on one
-    thread and each process it forks takes ``threads`` (default: its share of the cores)."""
+    """Set torch's intra-op threads and the lanes once per process (None or 0: ``OMP_NUM_THREADS``
+    where set, else the default); later calls return the thread count already set. ``processes``
+    > 1: this process loads on one thread and each process it forks takes ``threads`` (default:
+    its share of the cores)."""
     if _SET:
         return _SET[0].threads
     import torch
 
+    threads = threads or omp_threads() or None
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)
