@@ -450,12 +450,15 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     if len(given) > 1 and len({json.dumps(fields_[k]) for k in given}) > 1:
         problems.append((prefix + given[1], f"conflicts with {prefix}{given[0]}; give one of them"))
     # OpenAI takes top_p 0: the nucleus shrinks to the most likely token, which is greedy decoding
-    top_p_zero = bool(prefix) and _is_number(fields_.get("top_p")) and fields_["top_p"] == 0
+    # (a native line too: one file may mix both kinds, and docs/FORMATS.md gives one table)
+    top_p_zero = _is_number(fields_.get("top_p")) and fields_["top_p"] == 0
     for key in (*MAX_TOKENS_KEYS, *PARAM_KEYS[1:]):
         if fields_.get(key) is None or (key == "top_p" and top_p_zero):
             continue      # null is "not given", as OpenAI reads it
         value, problem = _check_param(key, fields_[key])
         if problem:
+            if key == "top_p":     # the rule's (0, 1] is the engine's; a line also takes 0
+                problem = problem.replace("(0, 1]", "[0, 1] (0: the most likely token only)")
             problems.append((prefix + key, problem))
         params["max_new_tokens" if key in MAX_TOKENS_KEYS else key] = value
     if top_p_zero:

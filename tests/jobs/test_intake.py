@@ -102,8 +102,10 @@ BAD_CASES = {
     "temperature_negative": (L(prompt="a", temperature=-1), ["1: temperature: must be in [0, 2] (OpenAI's range), got -1"]),
     "temperature_over_two": (L(prompt="a", temperature=5.0),
                              ["1: temperature: must be in [0, 2] (OpenAI's range), got 5.0"]),
-    "top_p_zero": (L(prompt="a", top_p=0), ["1: top_p: must be in (0, 1], got 0"]),
-    "top_p_above_one": (L(prompt="a", top_p=1.5), ["1: top_p: must be in (0, 1], got 1.5"]),
+    "top_p_negative": (L(prompt="a", top_p=-0.1),
+                       ["1: top_p: must be in [0, 1] (0: the most likely token only), got -0.1"]),
+    "top_p_above_one": (L(prompt="a", top_p=1.5),
+                        ["1: top_p: must be in [0, 1] (0: the most likely token only), got 1.5"]),
     "top_k_negative": (L(prompt="a", top_k=-1), ["1: top_k: must be >= 0, got -1"]),
     "max_tokens_zero": (L(prompt="a", max_tokens=0), ["1: max_tokens: must be >= 1, got 0"]),
     "max_new_tokens_negative": (L(prompt="a", max_new_tokens=-3), ["1: max_new_tokens: must be >= 1, got -3"]),
@@ -275,7 +277,7 @@ def test_every_error_of_every_line_is_listed_in_line_order(seeded_url, tmp_path)
     lines = str(e.value).splitlines()
     assert lines[0] == "5 errors; nothing was written:"
     assert lines[1].startswith(f"{path}:2: invalid JSON")
-    assert lines[2:] == [f"{path}:4: temperature: must be in [0, 2] (OpenAI's range), got -1", f"{path}:4: top_p: must be in (0, 1], got 2",
+    assert lines[2:] == [f"{path}:4: temperature: must be in [0, 2] (OpenAI's range), got -1", f"{path}:4: top_p: must be in [0, 1] (0: the most likely token only), got 2",
                          f'{path}:4: custom_id: duplicate "a" (first on line 1)',
                          f'{path}:5: custom_id: duplicate "a" (first on line 1)']
     assert snapshot(seeded_url) == before

@@ -450,7 +450,10 @@ def test_top_p_zero_is_greedy():
     (r,) = read(line({"model": "m", "messages": MSGS, "top_p": 0, "temperature": 0.8, "seed": 3})).requests
     assert (r.params["temperature"], r.params["top_p"], r.params["seed"]) == (0.0, 1.0, 3)
     assert refused(line({"model": "m", "messages": MSGS, "top_p": -0.5})) == [
-        "batch.jsonl:1: body.top_p: must be in (0, 1], got -0.5"]
+        "batch.jsonl:1: body.top_p: must be in [0, 1] (0: the most likely token only), got -0.5"]
+    # a native line reads it the same way (one file may hold both kinds; docs/FORMATS.md, one table)
+    (n,) = read(json.dumps({"custom_id": "x", "prompt": "p", "top_p": 0, "temperature": 0.8})).requests
+    assert (n.params["temperature"], n.params["top_p"]) == (0.0, 1.0)
 
 
 def test_a_near_miss_of_a_known_model_name_is_refused_with_the_name_it_meant(tmp_path, monkeypatch):
