@@ -84,6 +84,7 @@ def serve(host: str, port: int, log_level: str, workers: int, health_port: int |
         raise click.UsageError(f"refusing to serve on {host} without keys: set SPECBATCH_API_KEYS "
                                "(comma-separated) or bind 127.0.0.1")
     sock = bind(host, port)         # a busy port fails here, as one line, before anything is opened
+    port = sock.getsockname()[1]    # --port 0: the one the system chose, which the line below says
     open_db(settings, create=True)      # a bad database URL fails here, as one line
     _warn_default_weights(settings)
     app = create_app(settings) if workers == 1 else None

@@ -257,6 +257,34 @@ def test_serve_with_two_worker_processes_answers_and_stops(tmp_path: Path) -> No
     assert "2 processes" in output[0], output[0]
 
 
+def test_serve_on_port_0_says_the_port_the_system_chose() -> None:
+    """qa50: `--port 0` printed `http://127.0.0.1:0/v1`, an address nothing answers on."""
+    import re
+
+    from tests.worker.services import wait_for
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "SPECBATCH_BROKER_URL": "memory://"}
+    proc = subprocess.Popen([sys.executable, "-c", "from specbatch.cli.main import main; main()", "serve",
+                             "--port", "0"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        line = next(x for x in proc.stderr if x.startswith("specbatch API on "))
+        found = re.search(r"http://127\.0\.0\.1:(\d+)/v1 ", line)
+        assert found and int(found.group(1)) > 0, line
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/healthz", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+        wait_for(healthy, 60, "serve --port 0 to answer on the port it printed")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=30)
+
+
 def _answer(conn: socket.socket) -> bytes:
     """One HTTP/1.1 answer with a Content-Length, read whole from a kept-alive connection."""
     data = b""
