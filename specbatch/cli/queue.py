@@ -724,6 +724,8 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
     for key, value in stats.items():
         if key == "speculation_disabled":   # requests the draft-length controller turned off: the
             continue                         # speculation line says so, "0" above "off" read as a contradiction
+        if key.startswith("grammar_") and not stats.get("grammar_drafted_tokens"):
+            continue                         # (no structured output drafted: three zeros read as noise)
         if isinstance(value, float):
             value = f"{value:.3f}"
         elif isinstance(value, dict | list):

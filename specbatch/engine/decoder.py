@@ -415,6 +415,9 @@ class Decoder:
         # 4. statistics, as data; the measured step steers gamma
         self.policy.observe(StepReport(n, max(t.depth for t in trees), sum(t.depth for t in trees),
                                        sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, with_prompts))
+        # a step that drafted nothing had no drafting phase: its few microseconds of bookkeeping
+        # count as verification (qa50: a job that never drafted showed draft seconds)
+        drafting = t1 - t0 if proposals or any(f is not None for f in forced) else 0.0
         for b, (r, t, v) in enumerate(zip(rows, trees, verdicts)):
             forwards = sum(p.forwards for props in proposals if (p := props[b]) is not None)
             winner = self._member_name(v.winner)
@@ -422,7 +425,7 @@ class Decoder:
                 r.tally.stats.grammar_drafted_tokens += len(f.tokens)
                 r.tally.stats.grammar_accepted_tokens += common_prefix(f.tokens, v.tokens[:v.n_accepted])
             r.tally.step(t.depth, v.n_accepted, v.winner, winner, draft_forwards=forwards,
-                         draft_seconds=t1 - t0, verify_seconds=t2 - t1)
+                         draft_seconds=drafting, verify_seconds=t2 - t0 - drafting)
             # (free text: the tree is the drafters' own; a forced run is not theirs to learn from)
             r.ctl.observe(*(constrained.drafters_part([props[b] for props in proposals], forced[b],
                                                        v.tokens[:v.n_accepted])

@@ -128,3 +128,19 @@ def test_run_summary_shows_a_dash_for_a_statistic_with_no_value(capsys, monkeypa
     _print_summary(summary, Settings.from_env({}))
     out = capsys.readouterr().out
     assert "None" not in out and "tokens_per_second" in out, out
+
+
+@pytest.mark.parametrize("drafted", [0, 5])
+def test_run_summary_shows_grammar_rows_only_where_a_grammar_drafted(drafted, capsys, monkeypatch):
+    """qa50: three grammar_* zeros on every job, structured or not, read as noise."""
+    from specbatch.cli.queue import _print_summary
+    from specbatch.config import Settings
+
+    monkeypatch.setenv("COLUMNS", "200")
+    summary = {"id": "j1", "status": "completed", "target": "t", "drafts": [],
+               "request_counts": {"total": 1, "completed": 1}, "failures": [],
+               "stats": {"results": 1, "tokens_generated": 9, "grammar_drafted_tokens": drafted,
+                         "grammar_accepted_tokens": drafted, "grammar_token_share": drafted / 9}}
+    _print_summary(summary, Settings.from_env({}))
+    out = capsys.readouterr().out
+    assert "tokens_generated" in out and ("grammar_" in out) is (drafted > 0), out

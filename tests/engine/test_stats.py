@@ -186,6 +186,7 @@ def test_invariants(load, setup, adaptive):
         assert (s.draft_steps > 0) == (s.drafted_tokens > 0)
         assert 0 < s.first_token_seconds <= s.wall_seconds
         assert s.wall_seconds >= s.draft_seconds + s.verify_seconds >= 0
+        assert (s.draft_seconds > 0) == (s.draft_steps > 0)     # qa50: no draft time where none drafted
         assert d["tokens_per_second"] == pytest.approx(s.new_tokens / s.wall_seconds)
         if not adaptive:
             assert s.final_gamma == 4 and not s.speculation_disabled
