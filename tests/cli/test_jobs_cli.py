@@ -468,12 +468,12 @@ def test_submit_of_a_bad_file_writes_nothing(db_url, tmp_path, monkeypatch):
     monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
     make_job(db_url)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y", "top_p": 0}\n')
+    bad.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y", "top_p": 2}\n')
     with db.session_factory(db_url).begin() as s:
         before = (s.scalar(select(func.count()).select_from(Job)), s.scalar(select(func.count()).select_from(Request)))
     result = run("submit", str(bad))
     assert result.exit_code == 1
-    assert f"{bad}:2: top_p: must be in (0, 1], got 0" in result.stderr
+    assert f"{bad}:2: top_p: must be in [0, 1] (0: the most likely token only), got 2" in result.stderr
     with db.session_factory(db_url).begin() as s:
         after = (s.scalar(select(func.count()).select_from(Job)), s.scalar(select(func.count()).select_from(Request)))
     assert after == before
@@ -486,16 +486,16 @@ def test_submit_json_answers_a_bad_file_in_json(db_url, tmp_path, monkeypatch):
 
     monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y", "top_p": 0}\nnot json\n')
+    bad.write_text('{"custom_id": "a", "prompt": "x"}\n{"custom_id": "a", "prompt": "y", "top_p": 2}\nnot json\n')
     result = run("submit", str(bad), "--json")
     assert result.exit_code == 1
     assert json.loads(result.stdout) == {"error": {
         "message": "3 errors; nothing was written", "exit_code": 1, "total": 3, "errors": [
-            {"file": str(bad), "line": 2, "field": "top_p", "message": "must be in (0, 1], got 0"},
+            {"file": str(bad), "line": 2, "field": "top_p", "message": "must be in [0, 1] (0: the most likely token only), got 2"},
             {"file": str(bad), "line": 2, "field": "custom_id",
              "message": 'duplicate "a" (first on line 1)'},
             {"file": str(bad), "line": 3, "field": None, "message": "invalid JSON: Expecting value (column 1)"}]}}
-    assert f"{bad}:2: top_p: must be in (0, 1], got 0" in result.stderr      # people still read stderr
+    assert f"{bad}:2: top_p: must be in [0, 1] (0: the most likely token only), got 2" in result.stderr      # people still read stderr
 
 
 @pytest.mark.parametrize("args, code, field, message", [
