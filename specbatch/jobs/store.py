@@ -391,12 +391,6 @@ def release_requests(s: Session, request_ids: Sequence[int]) -> None:
     s.flush()
 
 
-def running_workers(s: Session, job_id: str) -> list[str]:
-    """The workers holding a claim (live or expired) on one of the job's requests."""
-    return [w for w in s.scalars(select(Request.worker).where(
-        Request.job_id == job_id, Request.status == RequestStatus.running).distinct()) if w]
-
-
 def leased_requests(s: Session, job_id: str) -> list[tuple[int, str, datetime]]:
     """(id, worker, lease end) of the job's running requests whose lease is still live."""
     now = utcnow()
