@@ -592,8 +592,14 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
     def on_first() -> None:
         console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
 
-    hooks = RunHooks(load=_load_shown(settings, options, console),
-                     progress=lambda jid, total: _progress(console, jid, total), warn=warn)
+    engines = [engine] if engine is not None else []
+    load = _load_shown(settings, options, console)
+
+    def loaded(*args: Any) -> Engine:
+        engines.append(load(*args))
+        return engines[-1]
+
+    hooks = RunHooks(load=loaded, progress=lambda jid, total: _progress(console, jid, total), warn=warn)
     with stop_on_signals(on_first) as stop_request:
         try:
             finished = run_job(settings, job, options, hooks, stop=stop_request, engine=engine)
@@ -609,6 +615,9 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
                 f"job {job_id} stopped: decoding failed ({type(e).__name__}: {e}); finished results are "
                 f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
                 "trace)") from e
+    for e in engines:     # why a run on a shared machine was slower than the last (engine/contention.py)
+        if e.contention is not None and (line := e.contention.summary()):
+            click.echo(f"specbatch: {line}", err=True)
     _report(settings, job_id, finished, as_json)
 
 

@@ -52,6 +52,7 @@ class Contention:
     recent: list[float] = field(default_factory=list)
     history: list[tuple[int, int]] = field(default_factory=list)   # (step, threads) at each change
     steps: int = 0
+    fewer: int = 0                   # steps decoded on fewer than ``full`` threads
     set_threads: Any = None          # torch.set_num_threads (a test passes its own)
     # whether the target's logits on n threads are those on ``full`` (checked before n is used)
     agrees: Callable[[int], bool] = lambda n: True
@@ -67,6 +68,7 @@ class Contention:
         """One step took ``wall`` seconds and the process ``cpu`` seconds of CPU time."""
         self.steps += 1
         if self.now < self.full:
+            self.fewer += 1
             self.waited += 1
             if self.waited >= self.hold:       # try them all again (judged as any window at full)
                 self._set(self.full)
@@ -92,10 +94,22 @@ class Contention:
 
     def _set(self, n: int) -> None:
         if n != self.now:
+            if n < self.full and not any(t < self.full for _, t in self.history):   # once: why it slowed
+                logger.info("other processes hold this machine's cores: decoding on %d of %d torch threads, "
+                            "trying all again now and then", n, self.full)
             self.now = n
             self.set_threads(n)
             self.history.append((self.steps, n))
             logger.debug("torch threads %d (step %d)", n, self.steps)
+
+    def summary(self) -> str | None:
+        """One line for a run's end where the cores were taken for a share of its steps; else None."""
+        if not self.fewer or not self.steps:
+            return None
+        least = min(t for _, t in self.history)
+        return (f"other processes held this machine's cores: decoded on {least} of {self.full} torch "
+                f"threads for {self.fewer / self.steps:.0%} of {self.steps} steps (README 'Throughput': a busy machine; "
+                "the text is the same either way)")
 
 
 _SAME: dict[tuple[int, int, int], tuple[bool, float]] = {}   # (model id, threads, threads) -> _same
@@ -111,10 +125,9 @@ def governor(model: Any, full: int) -> Contention | None:
         logger.info("the target's logits differ on 1 thread and on %d: the threads stay %d", full, full)
         return None
     start = full if use >= LOW else 1
-    governed = Contention(full, start, agrees=lambda n: same_logits(model, full, n)[0])
-    governed.set_threads(start)     # (a previous engine's governor may have left fewer)
-    if start != full:
-        governed.history.append((0, start))
+    governed = Contention(full, agrees=lambda n: same_logits(model, full, n)[0])
+    governed.set_threads(full)      # (a previous engine's governor may have left fewer)
+    governed._set(start)
     return governed
 
 

@@ -144,3 +144,33 @@ def test_run_summary_shows_grammar_rows_only_where_a_grammar_drafted(drafted, ca
     _print_summary(summary, Settings.from_env({}))
     out = capsys.readouterr().out
     assert "tokens_generated" in out and ("grammar_" in out) is (drafted > 0), out
+
+
+def test_run_says_at_its_end_when_other_processes_held_the_cores(tmp_path: Path, tiny_models: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run on a shared machine slower than the last said nothing of why: its thread governor
+    (engine/contention.py) now says, after the run, how long it decoded on fewer threads. Here
+    the governor is a scripted one whose machine is always contended."""
+    from specbatch.engine import Engine
+    from specbatch.engine.contention import WINDOW, Contention
+
+    governors: list[Contention] = []
+
+    def contended(self: Engine, lanes: int) -> Contention:
+        if self.contention is None:
+            self.contention = Contention(2, set_threads=lambda n: None)
+            real = self.contention.observe
+            self.contention.observe = lambda wall, cpu: real(1.0, 0.5 * self.contention.now)   # type: ignore[method-assign]
+            governors.append(self.contention)
+        return self.contention
+
+    monkeypatch.setattr(Engine, "_contention", contended)
+    prompts = _prompts(tmp_path, n=4)
+    m = str(tiny_models / "llama")
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", m, "--draft", "none", "--no-cache"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    (g,) = governors
+    assert g.steps > WINDOW and g.fewer == g.steps - WINDOW   # every step after the first window
+    assert f"specbatch: other processes held this machine's cores: decoded on 1 of 2 torch threads for " \
+           f"{g.fewer / g.steps:.0%} of {g.steps} steps" in " ".join(result.stderr.split()), result.stderr

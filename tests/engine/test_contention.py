@@ -25,6 +25,22 @@ def test_a_quiet_machine_keeps_every_thread_and_tries_nothing() -> None:
     c, calls = scripted()
     run(c, 1000, 0.97)
     assert c.now == 2 and calls == [] and c.history == []
+    assert c.fewer == 0 and c.summary() is None          # a quiet run says nothing at its end
+
+
+def test_a_contended_run_says_at_its_end_how_much_it_ran_on_fewer_threads(caplog) -> None:
+    c, _ = scripted()
+    with caplog.at_level("INFO", logger="specbatch.engine.contention"):
+        run(c, WINDOW, 0.6)                             # drops at the window's end
+        run(c, 96 - WINDOW, 0.6)                        # held, retried, dropped again
+    assert c.steps == 96 and 0 < c.fewer < 96
+    assert c.summary() == (f"other processes held this machine's cores: decoded on 1 of 2 torch threads for "
+                           f"{c.fewer / 96:.0%} of 96 steps (README 'Throughput': a busy machine; the text is "
+                           "the same either way)")
+    # the first drop is said once at INFO (a worker's log), not at every retry
+    said = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert said == ["other processes hold this machine's cores: decoding on 1 of 2 torch threads, "
+                    "trying all again now and then"], said
 
 
 def test_a_window_off_the_cores_drops_threads_then_all_are_tried_again_less_often() -> None:
