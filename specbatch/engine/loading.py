@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import importlib.util
 import json
@@ -423,15 +424,27 @@ _hf_lock = threading.RLock()
 
 @contextlib.contextmanager
 def _hf_load() -> Iterator[None]:
-    """Around transformers' from_pretrained: one at a time in this process, with no progress bars."""
+    """Around transformers' from_pretrained: one at a time in this process, with no progress bars.
+    Its GGUF reader draws its own tqdm bar, which the switch does not reach (a first run's
+    "Converting and de-quantizing GGUF tensors" bar under the CLI's spinner, or as one long line of
+    carriage returns in a log): its module's ``tqdm`` is a disabled one meanwhile."""
     from transformers.utils import logging as hf_logging
 
+    try:
+        import transformers.modeling_gguf_pytorch_utils as hf_gguf
+    except ImportError:      # (no gguf package: nothing reads a GGUF file)
+        hf_gguf = None
+    bar = getattr(hf_gguf, "tqdm", None)
     with _hf_lock:
         was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
+        if bar is not None:
+            hf_gguf.tqdm = functools.partial(bar, disable=True)
         try:
             yield
         finally:
+            if bar is not None:
+                hf_gguf.tqdm = bar
             if was_on:
                 hf_logging.enable_progress_bar()
 

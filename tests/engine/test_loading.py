@@ -163,6 +163,17 @@ def test_gguf_load_matches_the_source_model(load, gguf_file, tmp_path):
     assert sorted(p.name for p in (cache / "dequantized").iterdir()) == [src.name]
 
 
+def test_a_gguf_load_draws_no_progress_bar(gguf_file, tmp_path, capfd):
+    """qa50: transformers' GGUF reader drew its own tqdm bar on a first run (under the CLI's
+    spinner, or one long line of carriage returns in a log), past transformers' progress-bar switch."""
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    before = hf_gguf.tqdm
+    load_model(str(gguf_file), cache_dir=tmp_path / "cache")
+    assert "GGUF tensors" not in capfd.readouterr().err
+    assert hf_gguf.tqdm is before                  # put back after the load
+
+
 def test_gguf_tied_embeddings(tied_llama, tmp_path):
     gguf = write_gguf(tied_llama, tmp_path / "tied.gguf")
     m = load_model(str(gguf), cache_dir=tmp_path / "cache")
