@@ -430,10 +430,9 @@ def _hf_load() -> Iterator[None]:
     carriage returns in a log): its module's ``tqdm`` is a disabled one meanwhile."""
     from transformers.utils import logging as hf_logging
 
-    try:
+    hf_gguf: Any = None
+    with contextlib.suppress(ImportError):      # (no gguf package: nothing reads a GGUF file)
         import transformers.modeling_gguf_pytorch_utils as hf_gguf
-    except ImportError:      # (no gguf package: nothing reads a GGUF file)
-        hf_gguf = None
     bar = getattr(hf_gguf, "tqdm", None)
     with _hf_lock:
         was_on = hf_logging.is_progress_bar_enabled()
