@@ -592,12 +592,22 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
     def on_first() -> None:
         console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
 
-    engines = [engine] if engine is not None else []
+    # each pair's thread-governor line (engine/contention.py), read when it is done: run_job lets
+    # go of a pair's engine before it loads the next (its memory first), so none is kept here
+    lines: list[str] = []
+    current = [engine] if engine is not None else []
     load = _load_shown(settings, options, console)
 
+    def done() -> None:
+        while current:
+            e = current.pop()
+            if e.contention is not None and (line := e.contention.summary()):
+                lines.append(line)
+
     def loaded(*args: Any) -> Engine:
-        engines.append(load(*args))
-        return engines[-1]
+        done()
+        current.append(load(*args))
+        return current[0]
 
     hooks = RunHooks(load=loaded, progress=lambda jid, total: _progress(console, jid, total), warn=warn)
     with stop_on_signals(on_first) as stop_request:
@@ -615,9 +625,9 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
                 f"job {job_id} stopped: decoding failed ({type(e).__name__}: {e}); finished results are "
                 f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
                 "trace)") from e
-    for e in engines:     # why a run on a shared machine was slower than the last (engine/contention.py)
-        if e.contention is not None and (line := e.contention.summary()):
-            click.echo(f"specbatch: {line}", err=True)
+    done()
+    for line in lines:     # why a run on a shared machine was slower than the last (engine/contention.py)
+        click.echo(f"specbatch: {line}", err=True)
     _report(settings, job_id, finished, as_json)
 
 

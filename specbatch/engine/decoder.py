@@ -417,7 +417,9 @@ class Decoder:
                                        sum(len(v.tokens) for v in verdicts), t1 - t0, t2 - t1, with_prompts))
         # a step that drafted nothing had no drafting phase: its few microseconds of bookkeeping
         # count as verification (qa50: a job that never drafted showed draft seconds)
-        drafting = t1 - t0 if proposals or any(f is not None for f in forced) else 0.0
+        # (a drafter that ran and proposed nothing, the n-gram one without a match: nothing drafted)
+        drafted = any(p is not None for props in proposals for p in props) or any(f is not None for f in forced)
+        drafting = t1 - t0 if drafted else 0.0
         for b, (r, t, v) in enumerate(zip(rows, trees, verdicts)):
             forwards = sum(p.forwards for props in proposals if (p := props[b]) is not None)
             winner = self._member_name(v.winner)

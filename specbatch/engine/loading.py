@@ -433,8 +433,8 @@ def _hf_load() -> Iterator[None]:
     hf_gguf: Any = None
     with contextlib.suppress(ImportError):      # (no gguf package: nothing reads a GGUF file)
         import transformers.modeling_gguf_pytorch_utils as hf_gguf
-    bar = getattr(hf_gguf, "tqdm", None)
     with _hf_lock:
+        bar = getattr(hf_gguf, "tqdm", None)    # (under the lock: not another load's disabled one)
         was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         if bar is not None:

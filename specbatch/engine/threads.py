@@ -6,7 +6,8 @@ On a shared CPU more torch threads than free cores make every forward slower and
 so the default is the cores this process may use divided among the worker processes started
 together on the machine (``SPECBATCH_LOCAL_WORKERS``), in one decode loop. ``OMP_NUM_THREADS``,
 where set, is the user's choice as ``--threads`` / ``SPECBATCH_THREADS`` are (they come first): a
-job scheduler or a shell profile that sets it means this process should use that many.
+job scheduler or a shell profile that sets it means this process should use that many, up to the
+cores it may use (as torch reads it itself).
 
 ``lanes`` (``SPECBATCH_LANES``, ``--lanes``) splits them among several decode loops over the same
 models instead (engine/lanes.py), each with its share of torch threads: on a machine whose other
@@ -62,7 +63,8 @@ def omp_threads() -> int:
     """``OMP_NUM_THREADS`` (its first level, as OpenMP reads it); 0 where it is unset or not a
     positive integer (OpenMP ignores such a value too)."""
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    return int(first) if first.isdigit() and int(first) > 0 else 0
+    # (ASCII digits only: "²".isdigit() is True and int("²") raises)
+    return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else 0
 
 
 def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | None = None,
@@ -75,7 +77,10 @@ def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | 
         return _SET[0].threads
     import torch
 
-    threads = threads or omp_threads() or None
+    # OMP_NUM_THREADS at most the usable cores, as torch reads it itself (16 on 2 cores: 2); more
+    # threads than cores is never a scheduler's meaning (a profile's 16 under `taskset -c 0`), and
+    # torch.set_num_threads(100000) aborts in libgomp's thread creation
+    threads = threads or min(omp_threads(), usable_cores()) or None
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)

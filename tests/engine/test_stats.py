@@ -409,3 +409,13 @@ def test_measured_costs_random_draft_loose(load):
     s = out.stats
     assert s.speculation_disabled or s.final_gamma < 4
     assert s.drafted_tokens < 3 * s.verify_steps
+
+
+def test_a_drafter_that_proposed_nothing_charges_no_draft_seconds(load):
+    """review50: the n-gram drafter ran at every step of a prompt it found no match in and
+    proposed nothing: draft_steps 0 and drafted_tokens 0 beside draft seconds (docs/statistics.md:
+    a step that drafted nothing has none)."""
+    engine = Engine(load("llama"), [NGRAM])
+    s = engine.generate(prompt="x", params=GenerationParams(max_new_tokens=3, gamma=4, adaptive=False)).stats
+    assert s.verify_steps == 3 and s.draft_steps == 0 and s.drafted_tokens == 0
+    assert s.draft_seconds == 0.0 and s.verify_seconds > 0

@@ -20,7 +20,7 @@ def unset(monkeypatch):
 
 
 @pytest.mark.parametrize("value, expected", [("3", 3), ("3,1", 3), (" 2 ", 2), ("", 0), ("0", 0),
-                                             ("-2", 0), ("four", 0)])
+                                             ("-2", 0), ("four", 0), ("²", 0), ("٣", 0)])
 def test_omp_num_threads_is_read_as_openmp_reads_it(unset, value, expected) -> None:
     unset.setenv("OMP_NUM_THREADS", value)
     assert threads.omp_threads() == expected
@@ -43,3 +43,11 @@ def test_omp_num_threads_is_the_users_choice_after_the_flag(unset) -> None:
 def test_without_omp_num_threads_the_default_is_the_cores_and_governed(unset) -> None:
     assert threads.configure_threads(None, local_workers=2) == 4
     assert threads._SET[0].default and threads.adaptable_threads() == 4
+
+
+def test_omp_num_threads_past_the_usable_cores_is_the_cores(unset) -> None:
+    """review50: a profile's OMP_NUM_THREADS=16 under `taskset -c 0`, or a typo's 100000 (which
+    aborted in libgomp), set that many threads; torch itself reads it as at most the cores."""
+    unset.setenv("OMP_NUM_THREADS", "100000")
+    assert threads.configure_threads(None) == 8 and torch.get_num_threads() == 8
+    assert not threads._SET[0].default        # still the user's: the governor leaves it alone
