@@ -62,7 +62,7 @@ class Settings(BaseSettings):
     dtype: str = "float32"
     batch_size: int | str = "auto"        # "auto" (the throughput autopilot) or rows decoded together
     max_memory: str = ""                  # KV cache + activations budget, e.g. "8GiB"; "": a share of free
-    threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: OMP_NUM_THREADS, else usable cores / local_workers
+    threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers, capped by OMP_NUM_THREADS
     local_workers: Positive = 1           # worker processes started together on this machine
     lanes: Positive = 1                   # decode loops a process runs over its models (engine/lanes.py)
     processes: Positive = 1               # `specbatch run`: processes decoding after one load (worker/forked.py)

@@ -70,8 +70,8 @@ def device_options(f: Any) -> Any:
 
 def threads_option(f: Any) -> Any:
     return click.option("--threads", type=click.IntRange(min=1), default=None,
-                        help="torch CPU threads for this process [SPECBATCH_THREADS; default: OMP_NUM_THREADS "
-                             "where set, else usable cores / SPECBATCH_LOCAL_WORKERS].")(f)
+                        help="torch CPU threads for this process [SPECBATCH_THREADS; default: usable cores / "
+                             "SPECBATCH_LOCAL_WORKERS, at most OMP_NUM_THREADS where set].")(f)
 
 
 def prefix_cache_option(f: Any) -> Any:

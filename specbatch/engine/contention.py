@@ -106,10 +106,12 @@ class Contention:
         """One line for a run's end where the cores were taken for a share of its steps; else None."""
         if not self.fewer or not self.steps:
             return None
-        least = min(t for _, t in self.history)
-        return (f"other processes held this machine's cores: decoded on {least} of {self.full} torch "
-                f"threads for {self.fewer / self.steps:.0%} of {self.steps} steps (README 'Throughput': a busy machine; "
-                "the text is the same either way)")
+        fewer = sorted({t for _, t in self.history if t < self.full})
+        on = str(fewer[0]) if len(fewer) == 1 else f"{fewer[0]}-{fewer[-1]}"
+        share = self.fewer / self.steps
+        return (f"other processes held this machine's cores: decoded on {on} of {self.full} torch "
+                f"threads for {'<1%' if share < 0.005 else f'{share:.0%}'} of {self.steps} steps "
+                "(README 'Throughput': a busy machine; the text is the same either way)")
 
 
 _SAME: dict[tuple[int, int, int], tuple[bool, float]] = {}   # (model id, threads, threads) -> _same

@@ -5,9 +5,11 @@ On a shared CPU more torch threads than free cores make every forward slower and
 (measured with the tiny models on a busy 2-core machine: 2 threads were about 6x slower than 1),
 so the default is the cores this process may use divided among the worker processes started
 together on the machine (``SPECBATCH_LOCAL_WORKERS``), in one decode loop. ``OMP_NUM_THREADS``,
-where set, is the user's choice as ``--threads`` / ``SPECBATCH_THREADS`` are (they come first): a
-job scheduler or a shell profile that sets it means this process should use that many, up to the
-cores it may use (as torch reads it itself).
+where set, caps that default (each lane's, each forked process's): a job scheduler or a shell
+profile that sets it means "no more than this many here", and the default already divides the
+cores among workers, lanes and processes, so taking it as a count would oversubscribe them
+(``OMP_NUM_THREADS=8`` with 4 local workers on 8 cores: 32 threads). ``--threads`` /
+``SPECBATCH_THREADS`` fix the count instead.
 
 ``lanes`` (``SPECBATCH_LANES``, ``--lanes``) splits them among several decode loops over the same
 models instead (engine/lanes.py), each with its share of torch threads: on a machine whose other
@@ -69,19 +71,20 @@ def omp_threads() -> int:
 
 def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | None = None,
                       processes: int = 1) -> int:
-    """Set torch's intra-op threads and the lanes once per process (None or 0: ``OMP_NUM_THREADS``
-    where set, else the default); later calls return the thread count already set. ``processes``
-    > 1: this process loads on one thread and each process it forks takes ``threads`` (default:
-    its share of the cores)."""
+    """Set torch's intra-op threads and the lanes once per process (None or 0: the default,
+    capped by ``OMP_NUM_THREADS`` where set); later calls return the thread count already set.
+    ``processes`` > 1: this process loads on one thread and each process it forks takes
+    ``threads`` (default: its share of the cores)."""
     if _SET:
         return _SET[0].threads
     import torch
 
-    # OMP_NUM_THREADS at most the usable cores, as torch reads it itself (16 on 2 cores: 2); more
-    # threads than cores is never a scheduler's meaning (a profile's 16 under `taskset -c 0`), and
-    # torch.set_num_threads(100000) aborts in libgomp's thread creation
-    threads = threads or min(omp_threads(), usable_cores()) or None
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
+    if not threads and (cap := omp_threads()):
+        # a cap, never more: the default is at most the usable cores (a profile's 16 under
+        # `taskset -c 0` is 1; torch.set_num_threads(100000) aborts in libgomp's thread creation).
+        # Still the default below it: the governor may lower it while other processes hold cores
+        n = min(n, cap)
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)
     _SET.append(Plan(own, lanes, n, not threads))

@@ -257,6 +257,7 @@ def test_serve_with_two_worker_processes_answers_and_stops(tmp_path: Path) -> No
     assert "2 processes" in output[0], output[0]
 
 
+@pytest.mark.timeout(90)       # (a server that never prints its line: fail, not hang)
 def test_serve_on_port_0_says_the_port_the_system_chose() -> None:
     """qa50: `--port 0` printed `http://127.0.0.1:0/v1`, an address nothing answers on."""
     import re

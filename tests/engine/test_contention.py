@@ -37,6 +37,11 @@ def test_a_contended_run_says_at_its_end_how_much_it_ran_on_fewer_threads(caplog
     assert c.summary() == (f"other processes held this machine's cores: decoded on 1 of 2 torch threads for "
                            f"{c.fewer / 96:.0%} of 96 steps (README 'Throughput': a busy machine; the text is "
                            "the same either way)")
+    c.fewer, c.steps = 1, 300                          # one step of 300 is not "0%"
+    assert "for <1% of 300 steps" in (c.summary() or "")
+    c.history.append((300, 3))                          # (as if 4 threads: 1 and 3 used)
+    c.full = 4
+    assert "decoded on 1-3 of 4 torch threads" in (c.summary() or "")
     # the first drop is said once at INFO (a worker's log), not at every retry
     said = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert said == ["other processes hold this machine's cores: decoding on 1 of 2 torch threads, "

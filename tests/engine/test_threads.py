@@ -26,28 +26,38 @@ def test_omp_num_threads_is_read_as_openmp_reads_it(unset, value, expected) -> N
     assert threads.omp_threads() == expected
 
 
-def test_omp_num_threads_is_the_users_choice_after_the_flag(unset) -> None:
+def test_omp_num_threads_caps_the_default_and_the_flag_comes_first(unset) -> None:
+    """A scheduler's or shell profile's OMP_NUM_THREADS was ignored: the default planned from the cores."""
     unset.setenv("OMP_NUM_THREADS", "3")
     assert threads.configure_threads(None) == 3 and torch.get_num_threads() == 3
-    # the user's count: the thread governor leaves it alone
-    assert threads._SET[0] == threads.Plan(3, 1, 3, False) and threads.adaptable_threads() == 0
+    # below the cap it is still the default: the governor may lower it while other processes hold cores
+    assert threads._SET[0] == threads.Plan(3, 1, 3, True) and threads.adaptable_threads() == 3
 
     unset.setattr(threads, "_SET", [])
-    assert threads.configure_threads(2) == 2        # --threads / SPECBATCH_THREADS come first
+    assert threads.configure_threads(5) == 5 and not threads._SET[0].default   # --threads comes first
 
     unset.setattr(threads, "_SET", [])
-    unset.setenv("OMP_NUM_THREADS", "4")
-    assert threads.configure_threads(0, lanes=2) == 4 and threads._SET[0].lanes == 2   # as --threads 4
+    unset.setenv("OMP_NUM_THREADS", "1")
+    assert threads.configure_threads(None) == 1 and threads.adaptable_threads() == 0
+
+
+def test_omp_num_threads_never_adds_threads_to_the_default(unset) -> None:
+    """review50: taken as a count, OMP_NUM_THREADS=8 with 4 local workers on 8 cores gave each 8
+    (32 threads), each of --processes 2 and of 2 lanes 8; a typo's 100000 aborted in libgomp."""
+    unset.setenv("OMP_NUM_THREADS", "8")
+    assert threads.configure_threads(None, local_workers=4) == 2
+    unset.setattr(threads, "_SET", [])
+    assert threads.configure_threads(None, lanes=2) == 4 and threads._SET[0].lanes == 2
+    unset.setattr(threads, "_SET", [])
+    assert threads.configure_threads(None, processes=2) == 1 and threads._SET[0].forked == 4
+    unset.setattr(threads, "_SET", [])
+    unset.setenv("OMP_NUM_THREADS", "100000")
+    assert threads.configure_threads(None) == 8 and torch.get_num_threads() == 8
+    unset.setattr(threads, "_SET", [])
+    unset.setenv("OMP_NUM_THREADS", "3")
+    assert threads.configure_threads(None, lanes=2) == 3   # a cap on each lane's share (4), as on each process's
 
 
 def test_without_omp_num_threads_the_default_is_the_cores_and_governed(unset) -> None:
     assert threads.configure_threads(None, local_workers=2) == 4
     assert threads._SET[0].default and threads.adaptable_threads() == 4
-
-
-def test_omp_num_threads_past_the_usable_cores_is_the_cores(unset) -> None:
-    """review50: a profile's OMP_NUM_THREADS=16 under `taskset -c 0`, or a typo's 100000 (which
-    aborted in libgomp), set that many threads; torch itself reads it as at most the cores."""
-    unset.setenv("OMP_NUM_THREADS", "100000")
-    assert threads.configure_threads(None) == 8 and torch.get_num_threads() == 8
-    assert not threads._SET[0].default        # still the user's: the governor leaves it alone
