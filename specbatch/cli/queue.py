@@ -546,7 +546,9 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                            lambda t: vocab if t in (None, target_) else local(t))
     job_id, routes = _create_job(settings, file, target_, drafts_, defaults, queue_name(target_, drafts_),
                                  model_map, parsed=parsed, metadata={"embedded": True}, cache=not no_cache)
-    _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, engine)
+    held = [engine]
+    del engine     # (the list is the only name for it: run_job lets go of it before a next pair loads)
+    _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, held)
 
 
 def run_in_process(job_id: str, as_json: bool) -> None:
@@ -576,9 +578,11 @@ def _processes(settings: Settings, processes: int, device: str | None, compile_:
     return processes
 
 
-def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine: Engine | None = None) -> None:
+def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: list[Engine] | None = None) -> None:
     """Generate ``job`` (a LocalJob, or the id of one to resume) here, print its summary and exit
-    with run's status (README "Exit status")."""
+    with run's status (README "Exit status"). ``held``: the job's first pair, already loaded, in a
+    list this takes it out of (a caller's name for it would keep its memory while the next
+    ``--model-map`` pair loads)."""
     from rich.console import Console
 
     from specbatch.worker.interrupt import stop_on_signals
@@ -595,7 +599,7 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
     # each pair's thread-governor line (engine/contention.py), read when it is done: run_job lets
     # go of a pair's engine before it loads the next (its memory first), so none is kept here
     lines: list[str] = []
-    current = [engine] if engine is not None else []
+    current = held if held is not None else []
     load = _load_shown(settings, options, console)
 
     def done() -> None:
@@ -612,7 +616,8 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, engine:
     hooks = RunHooks(load=loaded, progress=lambda jid, total: _progress(console, jid, total), warn=warn)
     with stop_on_signals(on_first) as stop_request:
         try:
-            finished = run_job(settings, job, options, hooks, stop=stop_request, engine=engine)
+            finished = run_job(settings, job, options, hooks, stop=stop_request,
+                               engine=current[0] if current else None)
         except KeyboardInterrupt:
             click.echo(f"job {job_id}: stopped at once; finished results are saved. "
                        f"`specbatch run --resume {job_id}` finishes it.", err=True)

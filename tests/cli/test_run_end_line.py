@@ -48,12 +48,21 @@ def test_run_drops_a_pair_before_the_next_loads_and_still_says_each_governor_lin
     monkeypatch.setattr(queue, "report_compile", lambda plan: None)
     monkeypatch.setattr(queue, "_progress", lambda console, jid, total: contextlib.nullcontext(lambda e: None))
     monkeypatch.setattr(queue, "_report", lambda settings, job_id, finished, as_json: None)
-
+    options = local.LoadOptions("cpu", "float32", "auto", "off", "", True, 1)
 
     job = local.LocalJob("j1", "t0", [], {("a", ()): [1], ("b", ()): [2], ("c", ()): [3]}, resumed=True)
-    queue._run_here(Settings.from_env({}), job, local.LoadOptions("cpu", "float32", "auto", "off", "", True, 1),
-                    False)
+    queue._run_here(Settings.from_env({}), job, options, False)
     assert seen_alive == [0, 0, 0], seen_alive       # no earlier pair's engine alive while the next loads
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.startswith("specbatch: ")] == \
         ["specbatch: a held", "specbatch: b held", "specbatch: c held"], err
+
+    # `run FILE` loads the first pair before the job exists and hands it over: it goes too
+    first = _FakeEngine("t0")
+    alive[:] = [weakref.ref(first)]
+    seen_alive.clear()
+    job = local.LocalJob("j2", "t0", [], {None: [1], ("b", ()): [2]})
+    held = [first]
+    del first
+    queue._run_here(Settings.from_env({}), job, options, False, held)
+    assert seen_alive == [0], seen_alive
