@@ -61,3 +61,17 @@ def test_omp_num_threads_never_adds_threads_to_the_default(unset) -> None:
 def test_without_omp_num_threads_the_default_is_the_cores_and_governed(unset) -> None:
     assert threads.configure_threads(None, local_workers=2) == 4
     assert threads._SET[0].default and threads.adaptable_threads() == 4
+
+
+def test_the_thread_count_and_where_it_came_from_are_logged(unset, caplog) -> None:
+    """qa50w: nothing said how many threads a worker decodes on, or that OMP_NUM_THREADS capped them."""
+    unset.setenv("OMP_NUM_THREADS", "1")
+    with caplog.at_level("INFO", logger="specbatch.engine.threads"):
+        threads.configure_threads(None, local_workers=2)
+        unset.setattr(threads, "_SET", [])
+        unset.setenv("OMP_NUM_THREADS", "abc")
+        threads.configure_threads(None, lanes=2)
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch threads: 1 (8 usable cores / 2 local worker(s), at most OMP_NUM_THREADS=1)",
+        "torch threads: 4 in each lane (8 usable cores / 1 local worker(s) / 2 lanes "
+        "(OMP_NUM_THREADS='abc' is no positive integer: ignored))"]
