@@ -13,12 +13,16 @@ in torch can pack a weight once and multiply by the packed copy, the ops inducto
   on a 2-core Xeon (AVX-512 + AMX, stop 43) 1.2-2.7x ``F.linear`` from 4 to 48 rows, and from 16 rows
   up bitwise ``F.linear``'s.
 
-Which one a process uses is fixed, not timed: the first of oneDNN, MKL whose products pass
-``kernel_check`` on this machine (they agree with ``F.linear`` and every row's output is bitwise
-the same at every row count, alone or beside others). A timing race at start-up would let two
-workers of one job round differently. ``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``) pins the
-choice, e.g. to reproduce another host's numbers. Where neither passes, or torch has neither
-library (ARM), Linears stay as they are.
+Which one a process uses is fixed, not timed: the first whose products pass ``kernel_check`` on
+this machine (they agree with ``F.linear`` and every row's output is bitwise the same at every row
+count, alone or beside others), in the order the CPU's vendor was measured to favour
+(``preferred``): MKL first on an Intel CPU, oneDNN first elsewhere. On stop 50's Intel Xeon
+(Emerald Rapids, 2 threads) the default job ran 1.38x as fast on MKL's packed products as on
+oneDNN's, which were slower than ``F.linear`` there (0.76x); on stop 44's AMD EPYC oneDNN's ran the
+job 1.47-1.61x MKL's (whose 1-row product failed the check there). A timing race at start-up would
+let two workers of one job round differently; the vendor does not change under a worker.
+``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``) pins the choice, e.g. to reproduce another
+host's numbers. Where neither passes, or torch has neither library (ARM), Linears stay as they are.
 
 Batch invariance is the point as much as speed: ``sgemm`` switches kernels below 16 rows (a
 matrix-vector product at 1 row), so a row's output moves with the number of rows beside it. The
@@ -141,14 +145,33 @@ def group_check(k: Kernel) -> str | None:
     return None
 
 
+def cpu_vendor() -> str:
+    """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``); "" where /proc/cpuinfo has none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def preferred(vendor: str | None = None) -> list[Kernel]:
+    """``KERNELS`` in the order this CPU's vendor was measured to favour (module docstring)."""
+    first = "mkl" if (cpu_vendor() if vendor is None else vendor) == "GenuineIntel" else "onednn"
+    return sorted(KERNELS, key=lambda k: k.name != first)
+
+
 @functools.cache
 def kernel() -> Kernel | None:
-    """This process's packed product: ``SPECBATCH_LINEARS`` if set, else the first of ``KERNELS``
-    that passes ``kernel_check``; None: Linears stay ``F.linear``. Logged once (why not, too)."""
+    """This process's packed product: ``SPECBATCH_LINEARS`` if set, else the first of
+    ``preferred()`` that passes ``kernel_check``; None: Linears stay ``F.linear``. Logged once
+    (why not, too)."""
     pinned = os.environ.get("SPECBATCH_LINEARS", "").strip().lower()
     if pinned == "off":
         return None
-    candidates = [k for k in KERNELS if not pinned or k.name == pinned]
+    candidates = [k for k in preferred() if not pinned or k.name == pinned]
     if not candidates:
         logger.warning("SPECBATCH_LINEARS=%s is none of onednn, mkl, off: Linears stay unpacked", pinned)
         return None
