@@ -597,9 +597,12 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
         console.print("[yellow]stopping at the next step (Ctrl-C again to exit at once)...[/]")
 
     # each pair's thread-governor line (engine/contention.py), read when it is done: run_job lets
-    # go of a pair's engine before it loads the next (its memory first), so none is kept here
+    # go of a pair's engine before it loads the next (its memory first), so none is kept here;
+    # the pair loaded before the job (`run FILE`) is handed out by the load hook, never passed as
+    # an argument (a caller's frame can hold its arguments for the call's length: under a tracer,
+    # CPython does)
     lines: list[str] = []
-    current = held if held is not None else []
+    current: list[Engine] = []
     load = _load_shown(settings, options, console)
 
     def done() -> None:
@@ -608,16 +611,18 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
             if e.contention is not None and (line := e.contention.summary()):
                 lines.append(line)
 
-    def loaded(*args: Any) -> Engine:
+    def loaded(target: str, drafts: list[str], budgets: list[int]) -> Engine:
         done()
-        current.append(load(*args))
+        if held and (target, list(drafts)) == (job.target, list(job.drafts)):
+            current.append(held.pop())
+        else:
+            current.append(load(target, drafts, budgets))
         return current[0]
 
     hooks = RunHooks(load=loaded, progress=lambda jid, total: _progress(console, jid, total), warn=warn)
     with stop_on_signals(on_first) as stop_request:
         try:
-            finished = run_job(settings, job, options, hooks, stop=stop_request,
-                               engine=current[0] if current else None)
+            finished = run_job(settings, job, options, hooks, stop=stop_request)
         except KeyboardInterrupt:
             click.echo(f"job {job_id}: stopped at once; finished results are saved. "
                        f"`specbatch run --resume {job_id}` finishes it.", err=True)
@@ -631,6 +636,8 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
                 f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
                 "trace)") from e
     done()
+    if held:
+        held.clear()      # (a job with no route of its own pair: it was never handed out)
     for line in lines:     # why a run on a shared machine was slower than the last (engine/contention.py)
         click.echo(f"specbatch: {line}", err=True)
     _report(settings, job_id, finished, as_json)

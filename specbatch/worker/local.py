@@ -101,11 +101,13 @@ def _resumable_job(s: Any, job_id: str) -> LocalJob:
 
 
 def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunHooks, *,
-            stop: StopRequest | None = None, engine: Engine | None = None) -> bool:
-    """Generate ``job``'s routes one pair at a time (``engine``: its own pair, already loaded);
-    False when ``stop`` interrupted it (the job is then marked interrupted, see ``run_embedded``).
-    A failure of the engine itself propagates; finished results are kept either way."""
-    loaded = (job.target, job.drafts) if engine is not None else None
+            stop: StopRequest | None = None) -> bool:
+    """Generate ``job``'s routes one pair at a time, each loaded by ``hooks.load`` (which may hand
+    back one loaded before); False when ``stop`` interrupted it (the job is then marked
+    interrupted, see ``run_embedded``). A failure of the engine itself propagates; finished
+    results are kept either way."""
+    engine: Engine | None = None
+    loaded = None
     for route, ids in job.routes.items():
         pair = (route[0], route_drafters(route[1], job.drafts)) if route is not None else (job.target, job.drafts)
         if engine is None or pair != loaded:
