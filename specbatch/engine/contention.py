@@ -122,11 +122,16 @@ def governor(model: Any, full: int) -> Contention | None:
     logits differ on one thread (checked once per model and count; any other count is checked
     before it is first used). It starts on one thread where the check's own forwards found the
     cores taken: a decode's first prefill is its longest step."""
-    agree, use = same_logits(model, full, 1)
+    agree, speedup = same_logits(model, full, 1)
     if not agree:
         logger.info("the target's logits differ on 1 thread and on %d: the threads stay %d", full, full)
         return None
-    start = full if use >= LOW else 1
+    # the check's own forwards, timed on all threads and on one: all of them no faster than one
+    # is what taken cores do (quiet, 2 threads were 1.74x one here; beside a busy process 0.31x).
+    # Not the CPU-time sign the steps read: on a quiet host `specbatch run`'s check read 0.78-0.80
+    # of it (0.99 alone), started every run on one thread and lost 20-25% of the default job
+    start = full if speedup >= 1.0 else 1
+    logger.debug("start-up check: %d threads %.2fx one: starting on %d", full, speedup, start)
     governed = Contention(full, agrees=lambda n: same_logits(model, full, n)[0])
     governed.set_threads(full)      # (a previous engine's governor may have left fewer)
     governed._set(start)
@@ -135,8 +140,8 @@ def governor(model: Any, full: int) -> Contention | None:
 
 def same_logits(model: Any, full: int, n: int) -> tuple[bool, float]:
     """(whether ``model`` computes the same logits bitwise on ``n`` threads as on ``full``: a
-    prompt's forward at 1 and 6 rows and one step over its cache; CPU time / (wall x threads) of
-    the first ``full`` pass), once per model and pair of counts."""
+    prompt's forward at 1 and 6 rows and one step over its cache; how many times faster the
+    ``full`` pass ran than the ``n`` one), once per model and pair of counts."""
     key = (id(model.model), full, n)
     if key not in _SAME:
         _SAME[key] = _same(model, full, n)
@@ -155,17 +160,17 @@ def _same(model: Any, full: int, n: int) -> tuple[bool, float]:
         torch.set_num_threads(threads)
         g = torch.Generator().manual_seed(0)
         out = []
-        w0, c0 = time.perf_counter(), time.process_time()
+        w0 = time.perf_counter()
         for rows in (1, 6):
             ids = torch.randint(0, vocab, (rows, 8), generator=g).tolist()
             cache = BatchCache(model, rows)
             out.append(cache.forward(ids, logits_to_keep=8))
             out.append(cache.forward([[r[0]] for r in ids], logits_to_keep=1))
-        return out, (time.process_time() - c0) / max(1e-9, (time.perf_counter() - w0) * threads)
+        return out, time.perf_counter() - w0
 
     try:
-        with torch.inference_mode():
-            (many, use), (few, _) = logits(full), logits(n)
-            return all(torch.equal(a, b) for a, b in zip(many, few, strict=True)), use
+        with torch.inference_mode():     # (the fewer first: the first pass pays what warms up)
+            (few, t_few), (many, t_many) = logits(n), logits(full)
+            return all(torch.equal(a, b) for a, b in zip(many, few, strict=True)), t_few / max(1e-9, t_many)
     finally:
         torch.set_num_threads(before)
