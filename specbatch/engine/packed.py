@@ -17,9 +17,10 @@ Which one a process uses is fixed, not timed: the first whose products pass ``ke
 this machine (they agree with ``F.linear`` and every row's output is bitwise the same at every row
 count, alone or beside others), in the order the CPU's vendor was measured to favour
 (``preferred``): MKL first on an Intel CPU, oneDNN first elsewhere. On stop 50's Intel Xeon
-(Emerald Rapids, 2 threads) the default job ran 1.38x as fast on MKL's packed products as on
-oneDNN's, which were slower than ``F.linear`` there (0.76x); on stop 44's AMD EPYC oneDNN's ran the
-job 1.47-1.61x MKL's (whose 1-row product failed the check there). A timing race at start-up would
+(Emerald Rapids) MKL's products were 1.14-2.41x ``F.linear``'s per Linear at 8-32 rows where
+oneDNN's were 0.54-0.99x, and the default job ran 1.05x as fast on MKL's (186.2 against 177.9
+tok/s); on stop 44's AMD EPYC oneDNN's ran the job 1.47-1.61x MKL's (whose 1-row product failed
+the check there). A timing race at start-up would
 let two workers of one job round differently; the vendor does not change under a worker.
 ``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``) pins the choice, e.g. to reproduce another
 host's numbers. Where neither passes, or torch has neither library (ARM), Linears stay as they are.
