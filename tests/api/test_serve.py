@@ -216,6 +216,15 @@ def test_healthz_is_answered_before_the_middleware_and_routing(tmp_path: Path) -
     assert routed == ["GET /v1/files", "GET /v1/files", "POST /healthz"]
 
 
+def _healthy(port: int) -> bool:
+    """Whether a server on ``port`` answers GET /healthz with 200."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 @contextlib.contextmanager
 def serving(workers: int, *args: str, **env_extra: str) -> Iterator[tuple[subprocess.Popen[str], int, list[str]]]:
     """``specbatch serve --workers N`` on a free port, answering ``/healthz``: (process, port,
@@ -229,15 +238,9 @@ def serving(workers: int, *args: str, **env_extra: str) -> Iterator[tuple[subpro
                              "--port", str(port), "--workers", str(workers), *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
     output: list[str] = []
     try:
-        wait_for(healthy, 60, f"serve --workers {workers} to answer")
+        wait_for(lambda: _healthy(port), 60, f"serve --workers {workers} to answer")
         yield proc, port, output
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -273,14 +276,7 @@ def test_serve_on_port_0_says_the_port_the_system_chose() -> None:
         line = next(x for x in proc.stderr if x.startswith("specbatch API on "))
         found = re.search(r"http://127\.0\.0\.1:(\d+)/v1 ", line)
         assert found and int(found.group(1)) > 0, line
-
-        def healthy() -> bool:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{found.group(1)}/healthz", timeout=2) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-        wait_for(healthy, 60, "serve --port 0 to answer on the port it printed")
+        wait_for(lambda: _healthy(int(found.group(1))), 60, "serve --port 0 to answer on the port it printed")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=30)
