@@ -602,22 +602,21 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
     # an argument (a caller's frame can hold its arguments for the call's length: under a tracer,
     # CPython does)
     lines: list[str] = []
-    current: list[Engine] = []
+    current: Engine | None = None
     load = _load_shown(settings, options, console)
 
     def done() -> None:
-        while current:
-            e = current.pop()
-            if e.contention is not None and (line := e.contention.summary()):
-                lines.append(line)
+        nonlocal current
+        if current is not None and current.contention is not None and (line := current.contention.summary()):
+            lines.append(line)
+        current = None
 
     def loaded(target: str, drafts: list[str], budgets: list[int]) -> Engine:
+        nonlocal current
         done()
-        if held and (target, list(drafts)) == (job.target, list(job.drafts)):
-            current.append(held.pop())
-        else:
-            current.append(load(target, drafts, budgets))
-        return current[0]
+        own_pair = (target, list(drafts)) == (job.target, list(job.drafts))
+        current = held.pop() if held and own_pair else load(target, drafts, budgets)
+        return current
 
     hooks = RunHooks(load=loaded, progress=lambda jid, total: _progress(console, jid, total), warn=warn)
     with stop_on_signals(on_first) as stop_request:

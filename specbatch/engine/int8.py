@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from specbatch.engine import cpuinfo
 from specbatch.engine.siblings import HeldProduct, shared_input_groups
 
 _QMAX = 127.0     # symmetric int8: -127..127, so a row's max |x| lands on 127 exactly
@@ -34,12 +35,7 @@ def fbgemm_activation_range() -> tuple[float, int]:
     of products in int16, which 8-bit activations can saturate (255 x 127 x 2 > 32767): torch.ao's
     ``reduce_range`` on x86 for the same reason. Saturation would only lower the draft's
     acceptance (the target verifies every token), but silently."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            vnni = "avx512_vnni" in f.read()
-    except OSError:
-        vnni = False
-    return (_QMAX, _ZERO) if vnni else (63.0, 64)
+    return (_QMAX, _ZERO) if "avx512_vnni" in cpuinfo.flags() else (63.0, 64)
 
 
 def numerics() -> str:

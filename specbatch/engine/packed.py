@@ -20,8 +20,8 @@ count, alone or beside others), in the order the CPU's vendor was measured to fa
 (Emerald Rapids) MKL's products were 1.14-2.41x ``F.linear``'s per Linear at 8-32 rows where
 oneDNN's were 0.54-0.99x, and the default job ran 1.05x as fast on MKL's (186.2 against 177.9
 tok/s); on stop 44's AMD EPYC oneDNN's ran the job 1.47-1.61x MKL's (whose 1-row product failed
-the check there). A timing race at start-up would
-let two workers of one job round differently; the vendor does not change under a worker.
+the check there). A timing race at start-up would let two workers of one job round differently;
+the vendor does not change under a worker.
 ``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``) pins the choice, e.g. to reproduce another
 host's numbers. Where neither passes, or torch has neither library (ARM), Linears stay as they are.
 
@@ -50,6 +50,7 @@ from typing import Any, TypeGuard
 import torch
 import torch.nn.functional as F
 
+from specbatch.engine import cpuinfo
 from specbatch.engine.siblings import HeldProduct, shared_input_groups
 
 logger = logging.getLogger(__name__)
@@ -148,14 +149,7 @@ def group_check(k: Kernel) -> str | None:
 
 def cpu_vendor() -> str:
     """The CPU's ``vendor_id`` (``GenuineIntel``, ``AuthenticAMD``); "" where /proc/cpuinfo has none."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("vendor_id"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    return cpuinfo.field("vendor_id")
 
 
 def preferred(vendor: str | None = None) -> list[Kernel]:

@@ -83,16 +83,18 @@ def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | 
     import torch
 
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
-    why = "given" if threads else f"{usable_cores()} usable cores / {local_workers} local worker(s)" + \
-        (f" / {lanes} lanes" if lanes > 1 else "") + (f" / {processes} processes" if processes > 1 else "")
-    if not threads and (cap := omp_threads()):
+    why = "given"
+    if not threads:
+        why = f"{usable_cores()} usable cores / {local_workers} local worker(s)" + \
+            (f" / {lanes} lanes" if lanes > 1 else "") + (f" / {processes} processes" if processes > 1 else "")
         # a cap, never more: the default is at most the usable cores (a profile's 16 under
         # `taskset -c 0` is 1; torch.set_num_threads(100000) aborts in libgomp's thread creation).
         # Still the default below it: the governor may lower it while other processes hold cores
-        n = min(n, cap)
-        why += f", at most OMP_NUM_THREADS={cap}"
-    elif not threads and os.environ.get("OMP_NUM_THREADS", "").strip():
-        why += f" (OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']!r} is no positive integer: ignored)"
+        if cap := omp_threads():
+            n = min(n, cap)
+            why += f", at most OMP_NUM_THREADS={cap}"
+        elif (raw := os.environ.get("OMP_NUM_THREADS", "")).strip():
+            why += f" (OMP_NUM_THREADS={raw!r} is no positive integer: ignored)"
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)
     _SET.append(Plan(own, lanes, n, not threads))

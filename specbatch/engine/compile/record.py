@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from specbatch.engine import cpuinfo
 from specbatch.engine.compile.forward import ModelHandle, key_class, shape_class
 from specbatch.engine.compile.inductor import inductor_cache_dir, inductor_options
 
@@ -51,12 +52,7 @@ class CompileReport:
 def _processor(device_type: str, index: int | None) -> str:
     if device_type == "cuda":
         return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cuda"
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor()} x{os.cpu_count()}"
+    return f"{cpuinfo.field('model name') or platform.processor()} x{os.cpu_count()}"
 
 
 def host_key(device: torch.device | str) -> str:

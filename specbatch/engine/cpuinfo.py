@@ -1,0 +1,32 @@
+"""What /proc/cpuinfo says of this machine's CPU, read once (Linux; elsewhere nothing)."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.cache
+def _first_cpu() -> dict[str, str]:
+    """The first processor's fields (``vendor_id``, ``model name``, ``flags``, ...); {} where the
+    file cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break            # (the first processor's block ends at its blank line)
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def field(name: str) -> str:
+    """One field of the first processor's block; "" where it has none."""
+    return _first_cpu().get(name, "")
+
+
+def flags() -> frozenset[str]:
+    """The CPU's feature flags (``avx512_vnni``, ``amx_bf16``, ...)."""
+    return frozenset(field("flags").split())
