@@ -126,9 +126,13 @@ def decode_on(n: int) -> None:
 
 def decode_here(processes: int) -> None:
     """This process decodes after all, not the ``processes`` it planned to fork: it takes their
-    threads."""
+    threads, up to ``OMP_NUM_THREADS`` where that capped the default (a cap on each process, and
+    this is one)."""
     if _SET and processes > 1:
-        decode_on(min(usable_cores(), _SET[0].forked * processes))
+        n = min(usable_cores(), _SET[0].forked * processes)
+        if _SET[0].default and (cap := omp_threads()):
+            n = min(n, cap)
+        decode_on(n)
 
 
 def adaptable_threads() -> int:

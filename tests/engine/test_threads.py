@@ -58,6 +58,18 @@ def test_omp_num_threads_never_adds_threads_to_the_default(unset) -> None:
     assert threads.configure_threads(None, lanes=2) == 3   # a cap on each lane's share (4), as on each process's
 
 
+def test_a_parent_that_decodes_after_all_keeps_to_omp_num_threads(unset) -> None:
+    """It took its planned children's threads (4 x 2 here) whatever OMP_NUM_THREADS said."""
+    unset.setenv("OMP_NUM_THREADS", "2")
+    threads.configure_threads(None, processes=4)
+    threads.decode_here(4)
+    assert torch.get_num_threads() == 2 and threads._SET[0].threads == 2
+    unset.setattr(threads, "_SET", [])
+    threads.configure_threads(3, processes=2)    # --threads fixes each process's count: both taken
+    threads.decode_here(2)
+    assert torch.get_num_threads() == 6
+
+
 def test_without_omp_num_threads_the_default_is_the_cores_and_governed(unset) -> None:
     assert threads.configure_threads(None, local_workers=2) == 4
     assert threads._SET[0].default and threads.adaptable_threads() == 4
