@@ -560,6 +560,8 @@ def db_upgrade(as_json: bool) -> None:
     path = store_db.sqlite_path(url)
     is_new = path is not None and not path.exists()
     try:
+        # (not read from a SQLite file that is not there: connecting would create it)
+        before = None if is_new else store_db.current_revision(url)
         store_db.upgrade(url)
         revision = store_db.current_revision(url)
     except OperationalError as e:
@@ -567,9 +569,11 @@ def db_upgrade(as_json: bool) -> None:
     if is_new:
         click.echo(f"specbatch: created a new database at {path}", err=True)
     if as_json:
-        echo_json({"url": shown, "revision": revision})
+        echo_json({"url": shown, "revision": revision, "previous": before})
+    elif before == revision:
+        click.echo(f"database {shown} is at revision {revision} already (the newest): nothing to migrate")
     else:
-        click.echo(f"database {shown} is at revision {revision}")
+        click.echo(f"database {shown} migrated from {before or 'an empty schema'} to revision {revision}")
 
 
 @db.command("url")

@@ -456,8 +456,17 @@ def test_db_upgrade_and_url(db_url, tmp_path):
     result = run("db", "upgrade")
     assert result.exit_code == 0, result.output
     assert f"created a new database at {tmp_path / 'data' / 'cli.db'}" in result.stderr
-    assert result.stdout.strip() == f"database {db_url} is at revision {head_revision()}"
-    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": head_revision()}
+    assert result.stdout.strip() == f"database {db_url} migrated from an empty schema to revision {head_revision()}"
+    # stop 50's leftover: the same line whether or not anything was migrated
+    again = run("db", "upgrade")
+    assert again.stdout.strip() == f"database {db_url} is at revision {head_revision()} already (the newest): " \
+        "nothing to migrate"
+    assert json.loads(run("db", "upgrade", "--json").stdout) == {"url": db_url, "revision": head_revision(),
+                                                                 "previous": head_revision()}
+    db.downgrade(db_url, "-1")
+    older = db.current_revision(db_url)
+    assert older != head_revision()
+    assert run("db", "upgrade").stdout.strip() == f"database {db_url} migrated from {older} to revision {head_revision()}"
     assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
                                                              "exists": True}
 
