@@ -22,7 +22,10 @@ def test_a_killed_workers_requests_are_queued_again_by_a_live_worker(cluster) ->
     # Redis would give the dead worker's message back only after an hour: healing must not wait for it
     cluster.env.update({"SPECBATCH_VISIBILITY_TIMEOUT": "3600", "SPECBATCH_LEASE_SWEEP_SECONDS": "1",
                         "SPECBATCH_MAX_ATTEMPTS": "3"})
-    w1 = cluster.worker("w1")
+    # slow steps (tests/worker/test_queue_integration.py, SLOW_STEPS): the tiny model ends these rows
+    # at 37-124 tokens, a chunk in 0.1-0.3 s, which a loaded poller could miss, or see just before
+    # the chunk ended and leave nothing stranded to heal
+    w1 = cluster.worker("w1", imports=("tests.worker.slow_step_hook",))
     # one task (SPECBATCH_CHUNK_SIZE=2): no other task of the job is left for a worker to claim the
     # stranded rows along with its own
     job_id, ids = cluster.submit(_rows(2, max_tokens=300))

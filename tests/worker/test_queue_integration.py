@@ -18,6 +18,14 @@ def _rows(n: int, max_tokens: int = 6, prefix: str = "q") -> list[dict]:
             for i in range(n)]
 
 
+# Every decode step of the pool child 50 ms longer, so a test sees a job's rows running and acts on
+# them before they end: the tiny model ends "The quick brown fox {i}" at 37-124 tokens whatever
+# max_tokens asks, so a 2-row chunk was "running" for 0.1-0.3 s (2-3 polls 0.1 s apart on a quiet
+# machine; a poller descheduled that long on 2 loaded cores missed it and waited out its 90 s, or
+# killed a worker after its chunk had ended); with these steps, about 6.5 s.
+SLOW_STEPS = "tests.worker.slow_step_hook"
+
+
 def _one_result_each(rows: list[dict]) -> None:
     assert all(r["results"] == 1 for r in rows), rows
 
@@ -86,9 +94,10 @@ def test_sigkill_pool_child_then_whole_worker_then_second_worker(cluster) -> Non
     suspect from the first kill runs alone, and may be the row decoding at the second), so three
     attempts let every row finish; fewer would fail it, as the contract says."""
     cluster.env["SPECBATCH_MAX_ATTEMPTS"] = "3"
-    w1 = cluster.worker("w1")
+    w1 = cluster.worker("w1", imports=(SLOW_STEPS,))
     # long enough that rows still decode after the first result is in (at 48 tokens the five
-    # left could all finish between two polls: seen once in CI, under load)
+    # left could all finish between two polls: seen once in CI, under load; at 300 the tiny model's
+    # end of text still ended a chunk in 0.1-0.3 s: slow steps, as below)
     job_id, ids = cluster.submit(_rows(6, max_tokens=300))
     _wait_running(cluster, job_id)
     children = w1.pool_children()
@@ -112,7 +121,7 @@ def test_sigkill_pool_child_then_whole_worker_then_second_worker(cluster) -> Non
 
 
 def test_sigterm_mid_prompt_finishes_it_nothing_redelivered(cluster) -> None:  # noqa: ANN001
-    w1 = cluster.worker("w1")
+    w1 = cluster.worker("w1", imports=(SLOW_STEPS,))
     # one chunk; long enough to be seen running (a 2-row batch of tiny models decodes in ms a step)
     job_id, ids = cluster.submit(_rows(2, max_tokens=300))
     running = _wait_running(cluster, job_id)
@@ -138,7 +147,7 @@ def test_redis_restarted_mid_job_completes_with_resume(cluster) -> None:  # noqa
 
     from specbatch.cli.main import cli
 
-    w1 = cluster.worker("w1")
+    w1 = cluster.worker("w1", imports=(SLOW_STEPS,))
     job_id, ids = cluster.submit(_rows(6, max_tokens=300))   # long enough to be seen running
     _wait_running(cluster, job_id)
     cluster.redis.restart(down_seconds=1.0)  # no persistence: every queued message is gone
