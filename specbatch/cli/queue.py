@@ -607,7 +607,7 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
 
     def done() -> None:
         nonlocal current
-        if current is not None and current.contention is not None and (line := current.contention.summary()):
+        if current is not None and (line := current.contention_line()):
             lines.append(line)
         current = None
 

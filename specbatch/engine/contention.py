@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,16 +102,39 @@ class Contention:
             self.history.append((self.steps, n))
             logger.debug("torch threads %d (step %d)", n, self.steps)
 
+    def tally(self) -> Tally:
+        return Tally(self.full, self.steps, self.fewer, tuple(sorted({t for _, t in self.history if t < self.full})))
+
     def summary(self) -> str | None:
         """One line for a run's end where the cores were taken for a share of its steps; else None."""
-        if not self.fewer or not self.steps:
-            return None
-        fewer = sorted({t for _, t in self.history if t < self.full})
-        on = str(fewer[0]) if len(fewer) == 1 else f"{fewer[0]}-{fewer[-1]}"
-        share = self.fewer / self.steps
-        return (f"other processes held this machine's cores: decoded on {on} of {self.full} torch "
-                f"threads for {'<1%' if share < 0.005 else f'{share:.0%}'} of {self.steps} steps "
-                "(README 'Throughput': a busy machine; the text is the same either way)")
+        return describe([self.tally()])
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What one governor did over a decode, picklable: a forked decode process sends its own to
+    the process that prints the run's end line (worker/forked.py)."""
+
+    full: int
+    steps: int
+    fewer: int                       # steps on fewer than ``full`` threads
+    used: tuple[int, ...]            # the counts below ``full`` it decoded on
+
+
+def describe(tallies: Sequence[Tally]) -> str | None:
+    """One line for a run's end where the cores were taken for a share of its steps (over every
+    decode process's, where several decoded the run); else None."""
+    steps, fewer = sum(t.steps for t in tallies), sum(t.fewer for t in tallies)
+    if not fewer or not steps:
+        return None
+    used = sorted({n for t in tallies for n in t.used})
+    on = str(used[0]) if len(used) == 1 else f"{used[0]}-{used[-1]}"
+    share = fewer / steps
+    where = "" if len(tallies) == 1 else \
+        f", in {sum(1 for t in tallies if t.fewer)} of its {len(tallies)} decode processes"
+    return (f"other processes held this machine's cores: decoded on {on} of {max(t.full for t in tallies)} "
+            f"torch threads for {'<1%' if share < 0.005 else f'{share:.0%}'} of {steps} steps{where} "
+            "(README 'Throughput': a busy machine; the text is the same either way)")
 
 
 _SAME: dict[tuple[int, int, int], tuple[bool, float]] = {}   # (model id, threads, threads) -> _same

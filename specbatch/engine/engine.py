@@ -19,7 +19,7 @@ from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
 from specbatch.engine.compile.static import static_plan
-from specbatch.engine.contention import Contention, governor
+from specbatch.engine.contention import Contention, Tally, describe, governor
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
@@ -148,6 +148,8 @@ class Engine:
         # the torch threads one loop decodes on, lowered while other processes hold the cores
         # (engine/contention.py); made at the first decode that may use it
         self.contention: Contention | None = None
+        # the governors of processes forked to decode with this engine (worker/forked.py)
+        self.forked_contention: list[Tally] = []
         # each lane's own state by (lane, lanes in use), where it is not the attributes above
         self.lane_state: dict[tuple[int, int], _Lane] = {}
 
@@ -515,6 +517,12 @@ class Engine:
         if self.batch_size != AUTO:
             return int(self.batch_size)
         return self.autopilot.planned_rows() if self.autopilot is not None else 8
+
+    def contention_line(self) -> str | None:
+        """The run-end line of what the thread governors did over this engine's decodes, here
+        and in the processes forked with it; None where the cores were never taken."""
+        own = [self.contention.tally()] if self.contention is not None else []
+        return describe(own + self.forked_contention)
 
     def batch_report(self) -> dict[str, Any] | None:
         """What the autopilot chose and measured so far (None before an automatic batch ran)."""

@@ -47,6 +47,7 @@ from specbatch.worker.interrupt import StopRequest
 from specbatch.worker.transaction import transact
 
 if TYPE_CHECKING:
+    from specbatch.engine.contention import Tally
     from specbatch.engine.engine import Engine
     from specbatch.worker.chunk import ResultEvent
 
@@ -151,7 +152,8 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
             send.close()
             stops.close()
             children.append(_Child(process, results, told))
-        finished, error = _gather(children, stop, on_progress)
+        finished, error, tallies = _gather(children, stop, on_progress)
+        engine.forked_contention.extend(tallies)     # for the run's end line (engine.contention_line)
     except BaseException:
         # a second Ctrl-C (KeyboardInterrupt) or our own failure: end them at once
         for child in children:
@@ -189,7 +191,8 @@ def _budgets(sf: Any, ids: list[int]) -> list[int]:
 @dataclasses.dataclass
 class _Child:
     process: Any
-    results: Connection     # from it: ("result", event), then ("done", finished) or ("error", ...)
+    # from it: ("result", event), then ("done", (finished, its governor's Tally or None)) or ("error", ...)
+    results: Connection
     stop: Connection        # to it: a word there stops it at its next step
 
     def tell_stop(self) -> None:
@@ -199,10 +202,12 @@ class _Child:
             pass
 
 
-def _gather(children: list[_Child], stop: StopRequest,
-            on_progress: Callable[[ResultEvent], None] | None) -> tuple[bool, str | None]:
-    """Each child's results shown as they come, until all have ended; (finished, first error)."""
+def _gather(children: list[_Child], stop: StopRequest, on_progress: Callable[[ResultEvent], None] | None
+            ) -> tuple[bool, str | None, list[Tally]]:
+    """Each child's results shown as they come, until all have ended; (finished, first error, the
+    governors' tallies of those that had one)."""
     finished, error, stopped = True, None, False
+    tallies: list[Tally] = []
     open_ = {child.results: child for child in children}
     while open_:
         if (stop() or error is not None) and not stopped:
@@ -225,12 +230,15 @@ def _gather(children: list[_Child], stop: StopRequest,
                 continue
             open_.pop(results).process.join()
             if kind == "done":
-                finished = finished and bool(value)
+                done, tally = value
+                finished = finished and bool(done)
+                if tally is not None:
+                    tallies.append(tally)
             else:   # "error": the others stop at their next step
                 message, trace = value
                 logger.debug("decode process failed:\n%s", trace)
                 error, finished = error or message, False
-    return finished, error
+    return finished, error, tallies
 
 
 def _child(send: Connection, stops: Connection, inherited: list[Connection], parent: int, settings: Settings,
@@ -268,7 +276,8 @@ def _child(send: Connection, stops: Connection, inherited: list[Connection], par
 
         finished = run_embedded(settings, job_id, engine, on_result, batch_size=batch_size, stop=stop,
                                 only=part)
-        send.send(("done", finished))
+        tally = engine.contention.tally() if engine.contention is not None else None
+        send.send(("done", (finished, tally)))
     except BaseException as e:      # noqa: BLE001 (the parent says it, as one line)
         send.send(("error", (f"{type(e).__name__}: {e}", traceback.format_exc())))
     finally:

@@ -10,19 +10,14 @@ from typing import Any
 from specbatch.config import Settings
 
 
-class _FakeContention:
-    def __init__(self, line: str | None) -> None:
-        self.line = line
-
-    def summary(self) -> str | None:
-        return self.line
-
-
 class _FakeEngine:
     compile_plan = None
 
     def __init__(self, name: str) -> None:
-        self.contention = _FakeContention(f"{name} held")
+        self.line = f"{name} held"
+
+    def contention_line(self) -> str | None:
+        return self.line
 
 
 def test_run_drops_a_pair_before_the_next_loads_and_still_says_each_governor_line(monkeypatch, capsys) -> None:

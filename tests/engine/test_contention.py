@@ -176,3 +176,14 @@ def test_the_start_up_check_times_all_threads_against_one_not_their_cpu_time(loa
         assert g is not None and g.now == 2 and g.history == []
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_end_line_over_several_decode_processes_counts_each_ones_steps() -> None:
+    """`run --processes`: one line over every forked process's governor (worker/forked.py)."""
+    from specbatch.engine.contention import Tally, describe
+
+    quiet, busy = Tally(4, 100, 0, ()), Tally(4, 300, 150, (1, 2))
+    assert describe([quiet, quiet]) is None
+    assert describe([quiet, busy]) == ("other processes held this machine's cores: decoded on 1-2 of 4 torch threads "
+                                       "for 38% of 400 steps, in 1 of its 2 decode processes (README 'Throughput': "
+                                       "a busy machine; the text is the same either way)")

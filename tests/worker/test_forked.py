@@ -93,6 +93,36 @@ def test_two_processes_write_what_one_process_does(tmp_path: Path, tiny_models: 
     assert workers1 == {f"embedded@{socket.gethostname()}:{os.getpid()}"} and os.getpid() not in pids
 
 
+def test_the_run_end_line_counts_the_forked_processes_governors(tmp_path: Path, tiny_models: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each forked process governs its own threads (engine/contention.py); the parent, which
+    decodes nothing, printed no end line however long they decoded on fewer threads. A scripted
+    governor whose machine is always contended, in each child (forked after the patch)."""
+    from specbatch.engine import Engine
+    from specbatch.engine.contention import Contention
+
+    def contended(self: Engine, lanes: int) -> Contention:
+        if self.contention is None:
+            self.contention = Contention(2, set_threads=lambda n: None)
+            real = self.contention.observe
+            self.contention.observe = lambda wall, cpu: real(1.0, 0.5 * self.contention.now)  # type: ignore[method-assign]
+        return self.contention
+
+    monkeypatch.setattr(Engine, "_contention", contended)
+    prompts = _prompts(tmp_path / "p.jsonl", 30)
+    url = f"sqlite:///{tmp_path / 'two.db'}"
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"), "--draft", "none",
+                                      "--no-cache", "--processes", "2"],
+                                env={"SPECBATCH_DATABASE_URL": url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    line = next((x for x in " ".join(result.stderr.split()).split("specbatch: ") if x.startswith("other processes")), "")
+    assert line.startswith("other processes held this machine's cores: decoded on 1 of 2 torch threads for "), \
+        result.stderr
+    # both children decode (usually: one that runs dry claims the other's rows): both are counted
+    assert "of its 2 decode processes" in line or "decode processes" not in line, line
+
+
 def test_a_failing_process_is_one_line_the_others_stop_and_resume_finishes(
         tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from specbatch.engine.decoder import Decoder
