@@ -296,14 +296,14 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
 def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> tuple[str, int] | None:
     """(job status, count) of the pending and running requests the export left out, or None when
     it left none out: JSONL keeps finished requests by default, CSV and Parquet every request."""
-    from specbatch.db.models import JobStatus
     from specbatch.jobs import store
     from specbatch.jobs.openai_output import FINISHED
 
     kept = set(statuses) if statuses else set(FINISHED if fmt == "jsonl" else REQUEST_STATUSES)
     counts = store.request_counts(s, [job_id])[job_id]
     n = sum(counts[x] for x in ("pending", "running") if x not in kept)
-    return (JobStatus(store.get_job(s, job_id).status).value, n) if n else None
+    # job_dict's status, as `status` shows it: an interrupted `specbatch run` stays "running" in the table
+    return (store.job_dict(store.get_job(s, job_id))["status"], n) if n else None
 
 
 def _warn_left_out(job_id: str, left_out: tuple[str, int] | None) -> None:
@@ -311,9 +311,11 @@ def _warn_left_out(job_id: str, left_out: tuple[str, int] | None) -> None:
     if left_out is None:
         return
     job_status, n = left_out
+    # no process ends an interrupted run: `status --watch` would wait for ever
+    ends = (f"`specbatch run --resume {job_id}` finishes them" if job_status == "interrupted"
+            else f"`specbatch status {job_id} --watch` waits for the job to end")
     warn(f"job {job_id} is {job_status}: {plural(n, 'request')} not finished yet {'is' if n == 1 else 'are'} "
-         f"not in the file (`specbatch status {job_id} --watch` waits for the job to end; --status "
-         "pending,running exports them as placeholders)")
+         f"not in the file ({ends}; --status pending,running exports them as placeholders)")
 
 
 @click.command()

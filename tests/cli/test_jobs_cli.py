@@ -357,6 +357,21 @@ def test_export_of_an_unfinished_job_says_which_requests_it_left_out(db_url, tmp
     assert "warning" not in run("export", done).stderr
 
 
+def test_export_of_an_interrupted_run_says_interrupted_and_how_to_finish_it(db_url, tmp_path):
+    """A `specbatch run` stopped by Ctrl-C leaves its job "interrupted" (as `status` shows it): the
+    export's warning must say so and point at `run --resume`, not at `status --watch`, which would
+    wait for a run that no longer exists (qa51)."""
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=2)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, job_id).meta = {"embedded": True}
+        store.set_interrupted(s, job_id, True)
+    result = run("export", job_id, "-o", str(tmp_path / "part.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert (f"warning: job {job_id} is interrupted: 2 requests not finished yet are not in the file "
+            f"(`specbatch run --resume {job_id}` finishes them") in result.stderr, result.stderr
+    assert "--watch" not in result.stderr
+
+
 def test_export_format_that_contradicts_the_extension_is_a_usage_error(db_url, tmp_path):
     job_id, _ = make_job(db_url)
     out = tmp_path / "out.csv"
