@@ -177,6 +177,22 @@ def _pending_queues(settings: Settings, job_id: str) -> list[str]:
         return [route_queue(r, job.queue, job.drafts or []) for r in routes] or [job.queue]
 
 
+def _say_how_a_run_ends(settings: Settings, job_id: str) -> None:
+    """On stderr: who finishes a `specbatch run` job not finished. A run killed on this machine
+    (SIGKILL, OOM) is named as gone, as a killed worker is: "if that run has stopped" left it open."""
+    from specbatch.jobs import store
+    from specbatch.worker.pids import gone_here
+
+    with open_db(settings, readonly=True).begin() as s:
+        held = store.held_by_gone(s, job_id, gone_here)
+    if held:
+        click.echo(f"job {job_id}'s `specbatch run` ({', '.join(sorted(held))}) no longer runs on this machine: "
+                   f"`specbatch run --resume {job_id}` finishes it", err=True)
+        return
+    click.echo(f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
+               f"`specbatch resume {job_id}` finishes it here", err=True)
+
+
 def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
     """On stderr: how many of the job's requests nothing holds (running on an expired lease, or
     queued with no task in the broker) and that the live workers of their queues recover them."""
@@ -236,8 +252,7 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     summary, finished = _refreshed_summary(settings, job_id)
     if not finished and run_in_its_process(summary["metadata"]):
         # no worker ever takes a `specbatch run` job: naming one (a worker of the same pair) misled
-        click.echo(f"job {summary['id']} is run by `specbatch run`, not by workers; if that run has stopped, "
-                   f"`specbatch resume {summary['id']}` finishes it here", err=True)
+        _say_how_a_run_ends(settings, summary["id"])
     elif not finished:
         queues = _pending_queues(settings, summary["id"])
         for queue in queues:

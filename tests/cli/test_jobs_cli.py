@@ -789,6 +789,33 @@ def test_status_of_a_run_job_names_no_worker(db_url, monkeypatch, tmp_path):
             f"`specbatch resume {job_id}` finishes it here") in result.stderr
 
 
+def test_status_of_a_run_killed_on_this_machine_says_it_no_longer_runs(db_url, no_worker_check):
+    """A `specbatch run` killed by SIGKILL (OOM, a closed terminal) leaves its job "running" with
+    rows on a live lease: status said only "if that run has stopped" (qa51). Like a killed
+    worker's, the gone run is named, with `run --resume`; a live run is not."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                       # a pid that ran here and has exited
+    holder = f"embedded@{socket.gethostname()}:{dead.pid}"
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, job_id).meta = {"embedded": True}
+        store.claim_requests(s, ids[1:3], holder, 300, 3)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert (f"job {job_id}'s `specbatch run` ({holder}) no longer runs on this machine: "
+            f"`specbatch run --resume {job_id}` finishes it") in result.stderr, result.stderr
+    assert "if that run has stopped" not in result.stderr
+    with db.session_factory(db_url).begin() as s:      # a live run: the general line
+        store.release_requests(s, ids[1:3])
+        store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{os.getpid()}", 300, 3)
+    result = run("status", job_id)
+    assert "no longer runs" not in result.stderr and "if that run has stopped" in result.stderr
+
+
 def test_a_database_that_is_down_is_one_line(monkeypatch):
     """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA)."""
     import socket
