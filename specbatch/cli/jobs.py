@@ -308,26 +308,34 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
     return fmt or implied or "jsonl"
 
 
-def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> tuple[str, int] | None:
-    """(job status, count) of the pending and running requests the export left out, or None when
-    it left none out: JSONL keeps finished requests by default, CSV and Parquet every request."""
+def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> tuple[str, int, bool] | None:
+    """(job status, count, stopped) of the pending and running requests the export left out, or
+    None when it left none out: JSONL keeps finished requests by default, CSV and Parquet every
+    request. ``stopped``: a `specbatch run` job that no process decodes (interrupted, or killed here)."""
     from specbatch.jobs import store
     from specbatch.jobs.openai_output import FINISHED
+    from specbatch.worker.embedded_names import run_in_its_process
+    from specbatch.worker.pids import gone_here
 
     kept = set(statuses) if statuses else set(FINISHED if fmt == "jsonl" else REQUEST_STATUSES)
     counts = store.request_counts(s, [job_id])[job_id]
     n = sum(counts[x] for x in ("pending", "running") if x not in kept)
+    if not n:
+        return None
     # job_dict's status, as `status` shows it: an interrupted `specbatch run` stays "running" in the table
-    return (store.job_dict(store.get_job(s, job_id))["status"], n) if n else None
+    job = store.job_dict(store.get_job(s, job_id))
+    stopped = job["status"] == "interrupted" or (run_in_its_process(job["metadata"])
+                                                 and bool(store.held_by_gone(s, job_id, gone_here)))
+    return job["status"], n, stopped
 
 
-def _warn_left_out(job_id: str, left_out: tuple[str, int] | None) -> None:
+def _warn_left_out(job_id: str, left_out: tuple[str, int, bool] | None) -> None:
     # a file exported while its job runs must not pass for the whole dataset
     if left_out is None:
         return
-    job_status, n = left_out
-    # no process ends an interrupted run: `status --watch` would wait for ever
-    ends = (f"`specbatch run --resume {job_id}` finishes them" if job_status == "interrupted"
+    job_status, n, stopped = left_out
+    # no process ends a stopped run: `status --watch` would wait for ever
+    ends = (f"`specbatch run --resume {job_id}` finishes them" if stopped
             else f"`specbatch status {job_id} --watch` waits for the job to end")
     warn(f"job {job_id} is {job_status}: {plural(n, 'request')} not finished yet {'is' if n == 1 else 'are'} "
          f"not in the file ({ends}; --status pending,running exports them as placeholders)")

@@ -816,6 +816,30 @@ def test_status_of_a_run_killed_on_this_machine_says_it_no_longer_runs(db_url, n
     assert "no longer runs" not in result.stderr and "if that run has stopped" in result.stderr
 
 
+def test_export_of_a_run_killed_on_this_machine_points_at_run_resume(db_url, tmp_path):
+    """The export of a killed `specbatch run`'s job said `status --watch` waits for it to end:
+    nothing will ever end it (qa51). Its warning points at `run --resume`; a live run's does not."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, job_id).meta = {"embedded": True}
+        store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{dead.pid}", 300, 3)
+    result = run("export", job_id, "-o", str(tmp_path / "a.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert (f"warning: job {job_id} is running: 3 requests not finished yet are not in the file "
+            f"(`specbatch run --resume {job_id}` finishes them") in result.stderr, result.stderr
+    with db.session_factory(db_url).begin() as s:      # a live run: it ends the job itself
+        store.release_requests(s, ids[1:3])
+        store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{os.getpid()}", 300, 3)
+    result = run("export", job_id, "-o", str(tmp_path / "b.jsonl"))
+    assert f"`specbatch status {job_id} --watch` waits for the job to end" in result.stderr, result.stderr
+
+
 def test_a_database_that_is_down_is_one_line(monkeypatch):
     """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA)."""
     import socket
