@@ -177,6 +177,22 @@ def _pending_queues(settings: Settings, job_id: str) -> list[str]:
         return [route_queue(r, job.queue, job.drafts or []) for r in routes] or [job.queue]
 
 
+def _say_how_a_run_ends(settings: Settings, job_id: str) -> None:
+    """On stderr: who finishes a `specbatch run` job not finished. A run killed on this machine
+    (SIGKILL, OOM) is named as gone, as a killed worker is: "if that run has stopped" left it open."""
+    from specbatch.jobs import store
+    from specbatch.worker.pids import gone_here
+
+    with open_db(settings, readonly=True).begin() as s:
+        held = store.held_by_gone(s, job_id, gone_here)
+    if held:
+        click.echo(f"job {job_id}'s `specbatch run` ({', '.join(sorted(held))}) no longer runs on this machine: "
+                   f"`specbatch run --resume {job_id}` finishes it", err=True)
+        return
+    click.echo(f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
+               f"`specbatch resume {job_id}` finishes it here", err=True)
+
+
 def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
     """On stderr: how many of the job's requests nothing holds (running on an expired lease, or
     queued with no task in the broker) and that the live workers of their queues recover them."""
@@ -236,8 +252,7 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     summary, finished = _refreshed_summary(settings, job_id)
     if not finished and run_in_its_process(summary["metadata"]):
         # no worker ever takes a `specbatch run` job: naming one (a worker of the same pair) misled
-        click.echo(f"job {summary['id']} is run by `specbatch run`, not by workers; if that run has stopped, "
-                   f"`specbatch resume {summary['id']}` finishes it here", err=True)
+        _say_how_a_run_ends(settings, summary["id"])
     elif not finished:
         queues = _pending_queues(settings, summary["id"])
         for queue in queues:
@@ -293,27 +308,37 @@ def _export_format(fmt: str | None, output: Path | None) -> str:
     return fmt or implied or "jsonl"
 
 
-def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> tuple[str, int] | None:
-    """(job status, count) of the pending and running requests the export left out, or None when
-    it left none out: JSONL keeps finished requests by default, CSV and Parquet every request."""
-    from specbatch.db.models import JobStatus
+def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> tuple[str, int, bool] | None:
+    """(job status, count, stopped) of the pending and running requests the export left out, or
+    None when it left none out: JSONL keeps finished requests by default, CSV and Parquet every
+    request. ``stopped``: a `specbatch run` job that no process decodes (interrupted, or killed here)."""
     from specbatch.jobs import store
     from specbatch.jobs.openai_output import FINISHED
+    from specbatch.worker.embedded_names import run_in_its_process
+    from specbatch.worker.pids import gone_here
 
     kept = set(statuses) if statuses else set(FINISHED if fmt == "jsonl" else REQUEST_STATUSES)
     counts = store.request_counts(s, [job_id])[job_id]
     n = sum(counts[x] for x in ("pending", "running") if x not in kept)
-    return (JobStatus(store.get_job(s, job_id).status).value, n) if n else None
+    if not n:
+        return None
+    # job_dict's status, as `status` shows it: an interrupted `specbatch run` stays "running" in the table
+    job = store.job_dict(store.get_job(s, job_id))
+    stopped = job["status"] == "interrupted" or (run_in_its_process(job["metadata"])
+                                                 and bool(store.held_by_gone(s, job_id, gone_here)))
+    return job["status"], n, stopped
 
 
-def _warn_left_out(job_id: str, left_out: tuple[str, int] | None) -> None:
+def _warn_left_out(job_id: str, left_out: tuple[str, int, bool] | None) -> None:
     # a file exported while its job runs must not pass for the whole dataset
     if left_out is None:
         return
-    job_status, n = left_out
+    job_status, n, stopped = left_out
+    # no process ends a stopped run: `status --watch` would wait for ever
+    ends = (f"`specbatch run --resume {job_id}` finishes them" if stopped
+            else f"`specbatch status {job_id} --watch` waits for the job to end")
     warn(f"job {job_id} is {job_status}: {plural(n, 'request')} not finished yet {'is' if n == 1 else 'are'} "
-         f"not in the file (`specbatch status {job_id} --watch` waits for the job to end; --status "
-         "pending,running exports them as placeholders)")
+         f"not in the file ({ends}; --status pending,running exports them as placeholders)")
 
 
 @click.command()

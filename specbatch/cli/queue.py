@@ -662,10 +662,30 @@ def _report(settings: Settings, job_id: str, finished: bool, as_json: bool) -> N
         click.echo(f"job {job_id} interrupted: {plural(left, 'request')} left; "
                    f"`specbatch run --resume {job_id}` finishes it", err=True)
         sys.exit(EXIT_INTERRUPTED)
+    if summary["status"] in ("queued", "running"):
+        _not_finished_here(settings, job_id)
     if summary["status"] == "failed":
         sys.exit(1)
     if summary["status"] == "completed_with_errors":
         sys.exit(EXIT_PARTIAL)
+
+
+def _not_finished_here(settings: Settings, job_id: str) -> None:
+    """A run that ended with its job unfinished: another process (a second `run --resume`) holds
+    the rest. Exit 1: 0 would say every request completed."""
+    from specbatch.jobs import store
+
+    with open_db(settings, readonly=True).begin() as s:
+        leased = store.leased_requests(s, job_id)
+    holders = sorted({w for _, w, _ in leased})
+    if holders:
+        one = len(holders) == 1
+        click.echo(f"job {job_id} is not finished: {plural(len(leased), 'running request')} "
+                   f"{'is' if len(leased) == 1 else 'are'} held by {', '.join(holders)}, which still "
+                   f"{'runs' if one else 'run'}; `specbatch status {job_id} --watch` follows it", err=True)
+    else:
+        click.echo(f"job {job_id} is not finished; `specbatch run --resume {job_id}` finishes it", err=True)
+    sys.exit(1)
 
 
 def _resumable(settings: Settings, job_id: str) -> LocalJob:

@@ -104,7 +104,8 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
     except BrokerUnavailable:
         raise
     except Exception as e:
-        logger.warning("job %s: %d task(s) sent before the broker failed", job_id, sent)
+        if sent:    # a partial send is worth a line; none sent (the broker was down): the error says it all
+            logger.warning("job %s: %d task(s) sent before the broker failed", job_id, sent)
         raise broker_error(settings, e, job_id) from e
     return sent
 

@@ -357,6 +357,21 @@ def test_export_of_an_unfinished_job_says_which_requests_it_left_out(db_url, tmp
     assert "warning" not in run("export", done).stderr
 
 
+def test_export_of_an_interrupted_run_says_interrupted_and_how_to_finish_it(db_url, tmp_path):
+    """A `specbatch run` stopped by Ctrl-C leaves its job "interrupted" (as `status` shows it): the
+    export's warning must say so and point at `run --resume`, not at `status --watch`, which would
+    wait for a run that no longer exists (qa51)."""
+    job_id, _ = make_job(db_url, results=2, failures=0, pending=2)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, job_id).meta = {"embedded": True}
+        store.set_interrupted(s, job_id, True)
+    result = run("export", job_id, "-o", str(tmp_path / "part.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert (f"warning: job {job_id} is interrupted: 2 requests not finished yet are not in the file "
+            f"(`specbatch run --resume {job_id}` finishes them") in result.stderr, result.stderr
+    assert "--watch" not in result.stderr
+
+
 def test_export_format_that_contradicts_the_extension_is_a_usage_error(db_url, tmp_path):
     job_id, _ = make_job(db_url)
     out = tmp_path / "out.csv"
@@ -781,6 +796,57 @@ def test_status_of_a_run_job_names_no_worker(db_url, monkeypatch, tmp_path):
     assert "w1@h" not in result.stderr and "no live worker" not in result.stderr, result.stderr
     assert (f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
             f"`specbatch resume {job_id}` finishes it here") in result.stderr
+
+
+def test_status_of_a_run_killed_on_this_machine_says_it_no_longer_runs(db_url, no_worker_check):
+    """A `specbatch run` killed by SIGKILL (OOM, a closed terminal) leaves its job "running" with
+    rows on a live lease: status said only "if that run has stopped" (qa51). Like a killed
+    worker's, the gone run is named, with `run --resume`; a live run is not."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()                                       # a pid that ran here and has exited
+    holder = f"embedded@{socket.gethostname()}:{dead.pid}"
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, job_id).meta = {"embedded": True}
+        store.claim_requests(s, ids[1:3], holder, 300, 3)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert (f"job {job_id}'s `specbatch run` ({holder}) no longer runs on this machine: "
+            f"`specbatch run --resume {job_id}` finishes it") in result.stderr, result.stderr
+    assert "if that run has stopped" not in result.stderr
+    with db.session_factory(db_url).begin() as s:      # a live run: the general line
+        store.release_requests(s, ids[1:3])
+        store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{os.getpid()}", 300, 3)
+    result = run("status", job_id)
+    assert "no longer runs" not in result.stderr and "if that run has stopped" in result.stderr
+
+
+def test_export_of_a_run_killed_on_this_machine_points_at_run_resume(db_url, tmp_path):
+    """The export of a killed `specbatch run`'s job said `status --watch` waits for it to end:
+    nothing will ever end it (qa51). Its warning points at `run --resume`; a live run's does not."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, job_id).meta = {"embedded": True}
+        store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{dead.pid}", 300, 3)
+    result = run("export", job_id, "-o", str(tmp_path / "a.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert (f"warning: job {job_id} is running: 3 requests not finished yet are not in the file "
+            f"(`specbatch run --resume {job_id}` finishes them") in result.stderr, result.stderr
+    with db.session_factory(db_url).begin() as s:      # a live run: it ends the job itself
+        store.release_requests(s, ids[1:3])
+        store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{os.getpid()}", 300, 3)
+    result = run("export", job_id, "-o", str(tmp_path / "b.jsonl"))
+    assert f"`specbatch status {job_id} --watch` waits for the job to end" in result.stderr, result.stderr
 
 
 def test_a_database_that_is_down_is_one_line(monkeypatch):

@@ -311,3 +311,38 @@ def test_ctrl_c_while_the_models_load_exits_130_and_makes_no_job(tmp_path: Path,
     get_settings.cache_clear()
     listing = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).stdout)
     assert listing == [] or "no database" in listing["error"]["message"], listing
+
+
+def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_done(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two `run --resume JOB` at once (qa51): the second found every row leased by the first,
+    decoded nothing, printed a "running" summary and exited 0, the status of "every request
+    completed". It decodes what it can, names the live holder of the rest, and exits 1."""
+    import socket
+
+    from specbatch.jobs import store
+    from specbatch.jobs.intake import ParsedRequest
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    params = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    reqs = [ParsedRequest(i + 1, f"q{i}", "completion", f"word {i} and", None, params) for i in range(4)]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])   # the first run, alive
+    try:
+        holder = f"embedded@{socket.gethostname()}:{other.pid}"
+        with _db(url).begin() as s:
+            job_id = store.create_job(s, target=str(tiny_models / "llama"), drafts=[], params={},
+                                      requests=reqs, queue="sb.q", metadata={"embedded": True}).id
+            ids = store.resumable_request_ids(s, job_id)
+            store.claim_requests(s, ids[:2], holder, 300, 3)
+        result = CliRunner().invoke(cli, ["run", "--resume", job_id])
+    finally:
+        other.kill()
+        other.wait()
+    assert result.exit_code == 1, result.output
+    assert (f"job {job_id} is not finished: 2 running requests are held by {holder}, which still runs; "
+            f"`specbatch status {job_id} --watch` follows it") in result.stderr, result.stderr
+    assert _counts(url) == (2, {"completed": 2, "running": 2})

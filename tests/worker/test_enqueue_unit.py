@@ -1,0 +1,26 @@
+"""enqueue_requests against a broker that is down: the error is the whole story."""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import pytest
+
+from specbatch.config import Settings
+from specbatch.errors import BrokerUnavailable
+from specbatch.worker.enqueue import enqueue_requests
+
+
+def test_a_broker_down_from_the_start_is_the_error_alone_not_a_log_line_too(caplog) -> None:  # noqa: ANN001
+    """`specbatch resume JOB` with Redis down printed a log-formatted line ("2026-... WARNING
+    specbatch.worker.enqueue: job J: 0 task(s) sent before the broker failed") above its one
+    `Error:` line (qa51). Nothing was sent: the error says it all."""
+    with socket.socket() as s:                  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = Settings.from_env({"SPECBATCH_BROKER_URL": f"redis://127.0.0.1:{port}/0"})
+    with caplog.at_level(logging.WARNING), pytest.raises(BrokerUnavailable) as e:
+        enqueue_requests(settings, "job1", [1, 2, 3], "q.down")
+    assert "the job job1 is saved: start the broker" in str(e.value)
+    assert [r.getMessage() for r in caplog.records if r.name == "specbatch.worker.enqueue"] == []
