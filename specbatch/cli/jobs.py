@@ -190,7 +190,7 @@ def _say_how_a_run_ends(settings: Settings, job_id: str) -> None:
                    f"`specbatch run --resume {job_id}` finishes it", err=True)
         return
     click.echo(f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
-               f"`specbatch resume {job_id}` finishes it here", err=True)
+               f"`specbatch run --resume {job_id}` finishes it here", err=True)
 
 
 def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:

@@ -795,7 +795,7 @@ def test_status_of_a_run_job_names_no_worker(db_url, monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     assert "w1@h" not in result.stderr and "no live worker" not in result.stderr, result.stderr
     assert (f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "
-            f"`specbatch resume {job_id}` finishes it here") in result.stderr
+            f"`specbatch run --resume {job_id}` finishes it here") in result.stderr   # (one way, as run says)
 
 
 def test_status_of_a_run_killed_on_this_machine_says_it_no_longer_runs(db_url, no_worker_check):
