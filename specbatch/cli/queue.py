@@ -530,6 +530,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     parsed = _read_file(settings, file, defaults, model_map, (target_, drafts_))
     for line in parsed.warnings(target_):
         warn(line)
+    _say_stopped_runs(settings, file)
     # the models before the job: a pair that cannot load leaves no job behind (a --model-map
     # route that cannot load later fails its own requests, with the reason)
     try:
@@ -549,6 +550,31 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     held = [engine]
     del engine     # (the list is the only name for it: run_job lets go of it before a next pair loads)
     _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, held)
+
+
+def _say_stopped_runs(settings: Settings, file: str) -> None:
+    """Before a `run FILE` loads its models: the file's earlier run jobs that stopped unfinished
+    (Ctrl-C, a kill). Starting the same command again made a new job and said nothing of the old
+    one, left `interrupted` for ever (qa51); resuming it is the user's choice (the file may have
+    changed since), so it is named, not resumed."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from specbatch.db import sqlite_path
+    from specbatch.jobs import store
+    from specbatch.worker.pids import gone_here
+
+    path = sqlite_path(settings.database_url)
+    if file == "-" or (path is not None and not path.exists()):
+        return
+    try:
+        with open_db(settings, readonly=True).begin() as s:
+            stopped = store.stopped_runs(s, str(Path(file).resolve()), gone_here)
+    except SQLAlchemyError:     # (a database not migrated yet: the job's creation says what is wrong)
+        return
+    for job_id, left, how in stopped:
+        click.echo(f"specbatch: an earlier run of this file, job {job_id}, was {how} with "
+                   f"{plural(left, 'request')} left; `specbatch run --resume {job_id}` finishes it (this run "
+                   "starts a new job)", err=True)
 
 
 def run_in_process(job_id: str, as_json: bool) -> None:

@@ -114,6 +114,23 @@ COUNTS = (select(Request.job_id, Request.status, func.count())
           .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
 
 
+def stopped_runs(s: Session, source: str, gone: Callable[[str], bool]) -> list[tuple[str, int, str]]:
+    """The unfinished `specbatch run` jobs of the prompt file ``source`` that no process decodes:
+    (job id, requests left, how it stopped: "interrupted", or "killed" where a holder of its
+    rows ``gone(worker)`` says has exited), oldest first."""
+    jobs = s.scalars(select(Job).where(Job.source == source, Job.status.in_(
+        [JobStatus.queued, JobStatus.running])).order_by(Job.created_at)).all()
+    runs = [j for j in jobs if (j.meta or {}).get("embedded")]
+    counts = request_counts(s, [j.id for j in runs])
+    out = []
+    for job in runs:
+        how = "interrupted" if (job.meta or {}).get("interrupted_at") else \
+            "killed" if held_by_gone(s, job.id, gone) else None
+        if how is not None:
+            out.append((job.id, counts[job.id]["pending"] + counts[job.id]["running"], how))
+    return out
+
+
 def request_counts(s: Session, job_ids: Iterable[str]) -> dict[str, dict[str, int]]:
     """Live counts from the rows, per job: {job_id: {total, pending, running, completed, ...}}."""
     ids = list(job_ids)

@@ -346,3 +346,55 @@ def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_
     assert (f"job {job_id} is not finished: 2 running requests are held by {holder}, which still runs; "
             f"`specbatch status {job_id} --watch` follows it") in result.stderr, result.stderr
     assert _counts(url) == (2, {"completed": 2, "running": 2})
+
+
+def test_run_of_a_file_whose_earlier_run_stopped_names_that_job(tmp_path: Path, tiny_models: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`specbatch run FILE` again after Ctrl-C (or a kill) made a new job and said nothing of the
+    old one, left `interrupted` for ever (qa51). It names it, before the models load; a finished
+    job, another file's and a run still alive are not named."""
+    import socket
+
+    from specbatch.jobs import store
+    from specbatch.jobs.intake import ParsedRequest
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    prompts = _prompts(tmp_path / "p.jsonl", 3, 4)
+    params = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    reqs = [ParsedRequest(i + 1, f"q{i}", "completion", f"word {i} and", None, params) for i in range(3)]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    jobs = {}
+    try:
+        with _db(url).begin() as s:
+            for name, source in (("interrupted", prompts), ("killed", prompts), ("alive", prompts),
+                                 ("other file", tmp_path / "other.jsonl")):
+                jobs[name] = store.create_job(s, target=str(tiny_models / "llama"), drafts=[], params={}, requests=reqs,
+                                              queue="sb.q", source=str(source.resolve()),
+                                              metadata={"embedded": True}).id
+            store.set_interrupted(s, jobs["interrupted"], True)
+            store.set_interrupted(s, jobs["other file"], True)
+            for name, pid in (("killed", dead.pid), ("alive", alive.pid)):
+                ids = store.resumable_request_ids(s, jobs[name])
+                store.claim_requests(s, ids[:1], f"embedded@{socket.gethostname()}:{pid}", 300, 3)
+        result = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"),
+                                          "--draft", "none", "--no-cache"])
+    finally:
+        alive.kill()
+        alive.wait()
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.stderr.splitlines() if "an earlier run of this file" in line]
+    assert said == [f"specbatch: an earlier run of this file, job {jobs[how]}, was {how} with 3 requests left; "
+                    f"`specbatch run --resume {jobs[how]}` finishes it (this run starts a new job)"
+                    for how in ("interrupted", "killed")], result.stderr
+    # the next run: the first's own job, which completed, is not named; the run that was alive
+    # has exited since (killed above) and is
+    again = CliRunner().invoke(cli, ["run", str(prompts), "--target", str(tiny_models / "llama"), "--draft", "none",
+                                     "--no-cache"])
+    named = [line.split(", ")[1] for line in again.stderr.splitlines() if "an earlier run of this file" in line]
+    assert named == [f"job {jobs[name]}" for name in ("interrupted", "killed", "alive")], again.stderr
