@@ -13,7 +13,7 @@ import sys
 import click
 
 from specbatch.cli.json_out import JSON_ASKED, echo_json_error
-from specbatch.errors import SettingsError, SpecBatchError, one_line
+from specbatch.errors import InputError, IntakeError, SettingsError, SpecBatchError, one_line
 from specbatch.redact import install_log_redaction, mask
 
 # module -> command names it defines (imported lazily so `specbatch --help` stays fast)
@@ -54,7 +54,7 @@ class LazyGroup(click.Group):
                 _mask_chain(e)   # the stack trace asked for, its credentials masked like the rest
                 raise
             error = click.ClickException(mask(str(e)))
-            if isinstance(e, SettingsError):
+            if _usage(e):
                 error.exit_code = 2   # a usage error, like a bad option
             echo_json_error(ctx, error, e)
             raise error from e
@@ -78,6 +78,16 @@ class LazyGroup(click.Group):
                                               "the stack trace; please report it"))
             echo_json_error(ctx, error, e)
             raise error from e
+
+
+def _usage(e: SpecBatchError) -> bool:
+    """A bad setting, or bad option values with no file line to blame (``--model-map``,
+    ``--sample``): bad usage, exit 2, as click's own option checks (``--temperature -1``) are."""
+    if isinstance(e, SettingsError):
+        return True
+    errors = e.errors if isinstance(e, IntakeError) else [e] if isinstance(e, InputError) else []
+    return bool(errors) and all(x.path is None and x.line_no is None and (x.field or "").startswith("--")
+                                for x in errors)
 
 
 def _mask_chain(error: BaseException | None) -> None:

@@ -152,7 +152,7 @@ def test_sample_picks_a_subset_and_bad_sample_is_one_line(job):
     result = run("audit", job_id, "--sample", "50%", "--json")
     assert result.exit_code == 0 and json.loads(result.stdout)["audited"] == 3
     bad = run("audit", job_id, "--sample", "0")
-    assert bad.exit_code == 1 and "--sample: '0': give a count >= 1" in bad.output
+    assert bad.exit_code == 2 and "--sample: '0': give a count >= 1" in bad.output   # bad usage
     assert "Traceback" not in bad.output
 
 

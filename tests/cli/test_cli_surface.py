@@ -117,6 +117,12 @@ def test_bad_usage_exits_2(tmp_path: Path) -> None:
     assert runner.invoke(cli, ["run", str(tmp_path / "missing.jsonl")]).exit_code == 2
     assert runner.invoke(cli, ["export", "abcd", "-f", "xml"]).exit_code == 2
     assert runner.invoke(cli, ["generate", "--prompt", "a", "--message", "b"]).exit_code == 2
+    # option values checked by specbatch, not click: exit 1 before (qa51), as if a run had failed
+    ok = tmp_path / "ok.jsonl"
+    ok.write_text('{"prompt": "x"}\n')
+    bad_map = runner.invoke(cli, ["run", str(ok), "--target", "org/unused", "--model-map", "a"])
+    assert bad_map.exit_code == 2 and "--model-map: 'a': expected NAME=TARGET" in bad_map.output, bad_map.output
+    assert runner.invoke(cli, ["audit", "abcd", "--sample", "0"]).exit_code == 2
 
 
 def test_domain_error_is_one_line_exit_1_and_debug_shows_the_trace() -> None:
