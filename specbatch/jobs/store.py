@@ -352,7 +352,9 @@ def claim_requests(s: Session, request_ids: Sequence[int], worker: str, lease_se
             continue
         if r.attempts >= max_attempts:
             r.status, r.finished_at, r.lease_expires_at = RequestStatus.failed, now, None
-            r.error = f"attempted {plural(r.attempts, 'time')}, the worker died each time"
+            # (a worker or a `specbatch run`: the last one is named, as `status` names holders)
+            r.error = f"attempted {plural(r.attempts, 'time')}, the process decoding it died each time" + \
+                (f" (last: {r.worker})" if r.worker else "")
             r.error_type, r.error_param = SERVER_ERROR, None
             continue
         r.status, r.worker, r.started_at = RequestStatus.running, worker, None

@@ -118,7 +118,7 @@ def job(db_url, tmp_path) -> tuple[str, str, list[int]]:
         store.record_result(s, ids[1], output(new_tokens=2), "w1")
         err = RequestError("prompt (9 tokens) + max_new_tokens exceeds the context", field="max_new_tokens")
         store.record_failure(s, ids[2], str(err), "w1", param=err.field)
-        store.record_failure(s, ids[3], "attempted 3 times, the worker died each time", "w1",
+        store.record_failure(s, ids[3], "attempted 3 times, the process decoding it died each time (last: w1)", "w1",
                              error_type=store.SERVER_ERROR)
         store.refresh_job(s, job_id)
     return db_url, job_id, ids
