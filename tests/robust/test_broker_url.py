@@ -14,7 +14,7 @@ import pytest
 from specbatch.config import Settings
 from specbatch.errors import SettingsError
 from specbatch.worker.enqueue import check_broker
-from tests.worker.services import _ping, free_port, wait_for
+from tests.worker.services import _serves, free_port, wait_for
 
 PASSWORD = "p@ss/w:rd%x ü"
 
@@ -29,7 +29,7 @@ def locked_redis(tmp_path: Path) -> Iterator[int]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         client = redis.Redis(port=port, password=PASSWORD)
-        wait_for(lambda: _ping(client), 10, "redis-server to answer")
+        wait_for(lambda: _serves(client, proc.pid), 10, "redis-server to answer")
         yield port
     finally:
         proc.terminate()

@@ -41,21 +41,35 @@ class RedisServer:
         self.port = free_port()
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
+        self.started = False     # once: a restart keeps the port
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        """Start it and wait until it answers. ``free_port`` frees the port it found before
+        redis-server binds it, so another process may take it in between: then this one exits
+        at once, and a server that answers there may be another test's. A first start takes
+        another port then; a restart keeps its port, so it fails."""
         import redis
 
-        client = redis.Redis.from_url(self.url)
-        wait_for(lambda: _ping(client), 10, "redis-server to answer")
-        return self
+        for _ in range(5):
+            self.proc = subprocess.Popen(
+                ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(self.workdir)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            client = redis.Redis.from_url(self.url)
+            proc = self.proc
+            wait_for(lambda proc=proc, client=client: proc.poll() is not None or _serves(client, proc.pid), 10,
+                     "redis-server to answer")
+            if proc.poll() is None:
+                self.started = True
+                return self
+            if self.started:
+                raise AssertionError(f"redis-server could not bind its port {self.port} again")
+            self.port = free_port()
+        raise AssertionError("redis-server found no free port in 5 tries")
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -77,9 +91,10 @@ class RedisServer:
         return redis.Redis.from_url(self.url)
 
 
-def _ping(client) -> bool:  # noqa: ANN001
+def _serves(client, pid: int) -> bool:  # noqa: ANN001
+    """Whether the redis-server of process ``pid`` answers there (not another one on the port)."""
     try:
-        return bool(client.ping())
+        return int(client.info("server")["process_id"]) == pid
     except Exception:
         return False
 
