@@ -184,7 +184,7 @@ def test_poison_request_bounded_attempts_then_failed(cluster) -> None:  # noqa: 
     by_id = {r["custom_id"]: r for r in cluster.rows(job_id)}
     poison = by_id.pop("poison")
     assert poison["status"] == "failed" and poison["results"] == 0, poison
-    assert poison["attempts"] == cluster.settings.max_attempts and "worker died" in poison["error"]
+    assert poison["attempts"] == cluster.settings.max_attempts and "the process decoding it died each time (last: w1@" in poison["error"]
     assert all(r["status"] == "completed" and r["results"] == 1 for r in by_id.values()), by_id
 
 
