@@ -175,9 +175,9 @@ def compile_option(f: Any) -> Any:
     """--compile auto|on|off|static (default: SPECBATCH_COMPILE, itself auto). See docs/COMPILE.md."""
     return click.option("--compile", "compile_", type=click.Choice(["auto", "on", "off", "static"]), default=None,
                         help="torch.compile the models before decoding: on (minutes the first time on a "
-                             "CPU; a stderr line says when it is ready), off, or auto (only when the job's "
-                             "saved decoding time exceeds the compile time, else a stderr line says why, except on a "
-                             "generate that did not ask; "
-                             "a worker compiles); static: the target over a static KV cache, its "
+                             "CPU; a stderr line says when it is ready), off, or auto (only where compiling is "
+                             "expected to gain over 1.05x here and, on run and generate, the job's saved decoding "
+                             "time exceeds the compile time; else a stderr line says why, except on a generate "
+                             "that did not ask); static: the target over a static KV cache, its "
                              "few-row one-token steps compiled (minutes) "
                              "[default: SPECBATCH_COMPILE or auto].")(f)
