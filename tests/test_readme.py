@@ -541,3 +541,15 @@ def test_the_settings_error_the_readme_quotes_is_the_one_printed(monkeypatch: py
     printed = result.stderr.strip().removeprefix("Error: ")
     assert printed.startswith("SPECBATCH_BATCH_SIZE='0': "), printed
     assert f"`{printed}`" in " ".join(README.read_text().split()), printed
+
+
+def test_the_configuration_section_names_every_setting() -> None:
+    """docs51: three settings were read by the code and named nowhere in README's list."""
+    from specbatch.config import ENV_PREFIX, Settings
+
+    text = README.read_text()
+    section = text[text.index("## Configuration"):]
+    section = section[: section.index("\n## ", 1)]
+    missing = [f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields
+               if f"`{ENV_PREFIX}{name.upper()}`" not in section]
+    assert not missing, f"README 'Configuration' does not name {missing}"
