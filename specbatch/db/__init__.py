@@ -277,11 +277,21 @@ def downgrade(url: str, revision: str) -> None:
 
 
 def current_revision(url: str) -> str | None:
-    """The database's Alembic revision (None: not migrated)."""
+    """The database's Alembic revision as it is (None: not migrated). Not through ``get_engine``,
+    which migrates a database on first use: `db upgrade` read the head there before it migrated
+    anything, and said "nothing to migrate" of a database it had just migrated."""
     from alembic.runtime.migration import MigrationContext
 
-    with get_engine(url).connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+    with _lock:
+        cached = _engines.get(url)
+    engine = cached or _create(url)
+    try:
+        # read-only: on SQLite a BEGIN IMMEDIATE would wait for a busy writer just to read a version
+        with engine.execution_options(specbatch_readonly=True).connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        if cached is None:
+            engine.dispose()
 
 
 def dispose_engines(close: bool = False) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -481,7 +482,16 @@ def test_db_upgrade_and_url(db_url, tmp_path):
     db.downgrade(db_url, "-1")
     older = db.current_revision(db_url)
     assert older != head_revision()
+    db.forget_engines()     # as a new process finds it: no engine cached (one would migrate on first use)
     assert run("db", "upgrade").stdout.strip() == f"database {db_url} migrated from {older} to revision {head_revision()}"
+    # an existing empty file (as an empty PostgreSQL database): migrated, not "nothing to migrate"
+    db.forget_engines()
+    path = tmp_path / "data" / "cli.db"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    path.touch()
+    assert run("db", "upgrade").stdout.strip() == \
+        f"database {db_url} migrated from an empty schema to revision {head_revision()}"
     assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
                                                              "exists": True}
 
