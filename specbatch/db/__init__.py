@@ -301,6 +301,16 @@ def dispose_engines(close: bool = False) -> None:
             engine.dispose(close=close)
 
 
+def close_at_exit() -> None:
+    """At the process's exit: close the pooled connections, which nothing else closes once the
+    entry point freezes what is left out of the last garbage collections (cli/main.py). Closing
+    the last connection to a SQLite database checkpoints its WAL into the file and removes the
+    -wal and -shm files; left open, the newest jobs stayed in the -wal only. No lock: a daemon
+    thread may hold it for ever at exit."""
+    for engine in (*list(_engines.values()), *list(_read_engines.values())):
+        engine.dispose()
+
+
 def forget_engines(close: bool = True) -> None:
     """Dispose and forget every engine (tests, and before deleting a database). ``close=False``:
     in a child after a fork, whose pooled connections are the parent's; it opens its own."""
@@ -317,5 +327,5 @@ def forget_engines(close: bool = True) -> None:
         _factories.clear()
 
 
-__all__ = ["current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
+__all__ = ["close_at_exit", "current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
            "session_factory", "sqlite_path", "upgrade"]
