@@ -184,7 +184,7 @@ def _say_how_a_run_ends(settings: Settings, job_id: str) -> None:
     from specbatch.worker.pids import gone_here
 
     with open_db(settings, readonly=True).begin() as s:
-        held = store.held_by_gone(s, job_id, gone_here)
+        held = store.run_held_by_gone(s, job_id, gone_here)
     if held:
         click.echo(f"job {job_id}'s `specbatch run` ({', '.join(sorted(held))}) no longer runs on this machine: "
                    f"`specbatch run --resume {job_id}` finishes it", err=True)
@@ -325,7 +325,7 @@ def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> 
     # job_dict's status, as `status` shows it: an interrupted `specbatch run` stays "running" in the table
     job = store.job_dict(store.get_job(s, job_id))
     stopped = job["status"] == "interrupted" or (run_in_its_process(job["metadata"])
-                                                 and bool(store.held_by_gone(s, job_id, gone_here)))
+                                                 and bool(store.run_held_by_gone(s, job_id, gone_here)))
     return job["status"], n, stopped
 
 

@@ -112,10 +112,17 @@ def cli(ctx: click.Context, debug: bool) -> None:
     install_log_redaction()
 
 
-def main() -> None:
+def _freeze_at_exit() -> None:
     # the interpreter's last garbage collections walk every object a loaded model left behind (0.6 s
     # of a `specbatch run`'s 0.8 s exit after its summary, measured with py-spy --native); the
-    # process is ending, so those objects are frozen out of them (atexit: after the threads are
-    # joined; run last of the handlers, as registered first)
-    atexit.register(gc.freeze)
+    # process is ending, so those objects are frozen out of them. What relied on being collected
+    # then is closed first: the database's pooled connections (SQLite's WAL, db.close_at_exit)
+    if (db := sys.modules.get("specbatch.db")) is not None:     # (imported only where it was used)
+        db.close_at_exit()
+    gc.freeze()
+
+
+def main() -> None:
+    # atexit: after the threads are joined; run last of the handlers, as registered first
+    atexit.register(_freeze_at_exit)
     cli(obj={})

@@ -277,11 +277,21 @@ def downgrade(url: str, revision: str) -> None:
 
 
 def current_revision(url: str) -> str | None:
-    """The database's Alembic revision (None: not migrated)."""
+    """The database's Alembic revision as it is (None: not migrated). Not through ``get_engine``,
+    which migrates a database on first use: `db upgrade` read the head there before it migrated
+    anything, and said "nothing to migrate" of a database it had just migrated."""
     from alembic.runtime.migration import MigrationContext
 
-    with get_engine(url).connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+    with _lock:
+        cached = _engines.get(url)
+    engine = cached or _create(url)
+    try:
+        # read-only: on SQLite a BEGIN IMMEDIATE would wait for a busy writer just to read a version
+        with engine.execution_options(specbatch_readonly=True).connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    finally:
+        if cached is None:
+            engine.dispose()
 
 
 def dispose_engines(close: bool = False) -> None:
@@ -289,6 +299,16 @@ def dispose_engines(close: bool = False) -> None:
     with _lock:
         for engine in (*_engines.values(), *_read_engines.values()):
             engine.dispose(close=close)
+
+
+def close_at_exit() -> None:
+    """At the process's exit: close the pooled connections, which nothing else closes once the
+    entry point freezes what is left out of the last garbage collections (cli/main.py). Closing
+    the last connection to a SQLite database checkpoints its WAL into the file and removes the
+    -wal and -shm files; left open, the newest jobs stayed in the -wal only. No lock: a daemon
+    thread may hold it for ever at exit."""
+    for engine in (*list(_engines.values()), *list(_read_engines.values())):
+        engine.dispose()
 
 
 def forget_engines(close: bool = True) -> None:
@@ -307,5 +327,5 @@ def forget_engines(close: bool = True) -> None:
         _factories.clear()
 
 
-__all__ = ["current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
+__all__ = ["close_at_exit", "current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
            "session_factory", "sqlite_path", "upgrade"]

@@ -120,6 +120,21 @@ class Tally:
     fewer: int                       # steps on fewer than ``full`` threads
     used: tuple[int, ...]            # the counts below ``full`` it decoded on
 
+    def __add__(self, other: Tally) -> Tally:
+        return Tally(max(self.full, other.full), self.steps + other.steps, self.fewer + other.fewer,
+                     tuple(sorted({*self.used, *other.used})))
+
+
+def by_slot(*decodes: Sequence[Tally]) -> list[Tally]:
+    """The tallies of several decodes with one engine (each a process's, or each of its forked
+    processes'), added up slot by slot: one per process that decoded at a time. Routes of one pair
+    fork their processes again with the same engine, and listing every fork's tallies said "in 3
+    of its 4 decode processes" of a `--processes 2` run."""
+    out: list[Tally] = []
+    for tallies in decodes:
+        out = [a + b for a, b in zip(out, tallies)] + list(out[len(tallies):]) + list(tallies[len(out):])
+    return out
+
 
 def describe(tallies: Sequence[Tally]) -> str | None:
     """One line for a run's end where the cores were taken for a share of its steps (over every

@@ -19,7 +19,7 @@ from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
 from specbatch.engine.compile.static import static_plan
-from specbatch.engine.contention import Contention, Tally, describe, governor
+from specbatch.engine.contention import Contention, Tally, by_slot, describe, governor
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
@@ -148,7 +148,8 @@ class Engine:
         # the torch threads one loop decodes on, lowered while other processes hold the cores
         # (engine/contention.py); made at the first decode that may use it
         self.contention: Contention | None = None
-        # the governors of processes forked to decode with this engine (worker/forked.py)
+        # the governors of processes forked to decode with this engine, one a process slot, summed
+        # over the routes that forked again with it (worker/forked.py, contention.by_slot)
         self.forked_contention: list[Tally] = []
         # each lane's own state by (lane, lanes in use), where it is not the attributes above
         self.lane_state: dict[tuple[int, int], _Lane] = {}
@@ -522,7 +523,8 @@ class Engine:
         """The run-end line of what the thread governors did over this engine's decodes, here
         and in the processes forked with it; None where the cores were never taken."""
         own = [self.contention.tally()] if self.contention is not None else []
-        return describe(own + self.forked_contention)
+        # (this process, where it decoded a route itself, is one of the processes at a time)
+        return describe(by_slot(own, self.forked_contention))
 
     def batch_report(self) -> dict[str, Any] | None:
         """What the autopilot chose and measured so far (None before an automatic batch ran)."""

@@ -125,7 +125,7 @@ def stopped_runs(s: Session, source: str, gone: Callable[[str], bool]) -> list[t
     out = []
     for job in runs:
         how = "interrupted" if (job.meta or {}).get("interrupted_at") else \
-            "killed" if held_by_gone(s, job.id, gone) else None
+            "killed" if run_held_by_gone(s, job.id, gone) else None
         if how is not None:
             out.append((job.id, counts[job.id]["pending"] + counts[job.id]["running"], how))
     return out
@@ -227,6 +227,13 @@ def held_by_gone(s: Session, job_id: str, gone: Callable[[str], bool],
     """The job's running requests on a live lease whose holder ``gone(worker)`` says has exited:
     {holder: request ids}. Reads only (``status`` shows them; ``expire_gone_leases`` ends them)."""
     return _held_by_gone(s, job_id, gone, Request.lease_expires_at > (now or utcnow()))
+
+
+def run_held_by_gone(s: Session, job_id: str, gone: Callable[[str], bool]) -> dict[str, list[int]]:
+    """``held_by_gone`` for a `specbatch run` job, expired leases too: no worker's sweep takes such a
+    job's rows back, so those of a run killed more than a lease ago stay running on its dead name
+    until `run --resume` (its lease only tells how long ago it died)."""
+    return _held_by_gone(s, job_id, gone)
 
 
 def expire_gone_leases(s: Session, job_id: str, gone: Callable[[str], bool]) -> dict[str, list[int]]:

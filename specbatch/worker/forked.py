@@ -113,6 +113,7 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
                only: Collection[int] | None = None) -> bool:
     """``run_embedded`` (same arguments, same result) over up to ``processes`` forked children."""
     from specbatch.db import session_factory
+    from specbatch.engine.contention import by_slot
     from specbatch.engine.memory import default_budget
     from specbatch.engine.threads import decode_here, forked_threads
     from specbatch.jobs import store
@@ -153,7 +154,9 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
             stops.close()
             children.append(_Child(process, results, told))
         finished, error, tallies = _gather(children, stop, on_progress)
-        engine.forked_contention.extend(tallies)     # for the run's end line (engine.contention_line)
+        # for the run's end line (engine.contention_line); an earlier route's forks on this engine
+        # were the same processes' slots, not more of them
+        engine.forked_contention = by_slot(engine.forked_contention, tallies)
     except BaseException:
         # a second Ctrl-C (KeyboardInterrupt) or our own failure: end them at once
         for child in children:

@@ -4,6 +4,7 @@ reports; exit codes 0/1/2; job-default options on submit and run reach the store
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -239,4 +240,23 @@ def test_the_entry_point_freezes_what_is_left_out_of_the_exits_collections(monke
     monkeypatch.setattr(sys, "argv", ["specbatch", "--version"])
     with pytest.raises(SystemExit):
         entry.main()
-    assert registered == [gc.freeze]
+    assert registered == [entry._freeze_at_exit]
+    before = gc.get_freeze_count()
+    try:
+        entry._freeze_at_exit()
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
+
+
+def test_a_command_leaves_no_sqlite_wal_behind_at_exit(tmp_path: Path) -> None:
+    """The frozen exit (above) never closed the pooled database connections: every command left
+    the -wal and -shm files, the newest jobs only in the -wal, not in the file `db url` names (a
+    copy of it lacked them). Closed before the freeze, SQLite checkpoints and removes them."""
+    path = tmp_path / "x.db"
+    env = {**os.environ, "SPECBATCH_DATABASE_URL": f"sqlite:///{path}", "OMP_NUM_THREADS": "1"}
+    for args in (["db", "upgrade"], ["jobs"]):
+        done = subprocess.run([sys.executable, "-c", "from specbatch.cli.main import main; main()", *args],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"], (args, done.stderr)

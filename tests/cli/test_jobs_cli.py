@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -481,7 +482,16 @@ def test_db_upgrade_and_url(db_url, tmp_path):
     db.downgrade(db_url, "-1")
     older = db.current_revision(db_url)
     assert older != head_revision()
+    db.forget_engines()     # as a new process finds it: no engine cached (one would migrate on first use)
     assert run("db", "upgrade").stdout.strip() == f"database {db_url} migrated from {older} to revision {head_revision()}"
+    # an existing empty file (as an empty PostgreSQL database): migrated, not "nothing to migrate"
+    db.forget_engines()
+    path = tmp_path / "data" / "cli.db"
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    path.touch()
+    assert run("db", "upgrade").stdout.strip() == \
+        f"database {db_url} migrated from an empty schema to revision {head_revision()}"
     assert json.loads(run("db", "url", "--json").stdout) == {"url": db_url, "path": str(tmp_path / "data" / "cli.db"),
                                                              "exists": True}
 
@@ -847,6 +857,40 @@ def test_export_of_a_run_killed_on_this_machine_points_at_run_resume(db_url, tmp
         store.claim_requests(s, ids[1:3], f"embedded@{socket.gethostname()}:{os.getpid()}", 300, 3)
     result = run("export", job_id, "-o", str(tmp_path / "b.jsonl"))
     assert f"`specbatch status {job_id} --watch` waits for the job to end" in result.stderr, result.stderr
+
+
+def test_a_run_killed_longer_than_a_lease_ago_is_still_named_as_stopped(db_url, tmp_path, no_worker_check):
+    """A `specbatch run` killed (OOM, SIGKILL) more than SPECBATCH_LEASE_SECONDS ago: its rows stay
+    running on the dead holder, on a lease long expired (no worker's sweep takes a run job's rows
+    back). status, export and the next `run FILE` named it only while the lease lasted, 300 s:
+    after that export pointed at `status --watch`, which waits for ever, and `run FILE` said nothing."""
+    import socket
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from specbatch.db.models import utcnow
+    from specbatch.worker.pids import gone_here
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holder = f"embedded@{socket.gethostname()}:{dead.pid}"
+    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    with db.session_factory(db_url).begin() as s:
+        job = store.get_job(s, job_id)
+        job.meta, job.source = {"embedded": True}, "/data/p.jsonl"
+        store.claim_requests(s, ids[1:3], holder, 300, 3)
+        s.execute(Request.__table__.update().where(Request.id.in_(ids[1:3]))
+                  .values(lease_expires_at=utcnow() - timedelta(hours=1)))
+    result = run("export", job_id, "-o", str(tmp_path / "a.jsonl"))
+    assert result.exit_code == 0, result.output
+    assert f"`specbatch run --resume {job_id}` finishes them" in result.stderr, result.stderr
+    assert "--watch" not in result.stderr
+    result = run("status", job_id)
+    assert f"job {job_id}'s `specbatch run` ({holder}) no longer runs on this machine" in result.stderr, \
+        result.stderr
+    with db.session_factory(db_url).begin() as s:
+        assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == [(job_id, 3, "killed")]
 
 
 def test_a_database_that_is_down_is_one_line(monkeypatch):

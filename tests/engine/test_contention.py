@@ -187,3 +187,13 @@ def test_the_end_line_over_several_decode_processes_counts_each_ones_steps() -> 
     assert describe([quiet, busy]) == ("other processes held this machine's cores: decoded on 1-2 of 4 torch threads "
                                        "for 38% of 400 steps, in 1 of its 2 decode processes (README 'Throughput': "
                                        "a busy machine; the text is the same either way)")
+
+
+def test_tallies_of_one_engine_add_up_slot_by_slot() -> None:
+    """Each route forks its processes again with the same engine: one slot per process at a time."""
+    from specbatch.engine.contention import Tally, by_slot
+
+    a, b = Tally(2, 10, 5, (1,)), Tally(4, 20, 0, ())
+    assert by_slot([a, b], [b]) == [Tally(4, 30, 5, (1,)), b]
+    assert by_slot([a], [a, b]) == [Tally(2, 20, 10, (1,)), b]
+    assert by_slot([], [a]) == [a] and by_slot([a], []) == [a] and by_slot() == []

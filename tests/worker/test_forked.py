@@ -123,6 +123,43 @@ def test_the_run_end_line_counts_the_forked_processes_governors(tmp_path: Path, 
     assert "of its 2 decode processes" in line or "decode processes" not in line, line
 
 
+def test_routes_on_one_engine_count_its_decode_processes_once(tmp_path: Path, tiny_models: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two routes of one pair (a --model-map name mapped to the job's own pair) decode with the
+    same engine, forking 2 processes for each: the end line said "in 3 of its 4 decode processes"
+    of a `--processes 2` run. A slot's tallies add up over the routes."""
+    import re
+
+    from specbatch.engine import Engine
+    from specbatch.engine.contention import Contention
+
+    def contended(self: Engine, lanes: int) -> Contention:
+        if self.contention is None:
+            self.contention = Contention(2, set_threads=lambda n: None)
+            real = self.contention.observe
+            self.contention.observe = lambda wall, cpu: real(1.0, 0.5 * self.contention.now)  # type: ignore[method-assign]
+        return self.contention
+
+    monkeypatch.setattr(Engine, "_contention", contended)
+    target = str(tiny_models / "llama")
+    prompts = _prompts(tmp_path / "p.jsonl", 20)
+    with prompts.open("a") as f:     # as many lines again, routed by body.model to the same pair
+        for i in range(20):
+            f.write(json.dumps({"custom_id": f"m{i}", "method": "POST", "url": "/v1/completions",
+                                "body": {"model": "m", "prompt": f"mapped {i} and", "max_tokens": 6 + 3 * (i % 7)}})
+                    + "\n")
+    url = f"sqlite:///{tmp_path / 'routes.db'}"
+    get_settings.cache_clear()
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", target, "--draft", "none", "--no-cache",
+                                      "--model-map", f"m={target}", "--processes", "2"],
+                                env={"SPECBATCH_DATABASE_URL": url, "SPECBATCH_BROKER_URL": "redis://127.0.0.1:1/0"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    lines = [x for x in " ".join(result.stderr.split()).split("specbatch: ") if x.startswith("other processes")]
+    assert len(lines) == 1, result.stderr          # one engine: one line
+    counts = re.findall(r"in (\d+) of its (\d+) decode processes", lines[0])
+    assert all(int(n) <= int(of) <= 2 for n, of in counts), lines[0]
+
+
 def test_a_failing_process_is_one_line_the_others_stop_and_resume_finishes(
         tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from specbatch.engine.decoder import Decoder
