@@ -705,10 +705,10 @@ def _not_finished_here(settings: Settings, job_id: str) -> None:
         leased = store.leased_requests(s, job_id)
     holders = sorted({w for _, w, _ in leased})
     if holders:
-        one = len(holders) == 1
+        # "on a live lease", not "which still runs": a holder on another machine cannot be checked
         click.echo(f"job {job_id} is not finished: {plural(len(leased), 'running request')} "
-                   f"{'is' if len(leased) == 1 else 'are'} held by {', '.join(holders)}, which still "
-                   f"{'runs' if one else 'run'}; `specbatch status {job_id} --watch` follows it", err=True)
+                   f"{'is' if len(leased) == 1 else 'are'} held by {', '.join(holders)} on a live lease; "
+                   f"`specbatch status {job_id} --watch` follows it", err=True)
     else:
         click.echo(f"job {job_id} is not finished; `specbatch run --resume {job_id}` finishes it", err=True)
     sys.exit(1)

@@ -343,7 +343,7 @@ def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_
         other.kill()
         other.wait()
     assert result.exit_code == 1, result.output
-    assert (f"job {job_id} is not finished: 2 running requests are held by {holder}, which still runs; "
+    assert (f"job {job_id} is not finished: 2 running requests are held by {holder} on a live lease; "
             f"`specbatch status {job_id} --watch` follows it") in result.stderr, result.stderr
     assert _counts(url) == (2, {"completed": 2, "running": 2})
 
