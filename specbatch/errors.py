@@ -58,3 +58,19 @@ def one_line(error: BaseException | str) -> str:
     """A driver's message on one line: psycopg's "connection refused" goes on with
     "\\n\\tIs the server running on that host ...?", which printed as a second, indented line."""
     return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
+
+
+# what to do when the device ran out of memory: the budget (engine/memory.py) is a share of what was
+# free once the models loaded, and these lower it; running again as before runs out again
+OUT_OF_MEMORY_ADVICE = ("out of device memory: give decoding less with --max-memory (SPECBATCH_MAX_MEMORY; "
+                        "default 80% of the GPU memory free after loading) or a smaller --batch-size")
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is torch's out-of-memory error (CUDA's allocator). Imports nothing: a
+    command that ran out of device memory imported torch already."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return isinstance(oom, type) and isinstance(error, oom)

@@ -13,7 +13,15 @@ import sys
 import click
 
 from specbatch.cli.json_out import JSON_ASKED, echo_json_error
-from specbatch.errors import InputError, IntakeError, SettingsError, SpecBatchError, one_line
+from specbatch.errors import (
+    OUT_OF_MEMORY_ADVICE,
+    InputError,
+    IntakeError,
+    SettingsError,
+    SpecBatchError,
+    one_line,
+    out_of_memory,
+)
 from specbatch.redact import install_log_redaction, mask
 
 # module -> command names it defines (imported lazily so `specbatch --help` stays fast)
@@ -74,7 +82,10 @@ class LazyGroup(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 _mask_chain(e)
                 raise
-            error = click.ClickException(mask(f"unexpected error ({type(e).__name__}: {one_line(e)}); --debug shows "
+            # (a GPU that ran out of memory is no bug to report: it is told what lowers the budget)
+            error = click.ClickException(mask(f"{OUT_OF_MEMORY_ADVICE} ({type(e).__name__}: {one_line(e)})"
+                                              if out_of_memory(e) else
+                                              f"unexpected error ({type(e).__name__}: {one_line(e)}); --debug shows "
                                               "the stack trace; please report it"))
             echo_json_error(ctx, error, e)
             raise error from e

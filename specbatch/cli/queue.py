@@ -30,7 +30,7 @@ from specbatch.cli.compile_text import compiling_notice, report_compile, use_com
 from specbatch.cli.json_out import echo_json
 from specbatch.cli.throughput import device_options, no_draft, resolve_throughput, throughput_options
 from specbatch.config import Settings, get_settings
-from specbatch.errors import SpecBatchError
+from specbatch.errors import OUT_OF_MEMORY_ADVICE, SpecBatchError, one_line, out_of_memory
 from specbatch.plural import plural
 from specbatch.redact import mask
 
@@ -656,9 +656,11 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
             raise
         except Exception as e:   # not a request's fault (those fail alone): the engine itself
             # a SpecBatchError: the CLI's edge prints it as one line, or the stack trace with --debug
+            # (out of device memory: the resume as it was would run out again, so it says what lowers the budget)
+            oom = f"; {OUT_OF_MEMORY_ADVICE}" if out_of_memory(e) else ""
             raise SpecBatchError(
-                f"job {job_id} stopped: decoding failed ({type(e).__name__}: {e}); finished results are "
-                f"saved and `specbatch run --resume {job_id}` retries the rest (--debug shows the stack "
+                f"job {job_id} stopped: decoding failed ({type(e).__name__}: {one_line(e)}); finished results are "
+                f"saved and `specbatch run --resume {job_id}` retries the rest{oom} (--debug shows the stack "
                 "trace)") from e
     done()
     if held:

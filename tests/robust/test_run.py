@@ -290,6 +290,50 @@ def test_an_unexpected_error_in_any_command_is_one_line_unless_debug(monkeypatch
     assert isinstance(debug.exception, ValueError)
 
 
+def test_out_of_device_memory_is_told_what_lowers_the_budget_not_reported_as_a_bug(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU that ran out of memory (torch.OutOfMemoryError, CUDA's allocator) is no bug: the line
+    says what lowers the memory budget, instead of "please report it"."""
+    import torch
+
+    import specbatch.engine.loading as loading
+
+    def oom(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(loading, "known_model_status", oom)
+    result = CliRunner().invoke(cli, ["models"])
+    assert result.exit_code == 1, result.output
+    line = result.stderr.strip()
+    assert line.startswith("Error: out of device memory: ") and "--max-memory" in line and "--batch-size" in line, line
+    assert "CUDA out of memory. Tried to allocate 2.00 GiB." in line and "please report it" not in line, line
+
+
+def test_out_of_device_memory_mid_run_says_what_to_lower_before_the_resume(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`run --resume` with the same budget would run out of memory again: the stopped line says
+    what lowers it."""
+    import torch
+
+    from specbatch.engine.decoder import Decoder
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+
+    def oom(self):   # noqa: ANN001, ANN202
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+
+    monkeypatch.setattr(Decoder, "_step", oom)
+    args = ["run", str(_prompts(tmp_path / "p.jsonl", 2, 8)), "--target", str(tiny_models / "llama"),
+            "--draft", "none"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 1, result.output
+    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("Error: ")]
+    assert "decoding failed (OutOfMemoryError: CUDA out of memory." in line and "run --resume" in line, line
+    assert "out of device memory" in line and "--max-memory" in line and "--batch-size" in line, line
+
+
 def test_ctrl_c_while_the_models_load_exits_130_and_makes_no_job(tmp_path: Path, tiny_models: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's exit status for an interrupted run, not click's "Aborted!" and 1 (procqa)."""
