@@ -93,11 +93,9 @@ def test_two_processes_write_what_one_process_does(tmp_path: Path, tiny_models: 
     assert workers1 == {f"embedded@{socket.gethostname()}:{os.getpid()}"} and os.getpid() not in pids
 
 
-def test_the_run_end_line_counts_the_forked_processes_governors(tmp_path: Path, tiny_models: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each forked process governs its own threads (engine/contention.py); the parent, which
-    decodes nothing, printed no end line however long they decoded on fewer threads. A scripted
-    governor whose machine is always contended, in each child (forked after the patch)."""
+def _always_contended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each engine's thread governor a scripted one whose machine is always contended (in the forked
+    children too: they fork after the patch)."""
     from specbatch.engine import Engine
     from specbatch.engine.contention import Contention
 
@@ -109,6 +107,14 @@ def test_the_run_end_line_counts_the_forked_processes_governors(tmp_path: Path, 
         return self.contention
 
     monkeypatch.setattr(Engine, "_contention", contended)
+
+
+def test_the_run_end_line_counts_the_forked_processes_governors(tmp_path: Path, tiny_models: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each forked process governs its own threads (engine/contention.py); the parent, which
+    decodes nothing, printed no end line however long they decoded on fewer threads. A scripted
+    governor whose machine is always contended, in each child (forked after the patch)."""
+    _always_contended(monkeypatch)
     prompts = _prompts(tmp_path / "p.jsonl", 30)
     url = f"sqlite:///{tmp_path / 'two.db'}"
     get_settings.cache_clear()
@@ -130,17 +136,7 @@ def test_routes_on_one_engine_count_its_decode_processes_once(tmp_path: Path, ti
     of a `--processes 2` run. A slot's tallies add up over the routes."""
     import re
 
-    from specbatch.engine import Engine
-    from specbatch.engine.contention import Contention
-
-    def contended(self: Engine, lanes: int) -> Contention:
-        if self.contention is None:
-            self.contention = Contention(2, set_threads=lambda n: None)
-            real = self.contention.observe
-            self.contention.observe = lambda wall, cpu: real(1.0, 0.5 * self.contention.now)  # type: ignore[method-assign]
-        return self.contention
-
-    monkeypatch.setattr(Engine, "_contention", contended)
+    _always_contended(monkeypatch)
     target = str(tiny_models / "llama")
     prompts = _prompts(tmp_path / "p.jsonl", 20)
     with prompts.open("a") as f:     # as many lines again, routed by body.model to the same pair
