@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from specbatch.errors import one_line, out_of_memory
 from specbatch.redact import mask
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class TargetHealth:
 
     def __init__(self, limit: int) -> None:
         self.limit, self.failures, self.last_error = limit, 0, ""
+        self.out_of_memory = False      # the last failure was the device's memory, not the device
 
     @property
     def unhealthy(self) -> bool:
@@ -92,5 +94,15 @@ class TargetHealth:
     def failed(self, error: BaseException) -> bool:
         """Count a failure; True when this one made the worker unhealthy."""
         self.failures += 1
-        self.last_error = f"{type(error).__name__}: {error}"
+        self.last_error = f"{type(error).__name__}: {one_line(error)}"
+        self.out_of_memory = out_of_memory(error)
         return self.failures == self.limit
+
+    @property
+    def remedy(self) -> str:
+        """What brings an unhealthy worker back: a device that ran out of memory runs out again
+        after a restart as it was (the same budget, the same batches), unlike one that failed."""
+        if self.out_of_memory:
+            return ("restart it with less for decoding (SPECBATCH_MAX_MEMORY, or a smaller --batch-size): "
+                    "out of device memory")
+        return "restart it once the device is fixed"

@@ -232,7 +232,7 @@ class EngineTask(Task):
             engine = draft_only(self.engine)
         elif self.health.unhealthy:
             raise _refuse(self, f"worker unhealthy after {self.health.failures} target failures "
-                                f"({self.health.last_error}); restart it")
+                                f"({self.health.last_error}); {self.health.remedy}")
         if _queue(self) in self.refused:
             raise _refuse(self, "this worker refused a task of this queue before")
         return engine
@@ -282,7 +282,7 @@ class EngineTask(Task):
         if self.health.failed(error):
             set_consuming(self.app, self.request.hostname, _queue(self), on=False,
                           reason=f"worker unhealthy: {self.health.failures} target failures in a row "
-                                 f"({self.health.last_error}); restart it once the device is fixed")
+                                 f"({self.health.last_error}); {self.health.remedy}")
         raise Reject(f"target failure: {error}", requeue=True) from error
 
 

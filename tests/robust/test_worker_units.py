@@ -44,3 +44,16 @@ def test_worker_dir_removes_what_killed_workers_left(tmp_path: Path) -> None:
     own = worker_dir(settings)
     assert own == base / str(os.getpid()) and own.is_dir() and not any(own.iterdir())
     assert not (base / dead).exists() and alive.exists()
+
+
+def test_an_unhealthy_worker_out_of_device_memory_is_told_to_give_decoding_less() -> None:
+    """gpu51: "restart it once the device is fixed" of a worker that ran out of GPU memory: a
+    restart as it was runs out again (the same budget)."""
+    import torch
+
+    h = TargetHealth(limit=1)
+    assert h.failed(RuntimeError("CUDA error: an illegal memory access\nwas encountered"))
+    assert h.remedy == "restart it once the device is fixed" and "\n" not in h.last_error
+    h.ok()
+    assert h.failed(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert h.remedy.startswith("restart it with less for decoding (SPECBATCH_MAX_MEMORY")
