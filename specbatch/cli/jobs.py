@@ -314,7 +314,6 @@ def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> 
     request. ``stopped``: a `specbatch run` job that no process decodes (interrupted, or killed here)."""
     from specbatch.jobs import store
     from specbatch.jobs.openai_output import FINISHED
-    from specbatch.worker.embedded_names import run_in_its_process
     from specbatch.worker.pids import gone_here
 
     kept = set(statuses) if statuses else set(FINISHED if fmt == "jsonl" else REQUEST_STATUSES)
@@ -322,11 +321,9 @@ def _unfinished_left_out(s: Any, job_id: str, fmt: str, statuses: list[str]) -> 
     n = sum(counts[x] for x in ("pending", "running") if x not in kept)
     if not n:
         return None
+    job = store.get_job(s, job_id)
     # job_dict's status, as `status` shows it: an interrupted `specbatch run` stays "running" in the table
-    job = store.job_dict(store.get_job(s, job_id))
-    stopped = job["status"] == "interrupted" or (run_in_its_process(job["metadata"])
-                                                 and bool(store.run_held_by_gone(s, job_id, gone_here)))
-    return job["status"], n, stopped
+    return store.job_dict(job)["status"], n, store.run_stopped(s, job, gone_here) is not None
 
 
 def _warn_left_out(job_id: str, left_out: tuple[str, int, bool] | None) -> None:

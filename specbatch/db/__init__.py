@@ -297,8 +297,7 @@ def current_revision(url: str) -> str | None:
 def dispose_engines(close: bool = False) -> None:
     """Drop pooled connections; call in a child after fork (``close=False`` leaves the parent's alone)."""
     with _lock:
-        for engine in (*_engines.values(), *_read_engines.values()):
-            engine.dispose(close=close)
+        _dispose_all(close)
 
 
 def close_at_exit() -> None:
@@ -307,8 +306,12 @@ def close_at_exit() -> None:
     the last connection to a SQLite database checkpoints its WAL into the file and removes the
     -wal and -shm files; left open, the newest jobs stayed in the -wal only. No lock: a daemon
     thread may hold it for ever at exit."""
+    _dispose_all(close=True)
+
+
+def _dispose_all(close: bool) -> None:
     for engine in (*list(_engines.values()), *list(_read_engines.values())):
-        engine.dispose()
+        engine.dispose(close=close)
 
 
 def forget_engines(close: bool = True) -> None:

@@ -114,21 +114,25 @@ COUNTS = (select(Request.job_id, Request.status, func.count())
           .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
 
 
+def run_stopped(s: Session, job: Job, gone: Callable[[str], bool]) -> str | None:
+    """How an unfinished `specbatch run` job that no process decodes stopped: "interrupted"
+    (Ctrl-C), or "killed" where a holder of its rows ``gone(worker)`` says has exited; None for
+    any other job (a worker's, a finished one, one a run still decodes)."""
+    if not (job.meta or {}).get("embedded") or JobStatus(job.status).finished:
+        return None
+    if job_dict(job)["status"] == "interrupted":
+        return "interrupted"
+    return "killed" if run_held_by_gone(s, job.id, gone) else None
+
+
 def stopped_runs(s: Session, source: str, gone: Callable[[str], bool]) -> list[tuple[str, int, str]]:
-    """The unfinished `specbatch run` jobs of the prompt file ``source`` that no process decodes:
-    (job id, requests left, how it stopped: "interrupted", or "killed" where a holder of its
-    rows ``gone(worker)`` says has exited), oldest first."""
+    """The `specbatch run` jobs of the prompt file ``source`` that stopped unfinished
+    (``run_stopped``): (job id, requests left, how it stopped), oldest first."""
     jobs = s.scalars(select(Job).where(Job.source == source, Job.status.in_(
         [JobStatus.queued, JobStatus.running])).order_by(Job.created_at)).all()
-    runs = [j for j in jobs if (j.meta or {}).get("embedded")]
-    counts = request_counts(s, [j.id for j in runs])
-    out = []
-    for job in runs:
-        how = "interrupted" if (job.meta or {}).get("interrupted_at") else \
-            "killed" if run_held_by_gone(s, job.id, gone) else None
-        if how is not None:
-            out.append((job.id, counts[job.id]["pending"] + counts[job.id]["running"], how))
-    return out
+    stopped = [(job, how) for job in jobs if (how := run_stopped(s, job, gone)) is not None]
+    counts = request_counts(s, [job.id for job, _ in stopped])
+    return [(job.id, counts[job.id]["pending"] + counts[job.id]["running"], how) for job, how in stopped]
 
 
 def request_counts(s: Session, job_ids: Iterable[str]) -> dict[str, dict[str, int]]:
