@@ -105,10 +105,6 @@ class Contention:
     def tally(self) -> Tally:
         return Tally(self.full, self.steps, self.fewer, tuple(sorted({t for _, t in self.history if t < self.full})))
 
-    def summary(self) -> str | None:
-        """One line for a run's end where the cores were taken for a share of its steps; else None."""
-        return describe([self.tally()])
-
 
 @dataclass(frozen=True)
 class Tally:

@@ -16,6 +16,11 @@ def scripted(full: int = 2) -> tuple[Contention, list[int]]:
     return Contention(full, set_threads=calls.append), calls
 
 
+def end_line(c: Contention) -> str | None:
+    """The run's end line of one governor, as the engine makes it (``Engine.contention_line``)."""
+    return contention.describe([c.tally()])
+
+
 def run(c: Contention, steps: int, use: float) -> None:
     for _ in range(steps):
         c.observe(0.1, 0.1 * use * c.now)
@@ -25,7 +30,7 @@ def test_a_quiet_machine_keeps_every_thread_and_tries_nothing() -> None:
     c, calls = scripted()
     run(c, 1000, 0.97)
     assert c.now == 2 and calls == [] and c.history == []
-    assert c.fewer == 0 and c.summary() is None          # a quiet run says nothing at its end
+    assert c.fewer == 0 and end_line(c) is None          # a quiet run says nothing at its end
 
 
 def test_a_contended_run_says_at_its_end_how_much_it_ran_on_fewer_threads(caplog) -> None:
@@ -34,14 +39,14 @@ def test_a_contended_run_says_at_its_end_how_much_it_ran_on_fewer_threads(caplog
         run(c, WINDOW, 0.6)                             # drops at the window's end
         run(c, 96 - WINDOW, 0.6)                        # held, retried, dropped again
     assert c.steps == 96 and 0 < c.fewer < 96
-    assert c.summary() == (f"other processes held this machine's cores: decoded on 1 of 2 torch threads for "
+    assert end_line(c) == (f"other processes held this machine's cores: decoded on 1 of 2 torch threads for "
                            f"{c.fewer / 96:.0%} of 96 steps (README 'Throughput': a busy machine; the text is "
                            "the same either way)")
     c.fewer, c.steps = 1, 300                          # one step of 300 is not "0%"
-    assert "for <1% of 300 steps" in (c.summary() or "")
+    assert "for <1% of 300 steps" in (end_line(c) or "")
     c.history.append((300, 3))                          # (as if 4 threads: 1 and 3 used)
     c.full = 4
-    assert "decoded on 1-3 of 4 torch threads" in (c.summary() or "")
+    assert "decoded on 1-3 of 4 torch threads" in (end_line(c) or "")
     # the first drop is said once at INFO (a worker's log), not at every retry
     said = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
     assert said == ["other processes hold this machine's cores: decoding on 1 of 2 torch threads, "
