@@ -246,7 +246,7 @@ def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     """
     import time
 
-    from specbatch.worker.embedded_names import run_in_its_process
+    from specbatch.jobs.store import run_in_its_process
 
     settings = get_settings()
     summary, finished = _refreshed_summary(settings, job_id)
@@ -510,14 +510,13 @@ def retry(job_id: str, as_json: bool) -> None:
       specbatch retry 3f9a2c
     """
     from specbatch.jobs import store
-    from specbatch.worker.embedded_names import run_in_its_process
 
     settings = get_settings()
     with open_db(settings).begin() as s:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
         jid, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
-        embedded = run_in_its_process(job.meta)
+        embedded = store.run_in_its_process(job.meta)
         routes = store.request_routes(s, jid, ids, by_prefix=True)
     if ids and embedded:
         # no worker consumes a `run` job's queue: the rows are pending again, and run's

@@ -304,7 +304,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     """
     from specbatch.jobs import store
     from specbatch.observability import tracing
-    from specbatch.worker.embedded_names import release_dead_embedded, run_in_its_process
+    from specbatch.worker.embedded_names import release_dead_embedded
     from specbatch.worker.enqueue import enqueue_routes
     from specbatch.worker.pids import gone_here
 
@@ -314,7 +314,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
         job = store.get_job(s, job_id)
         job_id, queue, job_drafters = job.id, job.queue, list(job.drafts or [])
         job_status, stopping = job.status.value, job.status in store.STOPPING_JOB
-        embedded = run_in_its_process(job.meta)
+        embedded = store.run_in_its_process(job.meta)
         released = release_dead_embedded(s, job_id)
         # a worker killed on this machine holds its rows until its lease runs out (minutes): as
         # `cancel` does, its rows are claimable now (the same check: worker.pids.gone_here)
@@ -492,7 +492,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
       specbatch run --resume 3f9a2c
     """
     from specbatch.engine.threads import configure_threads
-    from specbatch.jobs import intake
+    from specbatch.jobs import intake, store
     from specbatch.observability import tracing
     from specbatch.worker.local import LoadOptions, LocalJob
     from specbatch.worker.queues import queue_name
@@ -546,7 +546,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     intake.check_token_ids(parsed, "<stdin>" if file == "-" else file,
                            lambda t: vocab if t in (None, target_) else local(t))
     job_id, routes = _create_job(settings, file, target_, drafts_, defaults, queue_name(target_, drafts_),
-                                 model_map, parsed=parsed, metadata={"embedded": True}, cache=not no_cache)
+                                 model_map, parsed=parsed, metadata={store.EMBEDDED: True}, cache=not no_cache)
     held = [engine]
     del engine     # (the list is the only name for it: run_job lets go of it before a next pair loads)
     _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, held)

@@ -109,6 +109,15 @@ def list_jobs(s: Session, limit: int = 50) -> list[Job]:
     return list(s.scalars(select(Job).order_by(Job.created_at.desc(), Job.id.desc()).limit(limit)))
 
 
+EMBEDDED = "embedded"   # the job's meta key that says `specbatch run` made it (run_in_its_process)
+
+
+def run_in_its_process(meta: dict[str, Any] | None) -> bool:
+    """Whether a job (its ``meta``) was made by ``specbatch run``: that process (or a later ``run
+    --resume`` / ``resume``) decodes its rows, with no broker; a worker's sweeps never send them."""
+    return bool((meta or {}).get(EMBEDDED))
+
+
 # built once: building a statement and its cache key took a fifth of the API's CPU per Batch object
 COUNTS = (select(Request.job_id, Request.status, func.count())
           .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
@@ -118,7 +127,7 @@ def run_stopped(s: Session, job: Job, gone: Callable[[str], bool]) -> str | None
     """How an unfinished `specbatch run` job that no process decodes stopped: "interrupted"
     (Ctrl-C), or "killed" where a holder of its rows ``gone(worker)`` says has exited; None for
     any other job (a worker's, a finished one, one a run still decodes)."""
-    if not (job.meta or {}).get("embedded") or JobStatus(job.status).finished:
+    if not run_in_its_process(job.meta) or JobStatus(job.status).finished:
         return None
     if job_dict(job)["status"] == "interrupted":
         return "interrupted"

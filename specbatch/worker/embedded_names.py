@@ -17,12 +17,6 @@ def embedded_worker_name(pid: int | None = None) -> str:
     return f"{EMBEDDED_PREFIX}{socket.gethostname()}:{pid or os.getpid()}"
 
 
-def run_in_its_process(meta: dict[str, Any] | None) -> bool:
-    """Whether a job (its ``meta``) was made by ``specbatch run``: that process (or a later ``run
-    --resume`` / ``resume``) decodes its rows, with no broker; a worker's sweeps never send them."""
-    return bool((meta or {}).get("embedded"))
-
-
 def release_dead_embedded(s: Any, job_id: str) -> list[int]:
     """End now the leases on the requests of ``job_id`` held by a ``specbatch run`` process of this
     host that no longer exists (killed: SIGKILL, the OOM killer); returns their ids. As for a

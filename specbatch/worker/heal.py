@@ -22,8 +22,8 @@ from typing import Any
 from sqlalchemy import select, update
 
 from specbatch.config import Settings
+from specbatch.jobs.store import run_in_its_process
 from specbatch.redact import mask
-from specbatch.worker.embedded_names import run_in_its_process
 
 logger = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from typing import Any
 from sqlalchemy import or_, select, update
 
 from specbatch.config import Settings
-from specbatch.worker.embedded_names import run_in_its_process
+from specbatch.jobs.store import run_in_its_process
 
 logger = logging.getLogger(__name__)
 

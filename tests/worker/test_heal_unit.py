@@ -52,7 +52,7 @@ def test_only_expired_leases_of_its_queues_are_taken_back_once(db_url: str) -> N
 def test_a_run_jobs_expired_rows_are_never_taken_back_by_a_worker(db_url: str) -> None:  # noqa: F811
     """A `specbatch run` job decodes in that process (its `resume` takes a dead one's rows back);
     a worker consuming the same pair's queue must not send them to itself, as stranded.pending_in
-    does not either (one predicate: embedded_names.run_in_its_process)."""
+    does not either (one predicate: store.run_in_its_process)."""
     ids = _job(db_url, "sb.pair", metadata={"embedded": True}, holder="embedded@box:1")
     _expire(db_url, ids)
     with session_factory(db_url).begin() as s:
