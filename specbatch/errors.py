@@ -60,7 +60,8 @@ def one_line(error: BaseException | str) -> str:
     return " ".join(part.strip() for part in str(error).splitlines() if part.strip())
 
 
-# what to do when the device ran out of memory: the budget (engine/memory.py) is a share of what was
+# what to do when the device ran out of memory, the one wording of it (the CLI's error line, run's
+# stopped line, an unhealthy worker's reason): the budget (engine/memory.py) is a share of what was
 # free once the models loaded, and these lower it; running again as before runs out again
 OUT_OF_MEMORY_ADVICE = ("out of device memory: give decoding less with --max-memory (SPECBATCH_MAX_MEMORY; "
                         "default 80% of the GPU memory free after loading) or a smaller --batch-size")

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from specbatch.errors import one_line, out_of_memory
+from specbatch.errors import OUT_OF_MEMORY_ADVICE, one_line, out_of_memory
 from specbatch.redact import mask
 
 logger = logging.getLogger(__name__)
@@ -103,6 +103,5 @@ class TargetHealth:
         """What brings an unhealthy worker back: a device that ran out of memory runs out again
         after a restart as it was (the same budget, the same batches), unlike one that failed."""
         if self.out_of_memory:
-            return ("restart it with less for decoding (SPECBATCH_MAX_MEMORY, or a smaller --batch-size): "
-                    "out of device memory")
+            return f"{OUT_OF_MEMORY_ADVICE}, then restart it"
         return "restart it once the device is fixed"

@@ -56,4 +56,6 @@ def test_an_unhealthy_worker_out_of_device_memory_is_told_to_give_decoding_less(
     assert h.remedy == "restart it once the device is fixed" and "\n" not in h.last_error
     h.ok()
     assert h.failed(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
-    assert h.remedy.startswith("restart it with less for decoding (SPECBATCH_MAX_MEMORY")
+    # the CLI's wording (errors.OUT_OF_MEMORY_ADVICE): one text, --max-memory named as `specbatch worker` takes it
+    assert h.remedy == ("out of device memory: give decoding less with --max-memory (SPECBATCH_MAX_MEMORY; "
+                        "default 80% of the GPU memory free after loading) or a smaller --batch-size, then restart it")
