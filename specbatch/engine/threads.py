@@ -40,6 +40,7 @@ class Plan(NamedTuple):
     lanes: int
     forked: int       # threads of each process it forks to decode
     default: bool     # the threads are the default (the user gave none): the governor may lower them
+    cap: int = 0      # OMP_NUM_THREADS's cap on the default (0: none), as read once by configure_threads
 
 
 _SET: list[Plan] = []     # once set
@@ -64,10 +65,10 @@ def plan(threads: int | None, lanes: int | None = None, local_workers: int = 1) 
     return threads or max(1, default_threads(local_workers) // lanes), lanes
 
 
-def omp_threads() -> int:
-    """``OMP_NUM_THREADS`` (its first level, as OpenMP reads it); 0 where it is unset or not a
-    positive integer (OpenMP ignores such a value too)."""
-    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+def omp_threads(value: str) -> int:
+    """An ``OMP_NUM_THREADS`` value as OpenMP reads it (its first level); 0 where it is empty or
+    not a positive integer (OpenMP ignores such a value too)."""
+    first = value.split(",")[0].strip()
     # (ASCII digits only: "²".isdigit() is True and int("²") raises)
     return int(first) if first.isascii() and first.isdigit() and int(first) > 0 else 0
 
@@ -83,21 +84,22 @@ def configure_threads(threads: int | None, local_workers: int = 1, lanes: int | 
     import torch
 
     n, lanes = plan(threads, lanes, local_workers * max(1, processes))
-    why = "given"
+    why, cap = "given", 0
     if not threads:
         why = f"{usable_cores()} usable cores / {local_workers} local worker(s)" + \
             (f" / {lanes} lanes" if lanes > 1 else "") + (f" / {processes} processes" if processes > 1 else "")
         # a cap, never more: the default is at most the usable cores (a profile's 16 under
         # `taskset -c 0` is 1; torch.set_num_threads(100000) aborts in libgomp's thread creation).
         # Still the default below it: the governor may lower it while other processes hold cores
-        if cap := omp_threads():
+        # (read here only: the plan keeps the cap for decode_here)
+        if cap := omp_threads(raw := os.environ.get("OMP_NUM_THREADS", "")):
             n = min(n, cap)
             why += f", at most OMP_NUM_THREADS={cap}"
-        elif (raw := os.environ.get("OMP_NUM_THREADS", "")).strip():
+        elif raw.strip():
             why += f" (OMP_NUM_THREADS={raw!r} is no positive integer: ignored)"
     own = 1 if processes > 1 else n
     torch.set_num_threads(own)
-    _SET.append(Plan(own, lanes, n, not threads))
+    _SET.append(Plan(own, lanes, n, not threads, cap))
     # (a worker's log says it at INFO; `run` with --debug): qa50w could tell only from /proc
     logger.info("torch threads: %d%s (%s)", n, " in each lane" if lanes > 1 else
                 " in each forked process" if processes > 1 else "", why)
@@ -130,9 +132,7 @@ def decode_here(processes: int) -> None:
     this is one)."""
     if _SET and processes > 1:
         n = min(usable_cores(), _SET[0].forked * processes)
-        if _SET[0].default and (cap := omp_threads()):
-            n = min(n, cap)
-        decode_on(n)
+        decode_on(min(n, _SET[0].cap) if _SET[0].cap else n)
 
 
 def adaptable_threads() -> int:
