@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import click
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from specbatch.config import Settings
@@ -24,15 +25,14 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     jobs that must already exist, so a missing file is a one-line error (exit 1) naming where it
     looked: creating an empty database there would hide a mistyped SPECBATCH_DATABASE_URL behind
     "no jobs". A bad URL is a usage error (exit 2); a database that cannot be opened, exit 1."""
-    from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
     from specbatch.db import session_factory, sqlite_path
 
     url = settings.database_url
     try:
         path = sqlite_path(url)
-        shown = mask(make_url(url).render_as_string(hide_password=True))
+        shown = shown_url(url)
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise click.UsageError(mask(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}")) from e
     is_new = path is not None and not path.exists()
@@ -50,13 +50,27 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     except (ArgumentError, NoSuchModuleError) as e:
         raise click.UsageError(f"SPECBATCH_DATABASE_URL={shown!r}: {e}") from e
     except OperationalError as e:
-        raise click.ClickException(f"cannot open the database {shown}: {one_line(e.orig or e)}") from e
+        raise database_error("open", shown, e) from e
     except OSError as e:
         raise click.ClickException(f"cannot create the database {shown}: {e}") from e
     if is_new:
         hint = "" if from_env else " (set SPECBATCH_DATABASE_URL to use another)"
         click.echo(f"specbatch: created a new database at {path}{hint}", err=True)
     return factory
+
+
+def shown_url(url: str) -> str:
+    """The database URL as the CLI shows it: its host and database, the password hidden."""
+    from sqlalchemy.engine import make_url
+
+    return mask(make_url(url).render_as_string(hide_password=True))
+
+
+def database_error(doing: str, shown: str, error: OperationalError) -> click.ClickException:
+    """A database that cannot be reached or refused the connection, as one line naming it
+    (``shown``: ``shown_url``): the driver's message may go on over several lines (psycopg's
+    "connection refused" with "\\n\\tIs the server running on that host ...?")."""
+    return click.ClickException(f"cannot {doing} the database {shown}: {one_line(error.orig or error)}")
 
 
 def require_extra(extra: str, modules: Sequence[str], needs: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from specbatch.cli.common import check_queue_workers, open_db, warn
+from specbatch.cli.common import check_queue_workers, database_error, open_db, shown_url, warn
 from specbatch.cli.json_out import echo_json
 from specbatch.cli.render import (
     batching_line,
@@ -25,7 +25,6 @@ from specbatch.db.models import REQUEST_STATUSES
 from specbatch.errors import BrokerUnavailable
 from specbatch.jobs.export import FORMATS
 from specbatch.plural import plural
-from specbatch.redact import mask
 
 logger = logging.getLogger(__name__)
 
@@ -571,13 +570,12 @@ def db_upgrade(as_json: bool) -> None:
     Example:
       specbatch db upgrade
     """
-    from sqlalchemy.engine import make_url
     from sqlalchemy.exc import OperationalError
 
     from specbatch import db as store_db
 
     url = get_settings().database_url
-    shown = mask(make_url(url).render_as_string(hide_password=True))
+    shown = shown_url(url)
     path = store_db.sqlite_path(url)
     is_new = path is not None and not path.exists()
     try:
@@ -586,7 +584,7 @@ def db_upgrade(as_json: bool) -> None:
         store_db.upgrade(url)
         revision = store_db.current_revision(url)
     except OperationalError as e:
-        raise click.ClickException(f"cannot migrate the database {shown}: {e.orig}") from e
+        raise database_error("migrate", shown, e) from e
     if is_new:
         click.echo(f"specbatch: created a new database at {path}", err=True)
     if as_json:
@@ -606,12 +604,10 @@ def db_url(as_json: bool) -> None:
     Example:
       sqlite3 "$(specbatch db url | sed 's|sqlite:///||')" 'select * from specbatch_results limit 5'
     """
-    from sqlalchemy.engine import make_url
-
     from specbatch.db import sqlite_path
 
     url = get_settings().database_url
-    shown = mask(make_url(url).render_as_string(hide_password=True))
+    shown = shown_url(url)
     path = sqlite_path(url)
     if as_json:
         echo_json({"url": shown, "path": str(path) if path else None,

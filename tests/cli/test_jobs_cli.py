@@ -893,17 +893,20 @@ def test_a_run_killed_longer_than_a_lease_ago_is_still_named_as_stopped(db_url, 
         assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == [(job_id, 3, "killed")]
 
 
-def test_a_database_that_is_down_is_one_line(monkeypatch):
-    """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA)."""
+@pytest.mark.parametrize("args, doing", [(("jobs",), "open"), (("db", "upgrade"), "migrate")])
+def test_a_database_that_is_down_is_one_line(monkeypatch, args, doing):
+    """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA; `db
+    upgrade` still printed them, tidy52). One line naming the host, never the password."""
     import socket
 
     with socket.socket() as s:           # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"postgresql+psycopg://u@127.0.0.1:{port}/x")
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"postgresql+psycopg://u:s3cret@127.0.0.1:{port}/x")
     get_settings.cache_clear()
-    result = run("jobs")
+    result = run(*args)
     assert result.exit_code == 1, result.output
-    assert result.stderr.count("\n") == 1 and result.stderr.startswith("Error: cannot open the database"), \
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"Error: cannot {doing} the database postgresql+psycopg://u:***@127.0.0.1:{port}/x: "), \
         result.stderr
-    assert "Is the server running" in result.stderr
+    assert "Is the server running" in result.stderr and "s3cret" not in result.stderr
