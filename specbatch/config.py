@@ -68,6 +68,8 @@ class Settings(BaseSettings):
     processes: Positive = 1               # `specbatch run`: processes decoding after one load (worker/forked.py)
     compile: Literal["auto", "on", "off", "static"] = "auto"   # compiled forward, or static: docs/COMPILE.md
     prefix_cache: bool = True             # shared prompt prefixes computed once (engine/prefix.py)
+    # how float32 CPU Linears multiply (engine/packed.py): auto picks a packed kernel by the CPU's vendor
+    linears: Literal["auto", "onednn", "mkl", "off"] = "auto"
     flower_user: str = "admin"
     flower_password: str = ""
     flower_port: int = Field(default=5555, ge=1, le=65535)
@@ -111,6 +113,11 @@ class Settings(BaseSettings):
         from specbatch.engine.autopilot import check_batch_size
 
         return check_batch_size(value)
+
+    @field_validator("linears", mode="before")
+    @classmethod
+    def _linears(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value   # MKL, " off " as written
 
     @field_validator("max_memory")
     @classmethod

@@ -40,15 +40,18 @@ ROTARY_FILE = "modeling_rope_utils.py"
 BUCKETS = ("gemm", "attention", "head_and_sampling", "cache_management", "elementwise", "python_and_dispatch")
 
 
-def gemm_peak_gflops(k: int, n: int, rows: tuple[int, ...] = (32, 64), repeats: int = 20) -> float:
+def gemm_peak_gflops(k: int, n: int, rows: tuple[int, ...] = (32, 64), repeats: int = 20,
+                     linears: str = "auto") -> float:
     """The best fp32 GFLOPS of one (rows x k) @ (k x n) product, over ``rows``: a layer's linear at
-    the job's batch sizes (the same threads as the job), by ``sgemm`` and, where the engine packs
-    its weights (engine/packed.py), by the packed product too: the faster of the two is the peak."""
+    the job's batch sizes (the same threads as the job), by ``sgemm`` and, by ``linears``'s packed
+    product too where the job's target packs its weights (engine/packed.py: ``packed_kernel``):
+    the faster of the two is the peak."""
     from specbatch.engine.packed import PackedLinear, kernel
 
     best = 0.0
     plain = torch.nn.Linear(k, n, bias=False)
-    products = [plain] + ([PackedLinear.of(torch.nn.Linear(k, n, bias=False))] if kernel() is not None else [])
+    products = [plain] + ([PackedLinear.of(torch.nn.Linear(k, n, bias=False), linears=linears)]
+                          if kernel(linears) is not None else [])
     with torch.inference_mode():
         for linear in products:
             for m in rows:

@@ -76,6 +76,7 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "float32"
     cache_dir: str | None = None
+    linears: str = "auto"                      # how float32 CPU Linears multiply (SPECBATCH_LINEARS)
     random_weights: bool = False
     cost_repeats: int = 7
     quick: bool = False
@@ -161,7 +162,8 @@ def _random_like(lm: LoadedModel, seed: int) -> LoadedModel:
 
 def load_models(opts: BenchOptions) -> tuple[LoadedModel, dict[str, LoadedModel]]:
     """The target and each draft model by name; with random weights a self-draft is added."""
-    kw: dict[str, Any] = {"device": opts.device, "dtype": opts.dtype, "cache_dir": opts.cache_dir}
+    kw: dict[str, Any] = {"device": opts.device, "dtype": opts.dtype, "cache_dir": opts.cache_dir,
+                          "linears": opts.linears}
     target = load_model(opts.target, **kw)
     drafts = {d: load_model(d, **kw, loaded=[target]) for d in opts.drafts}
     if opts.random_weights:

@@ -33,6 +33,7 @@ from specbatch.bench import breakdown
 from specbatch.bench.llamacpp import LlamaCppRunner, open_for_target
 from specbatch.bench.runners import HF_ASSISTED_SETTINGS, HFRunner, cut_at_eos, first_difference, generate_all
 from specbatch.engine.loading import LoadedModel
+from specbatch.engine.packed import packed_kernel
 
 Progress = Callable[[str, int, int], None]
 FULL_SIZES = (1, 4, 8, 16, 32)
@@ -219,7 +220,8 @@ def run_job_bench(opts: JobBenchOptions, target: LoadedModel, draft: LoadedModel
         profiled = breakdown.profile_pass(lambda: _ours(target, draft, auto, ids, limits), target.model,
                                           target.vocab_size)
     cfg = target.model.config.get_text_config()
-    peak = breakdown.gemm_peak_gflops(cfg.hidden_size, cfg.intermediate_size) if on_cpu else 0.0
+    peak = breakdown.gemm_peak_gflops(cfg.hidden_size, cfg.intermediate_size,
+                                      linears=packed_kernel(target.model) or "off") if on_cpu else 0.0
     params = sum(p.numel() for p in target.model.parameters())
     say("done", total, total)
 

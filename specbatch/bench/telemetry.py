@@ -35,6 +35,7 @@ class TelemetryOptions:
     device: str = "cpu"
     dtype: str = "float32"
     cache_dir: str | None = None
+    linears: str = "auto"                      # how float32 CPU Linears multiply (SPECBATCH_LINEARS)
 
 
 class _Sink:
@@ -92,7 +93,7 @@ def run_telemetry_cost(opts: TelemetryOptions, progress: Progress | None = None)
 
     pool = [*opts.drafts, *(["ngram"] if opts.ngram else [])]
     engine = Engine.load(opts.target, pool, device=opts.device,
-                         dtype=opts.dtype, cache_dir=opts.cache_dir)
+                         dtype=opts.dtype, cache_dir=opts.cache_dir, linears=opts.linears)
     rows = select(load_prompts(opts.prompts), opts.num_prompts)
     params = {"max_new_tokens": opts.max_new_tokens}
     sink = _Sink()

@@ -48,7 +48,7 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
         if target not in engines:      # the target alone: no drafts, no n-gram drafter
             engines[target] = Engine.load(target, device=device or settings.device,
                                           dtype=dtype or settings.dtype, cache_dir=settings.cache_dir,
-                                          batch_size=1)
+                                          batch_size=1, linears=settings.linears)
         return engines[target]
 
     def show(v: Any) -> None:

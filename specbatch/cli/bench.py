@@ -135,7 +135,7 @@ def bench(target, drafts, ngram, prompts, num_prompts, max_new_tokens, repeats, 
         "target": target or settings.default_target,
         "drafts": tuple(drafts) if drafts else (settings.default_draft,),
         "ngram": ngram, "prompts": prompts, "device": device or settings.device,
-        "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None,
+        "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None, "linears": settings.linears,
         "random_weights": random_weights, "throughput_prompts": throughput_prompts,
         "batch_sizes": _ints(batch_sizes, "--batch-sizes") or (),
         "compile": compile_, "llama_cpp": llama_cpp,
@@ -211,7 +211,7 @@ def _telemetry(settings, target, drafts, ngram, prompts, num_prompts, max_new_to
     given = {"target": target or settings.default_target,
              "drafts": tuple(drafts) if drafts else (settings.default_draft,), "ngram": ngram,
              "prompts": prompts, "device": device or settings.device, "dtype": dtype or settings.dtype,
-             "cache_dir": settings.cache_dir or None}
+             "cache_dir": settings.cache_dir or None, "linears": settings.linears}
     for key, value in (("num_prompts", num_prompts), ("max_new_tokens", max_new_tokens), ("repeats", repeats)):
         if value is not None:
             if value < 1:
@@ -243,7 +243,7 @@ def _structured(settings, target, drafts, sizes, num_prompts, max_new_tokens, re
     opts = StructuredBenchOptions.quick_defaults(**given) if quick else \
         StructuredBenchOptions(**{k: v for k, v in given.items() if v is not None})
     kw = {"device": device or settings.device, "dtype": dtype or settings.dtype,
-          "cache_dir": settings.cache_dir or None}
+          "cache_dir": settings.cache_dir or None, "linears": settings.linears}
     tgt = load_model(opts.target, **kw)
     drf = load_model(opts.draft, **kw, loaded=[tgt])
     result = _run_with_progress(lambda o, say=None: run_structured_bench(o, tgt, drf, say), opts, quiet=as_json)

@@ -40,7 +40,8 @@ def bench_job(settings: Settings, file: str | None, target: str | None, drafts: 
                         ("--repeats", repeats)):
         if value is not None and value < 1:
             raise click.BadParameter("must be >= 1", param_hint=name)
-    kw: dict[str, Any] = {"device": device or settings.device, "dtype": dtype or settings.dtype, "cache_dir": settings.cache_dir or None}
+    kw: dict[str, Any] = {"device": device or settings.device, "dtype": dtype or settings.dtype,
+                          "cache_dir": settings.cache_dir or None, "linears": settings.linears}
     tgt = None
     if file is None:        # (a file given is read before any model loads: a bad one costs nothing)
         assert shared_prefix is not None

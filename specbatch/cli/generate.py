@@ -79,7 +79,7 @@ def generate(target, drafts, ngram, prompt, messages, max_new_tokens, gamma, fix
                              device=device or settings.device, dtype=dtype or settings.dtype,
                              cache_dir=settings.cache_dir, compile=compile_ or settings.compile,
                              batch_size=1, expected_new_tokens=max_new_tokens,  # one prompt: one row
-                             notify=compiling_notice)
+                             notify=compiling_notice, linears=settings.linears)
     report_compile(engine.compile_plan, say_eager=compile_ is not None)   # asked: auto says why
     msgs = [{"role": "user", "content": m} for m in messages] if messages else None
     out = engine.generate(prompt=prompt, messages=msgs, params=params)

@@ -161,7 +161,8 @@ class Engine:
              max_memory: int | None = None, compile: str = "off", prefix_cache: bool = True,
              expected_new_tokens: int | Sequence[int] | None = None,
              notify: Callable[[CompileNotice], None] | None = None,
-             background: Callable[[str], None] | bool = False, lanes: int | None = None) -> Engine:
+             background: Callable[[str], None] | bool = False, lanes: int | None = None,
+             linears: str = "auto") -> Engine:
         """Load the target and the pool's draft models (``drafters``: spec strings or specs,
         ``specbatch.engine.drafter_specs``; ModelLoadError for one not available); ``compile``
         (auto / on / off; static: the target decodes over ``StaticBatchCache`` with its
@@ -171,9 +172,10 @@ class Engine:
         ``planned_batch_size()`` rows. ``background`` (a worker): return eager at once and
         compile in a thread instead (``specbatch.engine.background``; a callable hears its state),
         switching to the compiled forward between batches once it is warmed up and faster.
-        ``lanes``: None, those ``threads.configure_threads`` chose for this process."""
+        ``lanes``: None, those ``threads.configure_threads`` chose for this process. ``linears``:
+        how float32 CPU Linears multiply (``packed.kernel``: SPECBATCH_LINEARS, from the caller)."""
         kw: dict[str, Any] = {"device": device, "dtype": dtype, "cache_dir": cache_dir,
-              "trust_remote_code": trust_remote_code}
+              "trust_remote_code": trust_remote_code, "linears": linears}
         specs = parse_drafters(drafters)
         mode, cache = resolve_mode(compile), str(cache_dir or "")    # (a bad mode: before any load)
         if mode != "off" and not cache:

@@ -310,7 +310,8 @@ def _cache(cache_dir: str | os.PathLike[str] | None, name: str) -> Path:
 
 def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
                cache_dir: str | os.PathLike[str] | None = None,
-               trust_remote_code: bool = False, loaded: Sequence[LoadedModel] = ()) -> LoadedModel:
+               trust_remote_code: bool = False, loaded: Sequence[LoadedModel] = (),
+               linears: str = "auto") -> LoadedModel:
     """Load a causal LM by known name, directory, ``.gguf`` file, or Hugging Face id. A known name
     or a ``.gguf`` file is dequantized once under ``cache_dir`` (the caller's settings: the CLI and
     workers pass SPECBATCH_CACHE_DIR); a directory or hub id needs none.
@@ -319,7 +320,10 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     ``Engine.load`` loads its drafts). An int8 model whose weights one of them holds unquantized
     (same files, dtype and device) is quantized from it instead of read again, and shares its
     tokenizer: the default pair is one GGUF file, fp32 target and int8 draft. Off the CPU, where
-    int8 does not exist, it is that model's own module."""
+    int8 does not exist, it is that model's own module.
+
+    ``linears``: how its float32 CPU Linears multiply (``packed.kernel``; the caller's settings:
+    the CLI and workers pass SPECBATCH_LINEARS)."""
     t0 = time.perf_counter()
     dev, torch_dtype = resolve_device(device), resolve_dtype(dtype)
     known = KNOWN_MODELS.get(name)
@@ -344,7 +348,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
     unroute_hub_kernels(model)      # compiling on another thread must not race eager decoding
-    pack_linears(model)             # float32 on CPU: MKL packs each weight once, not every call
+    pack_linears(model, linears)    # float32 on CPU: MKL packs each weight once, not every call
     seconds = time.perf_counter() - t0
     logger.info("loaded %s from %s in %.1fs%s", name, source.path, seconds,
                 "" if base is None else f" (quantized from {base.name} in memory)" if model is not base.model

@@ -22,8 +22,10 @@ oneDNN's were 0.54-0.99x, and the default job ran 1.05x as fast on MKL's (186.2 
 tok/s); on stop 44's AMD EPYC oneDNN's ran the job 1.47-1.61x MKL's (whose 1-row product failed
 the check there). A timing race at start-up would let two workers of one job round differently;
 the vendor does not change under a worker.
-``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``) pins the choice, e.g. to reproduce another
-host's numbers. Where neither passes, or torch has neither library (ARM), Linears stay as they are.
+``SPECBATCH_LINEARS`` (``onednn``, ``mkl``, ``off``; unset or ``auto``: as above) pins the choice,
+e.g. to reproduce another host's numbers: config.py reads it (``Settings.linears``) and the commands
+that load models pass it here as ``linears`` (``Engine.load``, ``loading.load_model``,
+``pack_linears``). Where neither passes, or torch has neither library (ARM), Linears stay as they are.
 
 Batch invariance is the point as much as speed: ``sgemm`` switches kernels below 16 rows (a
 matrix-vector product at 1 row), so a row's output moves with the number of rows beside it. The
@@ -41,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,17 +160,16 @@ def preferred(vendor: str | None = None) -> list[Kernel]:
 
 
 @functools.cache
-def kernel() -> Kernel | None:
-    """This process's packed product: ``SPECBATCH_LINEARS`` if set, else the first of
-    ``preferred()`` that passes ``kernel_check``; None: Linears stay ``F.linear``. Logged once
-    (why not, too)."""
-    pinned = os.environ.get("SPECBATCH_LINEARS", "").strip().lower()
-    if pinned == "off":
+def kernel(linears: str = "auto") -> Kernel | None:
+    """This process's packed product for ``linears`` (``Settings.linears``, SPECBATCH_LINEARS):
+    "auto", the first of ``preferred()`` that passes ``kernel_check``; a kernel's name, that one
+    where it passes; "off" or none passing: None, Linears stay ``F.linear``. Logged once a choice
+    (why not, too). ValueError for any other name (config.py refuses it before)."""
+    if linears == "off":
         return None
-    candidates = [k for k in preferred() if not pinned or k.name == pinned]
+    candidates = [k for k in preferred() if linears in ("auto", k.name)]
     if not candidates:
-        logger.warning("SPECBATCH_LINEARS=%s is none of onednn, mkl, off: Linears stay unpacked", pinned)
-        return None
+        raise ValueError(f"linears={linears!r} is none of auto, {', '.join(k.name for k in KERNELS)}, off")
     reasons = []
     for k in candidates:
         why = kernel_check(k)
@@ -250,21 +250,25 @@ class _Group(HeldProduct):
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` (same parameters, same state dict) whose forward multiplies by this
-    process's kernel's packed copy of its weight, or takes its columns of its siblings' shared
-    product (``_Group``). The copy is made again if the weight was replaced or written in place."""
+    """An ``nn.Linear`` (same parameters, same state dict) whose forward multiplies by the packed
+    copy of its weight by this process's kernel for its ``linears`` choice (``kernel``), or takes
+    its columns of its siblings' shared product (``_Group``). The copy is made again if the weight
+    was replaced or written in place."""
 
     _packed: _Packed
     _group: _Group | None = None
     _member = 0
+    _linears = "auto"
 
     @classmethod
-    def of(cls, linear: torch.nn.Linear, group: _Group | None = None, member: int = 0) -> PackedLinear:
+    def of(cls, linear: torch.nn.Linear, group: _Group | None = None, member: int = 0, *,
+           linears: str = "auto") -> PackedLinear:
         """``linear`` itself, its class swapped (its parameters, hooks and tied weights stay);
         with ``group``: its ``member``-th Linear (no packed copy of its own until it leaves it)."""
         linear.__class__ = cls
         assert isinstance(linear, PackedLinear)
-        linear._packed = _Packed(None, None) if group is not None else _Packed(linear.weight, kernel())
+        linear._linears = linears
+        linear._packed = _Packed(None, None) if group is not None else _Packed(linear.weight, kernel(linears))
         linear._group, linear._member = group, member
         return linear
 
@@ -284,7 +288,7 @@ class PackedLinear(torch.nn.Linear):
                 return group.columns_of(self._member, x)
             self._group = None      # its weight changed: multiplied alone from now on
         if not self._packed.packs(self.weight):
-            self._packed = _Packed(self.weight, kernel())
+            self._packed = _Packed(self.weight, kernel(self._linears))
         k = self._packed.kernel
         if self._packed.tensor is None or k is None:
             return F.linear(x, self.weight, self.bias)
@@ -304,17 +308,18 @@ def packed_kernel(model: torch.nn.Module) -> str | None:
     return None
 
 
-def can_pack(model: torch.nn.Module) -> bool:
+def can_pack(model: torch.nn.Module, linears: str = "auto") -> bool:
     """Whether ``pack_linears`` would pack ``model``: float32 on a CPU with a packed kernel."""
     p = next(model.parameters(), None)
-    return p is not None and p.dtype == torch.float32 and p.device.type == "cpu" and kernel() is not None
+    return p is not None and p.dtype == torch.float32 and p.device.type == "cpu" and kernel(linears) is not None
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Every plain float32 CPU ``nn.Linear`` of ``model`` made a PackedLinear, in place; how many."""
-    if not can_pack(model):
+def pack_linears(model: torch.nn.Module, linears: str = "auto") -> int:
+    """Every plain float32 CPU ``nn.Linear`` of ``model`` made a PackedLinear, in place, multiplying
+    by ``kernel(linears)``; how many."""
+    if not can_pack(model, linears):
         return 0
-    k = kernel()
+    k = kernel(linears)
     assert k is not None
     shared = group_check(k) is None
     n = 0
@@ -326,12 +331,12 @@ def pack_linears(model: torch.nn.Module) -> int:
             if all(_packable(m) and not m.weight.is_inference() for m in members):
                 group = _Group(members, k)
                 for i, m in enumerate(members):
-                    PackedLinear.of(m, group, i)
+                    PackedLinear.of(m, group, i, linears=linears)
                 grouped.update(names)
                 n += len(members)
         for name, m in parent.named_children():
             if name not in grouped and _packable(m):
-                PackedLinear.of(m)
+                PackedLinear.of(m, linears=linears)
                 n += 1
     return n
 

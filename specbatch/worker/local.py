@@ -78,7 +78,7 @@ def load_pair(settings: Settings, options: LoadOptions, target: str, drafts: lis
                            cache_dir=settings.cache_dir or None, batch_size=options.batch_size,
                            compile=options.compile, max_memory=options.max_memory,
                            expected_new_tokens=expected_new_tokens, notify=notify,
-                           prefix_cache=options.prefix_cache)
+                           prefix_cache=options.prefix_cache, linears=settings.linears)
     except SpecBatchError:
         raise
     except Exception as e:

@@ -72,6 +72,7 @@ def build_engine(spec: dict[str, Any], on_state: Callable[[str], None] | None = 
                        device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32"),
                        cache_dir=settings.cache_dir or None, batch_size=spec.get("batch_size") or "auto",
                        max_memory=spec.get("max_memory"), prefix_cache=bool(spec.get("prefix_cache", True)),
+                       linears=settings.linears,
                        # a worker compiles in the background (auto: it is long-lived), eager meanwhile
                        compile=mode, background=on_state or True)
 

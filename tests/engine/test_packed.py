@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not PASSING, reason="no packed kernel passes its
 def each_kernel(request, monkeypatch):
     """This test under one kernel: the one ``packed.kernel()`` gives for the whole process."""
     k = next(k for k in PASSING if k.name == request.param)
-    monkeypatch.setattr(packed, "kernel", lambda: k)
+    monkeypatch.setattr(packed, "kernel", lambda linears="auto": k)
     return k
 
 
@@ -107,25 +107,39 @@ def test_a_deep_copy_shares_the_packed_weight_and_decodes_the_same():
 
 
 def test_where_no_kernel_passes_its_check_linears_stay_plain(monkeypatch, tiny_models):
-    monkeypatch.setattr(packed, "kernel", lambda: None)
+    monkeypatch.setattr(packed, "kernel", lambda linears="auto": None)
     lm = load_model(str(tiny_models / "llama-partial"))
     assert not any(isinstance(m, PackedLinear) for m in lm.model.modules())
 
 
-def test_the_kernel_is_the_first_that_passes_unless_pinned(monkeypatch, caplog):
-    """Fixed by checks, never by timing: two workers of one job must round alike."""
+def test_the_kernel_is_the_first_that_passes_unless_pinned():
+    """Fixed by checks, never by timing: two workers of one job must round alike. The pin is the
+    caller's (SPECBATCH_LINEARS, which config.py validates): the engine reads no environment."""
     real = CHOOSE
-    monkeypatch.delenv("SPECBATCH_LINEARS", raising=False)
-    assert real() is [k for k in packed.preferred() if k in PASSING][0]
+    assert real() is real("auto") is [k for k in packed.preferred() if k in PASSING][0]
     for k in PASSING:
-        monkeypatch.setenv("SPECBATCH_LINEARS", k.name.upper())
-        assert real() is k
-    monkeypatch.setenv("SPECBATCH_LINEARS", "off")
-    assert real() is None
-    monkeypatch.setenv("SPECBATCH_LINEARS", "blas")
-    with caplog.at_level("WARNING"):
-        assert real() is None
-    assert "SPECBATCH_LINEARS=blas is none of onednn, mkl, off" in caplog.text
+        assert real(k.name) is k
+    assert real("off") is None
+    with pytest.raises(ValueError, match="linears='blas' is none of auto, onednn, mkl, off"):
+        real("blas")
+
+
+def test_the_choice_given_to_the_loader_is_the_kernel_its_linears_multiply_by(monkeypatch, tiny_models, each_kernel):
+    """``Engine.load(linears=...)`` -> ``load_model`` -> ``pack_linears``: the commands pass
+    SPECBATCH_LINEARS this way; a Linear that packs again (its weight changed) keeps the choice."""
+    from specbatch.engine import Engine
+
+    monkeypatch.setattr(packed, "kernel", CHOOSE)       # the real choice, by name (uncached)
+    off = Engine.load(str(tiny_models / "llama-partial"), linears="off").target
+    assert packed.packed_kernel(off.model) is None
+    lm = Engine.load(str(tiny_models / "llama-partial"), linears=each_kernel.name).target
+    assert packed.packed_kernel(lm.model) == each_kernel.name
+    lin = next(m for m in lm.model.modules() if isinstance(m, PackedLinear) and m._group is None)
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with torch.inference_mode():
+        lin(torch.randn(3, lin.in_features))
+    assert lin._packed.kernel is each_kernel
 
 
 def test_the_kernels_are_tried_in_the_order_the_cpu_vendor_was_measured_to_favour(monkeypatch):
@@ -135,7 +149,6 @@ def test_the_kernels_are_tried_in_the_order_the_cpu_vendor_was_measured_to_favou
     assert [k.name for k in packed.preferred("AuthenticAMD")] == ["onednn", "mkl"]
     assert [k.name for k in packed.preferred("")] == ["onednn", "mkl"]
     assert packed.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "") or platform.machine() != "x86_64"
-    monkeypatch.delenv("SPECBATCH_LINEARS", raising=False)
     for vendor in ("GenuineIntel", "AuthenticAMD"):
         monkeypatch.setattr(packed, "cpu_vendor", lambda v=vendor: v)
         assert CHOOSE() is [k for k in packed.preferred(vendor) if k in PASSING][0]

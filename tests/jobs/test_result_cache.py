@@ -401,9 +401,9 @@ def test_packed_linears_are_numerics_of_their_own(tmp_path, tiny_models, monkeyp
         pytest.skip("no packed kernel passes its check here")
     fps = set()
     for k in passing:
-        monkeypatch.setattr(packed, "kernel", lambda k=k: k)
+        monkeypatch.setattr(packed, "kernel", lambda linears="auto", k=k: k)
         fps.add(model_fingerprint(load_model(str(tiny_models / "llama")), tmp_path))
-    monkeypatch.setattr(packed, "kernel", lambda: None)
+    monkeypatch.setattr(packed, "kernel", lambda linears="auto": None)
     plain = load_model(str(tiny_models / "llama"))
     assert not any(isinstance(m, packed.PackedLinear) for m in plain.model.modules())
     fps.add(model_fingerprint(plain, tmp_path))

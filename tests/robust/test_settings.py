@@ -27,6 +27,8 @@ def _invoke(args: list[str], env: dict[str, str]) -> tuple[int, str, BaseExcepti
     ("SPECBATCH_THREADS", "-1", "SPECBATCH_THREADS='-1': Input should be greater than or equal to 0"),
     ("SPECBATCH_DATABASE_URL", "mysql://u:S3CRETPW@127.0.0.1/db", "the mysql driver is not installed"),
     ("SPECBATCH_DATABASE_URL", "not a url at all", "not a database URL"),
+    # (read by engine/packed.py itself before: a warning in the log, the Linears silently unpacked)
+    ("SPECBATCH_LINEARS", "blas", "SPECBATCH_LINEARS='blas': Input should be 'auto', 'onednn', 'mkl' or 'off'"),
 ])
 def test_bad_setting_is_one_line(tmp_path: Path, name: str, value: str, expected: str) -> None:
     env = {"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}", name: value}
@@ -88,3 +90,37 @@ def test_a_postgres_url_without_a_driver_means_psycopg_3(scheme: str, pg_databas
     assert Settings.from_env({"SPECBATCH_DATABASE_URL": given}).database_url == pg_database
     code, output, exc = _invoke(["jobs", "--json"], {"SPECBATCH_DATABASE_URL": given})
     assert exc is None and code == 0 and "driver" not in output, output
+
+
+@pytest.mark.parametrize("command", ["run", "generate", "worker"])
+def test_the_linears_setting_reaches_the_engine_of_every_command_that_loads_models(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch, command: str) -> None:
+    """SPECBATCH_LINEARS is Settings' (config.py reads the environment, the engine none): each
+    command that loads models hands it to ``Engine.load``."""
+    from specbatch.engine import Engine, threads
+    from specbatch.errors import ModelLoadError
+
+    given: list[object] = []
+
+    def load(cls: type, *args: object, **kwargs: object) -> Engine:
+        given.append(kwargs.get("linears"))
+        raise ModelLoadError("stop here: loading is not what this test is about")
+
+    monkeypatch.setattr(Engine, "load", classmethod(load))
+    monkeypatch.setattr(threads, "_SET", [threads.Plan(1, 1, 1, False)])   # this process's threads stay
+    env = {"SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'db.sqlite'}", "SPECBATCH_LINEARS": "OFF"}
+    if command == "worker":      # the worker process's load (its CLI first waits for a broker)
+        from specbatch.worker import tasks
+
+        monkeypatch.setenv("SPECBATCH_LINEARS", "OFF")
+        get_settings.cache_clear()
+        with pytest.raises(ModelLoadError):
+            tasks.build_engine({"target": "t"})
+        get_settings.cache_clear()
+    else:
+        prompts = tmp_path / "p.jsonl"
+        prompts.write_text('{"prompt": "hi"}\n')
+        args = ["run", str(prompts)] if command == "run" else ["generate", "--prompt", "hi"]
+        code, output, _ = _invoke([*args, "--target", str(tiny_models / "llama"), "--draft", "none"], env)
+        assert code == 1 and "stop here" in output, output
+    assert given == ["off"]
