@@ -183,9 +183,9 @@ def _say_how_a_run_ends(settings: Settings, job_id: str) -> None:
     from specbatch.worker.pids import gone_here
 
     with open_db(settings, readonly=True).begin() as s:
-        held = store.run_held_by_gone(s, job_id, gone_here)
-    if held:
-        click.echo(f"job {job_id}'s `specbatch run` ({', '.join(sorted(held))}) no longer runs on this machine: "
+        dead = store.run_gone(s, store.get_job(s, job_id), gone_here)
+    if dead:
+        click.echo(f"job {job_id}'s `specbatch run` ({', '.join(dead)}) no longer runs on this machine: "
                    f"`specbatch run --resume {job_id}` finishes it", err=True)
         return
     click.echo(f"job {job_id} is run by `specbatch run`, not by workers; if that run has stopped, "

@@ -110,6 +110,7 @@ def list_jobs(s: Session, limit: int = 50) -> list[Job]:
 
 
 EMBEDDED = "embedded"   # the job's meta key that says `specbatch run` made it (run_in_its_process)
+RUNNER = "run_by"       # ... and the one naming the `specbatch run` process that runs it now (set_runner)
 
 
 def run_in_its_process(meta: dict[str, Any] | None) -> bool:
@@ -123,15 +124,37 @@ COUNTS = (select(Request.job_id, Request.status, func.count())
           .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
 
 
+def set_runner(s: Session, job_id: str, runner: str) -> None:
+    """Record ``runner`` (its lease-holder name, ``NODE@HOST:PID``) as the `specbatch run` process
+    that runs the job from now on, before it loads a pair: a run killed while it holds no rows
+    (loading its models, a next --model-map pair) is then known to be gone (``run_gone``)."""
+    job = get_job(s, job_id)
+    if (job.meta or {}).get(RUNNER) != runner:
+        job.meta = {**(job.meta or {}), RUNNER: runner}
+        s.flush()
+
+
+def run_gone(s: Session, job: Job, gone: Callable[[str], bool]) -> list[str]:
+    """The `specbatch run` processes of ``job`` that ``gone(worker)`` says have exited, where no
+    live one decodes it: the holders of its running rows (expired leases too: no worker's sweep
+    takes a run job's rows back, so a run killed more than a lease ago holds them on its dead name
+    until `run --resume`), or, where no row is running, the run recorded by ``set_runner``."""
+    held = _held_by_gone(s, job.id, gone)
+    if held:
+        return sorted(held)
+    runner = (job.meta or {}).get(RUNNER)
+    return [runner] if runner and gone(runner) and not running_ids(s, job.id) else []
+
+
 def run_stopped(s: Session, job: Job, gone: Callable[[str], bool]) -> str | None:
     """How an unfinished `specbatch run` job that no process decodes stopped: "interrupted"
-    (Ctrl-C), or "killed" where a holder of its rows ``gone(worker)`` says has exited; None for
-    any other job (a worker's, a finished one, one a run still decodes)."""
+    (Ctrl-C), or "killed" where its run is gone (``run_gone``); None for any other job (a
+    worker's, a finished one, one a run still decodes or loads the models of)."""
     if not run_in_its_process(job.meta) or JobStatus(job.status).finished:
         return None
     if job_dict(job)["status"] == "interrupted":
         return "interrupted"
-    return "killed" if run_held_by_gone(s, job.id, gone) else None
+    return "killed" if run_gone(s, job, gone) else None
 
 
 def stopped_runs(s: Session, source: str, gone: Callable[[str], bool]) -> list[tuple[str, int, str]]:
@@ -241,12 +264,6 @@ def held_by_gone(s: Session, job_id: str, gone: Callable[[str], bool],
     {holder: request ids}. Reads only (``status`` shows them; ``expire_gone_leases`` ends them)."""
     return _held_by_gone(s, job_id, gone, Request.lease_expires_at > (now or utcnow()))
 
-
-def run_held_by_gone(s: Session, job_id: str, gone: Callable[[str], bool]) -> dict[str, list[int]]:
-    """``held_by_gone`` for a `specbatch run` job, expired leases too: no worker's sweep takes such a
-    job's rows back, so those of a run killed more than a lease ago stay running on its dead name
-    until `run --resume` (its lease only tells how long ago it died)."""
-    return _held_by_gone(s, job_id, gone)
 
 
 def expire_gone_leases(s: Session, job_id: str, gone: Callable[[str], bool]) -> dict[str, list[int]]:

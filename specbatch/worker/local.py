@@ -106,6 +106,7 @@ def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunH
     back one loaded before); False when ``stop`` interrupted it (the job is then marked
     interrupted, see ``run_embedded``). A failure of the engine itself propagates; finished
     results are kept either way."""
+    name_runner(settings, job.job_id)
     engine: Engine | None = None
     loaded = None
     for route, ids in job.routes.items():
@@ -145,6 +146,16 @@ def _decode(settings: Settings, job_id: str, engine: Engine, options: LoadOption
         decode_here(options.processes)
     return run_embedded(settings, job_id, engine, on_result, batch_size=options.batch_size, only=only,
                         stop=stop)
+
+
+def name_runner(settings: Settings, job_id: str) -> None:
+    """This process runs the job from now on (``store.set_runner``), named before any load: one
+    killed while it loads holds no rows to be known by."""
+    from specbatch.db import session_factory
+    from specbatch.jobs import store
+    from specbatch.worker.embedded_names import embedded_worker_name
+
+    transact(session_factory(settings.database_url), store.set_runner, job_id, embedded_worker_name())
 
 
 def fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:

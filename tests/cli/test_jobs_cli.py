@@ -859,26 +859,34 @@ def test_export_of_a_run_killed_on_this_machine_points_at_run_resume(db_url, tmp
     assert f"`specbatch status {job_id} --watch` waits for the job to end" in result.stderr, result.stderr
 
 
+def _gone_run_job(url: str) -> tuple[str, list[int], str]:
+    """A `specbatch run` job of /data/p.jsonl (1 of its 4 requests done, nothing held) and the
+    name of a run process of this machine that has exited: (job id, request ids, that name)."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    job_id, ids = make_job(url, results=1, failures=0, pending=3)
+    with db.session_factory(url).begin() as s:
+        job = store.get_job(s, job_id)
+        job.meta, job.source = {"embedded": True}, "/data/p.jsonl"
+    return job_id, ids, f"embedded@{socket.gethostname()}:{dead.pid}"
+
+
 def test_a_run_killed_longer_than_a_lease_ago_is_still_named_as_stopped(db_url, tmp_path, no_worker_check):
     """A `specbatch run` killed (OOM, SIGKILL) more than SPECBATCH_LEASE_SECONDS ago: its rows stay
     running on the dead holder, on a lease long expired (no worker's sweep takes a run job's rows
     back). status, export and the next `run FILE` named it only while the lease lasted, 300 s:
     after that export pointed at `status --watch`, which waits for ever, and `run FILE` said nothing."""
-    import socket
-    import subprocess
-    import sys
     from datetime import timedelta
 
     from specbatch.db.models import utcnow
     from specbatch.worker.pids import gone_here
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    holder = f"embedded@{socket.gethostname()}:{dead.pid}"
-    job_id, ids = make_job(db_url, results=1, failures=0, pending=3)
+    job_id, ids, holder = _gone_run_job(db_url)
     with db.session_factory(db_url).begin() as s:
-        job = store.get_job(s, job_id)
-        job.meta, job.source = {"embedded": True}, "/data/p.jsonl"
         store.claim_requests(s, ids[1:3], holder, 300, 3)
         s.execute(Request.__table__.update().where(Request.id.in_(ids[1:3]))
                   .values(lease_expires_at=utcnow() - timedelta(hours=1)))
@@ -891,6 +899,37 @@ def test_a_run_killed_longer_than_a_lease_ago_is_still_named_as_stopped(db_url, 
         result.stderr
     with db.session_factory(db_url).begin() as s:
         assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == [(job_id, 3, "killed")]
+
+
+def test_a_run_killed_while_it_held_no_rows_is_named_as_stopped(db_url, tmp_path, no_worker_check):
+    """A `specbatch run` SIGKILLed while loading (a next --model-map pair, say) holds no rows: status,
+    export and the next `run FILE` knew it only by its rows, and took it for a run still going
+    (tidy52). The run names itself in the job first (``store.set_runner``); gone, it is named."""
+    import socket
+
+    from specbatch.worker.pids import gone_here
+
+    job_id, ids, holder = _gone_run_job(db_url)
+    with db.session_factory(db_url).begin() as s:
+        store.set_runner(s, job_id, holder)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert (f"job {job_id}'s `specbatch run` ({holder}) no longer runs on this machine: "
+            f"`specbatch run --resume {job_id}` finishes it") in result.stderr, result.stderr
+    result = run("export", job_id, "-o", str(tmp_path / "a.jsonl"))
+    assert f"`specbatch run --resume {job_id}` finishes them" in result.stderr, result.stderr
+    with db.session_factory(db_url).begin() as s:
+        assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == [(job_id, 3, "killed")]
+        store.set_runner(s, job_id, f"embedded@{socket.gethostname()}:{os.getpid()}")   # a live run
+    result = run("status", job_id)
+    assert "no longer runs" not in result.stderr and "if that run has stopped" in result.stderr
+    result = run("export", job_id, "-o", str(tmp_path / "b.jsonl"))
+    assert f"`specbatch status {job_id} --watch` waits for the job to end" in result.stderr, result.stderr
+    with db.session_factory(db_url).begin() as s:
+        assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == []
+        store.set_runner(s, job_id, holder)                 # gone, but a live process holds rows
+        store.claim_requests(s, ids[1:2], f"embedded@{socket.gethostname()}:{os.getpid()}", 300, 3)
+        assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == []
 
 
 @pytest.mark.parametrize("args, doing", [(("jobs",), "open"), (("db", "upgrade"), "migrate")])

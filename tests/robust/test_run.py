@@ -357,6 +357,46 @@ def test_ctrl_c_while_the_models_load_exits_130_and_makes_no_job(tmp_path: Path,
     assert listing == [] or "no database" in listing["error"]["message"], listing
 
 
+def test_a_run_loading_its_next_model_map_pair_has_named_itself_in_its_job(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tidy52: a run SIGKILLed while it loads a next --model-map pair holds no rows, and status,
+    export and the next `run FILE` took it for a run still going. It names itself in its job before
+    any load (store.set_runner): were this process gone then, the job reads as killed."""
+    import specbatch.worker.local as local
+    from specbatch.jobs import store
+    from specbatch.worker.embedded_names import embedded_worker_name
+    from specbatch.worker.pids import gone_here
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    llama, other = str(tiny_models / "llama"), str(tiny_models / "llama-partial")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                                           "body": {**({"model": "m2"} if i % 2 else {}),
+                                                    "prompt": f"word {i} and", "max_tokens": 4}}) + "\n"
+                               for i in range(4)))
+    real, seen = local.load_pair, []
+
+    def load_pair(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        if seen or (tmp_path / "db.sqlite").exists():   # (the run's own pair loads before its job exists)
+            with _db(url).begin() as s:
+                me = embedded_worker_name()
+                seen.append((store.stopped_runs(s, str(prompts.resolve()), lambda w: w == me),
+                             store.stopped_runs(s, str(prompts.resolve()), gone_here)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local, "load_pair", load_pair)
+    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", llama, "--draft", "none",
+                                      "--model-map", f"m2={other}", "--no-cache", "--json"])
+    assert result.exit_code == 0, result.output
+    job_id = json.loads(result.stdout)["id"]
+    (gone, alive), = seen                                  # the second pair's load
+    assert [(jid, how) for jid, _, how in gone] == [(job_id, "killed")], seen
+    assert alive == []                                     # this process runs: nothing to name
+
+
 def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_done(
         tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two `run --resume JOB` at once (qa51): the second found every row leased by the first,
