@@ -67,8 +67,10 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
                     break
     except Interrupted:
         finished = False
-    except Exception:
-        finished = False    # the engine failed: hand back what it held, as an interruption does
+    except BaseException:
+        # the engine failed, or a second Ctrl-C (KeyboardInterrupt) ended it at once: hand back
+        # what it held and mark the job interrupted, as a first Ctrl-C does
+        finished = False
         raise
     finally:
         transact(sf, _wrap_up, job_id, worker, finished)

@@ -3,9 +3,11 @@
 First signal: a stop is requested. The engine stops at its next decode step (a forward pre-hook
 on the target model raises ``Interrupted``; the engine itself knows nothing of it), results
 already written stay, the claimed requests are released, the job is marked interrupted.
-Second signal: ``KeyboardInterrupt`` at once. Nothing is lost then either: the requests still
-claimed carry this process's lease, and ``resume`` takes back the leases of a dead
-``specbatch run`` process on this host at once instead of waiting for them to expire.
+Second signal: ``KeyboardInterrupt`` at once: the decode is abandoned mid-step, the claimed
+requests are still released and the job marked interrupted (one transaction, ``run_embedded``).
+Nothing is lost even where a third signal cuts that short: the requests still claimed carry this
+process's lease, and ``resume`` takes back the leases of a dead ``specbatch run`` process on this
+host at once instead of waiting for them to expire.
 """
 
 from __future__ import annotations

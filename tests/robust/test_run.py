@@ -276,6 +276,42 @@ def test_an_engine_failure_mid_job_is_one_line_keeps_results_and_resume_finishes
     assert _counts(url) == (12, {"completed": 12})
 
 
+def test_a_second_ctrl_c_mid_step_still_hands_back_the_claims_and_marks_the_job_interrupted(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second Ctrl-C raises KeyboardInterrupt mid-step, past ``except Exception``: the run
+    wrapped up as if it had finished, its claims left running on its dead name and the job not
+    interrupted (tidy52). Now it exits 130, nothing held, the job interrupted, resume finishes."""
+    from specbatch.engine.decoder import Decoder
+
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    real, steps = Decoder._step, [0]
+
+    def second_ctrl_c(self):   # noqa: ANN001, ANN202
+        steps[0] += 1
+        if steps[0] == 30:
+            raise KeyboardInterrupt   # what stop_on_signals' handler raises on the second signal
+        return real(self)
+
+    monkeypatch.setattr(Decoder, "_step", second_ctrl_c)
+    args = ["run", str(_prompts(tmp_path / "p.jsonl", 12, 16)), "--target", str(tiny_models / "llama"),
+            "--draft", str(tiny_models / "llama-partial"), "--batch-size", "2"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 130, result.output
+    assert "stopped at once" in result.stderr and "Traceback" not in result.stderr
+    results, by = _counts(url)
+    assert 0 < results < 12 and by.get("running", 0) == 0 and by["completed"] == results
+    get_settings.cache_clear()
+    job = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).output)[0]
+    assert job["status"] == "interrupted", job
+    monkeypatch.setattr(Decoder, "_step", real)
+    resumed = CliRunner().invoke(cli, ["run", "--resume", job["id"], "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    assert _counts(url) == (12, {"completed": 12})
+
+
 def test_an_unexpected_error_in_any_command_is_one_line_unless_debug(monkeypatch: pytest.MonkeyPatch) -> None:
     import specbatch.engine.loading as loading
 
