@@ -82,13 +82,28 @@ class LazyGroup(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 _mask_chain(e)
                 raise
-            # (a GPU that ran out of memory is no bug to report: it is told what lowers the budget)
+            # (a GPU that ran out of memory, or a database lost mid-command, is no bug to report:
+            # it is told what lowers the budget, or what was lost)
             error = click.ClickException(mask(f"{OUT_OF_MEMORY_ADVICE} ({type(e).__name__}: {one_line(e)})"
-                                              if out_of_memory(e) else
+                                              if out_of_memory(e) else _database_lost(e) or
                                               f"unexpected error ({type(e).__name__}: {one_line(e)}); --debug shows "
                                               "the stack trace; please report it"))
             echo_json_error(ctx, error, e)
             raise error from e
+
+
+def _database_lost(e: Exception) -> str | None:
+    """One line for a database that stopped answering after the command opened it (a server
+    restarted or gone mid-command: SQLAlchemy's OperationalError); a command that cannot open it
+    at all says so where it opens it (``cli.common.database_error``)."""
+    if type(e).__module__.split(".")[0] != "sqlalchemy":
+        return None
+    from sqlalchemy.exc import OperationalError
+
+    if not isinstance(e, OperationalError):
+        return None
+    return (f"the database stopped answering ({one_line(e.orig or e)}): what was written before stays; "
+            "run the command again once it answers (--debug shows the stack trace)")
 
 
 def _usage(e: SpecBatchError) -> bool:

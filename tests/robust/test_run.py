@@ -326,6 +326,30 @@ def test_an_unexpected_error_in_any_command_is_one_line_unless_debug(monkeypatch
     assert isinstance(debug.exception, ValueError)
 
 
+def test_a_database_lost_mid_command_is_one_line_not_a_bug_to_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A database that stopped answering after the command opened it (a server restarted) said
+    "unexpected error ... please report it", over psycopg's two lines (tidy52)."""
+    from sqlalchemy.exc import OperationalError
+
+    import specbatch.jobs.store as store
+
+    def lost(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise OperationalError("SELECT jobs", {}, Exception(
+            "server closed the connection unexpectedly\n\tThis probably means the server terminated abnormally"))
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    monkeypatch.setattr(store, "list_jobs", lost)
+    result = CliRunner().invoke(cli, ["jobs"])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: the database stopped answering (server closed the connection unexpectedly "
+                           "This probably means"), line
+    assert "please report it" not in line and "run the command again" in line
+
+
 def test_out_of_device_memory_is_told_what_lowers_the_budget_not_reported_as_a_bug(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU that ran out of memory (torch.OutOfMemoryError, CUDA's allocator) is no bug: the line
