@@ -3,10 +3,13 @@
     PYTHONPATH=TREE python scripts/step_profile.py examples/job-mixed-48.jsonl --batch auto --threads 1
     PYTHONPATH=TREE python scripts/step_profile.py FILE --batch 32 --plain --profile   # buckets + top ops
 
-Loads the default pair once (as ``specbatch bench --job`` does), decodes the file once untimed (a
-warm-up of 2 requests first), then ``--repeats`` timed passes, printing one ``RESULT`` JSON line per
+Loads the default pair once (as ``specbatch bench --job`` does), decodes the file's first 2
+requests untimed (a warm-up), then ``--repeats`` timed passes, printing one ``RESULT`` JSON line per
 pass (new tokens, seconds, tokens/s, the 1-minute load average before and after, and a digest of
-the outputs, so two trees' runs can be compared token for token). ``--profile``: one more pass
+the outputs, so two trees' runs can be compared token for token). ``--phases``: each pass's time
+split into the decoder's admissions (prompts cached: prefill) and its steps by the rows in them, a
+``PHASES`` JSON line and a table (where a job's time goes by batch fullness: its tail of few rows
+is bound by reading the weights, not by the GEMMs; scripts/forward_floor.py). ``--profile``: one more pass
 under ``torch.profiler`` with bench/breakdown.py's buckets, and the operators of the cache and
 element-wise buckets by self time with their input shapes. For the Python callers, run the timed
 mode under py-spy (``py-spy record -r 50 -f raw -o prof.txt -- python scripts/step_profile.py ...``).
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="the target alone (no draft)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--phases", action="store_true", help="each pass's time by admissions and by step rows")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--reference", action="store_true",
@@ -71,9 +75,12 @@ def main() -> None:
         return outs, time.perf_counter() - t0
 
     once(jobs[:2])
+    phases = _time_phases() if a.phases else None
     outs: list[list[int]] = []
     for r in range(a.repeats):
         load0 = os.getloadavg()[0]
+        if phases is not None:
+            phases.clear()
         outs, seconds = once(jobs)
         tokens = sum(len(o) for o in outs)
         digest = hashlib.sha256(json.dumps(outs).encode()).hexdigest()[:16]
@@ -82,10 +89,49 @@ def main() -> None:
                                       "drafted": drafted[0], "accepted": drafted[1],
                                       "acceptance": round(drafted[1] / max(1, drafted[0]), 3),
                                       "load1": round(os.getloadavg()[0], 2), "outputs": digest}), flush=True)
+        if phases is not None:
+            _print_phases(phases, seconds)
     if a.reference:
         _reference(target, jobs, outs)
     if a.profile:
         _profile(lambda: once(jobs), target, breakdown, a.top)
+
+
+def _time_phases() -> dict[str, list[float]]:
+    """From now on, every ``Decoder._admit`` (prompts cached) and ``Decoder._step`` adds its count
+    and seconds to the returned dict: ``"admit"``, or ``"step N"`` for a step of N rows."""
+    import specbatch.engine.decoder as decoder
+
+    seen: dict[str, list[float]] = {}
+
+    def timed(name: str, real: Any) -> Any:
+        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+            key = name if name == "admit" else f"step {len(self.rows)}"
+            t0 = time.perf_counter()
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                entry = seen.setdefault(key, [0, 0.0])
+                entry[0] += 1
+                entry[1] += time.perf_counter() - t0
+        return run
+
+    decoder.Decoder._admit = timed("admit", decoder.Decoder._admit)   # type: ignore[method-assign]
+    decoder.Decoder._step = timed("step", decoder.Decoder._step)      # type: ignore[method-assign]
+    return seen
+
+
+def _print_phases(seen: dict[str, list[float]], seconds: float) -> None:
+    steps = sorted((int(k.split()[1]), n, s) for k, (n, s) in seen.items() if k != "admit")
+    admit = seen.get("admit", [0, 0.0])
+    print("PHASES " + json.dumps({"admit": [admit[0], round(admit[1], 3)],
+                                  "steps": {rows: [n, round(s, 3)] for rows, n, s in steps},
+                                  "seconds": round(seconds, 3)}), flush=True)
+    print(f"  admissions (prefill): {admit[0]:4d} {admit[1]:7.2f}s {admit[1] / seconds:6.1%}")
+    for rows, n, s in steps:
+        print(f"  steps of {rows:3d} rows:   {n:4d} {s:7.2f}s {s / seconds:6.1%}  {s / n * 1e3:6.1f} ms a step")
+    rest = seconds - admit[1] - sum(s for _, _, s in steps)
+    print(f"  outside both:          {rest:7.2f}s {rest / seconds:6.1%}")
 
 
 def _reference(target: Any, jobs: list[tuple[list[int], int]], outs: list[list[int]]) -> None:
