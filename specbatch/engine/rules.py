@@ -177,12 +177,19 @@ def check_logit_bias(v: Any, vocab_size: int | None = None
         return {}, [("", f"must be an object of token id -> bias, got {json_type(v)}")]
     out: dict[int, float] = {}
     problems: list[tuple[str, str]] = []
+    keys: dict[int, Any] = {}      # token id -> the key that named it first
     for key, bias in v.items():
         tid = token_id(key)
         where = f".{key}"
         if tid is None:
             problems.append((where, f"{key!r} is not a token id (a non-negative integer)"))
-        elif vocab_size is not None and tid >= vocab_size:
+        elif tid in keys:
+            # "21285" and "021285" (or 21285) are one token: which bias would hold is no one's guess
+            problems.append((where, f"token id {tid} is given twice ({keys[tid]!r} and {key!r})"))
+            tid = None
+        else:
+            keys[tid] = key
+        if tid is not None and vocab_size is not None and tid >= vocab_size:
             problems.append((where, f"token id {tid} is outside the target's vocabulary [0, {vocab_size})"))
         if not is_number(bias):
             problems.append((where, f"must be a number in [-100, 100], got {json_type(bias)}"))

@@ -89,6 +89,9 @@ BAD_CASES = {
                                  ["1: temperature: must be in [0, 2] (OpenAI's range), got 1000000000... (401 digits)"]),
     "logit_bias_huge_integer": (L(prompt="a", logit_bias={"5": -10**400}),
                                 ["1: logit_bias.5: must be in [-100, 100], got -1000000000... (401 digits)"]),
+    # one token named twice: which bias held was the dict's order, silently
+    "logit_bias_same_token_twice": (L(prompt="a", logit_bias={"21285": 5, "021285": -5}),
+                                    ["1: logit_bias.021285: token id 21285 is given twice ('21285' and '021285')"]),
     # the element at fault, not "got an array" for an array (walk8)
     "stop_list_number": (L(prompt="a", stop=["ok", 1]),
                          ["1: stop: must be a string or a list of strings; item 1 is the number 1"]),
