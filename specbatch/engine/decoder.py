@@ -248,7 +248,7 @@ class Decoder:
             or any(r.ctl.fixed and r.ctl.gamma for r in (*self.rows, *new))   # (fixed rows draft anyway)
         new, entries = self._prefixes(new, len(arrivals), speculating)
         # (a prefix computed just now is its computing row's: _prefixes)
-        t0, c0 = clock.now(self.target.device), self._cpu()
+        t0 = clock.now(self.target.device)
         # samples of one request joining together: one prefill (after their shared prefix, if
         # one is stored), forked to their rows
         resumed = {id(r) for r in resuming}
@@ -266,7 +266,9 @@ class Decoder:
         prefill = bool(self.rows) or shared or len(runs) > 1
         forwards = 0
         if prefill:
-            cache, forwards = prefilled(self.backend, prefixes, [new[b].ids for b in reps], runs)
+            # (the governor reads each forward: engine/prefill.forward_in_runs)
+            cache, forwards = prefilled(self.backend, prefixes, [new[b].ids for b in reps], runs,
+                                        None if self.contention is None else self.contention.observe)
         else:
             cache = joining(self.backend, prefixes)
         if shared:
@@ -279,8 +281,6 @@ class Decoder:
         self.drafts_behind |= prefill and not draft_prefill
         if forwards:    # (the samples of a request each count the prefill they share)
             seconds = clock.now(self.target.device) - t0
-            if self.contention is not None:
-                self.contention.observe(seconds, time.process_time() - c0)
             if self.prefixes is not None:     # a prefill's rate: what a cached token saves
                 self.prefixes.observe(seconds, sum(fed))
             if not self.rows:   # a fresh batch's prompts, which its first step caches otherwise:

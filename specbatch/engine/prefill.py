@@ -11,6 +11,7 @@ beside it or on pads (masked), so the cache holds what one padded forward would 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -51,27 +52,37 @@ def feed_lengths(ids: Sequence[Sequence[int]], prefixes: Sequence[PrefixKV | Non
 
 
 def prefilled(factory: BackendFactory, prefixes: Sequence[PrefixKV | None], ids: Sequence[Sequence[int]],
-              runs: Sequence[int]) -> tuple[TargetBackend, int]:
+              runs: Sequence[int], observe: Callable[[float, float], None] | None = None
+              ) -> tuple[TargetBackend, int]:
     """A backend for rows about to join, in the order given: row b starts with ``prefixes[b]``
     (None: nothing) and then caches ``ids[b]`` but its last token (fed by the step that scores
-    it), one forward per run of ``runs`` consecutive rows. Returns it and the forwards made."""
+    it), one forward per run of ``runs`` consecutive rows. Returns it and the forwards made.
+    ``observe(wall, cpu)``: told each forward's seconds (``forward_in_runs``)."""
     out = factory(0)
     feeds = [list(x[0 if p is None else p.n_tokens: -1]) for x, p in zip(ids, prefixes, strict=True)]
-    return out, len(forward_in_runs(out, runs, lambda s: joining(factory, prefixes[s]), feeds))
+    return out, len(forward_in_runs(out, runs, lambda s: joining(factory, prefixes[s]), feeds, observe))
 
 
 def forward_in_runs(out: TargetBackend, runs: Sequence[int], part: Callable[[slice], TargetBackend],
-                    feeds: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+                    feeds: Sequence[Sequence[int]], observe: Callable[[float, float], None] | None = None
+                    ) -> list[torch.Tensor]:
     """Rows cut into ``runs`` consecutive runs, each a backend of its own (``part(s)``: rows
     ``s``), fed ``feeds[s]`` in one forward (none where nothing is to be fed: one-token prompts)
-    and appended to ``out`` in order. Returns each forward's last fed position's logits (n, V)."""
+    and appended to ``out`` in order. Returns each forward's last fed position's logits (n, V).
+
+    ``observe(wall, cpu)``: each forward's wall and process CPU seconds, for the threads' governor
+    (engine/contention.py, CPU only): a fresh batch's prefill is a few forwards of seconds each,
+    and read as one they gave it no window to see another process take a core in."""
     logits: list[torch.Tensor] = []
     start = 0
     for n in runs:
         s = slice(start, start + n)
         rows = part(s)
         if any(feeds[s]):
+            w0, c0 = time.perf_counter(), time.process_time()
             logits.append(rows.forward(feeds[s], logits_to_keep=1)[:, -1])
+            if observe is not None:
+                observe(time.perf_counter() - w0, time.process_time() - c0)
         out.extend(rows)
         start += n
     return logits

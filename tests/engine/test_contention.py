@@ -202,3 +202,39 @@ def test_tallies_of_one_engine_add_up_slot_by_slot() -> None:
     assert by_slot([a, b], [b]) == [Tally(4, 30, 5, (1,)), b]
     assert by_slot([a], [a, b]) == [Tally(2, 20, 10, (1,)), b]
     assert by_slot([], [a]) == [a] and by_slot([a], []) == [a] and by_slot() == []
+
+
+def test_the_governor_reads_each_prefill_forward_not_the_admission_as_one(load, monkeypatch) -> None:
+    """A fresh batch's prompts are cached in a few forwards of seconds each (one per run of
+    similar lengths, engine/prefill.py). Read as one observation, a 32-row admission gave the
+    governor no window to see another process take a core in (stop 52: 13.4 s against 4.5 s for
+    one pass's admissions, its steps unchanged). Each forward is one observation now."""
+    import specbatch.engine.decoder as decoder
+
+    target = load("llama")
+    observed, forwards, steps = [0], [0], [0]
+
+    class Counting(Contention):
+        def observe(self, wall: float, cpu: float) -> None:
+            observed[0] += 1
+
+    real_prefilled, real_step = decoder.prefilled, decoder.Decoder._step
+
+    def prefilled(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        cache, n = real_prefilled(*args, **kwargs)
+        forwards[0] += n
+        return cache, n
+
+    def step(self):   # noqa: ANN001, ANN202
+        steps[0] += 1
+        return real_step(self)
+
+    monkeypatch.setattr(decoder, "prefilled", prefilled)
+    monkeypatch.setattr(decoder.Decoder, "_step", step)
+    engine = Engine(target)
+    engine.contention = Counting(1)
+    prompts = ["Hi", "The quick brown fox " * 12, "Once upon a time " * 25, "A"]   # lengths far apart: several runs
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=4)) for p in prompts]
+    got = dict(engine.generate_many(reqs, batch_size=2))
+    assert len(got) == 4 and forwards[0] >= 3
+    assert observed[0] == steps[0] + forwards[0], (observed, steps, forwards)
