@@ -56,6 +56,9 @@ class Contention:
     set_threads: Any = None          # torch.set_num_threads (a test passes its own)
     # whether the target's logits on n threads are those on ``full`` (checked before n is used)
     agrees: Callable[[int], bool] = lambda n: True
+    # threads the user fixed (--threads): read the sign, never change them (``watching``)
+    watch_only: bool = False
+    taken: int = 0                   # watch_only: steps in windows whose threads were not all on cores
 
     def __post_init__(self) -> None:
         self.now = self.now or self.full
@@ -82,6 +85,9 @@ class Contention:
             return
         use = statistics.median(self.recent)
         self.recent.clear()
+        if self.watch_only:
+            self.taken += WINDOW if use < LOW else 0
+            return
         retried, self.retrying = self.retrying, False
         if use >= LOW:
             if retried:
@@ -103,7 +109,15 @@ class Contention:
             logger.debug("torch threads %d (step %d)", n, self.steps)
 
     def tally(self) -> Tally:
-        return Tally(self.full, self.steps, self.fewer, tuple(sorted({t for _, t in self.history if t < self.full})))
+        return Tally(self.full, self.steps, self.fewer, tuple(sorted({t for _, t in self.history if t < self.full})),
+                     self.taken)
+
+
+def watching(threads: int) -> Contention:
+    """A governor of threads the user fixed (``--threads``, ``SPECBATCH_THREADS``): it reads each
+    step's sign as any governor does and changes nothing, so that a run slowed by other processes
+    can say so at its end and what leaving the threads to specbatch would do (``describe``)."""
+    return Contention(threads, watch_only=True, set_threads=lambda n: None)
 
 
 @dataclass(frozen=True)
@@ -115,10 +129,11 @@ class Tally:
     steps: int
     fewer: int                       # steps on fewer than ``full`` threads
     used: tuple[int, ...]            # the counts below ``full`` it decoded on
+    taken: int = 0                   # steps with cores taken, on threads the user fixed (``watching``)
 
     def __add__(self, other: Tally) -> Tally:
         return Tally(max(self.full, other.full), self.steps + other.steps, self.fewer + other.fewer,
-                     tuple(sorted({*self.used, *other.used})))
+                     tuple(sorted({*self.used, *other.used})), self.taken + other.taken)
 
 
 def by_slot(*decodes: Sequence[Tally]) -> list[Tally]:
@@ -136,16 +151,30 @@ def describe(tallies: Sequence[Tally]) -> str | None:
     """One line for a run's end where the cores were taken for a share of its steps (over every
     decode process's, where several decoded the run); else None."""
     steps, fewer = sum(t.steps for t in tallies), sum(t.fewer for t in tallies)
-    if not fewer or not steps:
+    taken = sum(t.taken for t in tallies)
+    if not steps or not (fewer or taken >= TOLD_TAKEN * steps):
         return None
+    where = "" if len(tallies) == 1 else \
+        f", in {sum(1 for t in tallies if t.fewer or t.taken)} of its {len(tallies)} decode processes"
+    full = max(t.full for t in tallies)
+    if not fewer:     # threads the user fixed: it waited for them (contention.watching)
+        return (f"other processes held this machine's cores for {_share(taken / steps)} of {steps} steps{where}: "
+                f"every operator waited for the {full} torch threads --threads fixed; left unset "
+                "(--threads, SPECBATCH_THREADS), specbatch decodes on the cores it has (README 'Throughput')")
     used = sorted({n for t in tallies for n in t.used})
     on = str(used[0]) if len(used) == 1 else f"{used[0]}-{used[-1]}"
-    share = fewer / steps
-    where = "" if len(tallies) == 1 else \
-        f", in {sum(1 for t in tallies if t.fewer)} of its {len(tallies)} decode processes"
-    return (f"other processes held this machine's cores: decoded on {on} of {max(t.full for t in tallies)} "
-            f"torch threads for {'<1%' if share < 0.005 else f'{share:.0%}'} of {steps} steps{where} "
+    return (f"other processes held this machine's cores: decoded on {on} of {full} "
+            f"torch threads for {_share(fewer / steps)} of {steps} steps{where} "
             "(README 'Throughput': a busy machine; the text is the same either way)")
+
+
+# the share of a run's steps with cores taken that a run on fixed threads is told of (a window or
+# two of a quiet run's noise is not worth a line)
+TOLD_TAKEN = 0.1
+
+
+def _share(x: float) -> str:
+    return "<1%" if x < 0.005 else f"{x:.0%}"
 
 
 _SAME: dict[tuple[int, int, int], tuple[bool, float]] = {}   # (model id, threads, threads) -> _same

@@ -19,7 +19,7 @@ from specbatch.engine.compile.prepare import CompileNotice
 from specbatch.engine.compile.prepare import declined as compile_declined
 from specbatch.engine.compile.prepare import prepare as prepare_compiled
 from specbatch.engine.compile.static import static_plan
-from specbatch.engine.contention import Contention, Tally, by_slot, describe, governor
+from specbatch.engine.contention import Contention, Tally, by_slot, describe, governor, watching
 from specbatch.engine.decoder import Decoder, Request
 from specbatch.engine.drafter_specs import MODEL, DrafterSpec, names, parse_drafters
 from specbatch.engine.drafters import Drafter
@@ -41,7 +41,7 @@ from specbatch.engine.policy import MeasuredPolicy, Policy
 from specbatch.engine.prefix import PrefixStore
 from specbatch.engine.sampling import sample_seed
 from specbatch.engine.static_cache import StaticBatchCache, capacity_for
-from specbatch.engine.threads import adaptable_threads, configured_lanes
+from specbatch.engine.threads import adaptable_threads, configured_lanes, fixed_threads
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import RequestError, SpecBatchError
 
@@ -469,10 +469,13 @@ class Engine:
 
     def _contention(self, lanes: int) -> Contention | None:
         """The threads' governor of an eager CPU loop whose threads are the default (one loop:
-        lanes share the process's threads), once the target's logits agree on every count."""
-        if self.contention is None and lanes == 1 and self._eager() and \
-                str(self.target.device).split(":")[0] == "cpu" and (full := adaptable_threads()):
-            self.contention = governor(self.target, full)
+        lanes share the process's threads), once the target's logits agree on every count; of
+        threads the user fixed, one that only watches (``contention.watching``)."""
+        if self.contention is None and lanes == 1 and self._eager() and str(self.target.device).split(":")[0] == "cpu":
+            if full := adaptable_threads():
+                self.contention = governor(self.target, full)
+            elif fixed := fixed_threads():
+                self.contention = watching(fixed)
         return self.contention if lanes == 1 else None
 
     def _eager(self) -> bool:

@@ -144,6 +144,15 @@ def adaptable_threads() -> int:
     return _SET[0].threads if _SET[0].threads > 1 else 0
 
 
+def fixed_threads() -> int:
+    """Torch threads the user fixed (``--threads``, ``SPECBATCH_THREADS``) for one decode loop,
+    where more than one (a run on them is told when other processes held the cores:
+    ``contention.watching``); 0 otherwise."""
+    if not _SET or _SET[0].default or _SET[0].lanes > 1:
+        return 0
+    return _SET[0].threads if _SET[0].threads > 1 else 0
+
+
 def configured_lanes() -> int:
     """The lanes ``configure_threads`` set; 1 where it was not called (a library caller that set
     its own threads)."""

@@ -123,6 +123,9 @@ def test_an_engine_governs_only_default_threads_of_one_loop(load, monkeypatch) -
         assert threads.adaptable_threads() == 2 and Engine(target)._contention(1).full == 2
         assert Engine(target)._contention(2) is None                   # lanes share the process's threads
         monkeypatch.setattr(threads, "_SET", [threads.Plan(2, 1, 2, False)])       # --threads 2: the user's
+        watched = Engine(target)._contention(1)           # watched, never changed
+        assert watched is not None and watched.watch_only and watched.full == 2
+        monkeypatch.setattr(threads, "_SET", [threads.Plan(1, 1, 1, False)])       # --threads 1: nothing waits
         assert Engine(target)._contention(1) is None
         monkeypatch.setattr(threads, "_SET", [])                       # a library caller's own threads
         assert Engine(target)._contention(1) is None
@@ -238,3 +241,60 @@ def test_the_governor_reads_each_prefill_forward_not_the_admission_as_one(load, 
     got = dict(engine.generate_many(reqs, batch_size=2))
     assert len(got) == 4 and forwards[0] >= 3
     assert observed[0] == steps[0] + forwards[0], (observed, steps, forwards)
+
+
+def test_threads_the_user_fixed_are_watched_never_changed_and_a_slowed_run_is_told() -> None:
+    """--threads 2 on a busy machine: every operator waits for a thread off its core, and the run
+    said nothing of it (stop 51's leftover). The watching governor changes no thread count and
+    tells at the end what leaving --threads unset would do; a few noisy windows tell nothing."""
+    from specbatch.engine.contention import TOLD_TAKEN, describe, watching
+
+    g = watching(2)
+    calls: list[int] = []
+    g.set_threads = calls.append
+    for _ in range(10 * WINDOW):
+        g.observe(0.1, 0.1 * 0.6 * 2)       # one of two threads off its core
+    for _ in range(10 * WINDOW):
+        g.observe(0.1, 0.1 * 1.0 * 2)       # quiet
+    assert calls == [] and g.now == 2 and g.fewer == 0 and g.taken == 10 * WINDOW
+    line = describe([g.tally()])
+    assert line is not None and line.startswith("other processes held this machine's cores for 50% of 80 steps: "
+                                                "every operator waited for the 2 torch threads --threads fixed")
+    quiet = watching(2)
+    for i in range(40 * WINDOW):
+        quiet.observe(0.1, 0.1 * (0.6 if i < WINDOW else 1.0) * 2)   # one slow window in 40
+    assert quiet.taken / quiet.steps < TOLD_TAKEN and describe([quiet.tally()]) is None
+
+
+def test_a_decode_on_fixed_threads_beside_taken_cores_keeps_them_and_says_so_at_its_end(load, monkeypatch) -> None:
+    """The engine end to end: --threads 2 and a CPU-time sign of taken cores at every step (the
+    process's CPU clock stands still): the thread count never moves, the tokens are the target's,
+    and the run's end line says what leaving --threads unset would do."""
+    import time as time_module
+
+    target = load("llama")
+    counts: set[int] = set()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(threads, "_SET", [threads.Plan(2, 1, 2, False)])
+        monkeypatch.setattr(time_module, "process_time", lambda: 0.0)
+        engine = Engine(target)
+        real = engine._contention
+
+        def contention(lanes: int):   # noqa: ANN202
+            c = real(lanes)
+            counts.add(torch.get_num_threads())
+            return c
+
+        monkeypatch.setattr(engine, "_contention", contention)
+        reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=n)) for p, n in zip(PROMPTS, LENGTHS)]
+        got = dict(engine.generate_many(reqs, batch_size=3))
+        counts.add(torch.get_num_threads())
+    finally:
+        torch.set_num_threads(before)
+    assert counts == {2} and engine.contention is not None and engine.contention.watch_only
+    line = engine.contention_line()
+    assert line is not None and "--threads fixed" in line, line
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
