@@ -239,10 +239,18 @@ def test_retry_of_a_run_job_reruns_the_failures_here_without_a_broker(tmp_path: 
     assert _counts(url) == (1, {"completed": 1, "failed": 1})    # the completed one was not redone
 
 
-def test_an_engine_failure_mid_job_is_one_line_keeps_results_and_resume_finishes(
-        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Not a request's fault (a bug, a device error): no traceback, the claims are handed back,
-    the job is interrupted and `run --resume` finishes it."""
+@pytest.mark.parametrize("raised, status, said", [
+    # not a request's fault (a bug, a device error): one line, no traceback
+    (RuntimeError("device lost"), 1, "stopped: decoding failed (RuntimeError: device lost)"),
+    # a second Ctrl-C (what stop_on_signals' handler raises on it), past ``except Exception``: the
+    # run wrapped up as if it had finished, its claims left running on its dead name and the job
+    # not interrupted (tidy52)
+    (KeyboardInterrupt(), 130, "stopped at once"),
+], ids=["engine-failure", "second-ctrl-c"])
+def test_a_decode_stopped_mid_step_keeps_results_hands_back_the_claims_and_resume_finishes(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch, raised: BaseException, status: int,
+        said: str) -> None:
+    """The claims are handed back, the job is interrupted and `run --resume` finishes it."""
     from specbatch.engine.decoder import Decoder
 
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
@@ -254,53 +262,18 @@ def test_an_engine_failure_mid_job_is_one_line_keeps_results_and_resume_finishes
     def failing(self):   # noqa: ANN001, ANN202
         steps[0] += 1
         if steps[0] == 30:
-            raise RuntimeError("device lost")
+            raise raised
         return real(self)
 
     monkeypatch.setattr(Decoder, "_step", failing)
     args = ["run", str(_prompts(tmp_path / "p.jsonl", 12, 16)), "--target", str(tiny_models / "llama"),
             "--draft", str(tiny_models / "llama-partial"), "--batch-size", "2"]
     result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 1, result.output
+    assert result.exit_code == status, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("Error: ")]
-    assert "stopped: decoding failed (RuntimeError: device lost)" in line and "run --resume" in line, line
-    results, by = _counts(url)
-    assert 0 < results < 12 and by.get("running", 0) == 0 and by["completed"] == results
-    get_settings.cache_clear()
-    job = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).output)[0]
-    assert job["status"] == "interrupted", job
-    monkeypatch.setattr(Decoder, "_step", real)
-    resumed = CliRunner().invoke(cli, ["run", "--resume", job["id"], "--json"])
-    assert resumed.exit_code == 0, resumed.output
-    assert _counts(url) == (12, {"completed": 12})
-
-
-def test_a_second_ctrl_c_mid_step_still_hands_back_the_claims_and_marks_the_job_interrupted(
-        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A second Ctrl-C raises KeyboardInterrupt mid-step, past ``except Exception``: the run
-    wrapped up as if it had finished, its claims left running on its dead name and the job not
-    interrupted (tidy52). Now it exits 130, nothing held, the job interrupted, resume finishes."""
-    from specbatch.engine.decoder import Decoder
-
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
-    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
-    get_settings.cache_clear()
-    real, steps = Decoder._step, [0]
-
-    def second_ctrl_c(self):   # noqa: ANN001, ANN202
-        steps[0] += 1
-        if steps[0] == 30:
-            raise KeyboardInterrupt   # what stop_on_signals' handler raises on the second signal
-        return real(self)
-
-    monkeypatch.setattr(Decoder, "_step", second_ctrl_c)
-    args = ["run", str(_prompts(tmp_path / "p.jsonl", 12, 16)), "--target", str(tiny_models / "llama"),
-            "--draft", str(tiny_models / "llama-partial"), "--batch-size", "2"]
-    result = CliRunner().invoke(cli, args)
-    assert result.exit_code == 130, result.output
-    assert "stopped at once" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [ln for ln in result.stderr.splitlines() if said in ln]
+    assert "run --resume" in line, line
     results, by = _counts(url)
     assert 0 < results < 12 and by.get("running", 0) == 0 and by["completed"] == results
     get_settings.cache_clear()
