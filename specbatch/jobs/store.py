@@ -110,7 +110,7 @@ def list_jobs(s: Session, limit: int = 50) -> list[Job]:
 
 
 EMBEDDED = "embedded"   # the job's meta key that says `specbatch run` made it (run_in_its_process)
-RUNNER = "run_by"       # ... and the one naming the `specbatch run` process that runs it now (set_runner)
+RUNNER = "run_by"       # ... and the one naming the `specbatch run` processes that run it now (set_runner)
 
 
 def run_in_its_process(meta: dict[str, Any] | None) -> bool:
@@ -124,26 +124,36 @@ COUNTS = (select(Request.job_id, Request.status, func.count())
           .where(Request.job_id.in_(bindparam("ids", expanding=True))).group_by(Request.job_id, Request.status))
 
 
-def set_runner(s: Session, job_id: str, runner: str) -> None:
-    """Record ``runner`` (its lease-holder name, ``NODE@HOST:PID``) as the `specbatch run` process
-    that runs the job from now on, before it loads a pair: a run killed while it holds no rows
-    (loading its models, a next --model-map pair) is then known to be gone (``run_gone``)."""
-    job = get_job(s, job_id)
-    if (job.meta or {}).get(RUNNER) != runner:
-        job.meta = {**(job.meta or {}), RUNNER: runner}
+def set_runner(s: Session, job_id: str, runner: str, running: bool = True) -> None:
+    """Record ``runner`` (its lease-holder name, ``NODE@HOST:PID``) among the `specbatch run`
+    processes that run the job, before it loads a pair: a run killed while it holds no rows
+    (loading its models, a next --model-map pair) is then known to be gone (``run_gone``); with
+    ``running`` False, a run that ended takes its name back. Every run is kept, not the last: a
+    second `run --resume` of the job must not stand for a first that still loads its next pair."""
+    job = s.get(Job, job_id, with_for_update=True) or get_job(s, job_id)   # (two runs name themselves at once)
+    names = runners(job.meta)
+    kept = [n for n in names if n != runner] + ([runner] if running else [])
+    if kept != names:
+        job.meta = {**(job.meta or {}), RUNNER: kept}
         s.flush()
+
+
+def runners(meta: dict[str, Any] | None) -> list[str]:
+    """The `specbatch run` processes a job's ``meta`` says run it (``set_runner``)."""
+    return list((meta or {}).get(RUNNER) or [])
 
 
 def run_gone(s: Session, job: Job, gone: Callable[[str], bool]) -> list[str]:
     """The `specbatch run` processes of ``job`` that ``gone(worker)`` says have exited, where no
     live one decodes it: the holders of its running rows (expired leases too: no worker's sweep
     takes a run job's rows back, so a run killed more than a lease ago holds them on its dead name
-    until `run --resume`), or, where no row is running, the run recorded by ``set_runner``."""
+    until `run --resume`), or, where no row is running, its runs recorded by ``set_runner`` when
+    every one of them is gone (one on another machine is not known to be)."""
     held = _held_by_gone(s, job.id, gone)
     if held:
         return sorted(held)
-    runner = (job.meta or {}).get(RUNNER)
-    return [runner] if runner and gone(runner) and not running_ids(s, job.id) else []
+    names = runners(job.meta)
+    return names if names and all(gone(n) for n in names) and not running_ids(s, job.id) else []
 
 
 def run_stopped(s: Session, job: Job, gone: Callable[[str], bool]) -> str | None:

@@ -107,6 +107,14 @@ def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunH
     interrupted, see ``run_embedded``). A failure of the engine itself propagates; finished
     results are kept either way."""
     name_runner(settings, job.job_id)
+    try:
+        return _run_routes(settings, job, options, hooks, stop)
+    finally:
+        name_runner(settings, job.job_id, running=False)     # (not reached where it is killed)
+
+
+def _run_routes(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunHooks,
+                stop: StopRequest | None) -> bool:
     engine: Engine | None = None
     loaded = None
     for route, ids in job.routes.items():
@@ -148,14 +156,14 @@ def _decode(settings: Settings, job_id: str, engine: Engine, options: LoadOption
                         stop=stop)
 
 
-def name_runner(settings: Settings, job_id: str) -> None:
+def name_runner(settings: Settings, job_id: str, running: bool = True) -> None:
     """This process runs the job from now on (``store.set_runner``), named before any load: one
-    killed while it loads holds no rows to be known by."""
+    killed while it loads holds no rows to be known by; ``running`` False: it no longer does."""
     from specbatch.db import session_factory
     from specbatch.jobs import store
     from specbatch.worker.embedded_names import embedded_worker_name
 
-    transact(session_factory(settings.database_url), store.set_runner, job_id, embedded_worker_name())
+    transact(session_factory(settings.database_url), store.set_runner, job_id, embedded_worker_name(), running)
 
 
 def fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:

@@ -932,6 +932,29 @@ def test_a_run_killed_while_it_held_no_rows_is_named_as_stopped(db_url, tmp_path
         assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == []
 
 
+def test_a_run_that_still_loads_is_not_named_killed_when_a_second_run_of_its_job_is_gone(db_url, no_worker_check):
+    """Two runs of one job (qa51: a `run --resume JOB` while the first still runs it): the second
+    recorded itself over the first, so once it had exited (killed, or done with nothing left it
+    could claim), the first, loading its next --model-map pair with no row held, read as killed
+    in status, export and the next `run FILE` (review52). Every run of the job is recorded; the
+    job reads as killed only when all of them are gone, and a run that ends takes its name back."""
+    import socket
+
+    from specbatch.worker.pids import gone_here
+
+    job_id, _ids, second = _gone_run_job(db_url)
+    first = f"embedded@{socket.gethostname()}:{os.getpid()}"       # alive: this process
+    with db.session_factory(db_url).begin() as s:
+        store.set_runner(s, job_id, first)
+        store.set_runner(s, job_id, second)
+        assert store.run_stopped(s, store.get_job(s, job_id), gone_here) is None
+        assert store.stopped_runs(s, "/data/p.jsonl", gone_here) == []
+        store.set_runner(s, job_id, first, running=False)          # the first ends: the second is gone
+        assert store.run_stopped(s, store.get_job(s, job_id), gone_here) == "killed"
+        store.set_runner(s, job_id, second, running=False)         # (had it ended, not been killed)
+        assert store.run_stopped(s, store.get_job(s, job_id), gone_here) is None
+
+
 @pytest.mark.parametrize("args, doing", [(("jobs",), "open"), (("db", "upgrade"), "migrate")])
 def test_a_database_that_is_down_is_one_line(monkeypatch, args, doing):
     """psycopg's message goes on with "\\n\\tIs the server running ...": two lines (walk3 QA; `db

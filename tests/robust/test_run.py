@@ -455,6 +455,7 @@ def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_
                                       requests=reqs, queue="sb.q", metadata={"embedded": True}).id
             ids = store.resumable_request_ids(s, job_id)
             store.claim_requests(s, ids[:2], holder, 300, 3)
+            store.set_runner(s, job_id, holder)
         result = CliRunner().invoke(cli, ["run", "--resume", job_id])
     finally:
         other.kill()
@@ -463,6 +464,10 @@ def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_
     assert (f"job {job_id} is not finished: 2 running requests are held by {holder} on a live lease; "
             f"`specbatch status {job_id} --watch` follows it") in result.stderr, result.stderr
     assert _counts(url) == (2, {"completed": 2, "running": 2})
+    # the second run, ended, took its name back; the first still runs the job (review52: the
+    # second stood for it, and once gone named the first as killed while it loaded its next pair)
+    with _db(url).begin() as s:
+        assert store.get_job(s, job_id).meta[store.RUNNER] == [holder]
 
 
 def test_run_of_a_file_whose_earlier_run_stopped_names_that_job(tmp_path: Path, tiny_models: Path,
