@@ -73,7 +73,7 @@ def run_embedded(settings: Settings, job_id: str, engine: Engine,
         finished = False
         raise
     finally:
-        transact(sf, _wrap_up, job_id, worker, finished)
+        transact(sf, wrap_up, job_id, worker, finished)
     return finished
 
 
@@ -90,7 +90,7 @@ def ids_to_decode(s: Any, job_id: str, only: set[int] | None) -> list[int]:
     return prefix_ordered(s, ids if only is None else [i for i in ids if i in only])
 
 
-def _wrap_up(s: Any, job_id: str, worker: str, finished: bool) -> None:
+def wrap_up(s: Any, job_id: str, worker: str, finished: bool) -> None:
     from specbatch.jobs import store
 
     if not finished:

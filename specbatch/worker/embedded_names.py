@@ -23,7 +23,7 @@ def release_dead_embedded(s: Any, job_id: str) -> list[int]:
     killed worker (``store.expire_gone_leases``) the attempt of a row that began decoding stays
     charged: the row may be what killed it, and after ``max_attempts`` it fails instead of killing
     every resume. (An interrupted run gave its rows back itself, the attempt undone:
-    ``embedded._wrap_up``.)"""
+    ``embedded.wrap_up``.)"""
     from specbatch.jobs import store
 
     def dead_run(worker: str) -> bool:

@@ -15,8 +15,10 @@ nothing; it shows every child's results, forwards a stop to them and waits:
 
 - Ctrl-C reaches the whole process group; the children ignore it and the parent tells each on a
   pipe it watches (a parent that dies stops them too), so each stops at its next step and gives its rows back (the job interrupted,
-  as in one process). A second Ctrl-C ends them at once (SIGTERM): the leases they held belong to
-  dead ``specbatch run`` processes of this host, which the next ``run --resume`` takes back at once.
+  as in one process). A second Ctrl-C ends them at once (SIGTERM); the parent then hands back
+  what they held and marks the job interrupted, as one process does (where a third cuts that
+  short, the leases belong to dead ``specbatch run`` processes of this host, which the next ``run
+  --resume`` takes back at once).
 - A child whose engine fails stops the others; the parent raises its error (one line).
 - ``specbatch cancel`` is seen by each child's own ``CancelWatch``.
 
@@ -158,12 +160,14 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
         # were the same processes' slots, not more of them
         engine.forked_contention = by_slot(engine.forked_contention, tallies)
     except BaseException:
-        # a second Ctrl-C (KeyboardInterrupt) or our own failure: end them at once
+        # a second Ctrl-C (KeyboardInterrupt) or our own failure: end them at once, then hand back
+        # what they held and mark the job interrupted, as one process does (``run_embedded``)
         for child in children:
             if child.process.is_alive():
                 child.process.terminate()
         for child in children:
             child.process.join()
+        transact(sf, _hand_back, job_id, [child.process.pid for child in children])
         raise
     finally:
         for child in children:
@@ -175,6 +179,16 @@ def run_forked(settings: Settings, job_id: str, engine: Engine, processes: int,
                              f"({error}); finished results are saved and `specbatch run --resume {job_id}` "
                              "retries the rest")
     return finished
+
+
+def _hand_back(s: Any, job_id: str, pids: list[int]) -> None:
+    """The claims of the ended children ``pids`` back to pending and the job interrupted (cancelled
+    rows where it is being cancelled): their ``run_embedded`` had no time to wrap up."""
+    from specbatch.worker.embedded import wrap_up
+    from specbatch.worker.embedded_names import embedded_worker_name
+
+    for pid in pids:
+        wrap_up(s, job_id, embedded_worker_name(pid), False)
 
 
 def _budgets(sf: Any, ids: list[int]) -> list[int]:
