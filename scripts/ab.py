@@ -139,12 +139,13 @@ def main() -> None:
     j.add_argument("--configs", default="B32spec,B8spec")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    cache_dir = Settings().cache_dir
-    target = load_model("smollm2-135m", cache_dir=cache_dir)
+    settings = Settings()
+    kw = {"cache_dir": settings.cache_dir, "linears": settings.linears}
+    target = load_model("smollm2-135m", **kw)
     if a.what == "step":
         step(target, a.shapes, a.reps, variants([target], a.compare))
     else:
-        draft = load_model("smollm2-135m-int8", loaded=[target], cache_dir=cache_dir)
+        draft = load_model("smollm2-135m-int8", loaded=[target], **kw)
         job(target, draft, a.file, a.configs, variants([target, draft], a.compare))
 
 

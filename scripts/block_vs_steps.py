@@ -27,7 +27,8 @@ def main() -> None:
     ap.add_argument("--lengths", default="2:80:3", help="prompt lengths START:STOP:STEP (a Python range)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    lm = load_model(a.model, cache_dir=Settings().cache_dir)
+    settings = Settings()
+    lm = load_model(a.model, cache_dir=settings.cache_dir, linears=settings.linears)
     g = torch.Generator().manual_seed(0)
     equal, differ = [], []
     with torch.inference_mode():

@@ -55,7 +55,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.prompts:
         PROMPTS.extend(json.loads(line)["prompt"] for line in open(a.prompts) if line.strip())
-    engine = Engine.load(a.target, [a.draft], batch_size=a.batch_size, cache_dir=get_settings().cache_dir)
+    engine = Engine.load(a.target, [a.draft], batch_size=a.batch_size, cache_dir=get_settings().cache_dir,
+                         linears=get_settings().linears)
     target_forwards: list[float] = []   # main's checks
     layers: list[float] = []            # this branch's
     hooks = [engine.target.model.register_forward_pre_hook(lambda *_: target_forwards.append(time.perf_counter()))]

@@ -27,7 +27,7 @@ def main() -> None:
     args = sys.argv[1:] + ["23", "144", "3", "smollm2-135m-int8"][len(sys.argv) - 1:]
     rows, longest, repeats = (int(a) for a in args[:3])
     torch.set_num_threads(1)
-    draft = load_model(args[3], cache_dir=get_settings().cache_dir)
+    draft = load_model(args[3], cache_dir=get_settings().cache_dir, linears=get_settings().linears)
     rng = random.Random(0)
     feeds = [[rng.randrange(1000, 20000) for _ in range(rng.randint(8, longest))] for _ in range(rows)]
     feeds[0] = feeds[0][:1] + [rng.randrange(1000, 20000) for _ in range(longest - 1)]   # (the longest)

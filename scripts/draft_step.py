@@ -29,7 +29,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=9)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    target = load_model("smollm2-135m", cache_dir=Settings().cache_dir)
+    settings = Settings()
+    target = load_model("smollm2-135m", cache_dir=settings.cache_dir, linears=settings.linears)
     models = {"target": target}
     for name, fuse in (("unfused", False), ("fused", True)):
         lm = copy.copy(target)

@@ -31,8 +31,9 @@ def main() -> None:
     parsed = intake.parse_file(a.file, None, s)
     models = {}
     for dtype in ("float32", "bfloat16"):
-        target = load_model("smollm2-135m", dtype=dtype, cache_dir=s.cache_dir)
-        models[dtype] = (target, load_model("smollm2-135m-int8", cache_dir=s.cache_dir, loaded=[target]))
+        target = load_model("smollm2-135m", dtype=dtype, cache_dir=s.cache_dir, linears=s.linears)
+        models[dtype] = (target, load_model("smollm2-135m-int8", cache_dir=s.cache_dir, loaded=[target],
+                                                     linears=s.linears))
     ids, limits = map(list, zip(*job_requests(parsed, models["float32"][0])))
     for pair in models.values():
         _ours(*pair, JobConfig("warm-up", "ours", 2, True), ids[:2], [4, 4])

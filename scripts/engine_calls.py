@@ -33,7 +33,7 @@ def main() -> None:
     settings = get_settings()
     configure_threads(args.threads)
     engine = Engine.load(settings.default_target, [settings.default_draft], cache_dir=settings.cache_dir or None,
-                         batch_size=args.batch_size)
+                         batch_size=args.batch_size, linears=settings.linears)
     lines = parse_file(args.file, None, settings)
     reqs = [EngineRequest(prompt=r.prompt, messages=r.messages, params=r.generation_params(),
                           input_ids=r.prompt_ids) for r in lines]

@@ -144,7 +144,7 @@ def linears(repeats: int) -> None:
 def load_target() -> Any:
     from specbatch.config import get_settings
     from specbatch.engine.loading import load_model
-    return load_model("smollm2-135m", cache_dir=get_settings().cache_dir)
+    return load_model("smollm2-135m", cache_dir=get_settings().cache_dir, linears=get_settings().linears)
 
 
 def variants(target: Any, which: str) -> dict[str, Any]:

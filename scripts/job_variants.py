@@ -44,7 +44,8 @@ def main() -> None:
     from specbatch.jobs import intake
 
     settings = Settings.from_env()
-    kw: dict[str, Any] = {"device": "cpu", "dtype": "float32", "cache_dir": settings.cache_dir or None}
+    kw: dict[str, Any] = {"device": "cpu", "dtype": "float32", "cache_dir": settings.cache_dir or None,
+          "linears": settings.linears}
     target = load_model(settings.default_target, **kw)
     draft = load_model(settings.default_draft, **kw, loaded=[target])
     jobs = job_requests(intake.parse_file(a.file, None, settings), target)

@@ -44,7 +44,8 @@ def fwd(self, x):
 
 
 PackedLinear.forward = fwd
-t = load_model("smollm2-135m", cache_dir=Settings().cache_dir)
+settings = Settings()
+t = load_model("smollm2-135m", cache_dir=settings.cache_dir, linears=settings.linears)
 for m in t.model.modules():
     if isinstance(m, PackedLinear):
         REG[m.weight.data_ptr()] = m

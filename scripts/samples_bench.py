@@ -20,6 +20,7 @@ from collections import defaultdict
 
 import torch
 
+from specbatch.config import Settings
 from specbatch.engine import Engine, GenerationParams
 from specbatch.engine.cache import BatchCache
 from specbatch.engine.engine import EngineRequest
@@ -67,7 +68,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    target, draft = load_model(a.target), load_model(a.draft)
+    linears = Settings().linears
+    target, draft = load_model(a.target, linears=linears), load_model(a.draft, linears=linears)
     engine = Engine(target, [draft], batch_size=a.n)
     meter = Meter(target.name)
     prompt_tokens = len(engine.encode(PROMPT))

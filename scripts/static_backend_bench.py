@@ -135,7 +135,7 @@ def main() -> None:
     use_cache_dir(a.cache_dir)
     settings = Settings.from_env()
     target = load_model(a.target or settings.default_target, device=a.device, dtype=a.dtype,
-                        cache_dir=settings.cache_dir or None)
+                        cache_dir=settings.cache_dir or None, linears=settings.linears)
     result: dict[str, Any] = {"torch": torch.__version__, "args": vars(a)}
     classes = list(dict.fromkeys([(slots_for(b), 1) for b in a.batch_sizes]
                                  + [(1, k) for k in a.positions if "verify" not in skip]))

@@ -532,7 +532,8 @@ def main() -> None:
         from specbatch.config import Settings
         from specbatch.engine.loading import load_model
         s = Settings()
-        lm = load_model(s.default_target, device="cpu", dtype="float32", cache_dir=s.cache_dir or None)
+        lm = load_model(s.default_target, device="cpu", dtype="float32", cache_dir=s.cache_dir or None,
+                        linears=s.linears)
         print(STEP_HEADER if args.probe == "step" else VERIFY_HEADER, flush=True)
         result[args.probe] = (probe_step if args.probe == "step" else probe_verify)(args, lm)
     else:

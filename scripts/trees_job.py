@@ -36,9 +36,10 @@ from specbatch.engine import Engine, EngineRequest, GenerationParams
 from specbatch.engine.loading import load_model
 job = json.load(open(sys.argv[2]))
 torch.set_num_threads(job["threads"])
-cache_dir = Settings().cache_dir
-target = load_model("smollm2-135m", cache_dir=cache_dir)
-draft = load_model("smollm2-135m-int8", cache_dir=cache_dir)
+settings = Settings()
+kw = {"cache_dir": settings.cache_dir, "linears": settings.linears}
+target = load_model("smollm2-135m", **kw)
+draft = load_model("smollm2-135m-int8", **kw)
 _ours(target, draft, JobConfig("warm-up", "ours", 2, True), job["ids"][:2], [4, 4])
 t = job["temperature"]   # sampled: line i seeded i
 engine = Engine(target, [draft] if job["spec"] else [], batch_size=job["batch"])
@@ -71,7 +72,7 @@ def requests(file: str) -> tuple[list[list[int]], list[int]]:
     from specbatch.jobs import intake
 
     s = Settings()
-    target = load_model("smollm2-135m", cache_dir=s.cache_dir)
+    target = load_model("smollm2-135m", cache_dir=s.cache_dir, linears=s.linears)
     ids, limits = zip(*job_requests(intake.parse_file(file, None, s), target))
     return list(ids), list(limits)
 

@@ -124,3 +124,39 @@ def test_the_linears_setting_reaches_the_engine_of_every_command_that_loads_mode
         code, output, _ = _invoke([*args, "--target", str(tiny_models / "llama"), "--draft", "none"], env)
         assert code == 1 and "stop here" in output, output
     assert given == ["off"]
+
+
+def _loads_without_linears(path: Path) -> list[int]:
+    """The lines of ``path``'s model loads (``load_model(...)``, ``Engine.load(...)``) that pass no
+    ``linears``: neither as a keyword nor in a ``**kw`` dict of that file that names it."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    named = {t.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+             and isinstance(node.value, ast.Dict)
+             and any(isinstance(k, ast.Constant) and k.value == "linears" for k in node.value.keys)
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if not ((isinstance(f, ast.Name) and f.id == "load_model")
+                or (isinstance(f, ast.Attribute) and f.attr == "load" and isinstance(f.value, ast.Name)
+                    and f.value.id == "Engine")):
+            continue
+        if not any(k.arg == "linears" or (k.arg is None and isinstance(k.value, ast.Name) and k.value.id in named)
+                   for k in node.keywords):
+            out.append(node.lineno)
+    return out
+
+
+def test_every_model_load_passes_the_linears_setting() -> None:
+    """SPECBATCH_LINEARS reaches the engine only as ``linears=`` (engine/packed.py read the
+    environment itself before): a load that passes none multiplies as "auto" whatever the
+    variable says. scripts/ loaded so, so `SPECBATCH_LINEARS=off python scripts/...` measured
+    packed Linears without a word (review52)."""
+    root = Path(__file__).resolve().parents[2]
+    files = sorted([*(root / "specbatch").rglob("*.py"), *(root / "scripts").glob("*.py")])
+    missing = {str(p.relative_to(root)): lines for p in files if (lines := _loads_without_linears(p))}
+    assert missing == {}
