@@ -46,6 +46,18 @@ def _counts(url: str) -> tuple[int, dict[str, int]]:
     return results, {getattr(k, "value", k): v for k, v in by.items()}
 
 
+def resume_interrupted(url: str, n: int) -> None:
+    """The newest job reads as interrupted, none of its ``n`` requests held (the run handed them
+    back), and `run --resume` completes them."""
+    assert _counts(url)[1].get("running", 0) == 0
+    get_settings.cache_clear()
+    job = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).output)[0]
+    assert job["status"] == "interrupted", job
+    resumed = CliRunner().invoke(cli, ["run", "--resume", job["id"], "--json"])
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads(resumed.stdout)["request_counts"]["completed"] == n
+
+
 def _start_run(tmp_path: Path, env: dict[str, str], models: Path, *extra: str,
                slow: bool = False) -> subprocess.Popen:
     # staggered lengths: rows finish one by one, so Ctrl-C after the first results lands mid-job
@@ -275,13 +287,9 @@ def test_a_decode_stopped_mid_step_keeps_results_hands_back_the_claims_and_resum
     (line,) = [ln for ln in result.stderr.splitlines() if said in ln]
     assert "run --resume" in line, line
     results, by = _counts(url)
-    assert 0 < results < 12 and by.get("running", 0) == 0 and by["completed"] == results
-    get_settings.cache_clear()
-    job = json.loads(CliRunner().invoke(cli, ["jobs", "--json"]).output)[0]
-    assert job["status"] == "interrupted", job
+    assert 0 < results < 12 and by["completed"] == results
     monkeypatch.setattr(Decoder, "_step", real)
-    resumed = CliRunner().invoke(cli, ["run", "--resume", job["id"], "--json"])
-    assert resumed.exit_code == 0, resumed.output
+    resume_interrupted(url, 12)
     assert _counts(url) == (12, {"completed": 12})
 
 
