@@ -109,6 +109,11 @@ def run_job(settings: Settings, job: LocalJob, options: LoadOptions, hooks: RunH
     name_runner(settings, job.job_id)
     try:
         return _run_routes(settings, job, options, hooks, stop)
+    except KeyboardInterrupt:
+        # a second Ctrl-C where no decode runs (a next pair loading): the job is interrupted all
+        # the same, as ``run_embedded`` marks it where one lands mid-step
+        _interrupted(settings, job.job_id)
+        raise
     finally:
         name_runner(settings, job.job_id, running=False)     # (not reached where it is killed)
 
@@ -164,6 +169,14 @@ def name_runner(settings: Settings, job_id: str, running: bool = True) -> None:
     from specbatch.worker.embedded_names import embedded_worker_name
 
     transact(session_factory(settings.database_url), store.set_runner, job_id, embedded_worker_name(), running)
+
+
+def _interrupted(settings: Settings, job_id: str) -> None:
+    from specbatch.db import session_factory
+    from specbatch.worker.embedded import wrap_up
+    from specbatch.worker.embedded_names import embedded_worker_name
+
+    transact(session_factory(settings.database_url), wrap_up, job_id, embedded_worker_name(), False)
 
 
 def fail_requests(settings: Settings, job_id: str, ids: list[int], reason: str) -> None:

@@ -38,7 +38,7 @@ def test_run_drops_a_pair_before_the_next_loads_and_still_says_each_governor_lin
 
     monkeypatch.setattr(local, "load_pair", load_pair)
     monkeypatch.setattr(local, "token_budgets", lambda settings, job_id, ids: [1] * len(ids))
-    monkeypatch.setattr(local, "name_runner", lambda settings, job_id: None)   # (no database here)
+    monkeypatch.setattr(local, "name_runner", lambda settings, job_id, running=True: None)   # (no database here)
     monkeypatch.setattr(local, "_decode", lambda *a, **k: True)
     monkeypatch.setattr(queue, "use_compile_cache", lambda *a, **k: None)
     monkeypatch.setattr(queue, "report_compile", lambda plan: None)

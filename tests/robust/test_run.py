@@ -46,6 +46,22 @@ def _counts(url: str) -> tuple[int, dict[str, int]]:
     return results, {getattr(k, "value", k): v for k, v in by.items()}
 
 
+def _model_map_run(tmp_path: Path, models: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path, list[str]]:
+    """`run` of 4 prompts over a SQLite file (no broker), every other one sent by --model-map to a
+    second pair: (the database URL, the prompt file, run's arguments)."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
+                                           "body": {**({"model": "m2"} if i % 2 else {}),
+                                                    "prompt": f"word {i} and", "max_tokens": 4}}) + "\n"
+                               for i in range(4)))
+    return url, prompts, ["run", str(prompts), "--target", str(models / "llama"), "--draft", "none",
+                          "--model-map", f"m2={models / 'llama-partial'}", "--no-cache"]
+
+
 def resume_interrupted(url: str, n: int) -> None:
     """The newest job reads as interrupted, none of its ``n`` requests held (the run handed them
     back), and `run --resume` completes them."""
@@ -408,16 +424,7 @@ def test_a_run_loading_its_next_model_map_pair_has_named_itself_in_its_job(
     from specbatch.worker.embedded_names import embedded_worker_name
     from specbatch.worker.pids import gone_here
 
-    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", url)
-    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:1/0")
-    get_settings.cache_clear()
-    llama, other = str(tiny_models / "llama"), str(tiny_models / "llama-partial")
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"custom_id": f"q{i}", "method": "POST", "url": "/v1/completions",
-                                           "body": {**({"model": "m2"} if i % 2 else {}),
-                                                    "prompt": f"word {i} and", "max_tokens": 4}}) + "\n"
-                               for i in range(4)))
+    url, prompts, args = _model_map_run(tmp_path, tiny_models, monkeypatch)
     real, seen = local.load_pair, []
 
     def load_pair(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
@@ -429,13 +436,36 @@ def test_a_run_loading_its_next_model_map_pair_has_named_itself_in_its_job(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(local, "load_pair", load_pair)
-    result = CliRunner().invoke(cli, ["run", str(prompts), "--target", llama, "--draft", "none",
-                                      "--model-map", f"m2={other}", "--no-cache", "--json"])
+    result = CliRunner().invoke(cli, [*args, "--json"])
     assert result.exit_code == 0, result.output
     job_id = json.loads(result.stdout)["id"]
     (gone, alive), = seen                                  # the second pair's load
     assert [(jid, how) for jid, _, how in gone] == [(job_id, "killed")], seen
     assert alive == []                                     # this process runs: nothing to name
+
+
+def test_a_second_ctrl_c_while_a_next_model_map_pair_loads_marks_the_job_interrupted(
+        tmp_path: Path, tiny_models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second Ctrl-C lands where no decode runs (a next --model-map pair loading): it exits 130
+    saying the job stopped, and the job reads as interrupted (README) as when it lands mid-step,
+    not as a job still running with no one to run it (review52)."""
+    import specbatch.worker.local as local
+
+    url, _, args = _model_map_run(tmp_path, tiny_models, monkeypatch)
+    real = local.load_pair
+
+    def load_pair(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        if (tmp_path / "db.sqlite").exists():   # (the run's own pair loads before its job exists)
+            raise KeyboardInterrupt   # what stop_on_signals' handler raises on the second signal
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local, "load_pair", load_pair)
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 130, result.output
+    assert "stopped at once" in result.stderr and "Traceback" not in result.stderr
+    assert _counts(url) == (2, {"completed": 2, "pending": 2})
+    monkeypatch.setattr(local, "load_pair", real)
+    resume_interrupted(url, 4)
 
 
 def test_a_second_run_resume_while_another_run_holds_the_rows_does_not_pass_for_done(
