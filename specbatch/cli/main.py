@@ -100,10 +100,19 @@ def _database_lost(e: Exception) -> str | None:
         return None
     from sqlalchemy.exc import OperationalError
 
-    if not isinstance(e, OperationalError):
-        return None
+    if not isinstance(e, OperationalError) or not (e.connection_invalidated or _connection_failed(e.orig)):
+        return None    # (a missing column, a read-only file, a full disk: rerunning fixes none of them)
     return (f"the database stopped answering ({one_line(e.orig or e)}): what was written before stays; "
             "run the command again once it answers (--debug shows the stack trace)")
+
+
+def _connection_failed(orig: BaseException | None) -> bool:
+    """psycopg's error for a connection that could not be made (no SQLSTATE: the client's own),
+    lost (class 08) or ended by the server (57P: a shutdown, a restart)."""
+    if orig is None or type(orig).__module__.split(".")[0] != "psycopg":
+        return False
+    state = getattr(orig, "sqlstate", None)
+    return state is None or state.startswith(("08", "57P"))
 
 
 def _usage(e: SpecBatchError) -> bool:
