@@ -369,7 +369,8 @@ def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[
             continue      # null is "not given": a table of both URLs' lines has the other's fields null
         if k not in allowed:
             why = (f"a field of {api} requests, not of {next(u for u, x in BATCH_URLS.items() if x == kind)}"
-                   if k in other else "unknown field; not part of the OpenAI request body")
+                   if k in other else
+                   f"unknown field{_did_you_mean(k, tuple(sorted(allowed)))}; not part of the OpenAI request body")
             problems.append(("body." + k, why))
         elif k in checks:
             problem = checks[k](v)

@@ -201,7 +201,9 @@ REFUSED = [
     (CHAT, "user", 5, "must be a string, got the number 5"),
     (CHAT, "n", "2", "must be an integer in [1, 128], got a string"),
     (CHAT, "prompt", "Hi", "a field of /v1/completions requests, not of /v1/chat/completions"),
-    (COMPLETIONS, "max_completion_tokens_x", 1, "unknown field; not part of the OpenAI request body"),
+    (COMPLETIONS, "max_completion_tokens_x", 1,
+     'unknown field (did you mean "max_completion_tokens"?); not part of the OpenAI request body'),
+    (COMPLETIONS, "frobnicate", 1, "unknown field; not part of the OpenAI request body"),
     (COMPLETIONS, "tools", [], "a field of /v1/chat/completions requests, not of /v1/completions"),
     (CHAT, "metadata", {"n": 1}, None),
 ]
