@@ -268,6 +268,10 @@ BAD_PROCESSORS = [
     ("logit_bias", {"-3": 1}, "body.logit_bias.-3: '-3' is not a token id (a non-negative integer)"),
     ("logit_bias", {"5": "a"}, "body.logit_bias.5: must be a number in [-100, 100], got a string"),
     ("logit_bias", [1, 2], "body.logit_bias: must be an object of token id -> bias, got an array"),
+    # an array of [id, bias] pairs is the engine's own form, not OpenAI's: it passed, and a token
+    # given twice ([[5, 1], [5, 2]]) kept the last bias silently, past the check for a repeated key
+    ("logit_bias", [[5, 1], [5, 2]], "body.logit_bias: must be an object of token id -> bias, got an array"),
+    ("logit_bias", [], "body.logit_bias: must be an object of token id -> bias, got an array"),
 ]
 
 
