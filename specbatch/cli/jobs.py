@@ -235,7 +235,7 @@ def _warn_stranded(settings: Settings, job_id: str, queues: list[str]) -> None:
 def status(job_id: str, watch: bool, interval: float, as_json: bool) -> None:
     """Show a job's status, request counts and speculative-decoding statistics.
 
-    JOB is a job id (or a unique prefix of one, 4 characters or more).
+    JOB is a job id (or a unique prefix of one, 4 characters or more) or an HTTP API batch's id.
 
     \b
     Example:

@@ -296,7 +296,7 @@ def resume(job_id: str, in_process: bool, as_json: bool) -> None:
     too: they run once their lease ends, if that worker does not finish them first; those of a
     worker that ran on this machine and has exited (killed) are claimable at once.
     A job made by `specbatch run` is finished in this process (no broker needed), as with
-    --in-process. JOB is a job id (or a unique prefix of one, 4 characters or more).
+    --in-process. JOB is a job id (or a unique prefix of one, 4 characters or more) or an HTTP API batch's id.
 
     \b
     Example:

@@ -171,8 +171,8 @@ def check_logit_bias(v: Any, vocab_size: int | None = None
     known; None is an empty map."""
     if v is None:
         return {}, []
-    if isinstance(v, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v):
-        v = dict(v)          # GenerationParams keeps it as (id, bias) pairs
+    if isinstance(v, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in v):
+        v = dict(v)          # GenerationParams keeps it as (id, bias) pairs; a JSON array is no such tuple
     if not isinstance(v, dict):
         return {}, [("", f"must be an object of token id -> bias, got {json_type(v)}")]
     out: dict[int, float] = {}

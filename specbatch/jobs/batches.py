@@ -72,7 +72,7 @@ def _error_code(e: InputError) -> str:
         return "duplicate_custom_id"
     if "is required" in reason:
         return "missing_required_parameter"
-    if reason.startswith("unknown key"):
+    if reason.startswith(("unknown key", "unknown field")):     # a line's, a message's or a body's
         return "unknown_parameter"
     return "invalid_value"
 

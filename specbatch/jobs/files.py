@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 from specbatch.config import Settings
 from specbatch.db.models import ApiFile, row_columns, utcnow
 from specbatch.errors import InputError, SpecBatchError
+from specbatch.jobs.intake import LOOKS_UTF16, UTF16_BOMS
 
 ID_RE = re.compile(r"^file-[0-9a-f]{24}$")
 PURPOSES = ("batch", "batch_output")
@@ -71,10 +72,15 @@ class Tally:
     _line_no: int = 1
     _line_len: int = 0
     _line_blank: bool = True
+    _head: bytes = b""          # the file's first two bytes
     _sha: Any = field(default_factory=hashlib.sha256)
     _utf8: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")())
 
     def feed(self, chunk: bytes) -> None:
+        if len(self._head) < 2:     # a byte-order mark (never UTF-8) names the encoding, as intake's does
+            self._head += chunk[:2 - len(self._head)]
+            if self._head.startswith(UTF16_BOMS):
+                self.not_text = f"line 1 is not UTF-8 text: {LOOKS_UTF16}"
         self.size += len(chunk)
         self._sha.update(chunk)
         parts = chunk.split(b"\n")

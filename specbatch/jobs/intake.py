@@ -369,7 +369,8 @@ def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[
             continue      # null is "not given": a table of both URLs' lines has the other's fields null
         if k not in allowed:
             why = (f"a field of {api} requests, not of {next(u for u, x in BATCH_URLS.items() if x == kind)}"
-                   if k in other else "unknown field; not part of the OpenAI request body")
+                   if k in other else
+                   f"unknown field{_did_you_mean(k, tuple(sorted(allowed)))}; not part of the OpenAI request body")
             problems.append(("body." + k, why))
         elif k in checks:
             problem = checks[k](v)
@@ -541,12 +542,13 @@ def _read_lines(fp: BinaryIO, limit: int) -> Iterator[tuple[int, bytes | None, i
 
 NOT_TEXT = "the file is not UTF-8 text"
 UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+LOOKS_UTF16 = "it looks like UTF-16 (it starts with a UTF-16 byte-order mark)"
 
 
 def _not_text(line_no: int, content: bytes) -> str | None:
     """Why a line shows its file is not UTF-8 text (UTF-16, a binary), or None."""
     if line_no == 1 and content.startswith(UTF16_BOMS):
-        return "it looks like UTF-16 (it starts with a UTF-16 byte-order mark)"
+        return LOOKS_UTF16
     try:
         content.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -24,7 +24,7 @@ from sqlalchemy import Table, bindparam, case, func, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from specbatch.db.models import Job, JobStatus, Request, RequestStatus, Result, utcnow
+from specbatch.db.models import ApiBatch, Job, JobStatus, Request, RequestStatus, Result, utcnow
 from specbatch.engine.drafter_specs import model_names, parse_drafters, pool_fields
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import JobNotFound, SpecBatchError
@@ -90,10 +90,17 @@ def create_job(s: Session, *, target: str, drafts: list[str], params: dict[str, 
 
 
 def get_job(s: Session, job_id: str) -> Job:
-    """The job with this id, or with this unique id prefix (at least 4 characters)."""
+    """The job with this id, with this unique id prefix (at least 4 characters), or of this HTTP API
+    batch (``batch_...``: the id an API user holds)."""
     job = s.get(Job, job_id)
     if job is not None:
         return job
+    batch = s.get(ApiBatch, job_id) if job_id.startswith("batch_") else None
+    if batch is not None:
+        if batch.job_id is None:
+            raise JobNotFound(f"batch {job_id} has no job: its input file failed validation "
+                              f"(GET /v1/batches/{job_id} lists why)")
+        return s.get_one(Job, batch.job_id)
     if len(job_id) >= 4:
         matches = s.scalars(select(Job).where(Job.id.startswith(job_id, autoescape=True)).limit(2)).all()
         if len(matches) == 1:

@@ -225,7 +225,7 @@ def test_a_binary_upload_is_refused_naming_its_line_and_leaves_nothing(api: Api)
     before, n_files = {p.name for p in files_dir.iterdir()}, len(list(c.files.list()))
     good = (json.dumps(chat_line(0)) + "\n").encode()
     cases = [(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR", "line 1 is not UTF-8 text (byte 0x89)"),
-             ((json.dumps(chat_line(1)) + "\n").encode("utf-16"), "line 1 is not UTF-8 text (byte 0xff)"),
+             ((json.dumps(chat_line(1)) + "\n").encode("utf-16"), "line 1 is not UTF-8 text: it looks like UTF-16"),
              (good + b'{"custom_id": "a\0"}\n', "line 2 holds a NUL byte"),
              (good + b"\n" + good[:20] + "é".encode()[:1] + good[20:], "line 3 is not UTF-8 text (byte 0xc3)"),
              (good + "é".encode()[:1], "line 2 is not UTF-8 text (byte 0xc3)")]      # cut at the end

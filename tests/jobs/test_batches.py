@@ -172,3 +172,27 @@ def test_a_line_that_is_not_utf8_is_an_invalid_json_line() -> None:
               InputError("invalid JSON: Expecting value (column 1)", line_no=2)]
     codes = [e["code"] for e in batches.intake_errors(IntakeError(errors))]
     assert codes == ["invalid_json_line", "invalid_json_line"]
+
+
+def test_an_unknown_field_is_an_unknown_parameter_that_suggests_the_known_one(tmp_path: Path) -> None:
+    """A misspelt body field (`temprature`) is OpenAI's `unknown_parameter`, as a misspelt line key
+    (`bodyy`) or message key already was, and says which field was meant: it was `invalid_value`
+    with no suggestion, so the two kinds of typo read differently in one batch's errors."""
+    from specbatch.errors import IntakeError
+    from specbatch.jobs import intake
+
+    def line(cid: str, **body: object) -> str:
+        return json.dumps({"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"messages": [{"role": "user", "content": "Hi"}], **body}})
+
+    path = tmp_path / "batch.jsonl"
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "strcit": True}}
+    path.write_text(line("a", temprature=0.5) + "\n" + line("b", response_format=rf) + "\n")
+    with pytest.raises(IntakeError) as e:
+        intake.read_file(path, None, Settings.from_env({}))
+    got = [(x["line"], x["code"], x["param"], x["message"]) for x in batches.intake_errors(e.value)]
+    assert got == [
+        (1, "unknown_parameter", "body.temprature",
+         'unknown field (did you mean "temperature"?); not part of the OpenAI request body'),
+        (2, "unknown_parameter", "body.response_format.json_schema.strcit",
+         "unknown field; expected name, schema, strict, description")]

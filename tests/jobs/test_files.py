@@ -63,3 +63,14 @@ def test_sweep_removes_only_old_leftovers(tmp_path) -> None:  # noqa: ANN001
     os.utime(old, (time.time() - 2 * 86400,) * 2)
     assert sweep_incoming(settings) == 1
     assert not old.exists() and new.exists()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 1000])
+def test_a_utf16_upload_is_named_as_utf16(size: int) -> None:
+    """An upload saved as UTF-16 (Excel's 'Unicode text', PowerShell's default) is named so, as
+    `specbatch submit` names it: the API said only 'line 1 is not UTF-8 text (byte 0xff)'."""
+    text = '{"custom_id": "a", "prompt": "hi"}\n'
+    want = "line 1 is not UTF-8 text: it looks like UTF-16 (it starts with a UTF-16 byte-order mark)"
+    assert _tally(text.encode("utf-16-le"), size).not_text == "line 1 holds a NUL byte: binary data, not JSON text"
+    for data in (b"\xff\xfe" + text.encode("utf-16-le"), b"\xfe\xff" + text.encode("utf-16-be")):
+        assert _tally(data, size).not_text == want

@@ -156,7 +156,8 @@ BAD_CASES = {
                                     ["1: body.messages: is required for /v1/chat/completions"]),
     "batch_unknown_body_key": (L(method="POST", url="/v1/completions", body={"prompt": "x",
                                                                              "temprature": 1}),
-                               ["1: body.temprature: unknown field; not part of the OpenAI request body"]),
+                               ["1: body.temprature: unknown field (did you mean \"temperature\"?); not part of the "
+                                "OpenAI request body"]),
     "batch_n": (L(method="POST", url="/v1/completions", body={"prompt": "x", "n": 129}),
                 ["1: body.n: must be in [1, 128], got 129"]),
     "line_n": (L(prompt="x", n=0), ["1: n: must be in [1, 128], got 0"]),

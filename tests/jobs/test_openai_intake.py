@@ -201,7 +201,9 @@ REFUSED = [
     (CHAT, "user", 5, "must be a string, got the number 5"),
     (CHAT, "n", "2", "must be an integer in [1, 128], got a string"),
     (CHAT, "prompt", "Hi", "a field of /v1/completions requests, not of /v1/chat/completions"),
-    (COMPLETIONS, "max_completion_tokens_x", 1, "unknown field; not part of the OpenAI request body"),
+    (COMPLETIONS, "max_completion_tokens_x", 1,
+     'unknown field (did you mean "max_completion_tokens"?); not part of the OpenAI request body'),
+    (COMPLETIONS, "frobnicate", 1, "unknown field; not part of the OpenAI request body"),
     (COMPLETIONS, "tools", [], "a field of /v1/chat/completions requests, not of /v1/completions"),
     (CHAT, "metadata", {"n": 1}, None),
 ]
@@ -266,6 +268,10 @@ BAD_PROCESSORS = [
     ("logit_bias", {"-3": 1}, "body.logit_bias.-3: '-3' is not a token id (a non-negative integer)"),
     ("logit_bias", {"5": "a"}, "body.logit_bias.5: must be a number in [-100, 100], got a string"),
     ("logit_bias", [1, 2], "body.logit_bias: must be an object of token id -> bias, got an array"),
+    # an array of [id, bias] pairs is the engine's own form, not OpenAI's: it passed, and a token
+    # given twice ([[5, 1], [5, 2]]) kept the last bias silently, past the check for a repeated key
+    ("logit_bias", [[5, 1], [5, 2]], "body.logit_bias: must be an object of token id -> bias, got an array"),
+    ("logit_bias", [], "body.logit_bias: must be an object of token id -> bias, got an array"),
 ]
 
 

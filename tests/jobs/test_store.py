@@ -448,3 +448,23 @@ def test_deleting_a_job_removes_its_rows(db_url):
         assert s.scalar(select(func.count()).select_from(Request)) == 0
         assert s.scalar(select(func.count()).select_from(Result)) == 0
         assert store.record_result(s, ids[1], output(), "w") is False     # the job is gone: dropped
+
+
+def test_a_batch_id_names_its_job(db_url):
+    """An HTTP API user holds a batch id (batch_...), not the job's: `specbatch audit`, `status`,
+    `export` and the rest take it (they said "no job 'batch_...'", and only GET /v1/batches/ID/stats
+    told the job id). A batch whose file failed validation has no job, and says why."""
+    from specbatch.db.models import ApiBatch
+
+    job_id, _ = make_job(db_url, 1)
+    with db.session_factory(db_url).begin() as s:
+        for batch_id, job in (("batch_0123456789abcdef01234567", job_id), ("batch_fedcba987654321001234567", None)):
+            s.add(ApiBatch(id=batch_id, job_id=job, input_file_id="file-x", endpoint="/v1/completions",
+                           completion_window="24h", meta={}, expires_at=utcnow()))
+    with db.session_factory(db_url).begin() as s:
+        assert store.get_job(s, "batch_0123456789abcdef01234567").id == job_id
+        with pytest.raises(JobNotFound, match=r"^batch batch_fedcba987654321001234567 has no job: its input "
+                                              r"file failed validation \(GET /v1/batches/batch_fedcba"):
+            store.get_job(s, "batch_fedcba987654321001234567")
+        with pytest.raises(JobNotFound, match="no job 'batch_nope'; "):
+            store.get_job(s, "batch_nope")
