@@ -382,9 +382,10 @@ def _check_body(body: dict[str, Any], kind: str | None, noop: set[str]) -> list[
 
 
 def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
-                  model_map: dict[str, Route] | None = None) -> dict[str, Any]:
+                  model_map: dict[str, Route] | None = None, job_temperature: bool = False) -> dict[str, Any]:
     """Validate one decoded line; returns the ParsedRequest fields (custom_id may be None) and
-    ``noop``, the accepted fields that cannot change the text."""
+    ``noop``, the accepted fields that cannot change the text. ``job_temperature``: the job's
+    options set a temperature (``--temperature``) for the lines that set none."""
     problems: list[tuple[str | None, str]] = []
     noop: set[str] = set()
     route = None
@@ -489,6 +490,14 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
             problems.append((prefix + key, problem))
         params[key] = value
     problems += _check_structured(fields_, prefix, kind if prefix else None, params)
+    n = params.get("n")
+    if _is_int(n) and n > 1 and params["temperature"] == 0 and "temperature" not in own and not job_temperature \
+            and all(f != prefix + "n" for f, _ in problems):
+        # greedy where nothing sets a temperature (OpenAI's default is 1): n copies of one text,
+        # n times the compute, which a batch ported from OpenAI met with no word
+        problems.append((prefix + "n", f"{n} samples at temperature 0 are {n} copies of one text: a line "
+                                       "that sets no temperature decodes greedily here (OpenAI samples at 1); "
+                                       "set temperature (or --temperature for the job), or n 1"))
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()
@@ -704,7 +713,7 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         if bad_text:
             continue
         try:
-            fields_ = _parse_object(obj, base, model_map)
+            fields_ = _parse_object(obj, base, model_map, "temperature" in given)
         except _Problems as bad:
             for field, message in bad.problems:
                 err(line_no, field, message)

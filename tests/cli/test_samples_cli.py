@@ -21,7 +21,8 @@ LINES = [
      "body": {"model": "m", "messages": [{"role": "user", "content": "Write a haiku"}], "max_tokens": 8,
               "temperature": 1.0, "seed": 5, "n": 3, "logprobs": True, "top_logprobs": 1}},
     {"custom_id": "comp", "method": "POST", "url": "/v1/completions",
-     "body": {"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 6, "n": 2}},
+     "body": {"model": "m", "prompt": "def fibonacci(n):", "max_tokens": 6, "n": 2,
+              "temperature": 0}},     # greedy asked for: two copies of one text (unset, n 2 is refused)
     {"custom_id": "plain", "prompt": "The quick brown fox", "max_tokens": 5},
 ]
 

@@ -89,6 +89,11 @@ BAD_CASES = {
                                  ["1: temperature: must be in [0, 2] (OpenAI's range), got 1000000000... (401 digits)"]),
     "logit_bias_huge_integer": (L(prompt="a", logit_bias={"5": -10**400}),
                                 ["1: logit_bias.5: must be in [-100, 100], got -1000000000... (401 digits)"]),
+    # n samples where nothing sets a temperature: greedy here (OpenAI samples at 1), n copies of one text
+    "n_at_the_default_temperature": (L(prompt="a", n=3, seed=1),
+                                     ["1: n: 3 samples at temperature 0 are 3 copies of one text: a line that "
+                                      "sets no temperature decodes greedily here (OpenAI samples at 1); set "
+                                      "temperature (or --temperature for the job), or n 1"]),
     # one token named twice: which bias held was the dict's order, silently
     "logit_bias_same_token_twice": (L(prompt="a", logit_bias={"21285": 5, "021285": -5}),
                                     ["1: logit_bias.021285: token id 21285 is given twice ('21285' and '021285')"]),
@@ -521,3 +526,21 @@ def test_validate_keeps_whole_floats_as_the_integers_they_are():
     assert [(v, type(v)) for v in (p.seed, p.n, p.top_k, p.max_new_tokens, p.logprobs)] == [
         (1, int), (2, int), (5, int), (4, int), (2, int)]
     assert GenerationParams(seed=None).validate().seed is None
+
+
+def test_n_samples_greedy_only_where_a_temperature_asks_for_it(tmp_path):
+    """n > 1 where nothing sets a temperature is refused (n copies of one text: OpenAI's default
+    is 1, specbatch's greedy); a line's own temperature 0, its top_p 0, or the job's --temperature
+    (0 included: asked for) is taken."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(L(custom_id="own", prompt="a", n=2, temperature=0)
+                     + L(custom_id="top_p", prompt="a", n=2, top_p=0)
+                     + L(custom_id="sampled", prompt="a", n=2, temperature=0.8, seed=1))
+    got = intake.read_file(path, None, Settings(database_url="sqlite://")).requests
+    assert [r.params["n"] for r in got] == [2, 2, 2]
+    path.write_bytes(L(prompt="a", n=2))
+    with pytest.raises(IntakeError, match="n: 2 samples at temperature 0 are 2 copies"):
+        intake.read_file(path, None, Settings(database_url="sqlite://"))
+    for job_temperature in (0.0, 0.7):
+        got = intake.read_file(path, {"temperature": job_temperature}, Settings(database_url="sqlite://")).requests
+        assert got[0].params["n"] == 2 and got[0].params["temperature"] == job_temperature
