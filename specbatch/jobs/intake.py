@@ -491,7 +491,7 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
         params[key] = value
     problems += _check_structured(fields_, prefix, kind if prefix else None, params)
     n = params.get("n")
-    if _is_int(n) and n > 1 and params["temperature"] == 0 and "temperature" not in own and not job_temperature \
+    if isinstance(n, int) and n > 1 and params["temperature"] == 0 and "temperature" not in own and not job_temperature \
             and all(f != prefix + "n" for f, _ in problems):
         # greedy where nothing sets a temperature (OpenAI's default is 1): n copies of one text,
         # n times the compute, which a batch ported from OpenAI met with no word
