@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
-import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ def open_db(settings: Settings, readonly: bool = False, create: bool = False) ->
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise click.UsageError(mask(f"SPECBATCH_DATABASE_URL={url!r} is not a database URL: {e}")) from e
     is_new = path is not None and not path.exists()
-    from_env = bool(os.environ.get("SPECBATCH_DATABASE_URL"))
+    from_env = "database_url" in settings.model_fields_set     # (given: SPECBATCH_DATABASE_URL)
     if is_new and not create:
         where = "SPECBATCH_DATABASE_URL" if from_env else "the default; SPECBATCH_DATABASE_URL picks another"
         if not path.is_absolute():   # sqlite:///tmp/x.db is tmp/x.db here, a common slip
