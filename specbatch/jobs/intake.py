@@ -424,7 +424,9 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
     if model_map is not None and model is not None:
         route = model_map.get(model)
         if route is None:
-            problems.append((prefix + "model", f"{json.dumps(model)} is not in --model-map (mapped: "
+            # (one wording for both edges: intake cannot tell the CLI's option from the API's key)
+            problems.append((prefix + "model", f"{json.dumps(model)} is not a mapped model (--model-map, or an "
+                                               f"API batch's specbatch_model_map metadata; mapped: "
                                                f"{', '.join(sorted(model_map))})"))
     metadata, more = _check_metadata(fields_.get("metadata"), prefix + "metadata")
     problems += more

@@ -410,7 +410,8 @@ def test_model_map_routes_by_body_model():
 def test_unmapped_model_is_refused_per_line():
     assert refused(line({"model": "small", "messages": MSGS}, cid="a"),
                    line({"model": "gpt-4o", "messages": MSGS}, cid="b"), model_map=["small=t"]) == [
-        'batch.jsonl:2: body.model: "gpt-4o" is not in --model-map (mapped: small)']
+        'batch.jsonl:2: body.model: "gpt-4o" is not a mapped model (--model-map, or an API batch\'s '
+        'specbatch_model_map metadata; mapped: small)']
 
 
 @pytest.mark.parametrize(("spec", "why"), [
