@@ -497,9 +497,12 @@ def _parse_object(obj: dict[str, Any], base_params: dict[str, Any],
             and all(f != prefix + "n" for f, _ in problems):
         # greedy where nothing sets a temperature (OpenAI's default is 1): n copies of one text,
         # n times the compute, which a batch ported from OpenAI met with no word
+        # (one wording for both edges, as the model map's: intake cannot tell --temperature from
+        # an API batch's specbatch_temperature, and an API user never gave the CLI's option)
         problems.append((prefix + "n", f"{n} samples at temperature 0 are {n} copies of one text: a line "
                                        "that sets no temperature decodes greedily here (OpenAI samples at 1); "
-                                       "set temperature (or --temperature for the job), or n 1"))
+                                       "set temperature (or the job's: --temperature, or an API batch's "
+                                       "specbatch_temperature metadata), or n 1"))
     if not problems:
         try:    # the engine's own check, as a backstop
             params_from_dict(params).validate()

@@ -93,7 +93,8 @@ BAD_CASES = {
     "n_at_the_default_temperature": (L(prompt="a", n=3, seed=1),
                                      ["1: n: 3 samples at temperature 0 are 3 copies of one text: a line that "
                                       "sets no temperature decodes greedily here (OpenAI samples at 1); set "
-                                      "temperature (or --temperature for the job), or n 1"]),
+                                      "temperature (or the job's: --temperature, or an API batch's "
+                                      "specbatch_temperature metadata), or n 1"]),
     # one token named twice: which bias held was the dict's order, silently
     "logit_bias_same_token_twice": (L(prompt="a", logit_bias={"21285": 5, "021285": -5}),
                                     ["1: logit_bias.021285: token id 21285 is given twice ('21285' and '021285')"]),
