@@ -59,6 +59,9 @@ class Contention:
     # threads the user fixed (--threads): read the sign, never change them (``watching``)
     watch_only: bool = False
     taken: int = 0                   # watch_only: steps in windows whose threads were not all on cores
+    # the cores its threads may run on, where fewer than them (0: as many): threads the user fixed
+    # past the cores (--threads 4 on 2) never read more than cores/threads, with no other process
+    cores: int = 0
 
     def __post_init__(self) -> None:
         self.now = self.now or self.full
@@ -80,7 +83,7 @@ class Contention:
             return
         if wall <= 0:
             return
-        self.recent.append(cpu / (wall * self.now))
+        self.recent.append(cpu / (wall * min(self.now, self.cores or self.now)))
         if len(self.recent) < WINDOW:
             return
         use = statistics.median(self.recent)
@@ -116,8 +119,12 @@ class Contention:
 def watching(threads: int) -> Contention:
     """A governor of threads the user fixed (``--threads``, ``SPECBATCH_THREADS``): it reads each
     step's sign as any governor does and changes nothing, so that a run slowed by other processes
-    can say so at its end and what leaving the threads to specbatch would do (``describe``)."""
-    return Contention(threads, watch_only=True, set_threads=lambda n: None)
+    can say so at its end and what leaving the threads to specbatch would do (``describe``). Its
+    sign is read against the cores this process may use where the threads are more (the default
+    never is): 4 threads on 2 quiet cores read 0.5 and blamed other processes at every run."""
+    from specbatch.engine import threads as plan
+
+    return Contention(threads, watch_only=True, set_threads=lambda n: None, cores=plan.usable_cores())
 
 
 @dataclass(frozen=True)

@@ -266,6 +266,21 @@ def test_threads_the_user_fixed_are_watched_never_changed_and_a_slowed_run_is_to
     assert quiet.taken / quiet.steps < TOLD_TAKEN and describe([quiet.tally()]) is None
 
 
+def test_threads_fixed_past_the_cores_are_read_against_the_cores_not_blamed_on_other_processes(monkeypatch) -> None:
+    """--threads 4 on 2 cores: the process's CPU time is at most 2 x its wall time, 0.5 of 4
+    threads' with no other process running, and every run was told other processes held the cores.
+    The watching governor reads the sign against the cores it may use; taken cores still tell."""
+    from specbatch.engine.contention import describe, watching
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    quiet, busy = watching(4), watching(4)
+    for _ in range(10 * WINDOW):
+        quiet.observe(0.1, 0.1 * 2)         # both cores all the time, 4 threads on them
+        busy.observe(0.1, 0.1 * 0.6 * 2)    # another process holds part of them
+    assert quiet.taken == 0 and describe([quiet.tally()]) is None
+    assert busy.taken == 10 * WINDOW and "waited for the 4 torch threads --threads fixed" in describe([busy.tally()])
+
+
 def test_a_decode_on_fixed_threads_beside_taken_cores_keeps_them_and_says_so_at_its_end(load, monkeypatch) -> None:
     """The engine end to end: --threads 2 and a CPU-time sign of taken cores at every step (the
     process's CPU clock stands still): the thread count never moves, the tokens are the target's,
