@@ -139,16 +139,20 @@ def adaptable_threads() -> int:
     """Torch threads a decode loop may lower while other processes hold the cores
     (engine/contention.py): those this process decodes on, where they are the default (the user
     set none) and one loop runs them; 0 where they are fixed."""
-    if not _SET or not _SET[0].default or _SET[0].lanes > 1:
-        return 0
-    return _SET[0].threads if _SET[0].threads > 1 else 0
+    return _one_loop_threads(default=True)
 
 
 def fixed_threads() -> int:
     """Torch threads the user fixed (``--threads``, ``SPECBATCH_THREADS``) for one decode loop,
     where more than one (a run on them is told when other processes held the cores:
     ``contention.watching``); 0 otherwise."""
-    if not _SET or _SET[0].default or _SET[0].lanes > 1:
+    return _one_loop_threads(default=False)
+
+
+def _one_loop_threads(default: bool) -> int:
+    """The threads one decode loop of this process runs on, where more than one and ``default``
+    says whether the user left them to specbatch; else 0."""
+    if not _SET or _SET[0].default != default or _SET[0].lanes > 1:
         return 0
     return _SET[0].threads if _SET[0].threads > 1 else 0
 
