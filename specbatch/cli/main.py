@@ -82,10 +82,10 @@ class LazyGroup(click.Group):
             if ctx.obj and ctx.obj.get("debug"):
                 _mask_chain(e)
                 raise
-            # (a GPU that ran out of memory, or a database lost mid-command, is no bug to report:
-            # it is told what lowers the budget, or what was lost)
+            # (a GPU that ran out of memory, a database lost mid-command or one another process kept
+            # locked is no bug to report: it is told what lowers the budget, or what to rerun)
             error = click.ClickException(mask(f"{OUT_OF_MEMORY_ADVICE} ({type(e).__name__}: {one_line(e)})"
-                                              if out_of_memory(e) else _database_lost(e) or
+                                              if out_of_memory(e) else _database_lost(e) or _database_busy(e) or
                                               f"unexpected error ({type(e).__name__}: {one_line(e)}); --debug shows "
                                               "the stack trace; please report it"))
             echo_json_error(ctx, error, e)
@@ -104,6 +104,25 @@ def _database_lost(e: Exception) -> str | None:
         return None    # (a missing column, a read-only file, a full disk: rerunning fixes none of them)
     return (f"the database stopped answering ({one_line(e.orig or e)}): what was written before stays; "
             "run the command again once it answers (--debug shows the stack trace)")
+
+
+def _database_busy(e: Exception) -> str | None:
+    """One line for SQLite's "database is locked" (SQLITE_BUSY): another process (a worker, a
+    second command) held the file's write lock past the busy timeout every connection waits."""
+    if type(e).__module__.split(".")[0] != "sqlalchemy":
+        return None
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    from specbatch.db import SQLITE_BUSY_TIMEOUT_MS
+
+    if not isinstance(e, OperationalError) or not isinstance(e.orig, sqlite3.OperationalError) \
+            or getattr(e.orig, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_BUSY:    # (extended codes too)
+        return None
+    return (f"the database was busy: another process held its write lock for over "
+            f"{SQLITE_BUSY_TIMEOUT_MS / 1000:g} s (SQLite's busy timeout); what was written before stays; "
+            "run the command again (--debug shows the stack trace)")
 
 
 def _connection_failed(orig: BaseException | None) -> bool:

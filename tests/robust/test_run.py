@@ -365,6 +365,34 @@ def test_a_database_lost_mid_command_is_one_line_not_a_bug_to_report(
     assert line.startswith("Error: unexpected error (OperationalError: ") and "please report it" in line, line
 
 
+def test_a_sqlite_lock_past_the_busy_timeout_is_one_line_to_run_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process holding the SQLite file's write lock past the busy timeout ("database is
+    locked") said "unexpected error ... please report it" (tidy53): it is no bug, and rerunning helps."""
+    import sqlite3
+
+    import specbatch.db as db
+
+    path = tmp_path / "db.sqlite"
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{path}")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    db.forget_engines()
+    monkeypatch.setattr(db, "SQLITE_BUSY_TIMEOUT_MS", 50)    # the next engine waits 50 ms, not 60 s
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")     # the other process, mid-write
+        result = CliRunner().invoke(cli, ["cancel", "3f9a2c"])
+    finally:
+        holder.close()
+        db.forget_engines()
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("Error: the database was busy: another process held its write lock "), line
+    assert "please report it" not in line and "run the command again" in line, line
+
+
 def test_out_of_device_memory_is_told_what_lowers_the_budget_not_reported_as_a_bug(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU that ran out of memory (torch.OutOfMemoryError, CUDA's allocator) is no bug: the line
