@@ -137,12 +137,24 @@ def set_runner(s: Session, job_id: str, runner: str, running: bool = True) -> No
     (loading its models, a next --model-map pair) is then known to be gone (``run_gone``); with
     ``running`` False, a run that ended takes its name back. Every run is kept, not the last: a
     second `run --resume` of the job must not stand for a first that still loads its next pair."""
-    job = s.get(Job, job_id, with_for_update=True) or get_job(s, job_id)   # (two runs name themselves at once)
+    job = _locked_job(s, job_id)    # (two runs name themselves at once)
     names = runners(job.meta)
     kept = [n for n in names if n != runner] + ([runner] if running else [])
     if kept != names:
         job.meta = {**(job.meta or {}), RUNNER: kept}
         s.flush()
+
+
+def _locked_job(s: Session, job_id: str) -> Job:
+    """The job read afresh with its row locked until the transaction ends, for a read-modify-write
+    of its ``meta`` (one JSON column): two runs changing different keys at once would otherwise
+    each write back the meta it read, the other's key lost. FOR UPDATE on PostgreSQL (SQLite's
+    writers take the file's lock at BEGIN IMMEDIATE); a refresh, as the session may hold a copy it
+    read before the lock, after a flush: a refresh drops the session's unflushed changes."""
+    job = get_job(s, job_id)
+    s.flush()
+    s.refresh(job, with_for_update=True)
+    return job
 
 
 def runners(meta: dict[str, Any] | None) -> list[str]:
@@ -484,7 +496,7 @@ def release_held_by(s: Session, job_id: str, worker: str) -> list[int]:
 def set_interrupted(s: Session, job_id: str, interrupted: bool) -> None:
     """Mark (or unmark) the job as interrupted: a ``specbatch run`` stopped before its end.
     Kept in the job's metadata; ``job_dict`` shows such an unfinished job as ``interrupted``."""
-    job = get_job(s, job_id)
+    job = _locked_job(s, job_id)
     meta = dict(job.meta or {})
     if interrupted:
         meta["interrupted_at"] = utcnow().isoformat()

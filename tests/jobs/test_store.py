@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import pytest
@@ -468,3 +469,49 @@ def test_a_batch_id_names_its_job(db_url):
             store.get_job(s, "batch_fedcba987654321001234567")
         with pytest.raises(JobNotFound, match="no job 'batch_nope'; "):
             store.get_job(s, "batch_nope")
+
+
+@pytest.mark.parametrize("first", ["set_runner", "set_interrupted"])
+def test_two_sessions_changing_one_jobs_meta_at_once_both_land(pg_database, first):
+    """Two runs of one job on PostgreSQL change different keys of its meta at once: the second
+    waits for the first's row lock and reads the meta afresh. set_interrupted read it with no lock
+    (its write then overwrote the first's key), and set_runner's FOR UPDATE kept a copy its session
+    had read before (tidy53)."""
+    import threading
+
+    from sqlalchemy import text
+
+    from tests.db.databases import empty_tables
+
+    empty_tables(pg_database)
+    job_id, _ = make_job(pg_database, 1)
+    changes = {"set_runner": lambda s: store.set_runner(s, job_id, "embedded@host:1"),
+               "set_interrupted": lambda s: store.set_interrupted(s, job_id, True)}
+    second = next(name for name in changes if name != first)
+    f = db.session_factory(pg_database)
+    done: list[BaseException | None] = []
+
+    def change_second() -> None:
+        try:
+            with f.begin() as s:
+                job = store.get_job(s, job_id)      # the run read its job before: its session holds it
+                changes[second](s)
+                assert job.meta is not None
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001 - the main thread raises it
+            done.append(e)
+
+    with f.begin() as s:
+        changes[first](s)                      # flushed, not committed: the row is locked
+        thread = threading.Thread(target=change_second)
+        thread.start()
+        with db.get_engine(pg_database).connect() as watch:     # until the second waits for that lock
+            while not done and not watch.execute(text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock'")).scalar():
+                time.sleep(0.01)
+    thread.join()
+    assert done == [None]
+    with f.begin() as s:
+        meta = store.get_job(s, job_id).meta
+    assert meta["run_by"] == ["embedded@host:1"] and "interrupted_at" in meta and meta["who"] == "test", meta
