@@ -7,6 +7,9 @@ at 70-74 tok/s on 2 threads against 171-177 on 1 (``scripts/run_variants.py ... 
 quiet machine 2 threads were 1.5x one, so the count cannot simply be lowered.
 
 The sign is cheap to read: the process's CPU time over a step against its wall time x threads.
+A "step" here is what the governor reads (``observe``): a decode step, or one forward of a
+prefill (an admission is a few forwards of seconds each); the run's end line counts them as
+"decode steps and prefill forwards".
 Measured over the default job's 128 steps (2 threads): 0.96-1.03 per step on a quiet host (10th
 to 90th percentile), 0.58-0.75 with the busy process beside it. So after ``WINDOW`` steps whose
 median is under ``LOW``, the loop drops to the threads that were running (at least one); after
@@ -34,10 +37,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-WINDOW = 4          # steps a decision reads
+WINDOW = 4          # steps a decision reads (decode steps and prefill forwards: ``observe``)
 LOW = 0.85          # CPU time / (wall x threads) under which the threads are not all on cores
 FIRST_HOLD = 32     # steps at fewer threads before all of them are tried again
 MAX_HOLD = 512
+STEPS = "decode steps and prefill forwards"   # what the steps above are, in a run's end line
 
 
 @dataclass
@@ -71,7 +75,8 @@ class Contention:
             self.set_threads = torch.set_num_threads
 
     def observe(self, wall: float, cpu: float) -> None:
-        """One step took ``wall`` seconds and the process ``cpu`` seconds of CPU time."""
+        """One step (a decode step, or a prefill's forward) took ``wall`` seconds and the process
+        ``cpu`` seconds of CPU time."""
         self.steps += 1
         if self.now < self.full:
             self.fewer += 1
@@ -165,13 +170,13 @@ def describe(tallies: Sequence[Tally]) -> str | None:
         f", in {sum(1 for t in tallies if t.fewer or t.taken)} of its {len(tallies)} decode processes"
     full = max(t.full for t in tallies)
     if not fewer:     # threads the user fixed: it waited for them (contention.watching)
-        return (f"other processes held this machine's cores for {_share(taken / steps)} of {steps} steps{where}: "
+        return (f"other processes held this machine's cores for {_share(taken / steps)} of {steps} {STEPS}{where}: "
                 f"every operator waited for the {full} torch threads --threads fixed; left unset "
                 "(--threads, SPECBATCH_THREADS), specbatch decodes on the cores it has (README 'Throughput')")
     used = sorted({n for t in tallies for n in t.used})
     on = str(used[0]) if len(used) == 1 else f"{used[0]}-{used[-1]}"
     return (f"other processes held this machine's cores: decoded on {on} of {full} "
-            f"torch threads for {_share(fewer / steps)} of {steps} steps{where} "
+            f"torch threads for {_share(fewer / steps)} of {steps} {STEPS}{where} "
             "(README 'Throughput': a busy machine; the text is the same either way)")
 
 

@@ -173,4 +173,5 @@ def test_run_says_at_its_end_when_other_processes_held_the_cores(tmp_path: Path,
     (g,) = governors
     assert g.steps > WINDOW and g.fewer == g.steps - WINDOW   # every step after the first window
     assert f"specbatch: other processes held this machine's cores: decoded on 1 of 2 torch threads for " \
-           f"{g.fewer / g.steps:.0%} of {g.steps} steps" in " ".join(result.stderr.split()), result.stderr
+           f"{g.fewer / g.steps:.0%} of {g.steps} decode steps and prefill forwards" \
+           in " ".join(result.stderr.split()), result.stderr

@@ -40,10 +40,10 @@ def test_a_contended_run_says_at_its_end_how_much_it_ran_on_fewer_threads(caplog
         run(c, 96 - WINDOW, 0.6)                        # held, retried, dropped again
     assert c.steps == 96 and 0 < c.fewer < 96
     assert end_line(c) == (f"other processes held this machine's cores: decoded on 1 of 2 torch threads for "
-                           f"{c.fewer / 96:.0%} of 96 steps (README 'Throughput': a busy machine; the text is "
-                           "the same either way)")
+                           f"{c.fewer / 96:.0%} of 96 decode steps and prefill forwards (README 'Throughput': "
+                           "a busy machine; the text is the same either way)")
     c.fewer, c.steps = 1, 300                          # one step of 300 is not "0%"
-    assert "for <1% of 300 steps" in (end_line(c) or "")
+    assert "for <1% of 300 decode steps and prefill forwards" in (end_line(c) or "")
     c.history.append((300, 3))                          # (as if 4 threads: 1 and 3 used)
     c.full = 4
     assert "decoded on 1-3 of 4 torch threads" in (end_line(c) or "")
@@ -193,8 +193,9 @@ def test_the_end_line_over_several_decode_processes_counts_each_ones_steps() -> 
     quiet, busy = Tally(4, 100, 0, ()), Tally(4, 300, 150, (1, 2))
     assert describe([quiet, quiet]) is None
     assert describe([quiet, busy]) == ("other processes held this machine's cores: decoded on 1-2 of 4 torch threads "
-                                       "for 38% of 400 steps, in 1 of its 2 decode processes (README 'Throughput': "
-                                       "a busy machine; the text is the same either way)")
+                                       "for 38% of 400 decode steps and prefill forwards, in 1 of its 2 decode "
+                                       "processes (README 'Throughput': a busy machine; the text is the same "
+                                       "either way)")
 
 
 def test_tallies_of_one_engine_add_up_slot_by_slot() -> None:
@@ -243,6 +244,22 @@ def test_the_governor_reads_each_prefill_forward_not_the_admission_as_one(load, 
     assert observed[0] == steps[0] + forwards[0], (observed, steps, forwards)
 
 
+def test_a_prefill_no_governor_reads_reads_no_clock(load, monkeypatch) -> None:
+    """Two clock reads a forward were taken for a governor that was not there (tidy53)."""
+    import types
+
+    import specbatch.engine.prefill as prefill
+
+    def clock() -> float:
+        raise AssertionError("a clock read with no governor")
+
+    monkeypatch.setattr(prefill, "time", types.SimpleNamespace(perf_counter=clock, process_time=clock))
+    engine = Engine(load("llama"))
+    engine.contention = None
+    reqs = [EngineRequest(prompt=p, params=GenerationParams(max_new_tokens=2)) for p in ("Hi", "Once upon " * 9)]
+    assert len(dict(engine.generate_many(reqs, batch_size=2))) == 2
+
+
 def test_threads_the_user_fixed_are_watched_never_changed_and_a_slowed_run_is_told() -> None:
     """--threads 2 on a busy machine: every operator waits for a thread off its core, and the run
     said nothing of it (stop 51's leftover). The watching governor changes no thread count and
@@ -258,8 +275,9 @@ def test_threads_the_user_fixed_are_watched_never_changed_and_a_slowed_run_is_to
         g.observe(0.1, 0.1 * 1.0 * 2)       # quiet
     assert calls == [] and g.now == 2 and g.fewer == 0 and g.taken == 10 * WINDOW
     line = describe([g.tally()])
-    assert line is not None and line.startswith("other processes held this machine's cores for 50% of 80 steps: "
-                                                "every operator waited for the 2 torch threads --threads fixed")
+    assert line is not None and line.startswith("other processes held this machine's cores for 50% of 80 decode "
+                                                "steps and prefill forwards: every operator waited for the 2 "
+                                                "torch threads --threads fixed")
     quiet = watching(2)
     for i in range(40 * WINDOW):
         quiet.observe(0.1, 0.1 * (0.6 if i < WINDOW else 1.0) * 2)   # one slow window in 40
