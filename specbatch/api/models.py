@@ -90,7 +90,7 @@ class Batch(BaseModel):
     cancelling_at: int | None
     cancelled_at: int | None
     request_counts: RequestCounts
-    metadata: dict[str, str]
+    metadata: dict[str, str] | None     # None: created with none, as OpenAI shows it
     model: str | None           # the job's target
     usage: BatchUsage | None
 

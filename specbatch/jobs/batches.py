@@ -319,7 +319,7 @@ def batch_object(batch: Any, job: Any, counts: dict[str, int] | None,
         "cancelled_at": _ts(job.cancelled_at) if status == "cancelled" and job is not None else None,
         "request_counts": {"total": c.get("total", 0), "completed": c.get("completed", 0),
                            "failed": c.get("failed", 0) + c.get("cancelled", 0)},
-        "metadata": dict(batch.meta or {}),
+        "metadata": dict(batch.meta) if batch.meta else None,     # (OpenAI's, for a batch created with none)
         "model": job.target if job is not None else None,
         "usage": (usage or Usage()).as_openai() if job is not None else None,
     }

@@ -162,6 +162,21 @@ def test_a_batch_is_never_in_progress_before_it_was_created(db_url: str, tmp_pat
     assert got["status"] == "in_progress" and got["in_progress_at"] == got["created_at"]
 
 
+def test_a_batch_created_without_metadata_shows_null_as_openai_does(db_url: str) -> None:
+    """OpenAI's Batch object has "metadata": null where the batch was created with none
+    (openai-python's ``Batch.metadata: Optional[Metadata] = None``); ours showed {} (tidy53)."""
+    from openai.types import Batch
+
+    with db.session_factory(db_url).begin() as s:
+        for batch_id, metadata in (("batch_none", {}), ("batch_some", {"k": "v"})):
+            batches.create_batch(s, batch_id=batch_id, input_file_id=files.new_file_id(),
+                                 endpoint="/v1/chat/completions", completion_window="24h", metadata=metadata,
+                                 errors=[{"code": "x", "message": "y", "line": None, "param": None}])
+    none, some = _object(db_url, "batch_none"), _object(db_url, "batch_some")
+    assert none["metadata"] is None and some["metadata"] == {"k": "v"}
+    assert Batch.model_validate(none).metadata is None
+
+
 def test_a_line_that_is_not_utf8_is_an_invalid_json_line() -> None:
     """A line that cannot be decoded cannot be JSON: OpenAI's `invalid_json_line`, as a JSON syntax
     error is, not the `invalid_value` of a bad field (a binary upload was coded so)."""
