@@ -16,7 +16,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
 from specbatch.errors import BrokerUnavailable, InputError, JobNotFound, SpecBatchError
-from specbatch.jobs.batches import BatchNotFound
+from specbatch.jobs.batches import BatchEnded, BatchNotFound
 from specbatch.jobs.files import FileNotFound
 
 logger = logging.getLogger(__name__)
@@ -46,6 +46,8 @@ def from_domain(e: SpecBatchError) -> ApiError:
     """Our exceptions as API errors; the message is the one a CLI user would read."""
     if isinstance(e, (FileNotFound, BatchNotFound, JobNotFound)):
         return ApiError(404, str(e), param="id")
+    if isinstance(e, BatchEnded):    # OpenAI's answer, word for word (its clients match on it)
+        return ApiError(409, str(e))
     if isinstance(e, InputError):    # the field in the message too: clients show only the message
         return ApiError(400, f"{e.field}: {e.reason}" if e.field else e.reason, param=e.field)
     if isinstance(e, BrokerUnavailable):     # its text names the broker URL, which may hold a password

@@ -53,6 +53,13 @@ class BatchNotFound(SpecBatchError):
     """No batch with that id."""
 
 
+class BatchEnded(SpecBatchError):
+    """A batch that has ended cannot be cancelled: OpenAI's words, and its status 409 at the API."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(f"Cannot cancel a batch with status '{status}'.")
+
+
 def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
 
@@ -233,12 +240,19 @@ def expire(s: Session, batch_id: str) -> None:
         s.flush()
 
 
+ENDED = ("completed", "failed", "expired")     # statuses whose batch OpenAI refuses to cancel
+
+
 def cancel(s: Session, batch_id: str, owner: str | None = None) -> ApiBatch:
     """Cancel the batch's job: pending requests are dropped, running ones at their worker's next
-    decoding step. A batch that has ended is returned unchanged."""
+    decoding step. BatchEnded for a batch that has ended (``ENDED``), as OpenAI refuses it; one
+    cancelled, or finalizing, is returned unchanged."""
     batch = get_batch(s, batch_id, owner)
-    if batch.job_id is not None and batch.failed_at is None:
-        store.cancel_job(s, batch.job_id)
+    job = s.get(Job, batch.job_id) if batch.job_id is not None else None
+    status = batch_status(batch, job)
+    if job is None or status in ENDED:      # (no job: failed at intake)
+        raise BatchEnded(status)
+    store.cancel_job(s, job.id)
     return batch
 
 
