@@ -11,7 +11,8 @@
 
 ``parse`` returns the constraint as stored in a request's params (``GrammarSpec.to_dict()``) or
 None, and the problems as (field, message) pairs: a schema, regex or grammar the library cannot
-compile is refused with the library's own message, per line, before anything is written.
+compile is refused with the library's own message, per line, before anything is written; a
+schema no JSON value matches, in words a dataset builder wrote (``_unsatisfiable``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,42 @@ def parse(fields: dict[str, Any], prefix: str) -> tuple[dict[str, Any] | None, P
 
 def _compiles(spec: GrammarSpec, field: str) -> Problems:
     problem = spec_problem(spec)
-    return [] if problem is None else [(field, f"the grammar library refuses it: {_one_line(problem)}")]
+    if problem is None:
+        return []
+    if spec.kind == "json" and problem.startswith(UNSATISFIABLE):
+        return [_unsatisfiable(json.loads(spec.source), _one_line(problem[len(UNSATISFIABLE):].strip()), field)]
+    return [(field, f"the grammar library refuses it: {_one_line(problem)}")]
+
+
+# llguidance's words for a schema no JSON value matches ("Unsatisfiable schema: anyOf is empty" of
+# {"enum": []}: a dataset builder never wrote that anyOf). Lists that match nothing when empty, and
+# what each lists; llguidance's "incompatible types", said as what a schema does to get it
+UNSATISFIABLE = "Unsatisfiable schema:"
+EMPTY_LISTS = {"enum": "value", "type": "type", "anyOf": "schema", "oneOf": "schema"}
+VALUES = ("const", "default", "enum", "examples")      # keywords whose contents are data, not schemas
+INCOMPATIBLE = 'its "type" contradicts a "const", "enum" or "allOf" part of it'
+
+
+def _unsatisfiable(schema: Any, why: str, field: str) -> tuple[str, str]:
+    """A schema no JSON value matches, in words: where llguidance says "anyOf is empty" (or oneOf),
+    the first empty list of ``EMPTY_LISTS`` in the schema is named where it is."""
+    # (no deeper than llguidance reads a schema: it refuses one nested past 128 levels itself)
+    if why in ("anyOf is empty", "oneOf is empty") and (empty := _empty_list(schema, field)) is not None:
+        where, key = empty
+        return where, f"is an empty list, so no JSON value matches the schema; list at least one {EMPTY_LISTS[key]}"
+    return field, f"no JSON value matches this schema: {INCOMPATIBLE if why == 'incompatible types' else why}"
+
+
+def _empty_list(node: Any, where: str) -> tuple[str, str] | None:
+    """(the path, the keyword) of the first ``EMPTY_LISTS`` keyword whose list is empty, depth first."""
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        path = f"{where}.{k}" if isinstance(node, dict) else f"{where}[{k}]"
+        if isinstance(node, dict) and k in EMPTY_LISTS and v == []:
+            return path, k
+        if k not in VALUES and (found := _empty_list(v, path)) is not None:
+            return found
+    return None
 
 
 def _one_line(message: str) -> str:
