@@ -42,12 +42,12 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
     with open_db(settings, readonly=True).begin() as s:
         jid = store.get_job(s, job_id).id
         items = auditor.items(s, jid, fraction, seed)
+    device, dtype = _as_decoded(auditor.decoded_on(items), device, dtype, settings.device, settings.dtype)
     engines: dict[str, Engine] = {}
 
     def engine_for(target: str) -> Engine:
         if target not in engines:      # the target alone: no drafts, no n-gram drafter
-            engines[target] = Engine.load(target, device=device or settings.device,
-                                          dtype=dtype or settings.dtype, cache_dir=settings.cache_dir,
+            engines[target] = Engine.load(target, device=device, dtype=dtype, cache_dir=settings.cache_dir,
                                           batch_size=1, linears=settings.linears)
         return engines[target]
 
@@ -76,3 +76,23 @@ def audit(job_id: str, sample: str | None, seed: int, device: str | None, dtype:
                    f"(`specbatch status {jid}` says where its requests are)", err=True)
     if failed or not verdicts:
         raise SystemExit(1)
+
+
+def _as_decoded(decoded: tuple[str | None, str | None], device: str | None, dtype: str | None,
+                default_device: str, default_dtype: str) -> tuple[str, str]:
+    """The device and dtype to re-decode with: --device / --dtype where given, else the ones the
+    results were decoded with (``audit.decoded_on``) where this machine has that device, else the
+    settings'. The configured device keeps its index where it is of the recorded type (cuda:1)."""
+    import torch
+
+    recorded_device, recorded_dtype = decoded
+    if device is None:
+        device = default_device
+        if recorded_device is not None and torch.device(default_device).type != recorded_device:
+            here = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
+            if here.get(recorded_device):
+                device = recorded_device
+            else:
+                click.echo(f"specbatch: the results were decoded on {recorded_device}, which this machine does "
+                           f"not have: auditing on {device}, where a near-tie may round the other way", err=True)
+    return device, dtype or recorded_dtype or default_dtype

@@ -224,6 +224,8 @@ class Result(Base):
     target: Mapped[str | None] = mapped_column(String(512))
     drafts: Mapped[list[str] | None] = mapped_column(JSONType)
     lossy: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # how it was decoded: device, dtype, kernels, processor, library versions (0016; NULL before)
+    numerics: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     # what the throughput autopilot chose (GenerationStats.batch_size_seconds)
     batch_size_seconds: Mapped[dict[str, float]] = mapped_column(JSONType, default=dict,
                                                                  server_default=sql_text("'{}'"))

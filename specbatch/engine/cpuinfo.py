@@ -30,3 +30,11 @@ def field(name: str) -> str:
 def flags() -> frozenset[str]:
     """The CPU's feature flags (``avx512_vnni``, ``amx_bf16``, ...)."""
     return frozenset(field("flags").split())
+
+
+def vector_isa() -> str:
+    """The widest vector instructions the CPU has that torch's kernels choose by ("amx", "avx512",
+    "avx2"; "" for none of them or no /proc/cpuinfo): one processor name ("AMD EPYC" in a VM)
+    covers CPUs whose kernels round differently."""
+    have = flags()
+    return next((isa for isa, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2")) if flag in have), "")

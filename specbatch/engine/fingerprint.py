@@ -8,15 +8,19 @@ path, size and mtime (nanoseconds): a second load reads one small file per model
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
+import platform
 import uuid
 from pathlib import Path
 from typing import Any
 
-from specbatch.engine import int8
+import torch
+
+from specbatch.engine import cpuinfo, int8
 from specbatch.engine.loading import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -93,16 +97,12 @@ def _linears(module: Any) -> dict[str, str]:
     return {"linears": f"{k}-packed"} if k is not None else {}
 
 
-def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> str | None:
-    """sha256 of a LoadedModel's files and numerics (dtype, device class, int8); None when the files
-    cannot be found (a hub id with no local snapshot)."""
-    directory = _model_dir(str(model.info.get("source", model.name)))
-    if directory is None:
-        return None
-    memo = Path(cache_dir) / "fingerprints" if cache_dir else None
+def numerics(model: Any) -> dict[str, Any]:
+    """What a LoadedModel computes with beyond its files (dtype, device class, int8 scheme,
+    compiled or not, packed Linears' kernel): what changes its numbers on one machine."""
     device = getattr(model.device, "type", str(model.device))
     dtype = str(model.info.get("dtype", "float32"))
-    numerics = {
+    return {
         "dtype": str(DTYPES.get(dtype, dtype)),          # "fp32" and "float32" are one dtype
         "device": device,
         # int8 quantization happens on the CPU only (loading._quantize_int8); "rows8"/"rows7":
@@ -113,5 +113,39 @@ def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> s
         "compiled": getattr(model, "compiled", None) is not None,
         **_linears(model.model),
     }
-    blob = {"v": FINGERPRINT_VERSION, "files": directory_digest(directory, memo), **numerics}
+
+
+@functools.cache
+def processor(device_type: str, index: int | None = None) -> str:
+    """The processor a device type computes on: the CPU's model name and core count, or the GPU's name."""
+    if device_type == "cuda":
+        return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cuda"
+    return f"{cpuinfo.field('model name') or platform.processor()} x{os.cpu_count()}"
+
+
+def decoded_with(model: Any) -> dict[str, Any]:
+    """``numerics`` plus what a results cache on one machine need not key but a result on
+    another machine may round by: the processor (its kernels: docs/DESIGN.md, "Attention folds
+    the query heads") and the torch and transformers versions. Recorded with every result
+    (``results.numerics``), so that ``specbatch audit`` re-decodes it the same way and, where
+    it cannot, says what differs (docs/CONTRACTS.md)."""
+    import transformers
+
+    device = getattr(model.device, "type", str(model.device))
+    name = processor(device, getattr(model.device, "index", None))
+    if device == "cpu" and cpuinfo.vector_isa():
+        name = f"{name} ({cpuinfo.vector_isa()})"
+    plain = numerics(model)
+    return {**plain, "dtype": plain["dtype"].removeprefix("torch."),    # what --dtype takes
+            "processor": name, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> str | None:
+    """sha256 of a LoadedModel's files and numerics (``numerics``); None when the files
+    cannot be found (a hub id with no local snapshot)."""
+    directory = _model_dir(str(model.info.get("source", model.name)))
+    if directory is None:
+        return None
+    memo = Path(cache_dir) / "fingerprints" if cache_dir else None
+    blob = {"v": FINGERPRINT_VERSION, "files": directory_digest(directory, memo), **numerics(model)}
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()

@@ -54,6 +54,7 @@ class Item:
     logprobs: bytes | None
     lossy: bool
     sample_index: int = 0     # which sample of the request (parameter n); each is audited
+    numerics: dict[str, Any] | None = None   # how it was decoded (results.numerics; None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,32 @@ def items(s: Session, job_id: str, sample: int | float | None = None, seed: int 
         keep = set(random.Random(seed).sample(range(len(rows)), min(n, len(rows))))
         rows = [r for i, r in enumerate(rows) if i in keep]
     return [Item(req.id, req.custom_id, produced_by(job, req, res)[0], req.prompt, req.messages, req.prompt_ids,
-                 dict(req.params or {}), list(res.token_ids), res.logprobs, bool(res.lossy), res.sample_index)
+                 dict(req.params or {}), list(res.token_ids), res.logprobs, bool(res.lossy), res.sample_index,
+                 res.numerics)
             for req, res in rows]
+
+
+def decoded_on(items_: Sequence[Item]) -> tuple[str | None, str | None]:
+    """The device type and dtype the audited results were decoded with, each where every result
+    that recorded it agrees (None: none recorded, or they differ): what the audit decodes with
+    unless told otherwise, so that it re-decodes each result the way it was made."""
+    def one(key: str) -> str | None:
+        seen = {str(i.numerics[key]) for i in items_ if i.numerics and i.numerics.get(key)}
+        return seen.pop() if len(seen) == 1 else None
+    return one("device"), one("dtype")
+
+
+# what a result's numbers depend on besides the target's files and the request (fingerprint.decoded_with)
+_NUMERICS = ("device", "dtype", "int8", "compiled", "linears", "processor", "torch", "transformers")
+
+
+def numerics_differ(recorded: dict[str, Any] | None, here: dict[str, Any]) -> str:
+    """How the audit decodes unlike the result was decoded, in words ("dtype bfloat16, here
+    float32; ..."); "" where alike or nothing was recorded (a result older than the record)."""
+    if not recorded:
+        return ""
+    return "; ".join(f"{k} {recorded.get(k)}, here {here.get(k)}" for k in _NUMERICS
+                     if recorded.get(k) != here.get(k))
 
 
 def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -153,10 +178,23 @@ def audit_item(engine: Engine, item: Item) -> Verdict:
 
 def audit(items_: Sequence[Item], engine_for: Callable[[str], Engine],
           on_verdict: Callable[[Verdict], None] | None = None) -> list[Verdict]:
-    """Audit every item with ``engine_for(target)`` (the target alone, loaded once per target)."""
+    """Audit every item with ``engine_for(target)`` (the target alone, loaded once per target).
+    A mismatch on a result decoded with other numerics than the audit's says which: across a
+    device, dtype, kernel or library version a near-tie can round either way with no draft
+    involved, so such a mismatch does not show speculation lossy (docs/CONTRACTS.md)."""
+    from specbatch.engine.fingerprint import decoded_with
+
+    here: dict[int, dict[str, Any]] = {}
     out = []
     for item in items_:
-        v = audit_item(engine_for(item.target), item)
+        engine = engine_for(item.target)
+        v = audit_item(engine, item)
+        if not v.ok and not item.lossy:
+            numerics = here.setdefault(id(engine), decoded_with(engine.target))
+            if differ := numerics_differ(item.numerics, numerics):
+                v = replace(v, detail=f"{v.detail} (decoded with other numerics than this audit's: {differ}; "
+                                      "a near-tie can round either way across them with no draft involved: "
+                                      "audit where it was decoded)")
         if on_verdict is not None:
             on_verdict(v)
         out.append(v)

@@ -70,7 +70,8 @@ def stats(job: Job, req: Request, res: Result) -> dict[str, Any]:
     generated it and how speculation went."""
     target, drafts = produced_by(job, req, res)
     out: dict[str, Any] = {"model": req.model, "metadata": req.meta, "target": target, "drafts": drafts,
-                           "ngram": pool_fields(job.drafts or [])["ngram"], "lossy": bool(res.lossy)}
+                           "ngram": pool_fields(job.drafts or [])["ngram"], "lossy": bool(res.lossy),
+                           "numerics": res.numerics}
     out.update({c: getattr(res, c) for c in STATS_COLUMNS})
     # cached_from: the generated results row a cache hit copies, as in the specbatch_results view
     out.update(worker=res.worker, latency_seconds=res.latency_seconds, cached=res.cached,

@@ -584,7 +584,7 @@ def _result_values(req: Request, output: GenerationOutput, worker: str, models: 
         "batch_size_seconds": {str(k): _finite(v) for k, v in st.batch_size_seconds.items()},
         "started_at": started, "finished_at": now, "latency_seconds": latency,
         "target": (models or {}).get("target"), "drafts": (models or {}).get("drafts"),
-        "lossy": bool((models or {}).get("lossy", False)),
+        "lossy": bool((models or {}).get("lossy", False)), "numerics": (models or {}).get("numerics"),
         "logprobs": None if output.logprobs is None else logprobs.pack(output.logprobs),
     }
 
@@ -617,8 +617,8 @@ def record_cached_result(s: Session, request_id: int, source: Result, worker: st
         "finish_reason": source.finish_reason, "worker": worker, "started_at": started, "finished_at": now,
         "latency_seconds": (now - started).total_seconds(),
         "accepted_per_position": [], "pool_wins": {}, "target": source.target, "drafts": source.drafts,
-        "lossy": source.lossy, "cache_key": source.cache_key, "cache_target": source.cache_target,
-        "cached": True, "cached_from": source.cached_from if source.cached else source.id,  # the generated row
+        "lossy": source.lossy, "numerics": source.numerics,     # decoded where the source was
+        "cache_key": source.cache_key, "cache_target": source.cache_target, "cached": True, "cached_from": source.cached_from if source.cached else source.id,  # the generated row
         "logprobs": source.logprobs,    # the key holds the request's logprobs: the source's are the same
     }
     written = _insert_ignoring_duplicates(s, values)

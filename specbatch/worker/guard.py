@@ -20,10 +20,16 @@ from specbatch.worker.queues import queue_name, route_drafters
 
 
 def engine_models(engine: Any) -> dict[str, Any]:
-    """What a result records about the engine that produced it."""
+    """What a result records about the engine that produced it: its models, and how its target
+    computes (``numerics``: what ``specbatch audit`` re-decodes with, docs/CONTRACTS.md)."""
+    from specbatch.engine.fingerprint import decoded_with
+    from specbatch.engine.loading import LoadedModel
+
+    target = getattr(engine, "target", None)
     return {"target": getattr(engine, "target_name", None),
             "drafts": list(getattr(engine, "drafter_names", []) or []),
-            "lossy": bool(getattr(engine, "lossy", False))}
+            "lossy": bool(getattr(engine, "lossy", False)),
+            "numerics": decoded_with(target) if isinstance(target, LoadedModel) else None}
 
 
 def draft_only(engine: Any) -> Any:

@@ -16,7 +16,8 @@ from specbatch.engine import Engine
 from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
 from specbatch.jobs import intake, logprobs, store
-from specbatch.jobs.audit import LOGPROB_TOL
+from specbatch.jobs.audit import LOGPROB_TOL, Item, audit
+from specbatch.worker.guard import engine_models
 
 LINES = [
     {"custom_id": "greedy", "prompt": "def fibonacci(n):", "max_tokens": 12},
@@ -169,3 +170,57 @@ def test_audit_of_a_job_with_nothing_completed_is_not_a_pass(tmp_path, monkeypat
         assert result.exit_code == 1 and json.loads(result.stdout)["audited"] == 0
     finally:
         db.forget_engines()
+
+
+def test_a_job_decoded_in_bfloat16_is_audited_in_bfloat16(tmp_path, monkeypatch, tiny_models):
+    """With no --dtype the audit re-decodes with the dtype the results recorded (results.numerics):
+    it audited in float32 before, and a bfloat16 job failed there wherever a near-tie rounded the
+    other way (here: the second line, at token 0), with no draft involved."""
+    prompts = ["def fibonacci(n):", "Write a haiku about", "The quick brown fox"]
+    url, parsed = _database(tmp_path, monkeypatch, [{"custom_id": str(i), "prompt": p, "max_tokens": 12}
+                                                    for i, p in enumerate(prompts)])
+    target = str(tiny_models / "llama")
+    engine = Engine(load_model(target, dtype="bfloat16"))    # plain: in 16 bits batching moves near-ties
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target=target, drafts=[], params={}, requests=parsed.requests, queue="q").id
+        ids = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, ids, "w", 60, 3)
+        for rid, req in zip(ids, parsed.requests):
+            out = engine.generate(prompt=req.prompt, params=req.generation_params())
+            store.record_result(s, rid, out, "w", engine_models(engine))
+        store.refresh_job(s, job_id)
+    try:
+        result = run("audit", job_id, "--json")
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["passed"] == 3
+        # told otherwise, it audits in float32, and a mismatch says the numerics differ
+        forced = run("audit", job_id, "--dtype", "float32", "--json")
+        for v in json.loads(forced.stdout)["requests"]:
+            assert v["ok"] or "dtype bfloat16, here float32" in v["detail"], v
+    finally:
+        db.forget_engines()
+
+
+def test_a_mismatch_names_the_numerics_that_differ_from_the_recorded_ones(tiny_models):
+    """A result decoded on another device, dtype or processor may differ at a near-tie with no
+    draft involved: a failing verdict says what differs, so it is not read as speculation lossy;
+    a result with no record (written before results.numerics) or alike numerics reads as before."""
+    from specbatch.engine.fingerprint import decoded_with
+
+    engine = Engine(load_model(str(tiny_models / "llama")))
+    here = decoded_with(engine.target)
+    assert (here["device"], here["dtype"]) == ("cpu", "float32") and here["processor"]
+    good = engine.generate(prompt="def fibonacci(n):", params=intake.params_from_dict({"max_new_tokens": 6}))
+    bad = [*good.token_ids[:2], (good.token_ids[2] + 1) % engine.target.vocab_size, *good.token_ids[3:]]
+
+    def item(numerics):
+        return Item(1, "x", "t", "def fibonacci(n):", None, None, {"max_new_tokens": 6}, bad, None, False,
+                    numerics=numerics)
+
+    elsewhere = {**here, "dtype": "bfloat16", "processor": "NVIDIA H200", "device": "cuda"}
+    (v,) = audit([item(elsewhere)], lambda target: engine)
+    assert not v.ok and v.detail.startswith("token 2 differs"), v
+    assert "device cuda, here cpu; dtype bfloat16, here float32; processor NVIDIA H200, here " in v.detail, v
+    for same in (None, here):
+        (v,) = audit([item(same)], lambda target: engine)
+        assert not v.ok and "numerics" not in v.detail, v

@@ -425,6 +425,8 @@ def test_a_token_id_prompt_hits_the_text_that_tokenizes_to_it(db_url, tmp_path, 
     assert report.cached == ids[:1] and report.completed == ids
     got = results(db_url, job)
     assert got[0].cached and not got[1].cached and got[1].cache_key
+    # a copy was decoded where its source was: it carries the source's record of how (results.numerics)
+    assert got[0].numerics is not None and got[0].numerics == got[1].numerics, (got[0].numerics, got[1].numerics)
 
 
 def test_a_lossy_fallback_engine_neither_serves_nor_stores(db_url, tmp_path, engines):

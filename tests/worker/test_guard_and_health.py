@@ -67,6 +67,12 @@ def test_wrong_model_and_wrong_database_are_refused_then_the_right_worker_finish
         assert len(results) == len(ROWS)
         assert {r.target for r in results} == {str(cluster.models / "llama")}
         assert all(r.drafts == [str(cluster.models / "llama-partial")] and r.lossy is False for r in results)
+        # and how it was decoded, for `specbatch audit` to re-decode it alike (results.numerics)
+        import torch
+
+        assert {(r.numerics["device"], r.numerics["dtype"], r.numerics["torch"]) for r in results} == {
+            ("cpu", "float32", torch.__version__)}, results[0].numerics
+        assert all(r.numerics["processor"] for r in results)
 
 
 def test_target_that_keeps_failing_makes_the_worker_unhealthy_not_the_queue(cluster) -> None:  # noqa: ANN001

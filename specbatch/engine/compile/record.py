@@ -4,7 +4,6 @@ later start knows whether it hits the cache, how long compiling takes and what i
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -17,9 +16,9 @@ from typing import Any
 
 import torch
 
-from specbatch.engine import cpuinfo
 from specbatch.engine.compile.forward import ModelHandle, key_class, shape_class
 from specbatch.engine.compile.inductor import inductor_cache_dir, inductor_options
+from specbatch.engine.fingerprint import processor
 
 
 @dataclass
@@ -48,13 +47,6 @@ class CompileReport:
                 else round(self.first_start_seconds, 2), "error": self.error}
 
 
-@functools.cache
-def _processor(device_type: str, index: int | None) -> str:
-    if device_type == "cuda":
-        return torch.cuda.get_device_name(index) if torch.cuda.is_available() else "cuda"
-    return f"{cpuinfo.field('model name') or platform.processor()} x{os.cpu_count()}"
-
-
 def host_key(device: torch.device | str) -> str:
     """The machine a measurement was made on, as far as it decides what compiling buys: the
     processor model and its core count (CPU) or the GPU's name. Four 2-core hosts measured 1.17x
@@ -62,7 +54,7 @@ def host_key(device: torch.device | str) -> str:
     wrote in a shared cache directory must not decide for another. Not the host name: a
     container gets a new one at every start, and its measurements would be lost each time."""
     device = torch.device(device)
-    name = _processor(device.type, device.index)
+    name = processor(device.type, device.index)
     tag = "".join(c if c.isalnum() else "_" for c in f"{platform.machine()}-{device.type}")
     return f"{tag}-{hashlib.sha256(name.encode()).hexdigest()[:10]}"
 
