@@ -37,7 +37,9 @@ from specbatch.engine.loading import load_model
 job = json.load(open(sys.argv[2]))
 torch.set_num_threads(job["threads"])
 settings = Settings()
-kw = {"cache_dir": settings.cache_dir, "linears": settings.linears}
+kw = {"cache_dir": settings.cache_dir}
+if "linears" in type(settings).model_fields:   # an older tree read SPECBATCH_LINEARS itself, or had no packed Linears
+    kw["linears"] = settings.linears
 target = load_model("smollm2-135m", **kw)
 draft = load_model("smollm2-135m-int8", **kw)
 _ours(target, draft, JobConfig("warm-up", "ours", 2, True), job["ids"][:2], [4, 4])
