@@ -215,6 +215,12 @@ def check_database_url(url: str) -> None:
         dialect = u.get_dialect()
     except (ArgumentError, NoSuchModuleError, ValueError) as e:
         raise ValueError(f"is not a database URL ({mask(str(e))})") from None
+    if u.host and "@" in u.host:
+        # SQLAlchemy ends the password at its first "@", so the rest of it became the host, which
+        # the driver's error then prints ("failed to resolve host 'rest@host'"): say nothing of it
+        # (no example URL: the masking of every message would hide its password part)
+        raise ValueError("the user or password holds an unencoded '@'; percent-encode it as %40 "
+                         "(the password p@ss is written p%40ss)")
     try:
         dialect.import_dbapi()
     except ImportError as e:

@@ -140,12 +140,15 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
         return
     for w in workers:
-        if not w.consuming:
+        if w.paused:
+            warn(f"worker {w.name} is online for queue {queue} but does not consume it: it paused "
+                 "itself (its log's 'paused:' line says why)")
+        elif not w.consuming:
             click.echo(f"worker {w.name} is starting for queue {queue} ({w.state}); "
                        "tasks wait in the queue until it consumes", err=True)
         elif states and w.state and not w.state.startswith("ready"):
             click.echo(f"worker {w.name}: {worker_state(w.state)}", err=True)
-    if not workers:
+    if all(w.paused for w in workers):
         warn(f"no live worker consumes queue {queue}: {advice}")
 
 

@@ -383,7 +383,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     """
     from specbatch.errors import ModelLoadError
     from specbatch.worker.enqueue import wait_for_broker
-    from specbatch.worker.runner import run_worker, stop_on_sigterm
+    from specbatch.worker.runner import check_unique_name, default_hostname, run_worker, stop_on_sigterm
 
     stop_on_sigterm()      # from here a SIGTERM exits 0 (the broker wait below can last a minute)
     settings = get_settings()
@@ -392,6 +392,7 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
                                     check=False)
     check_pair_device(target_, drafts_, device or settings.device)
+    check_unique_name(settings, hostname or default_hostname())
     # before the models load and Celery starts: its own start-up retries fill minutes with lines
     wait_for_broker(settings, warn)
     code, load_error = run_worker(settings, target=target_, drafts=drafts_,

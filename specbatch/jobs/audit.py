@@ -32,6 +32,7 @@ from specbatch.jobs import logprobs
 from specbatch.jobs.intake import params_from_dict
 from specbatch.jobs.openai_output import produced_by
 from specbatch.jobs.store import get_job
+from specbatch.plural import plural
 
 if TYPE_CHECKING:
     from specbatch.engine.engine import Engine
@@ -155,7 +156,8 @@ def audit_item(engine: Engine, item: Item) -> Verdict:
                               params=params)
         at = first_difference(item.token_ids, out.token_ids)
         if at is None:
-            return verdict("identical", True, f"{n} tokens identical to {alone if seeded else 'the target alone'}")
+            return verdict("identical", True,
+                           f"{plural(n, 'token')} identical to {alone if seeded else 'the target alone'}")
         got = out.token_ids[at] if at < len(out.token_ids) else "end"
         want = item.token_ids[at] if at < n else "end"
         return verdict("identical", False, f"token {at} differs: stored {want}, target alone {got}")
@@ -168,12 +170,14 @@ def audit_item(engine: Engine, item: Item) -> Verdict:
                 return verdict("logprobs", False, f"token {j}: stored logprob {a:.6f}, target alone {b:.6f}")
         if len(stored) != n:
             return verdict("logprobs", False, f"{len(stored)} logprobs stored for {n} tokens")
-        return verdict("logprobs", True, f"{n} logprobs equal the target alone's (within {LOGPROB_TOL})")
+        return verdict("logprobs", True, f"{plural(n, 'logprob')} equal{'s' if n == 1 else ''} the target "
+                                         f"alone's (within {LOGPROB_TOL})")
     bad = next((j for j, p in enumerate(scored.probs) if p <= 0), None)
     if bad is not None:
         return verdict("support", False, f"token {bad} ({item.token_ids[bad]}) has probability 0 under the "
                                          "target's sampling parameters")
-    return verdict("support", True, f"{n} tokens each possible under the target (no logprobs stored to compare)")
+    return verdict("support", True, f"{plural(n, 'token')}{'' if n == 1 else ' each'} possible under the target "
+                                    "(no logprobs stored to compare)")
 
 
 def audit(items_: Sequence[Item], engine_for: Callable[[str], Engine],

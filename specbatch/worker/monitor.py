@@ -61,6 +61,9 @@ class WorkerView:
     name: str
     consuming: bool          # consumes the queue now
     state: str | None        # "starting: loading models", "compiling 2/4 (...)", ...; None: not said
+    # online for the queue (its own), past starting, and not consuming it: it cancelled its own
+    # consumer (worker.breaker: a refused task, the database down, target failures)
+    paused: bool = False
 
 
 def _views(settings: Settings, timeout: float) -> dict[str, dict[str, Any]] | None:
@@ -88,10 +91,15 @@ def queue_workers(settings: Settings, queue: str, timeout: float = 1.0) -> list[
     for worker, reply in sorted(replies.items()):
         state = reply.get("state")
         consuming = queue in (reply.get("queues") or [])
-        starting = reply.get("default_queue") == queue and str(state or "").startswith("starting")
-        if consuming or starting:
-            views.append(WorkerView(worker, consuming, state))
-    return views or starting_here(settings, queue)
+        own = reply.get("default_queue") == queue
+        starting = own and str(state or "").startswith("starting")
+        if consuming or starting or own:
+            views.append(WorkerView(worker, consuming, state, paused=own and not consuming and not starting))
+    if any(not v.paused for v in views):
+        return views
+    # a worker that answered said what it consumes: this machine's scratch directories count only
+    # those that did not answer in time (a paused one's still reads "decoding")
+    return views + [v for v in starting_here(settings, queue) if v.name not in replies]
 
 
 def starting_here(settings: Settings, queue: str) -> list[WorkerView]:

@@ -46,7 +46,7 @@ from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
 from specbatch.worker.monitor import STARTING, STATE_KEY
 from specbatch.worker.queues import queue_name
-from specbatch.worker.scratch import STATE_FILE, scratch_dirs, workers_root, write_worker
+from specbatch.worker.scratch import STATE_FILE, read_worker, scratch_dirs, source, workers_root, write_worker
 
 logger = logging.getLogger(__name__)
 
@@ -193,19 +193,17 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
     ``metrics_port``: serve Prometheus ``/metrics`` there (``specbatch.observability.metrics``).
     ``device``, ``dtype``, ``batch_size``, ``compile``, ``prefix_cache``: None takes the settings' value.
     """
-    from celery.utils.nodenames import default_nodename, host_format
-
     stop_on_sigterm()
     drafts = names(parse_drafters(drafts))
     queue = queue_name(target, drafts)
-    hostname = hostname or f"specbatch-{os.getpid()}@%h"
+    hostname = hostname or default_hostname()
     metrics_dir, server = _serve_metrics(settings, metrics_port)
     own = worker_dir(settings)
     ready = str(own / "ready")
     code, load_error = 0, None
     try:
         app = create_app(settings)
-        node = host_format(default_nodename(hostname))
+        node = node_name(hostname)
         # `status` on this machine reads it when remote control does not answer in time (monitor.starting_here)
         write_worker(own, node, queue, settings)
         app.conf.update(
@@ -268,6 +266,31 @@ def stop_on_sigterm() -> None:
     at load 10, where Celery took seconds more to install its handler. No pool child exists before
     then (the pool starts after the handler), so there is none to stop."""
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+
+def default_hostname() -> str:
+    """``-n``'s default: ``specbatch-PID@%h``, one name per worker process."""
+    return f"specbatch-{os.getpid()}@%h"
+
+
+def node_name(hostname: str) -> str:
+    """The node name Celery gives ``-n hostname`` (``gpu0@%h`` -> ``gpu0@thishost``)."""
+    from celery.utils.nodenames import default_nodename, host_format
+
+    return host_format(default_nodename(hostname))
+
+
+def check_unique_name(settings: Settings, hostname: str) -> None:
+    """Refuse a worker named as one that runs on this machine on the same broker and database
+    (``-n gpu0@%h`` started twice): Celery warns of that only through mingle, which is off, and
+    remote control then reaches both by one name (one pausing its queue pauses both); Flower shows
+    one row for two. Read from the scratch directories (``scratch``), so before the broker answers."""
+    node, here = node_name(hostname), source(settings)
+    for d, running in scratch_dirs(settings):
+        other = read_worker(d) if running and d.name != str(os.getpid()) else None
+        if other is not None and other.name == node and other.source == here:
+            raise SpecBatchError(f"a worker named {node} already runs on this machine (pid {d.name}), on the "
+                                 "same broker and database; give this one another name (-n NAME@%h)")
 
 
 def worker_dir(settings: Settings) -> Path:

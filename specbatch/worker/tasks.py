@@ -118,6 +118,24 @@ def _redact_logs(logger: Any = None, **_: Any) -> None:
     install_log_redaction()
 
 
+class _RejectWithoutTrace(logging.Filter):
+    """Celery logs a rejected task (``Reject``: refused by this worker, or sent back at a warm
+    shutdown) at WARNING with the stack trace of the raise under the line, one per refusing worker
+    and task. The line already names the task and the reason (and a REFUSED line before it says
+    why), so the trace is dropped: no traceback in a log line for an outcome we chose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], Reject):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+# a logger's filter, not a handler's: it holds whatever handlers the worker's log set-up installs,
+# in the parent and in every pool child (each imports this module)
+if not any(isinstance(f, _RejectWithoutTrace) for f in logging.getLogger("celery.app.trace").filters):
+    logging.getLogger("celery.app.trace").addFilter(_RejectWithoutTrace())
+
+
 @signals.worker_process_init.connect
 def _load_in_pool_child(sender: Any = None, **_: Any) -> None:
     """A fresh pool child: drop any inherited DB pool, load the models, report ready or the error."""

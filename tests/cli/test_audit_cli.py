@@ -224,3 +224,23 @@ def test_a_mismatch_names_the_numerics_that_differ_from_the_recorded_ones(tiny_m
     for same in (None, here):
         (v,) = audit([item(same)], lambda target: engine)
         assert not v.ok and "numerics" not in v.detail, v
+
+def test_a_one_token_result_is_worded_in_the_singular() -> None:
+    """`ok  chat-09: identical: 1 tokens identical to the target alone` (an answer that is one end
+    token; qa53): counts go through plural(), as every other line's."""
+    from types import SimpleNamespace
+
+    from specbatch.jobs.audit import Item, audit_item
+
+    class Alone:
+        def generate(self, **_):  # noqa: ANN003, ANN202
+            return SimpleNamespace(token_ids=[2])
+
+        def score(self, token_ids, **_):  # noqa: ANN001, ANN003, ANN202
+            return SimpleNamespace(probs=[0.5] * len(token_ids))
+
+    greedy = Item(1, "q1", "t", "hi", None, None, {"temperature": 0}, [2], None, False)
+    assert audit_item(Alone(), greedy).detail == "1 token identical to the target alone"
+    sampled = Item(2, "q2", "t", "hi", None, None, {"temperature": 0.7}, [2], None, False)
+    assert audit_item(Alone(), sampled).detail == \
+        "1 token possible under the target (no logprobs stored to compare)"

@@ -647,6 +647,22 @@ def test_status_names_a_starting_worker_instead_of_asking_for_another(db_url, mo
     assert f"worker w1@h: decoding, not compiled: {why}\n" in result.stderr, result.stderr
 
 
+def test_status_names_a_paused_worker_and_warns_that_nothing_consumes(db_url, monkeypatch):
+    """A worker online for the job's queue that stopped consuming it (a refused task, the database
+    down, target failures) is named as paused, pointing at its log, not as decoding (qa53)."""
+    import specbatch.worker.monitor as monitor
+
+    views = [monitor.WorkerView("w1@h", False, "eager: auto: compiling gains 1.05x", paused=True)]
+    monkeypatch.setattr(monitor, "queue_workers", lambda settings, queue, **_: views)
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert ("warning: worker w1@h is online for queue sb.q1 but does not consume it: it paused itself "
+            "(its log's 'paused:' line says why)") in result.stderr, result.stderr
+    assert "warning: no live worker consumes queue sb.q1" in result.stderr
+    assert "decoding" not in result.stderr and "is starting" not in result.stderr
+
+
 def test_resume_of_a_cancelled_or_finished_job_says_so_without_the_broker(db_url):
     """Not "re-enqueued 0 requests" (exit 0, after a worker check on the broker): a cancelled job is
     refused as `retry` refuses it, one with nothing left says so (the broker here is unreachable)."""

@@ -279,3 +279,28 @@ def test_flower_refuses_a_non_loopback_address_without_a_password(address: str, 
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[-1] == (f"Error: refusing to run Flower on {address} without a password: "
                                               "set SPECBATCH_FLOWER_PASSWORD or bind 127.0.0.1")
+
+
+def test_a_second_worker_of_one_name_on_this_machine_is_refused(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`specbatch worker -n gpu0@%h` run twice on one machine started both, silently (Celery's
+    mingle, which warns of a duplicate name, is off): remote control reached both by one name (one
+    refused a task and both stopped consuming), Flower showed one row for two (qa53). The second
+    is refused in one line, before it waits for the broker; another name goes on."""
+    import os
+
+    from specbatch.config import get_settings
+    from specbatch.worker import scratch
+
+    monkeypatch.setenv("SPECBATCH_READY_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECBATCH_BROKER_WAIT_SECONDS", "0")
+    get_settings.cache_clear()
+    first = scratch.workers_root(get_settings()) / str(os.getppid())     # a live process: the first one
+    first.mkdir(parents=True)
+    scratch.write_worker(first, f"gpu0@{socket.gethostname()}", "q", get_settings())
+    result = CliRunner().invoke(cli, ["worker", "-n", "gpu0@%h"])
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (
+        f"Error: a worker named gpu0@{socket.gethostname()} already runs on this machine (pid {os.getppid()}), "
+        "on the same broker and database; give this one another name (-n NAME@%h)")
+    result = CliRunner().invoke(cli, ["worker", "-n", "gpu1@%h"])
+    assert result.exit_code == 1 and "cannot reach the broker" in result.output, result.output

@@ -27,6 +27,11 @@ def _invoke(args: list[str], env: dict[str, str]) -> tuple[int, str, BaseExcepti
     ("SPECBATCH_THREADS", "-1", "SPECBATCH_THREADS='-1': Input should be greater than or equal to 0"),
     ("SPECBATCH_DATABASE_URL", "mysql://u:S3CRETPW@127.0.0.1/db", "the mysql driver is not installed"),
     ("SPECBATCH_DATABASE_URL", "not a url at all", "not a database URL"),
+    # an unencoded "@" in the password: the driver read the rest as the host and printed it
+    # ("failed to resolve host 'S3CRETPW@127.0.0.1'"); qa53
+    ("SPECBATCH_DATABASE_URL", "postgresql+psycopg://u:pw@S3CRETPW@127.0.0.1:1/db",
+     "SPECBATCH_DATABASE_URL='postgresql+psycopg://u:***@127.0.0.1:1/db': the user or password holds "
+     "an unencoded '@'; percent-encode it as %40"),
     # (read by engine/packed.py itself before: a warning in the log, the Linears silently unpacked)
     ("SPECBATCH_LINEARS", "blas", "SPECBATCH_LINEARS='blas': Input should be 'auto', 'onednn', 'mkl' or 'off'"),
 ])

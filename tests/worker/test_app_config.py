@@ -81,3 +81,25 @@ def test_a_cpu_worker_in_auto_says_why_it_compiles_nothing_in_its_state_and_log(
     assert engine.background is None and not engine.compile_plan.enabled and why in engine.compile_plan.reason
     assert state.read_text().startswith(f"eager: {why}"), state.read_text()
     assert any(why in r.getMessage() and "decoding eagerly" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_a_refused_task_is_one_log_line_not_a_traceback(caplog) -> None:  # noqa: ANN001
+    """A worker that refuses a task (another database, another pair) raises Reject; Celery logged
+    it at WARNING with the raise's stack trace under the line, in every refusing worker's log
+    (qa53). The line names the task and the reason; the trace is left out."""
+    from celery.exceptions import Reject
+
+    import specbatch.worker.tasks  # noqa: F401  (the worker's log set-up)
+
+    app = create_app(Settings(database_url="sqlite://"))
+
+    @app.task(name="qa53.refused")
+    def refused() -> None:
+        raise Reject("job x is not in this worker's database", requeue=True)
+
+    with caplog.at_level(logging.INFO, logger="celery.app.trace"):
+        refused.apply()
+    lines = [r for r in caplog.records if r.name == "celery.app.trace"]
+    assert lines and "not in this worker's database" in caplog.text
+    assert all(r.exc_info is None and not r.exc_text for r in lines), caplog.text
+    assert "Traceback" not in caplog.text

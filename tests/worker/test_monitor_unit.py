@@ -91,6 +91,25 @@ def test_a_worker_of_this_machine_on_another_broker_or_database_is_not_counted(m
     assert [v.name for v in monitor.queue_workers(relative, "q1") or []] == ["w@h"]
 
 
+def test_a_worker_that_paused_its_queue_is_named_paused_not_decoding(monkeypatch, tmp_path) -> None:  # noqa: ANN001
+    """A worker that refused a task (a job of another database) stops consuming its own queue; it
+    answers remote control with no queue. `status` then read its scratch directory (written for
+    workers that answer too late) and named it "decoding", with no warning, while the job sat
+    queued (qa53). A worker that answered is taken at its word: paused."""
+    import os
+
+    settings = Settings.from_env({"SPECBATCH_READY_DIR": str(tmp_path)})
+    own = scratch.workers_root(settings) / str(os.getpid())
+    own.mkdir(parents=True)
+    scratch.write_worker(own, "w@h", "q1", settings)
+    (own / scratch.STATE_FILE).write_text("eager: auto: compiling gains 1.05x\n")
+    replies = {"w@h": {"queues": [], "default_queue": "q1", "state": "eager: auto: compiling gains 1.05x"}}
+    monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: replies)
+    assert monitor.queue_workers(settings, "q1") == [
+        monitor.WorkerView("w@h", False, "eager: auto: compiling gains 1.05x", paused=True)]
+    assert monitor.queue_workers(settings, "q2") == []
+
+
 def test_the_loopback_host_names_are_one_broker_and_database() -> None:
     """A worker started with redis://localhost:6379/0 and a submit on redis://127.0.0.1:6379/0 use
     one Redis: `submit` warned "no live worker". Other hosts, ports and databases stay apart."""
