@@ -67,19 +67,18 @@ def sampling_options(f: Any) -> Any:
     return f
 
 
-def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...], ngram: bool = False, *,
-                 check: bool = True) -> tuple[str, list[str]]:
+def resolve_pair(settings: Settings, target: str | None, drafts: tuple[str, ...], ngram: bool = False
+                 ) -> tuple[str, list[str]]:
     """The target and pool the options name (the default pair without any; ``ngram``: --ngram,
-    the n-gram drafter added to it), the pool as drafter spec strings (``Pair.drafts``); ``check``:
-    refuse a name that is no model here (``known_models.name_problem``; a worker's own load says
-    so in its own words)."""
+    the n-gram drafter added to it), the pool as drafter spec strings (``Pair.drafts``); a name
+    that is no model here (``known_models.name_problem``) is refused (ModelLoadError)."""
     from specbatch.worker.submission import Pair
 
     added = ["ngram"] if ngram else []
     if [d.lower() for d in drafts] == ["none"]:     # --draft none / --no-speculation: the target alone
         drafts = ()
         target = target or settings.default_target
-    pair = Pair.resolve(settings, target, drafts, added, check=check)
+    pair = Pair.resolve(settings, target, drafts, added)
     return pair.target, pair.drafts
 
 
@@ -389,8 +388,10 @@ def worker(target: str | None, drafts: tuple[str, ...], ngram: bool, device: str
     settings = get_settings()
     tp = resolve_throughput(settings, batch_size, max_memory, threads, no_prefix_cache)
     plain = no_draft(drafts, no_speculation)
-    target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain,
-                                    check=False)
+    try:   # refused now, not after Celery's banner and a pool child's load, each saying it again
+        target_, drafts_ = resolve_pair(settings, target, ("none",) if plain else drafts, ngram and not plain)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"worker not started, cannot load models: {e}") from None
     check_pair_device(target_, drafts_, device or settings.device)
     check_unique_name(settings, hostname or default_hostname())
     # before the models load and Celery starts: its own start-up retries fill minutes with lines

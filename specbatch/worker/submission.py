@@ -48,20 +48,19 @@ class Pair:
 
     @classmethod
     def resolve(cls, settings: Settings, target: str | None, drafts: Sequence[str],
-                add: Sequence[str] = (), *, check: bool = True) -> Pair:
+                add: Sequence[str] = ()) -> Pair:
         """No model given: the default pair from settings. A target alone runs without a draft.
         ``add``: drafters added to whichever pool that is (``--ngram``). A drafter spec that is
         not available, or a name that is no model here (neither known, nor a model path on this
         machine, nor a Hugging Face id), is refused before a job waits for a worker that never
         comes (ModelLoadError, the message ``run`` gives); a name, unless
-        ``settings.allow_remote_models`` or ``check=False`` (a worker, whose own load refuses it)."""
+        ``settings.allow_remote_models``."""
         pool = [settings.default_draft] if target is None and not drafts else list(drafts)
         pair = cls(target or settings.default_target, parse_drafters([*pool, *add]))
-        if check:
-            check_names([pair.target, *model_names(pair.drafters)], settings)
-            # known names' tokenizers are known anywhere: refused even for remote models
-            if problem := tokenizer_mismatch(pair.target, model_names(pair.drafters)):
-                raise ModelLoadError(problem)
+        check_names([pair.target, *model_names(pair.drafters)], settings)
+        # known names' tokenizers are known anywhere: refused even for remote models
+        if problem := tokenizer_mismatch(pair.target, model_names(pair.drafters)):
+            raise ModelLoadError(problem)
         return pair
 
 

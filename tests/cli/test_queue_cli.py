@@ -304,3 +304,19 @@ def test_a_second_worker_of_one_name_on_this_machine_is_refused(tmp_path: Path, 
         "on the same broker and database; give this one another name (-n NAME@%h)")
     result = CliRunner().invoke(cli, ["worker", "-n", "gpu1@%h"])
     assert result.exit_code == 1 and "cannot reach the broker" in result.output, result.output
+
+
+@pytest.mark.parametrize("target", ["gpt-9", "no/such-dir/x.gguf"])
+def test_a_worker_of_a_name_that_is_no_model_is_refused_before_it_starts(tmp_path: Path, monkeypatch, target) -> None:  # noqa: ANN001
+    """`specbatch worker --target gpt-9` was not checked until its pool child loaded: it waited for
+    the broker, printed Celery's banner, and said 'cannot load models' three times, the last as a
+    'WARNING celery.redirected' log line (qa53). Now one line, before the broker is asked, as
+    `run` and `submit` refuse the name."""
+    monkeypatch.setenv("SPECBATCH_READY_DIR", str(tmp_path))
+    monkeypatch.setenv("SPECBATCH_BROKER_URL", "redis://127.0.0.1:9/0")     # nothing listens: never reached
+    monkeypatch.setenv("SPECBATCH_BROKER_WAIT_SECONDS", "0")
+    result = CliRunner().invoke(cli, ["worker", "--target", target, "--draft", "none"])
+    assert result.exit_code == 1, result.output
+    (line,) = result.output.strip().splitlines()
+    assert line.startswith(f"Error: worker not started, cannot load models: model {target!r} ") \
+        or line.startswith(f"Error: worker not started, cannot load models: model file {target!r} does not exist"), line
