@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, exc, inspect
+from sqlalchemy import Engine, create_engine, event, exc, inspect, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import sessionmaker
 from sqlalchemy.pool import StaticPool
@@ -165,7 +165,7 @@ def _run_upgrade(engine: Engine, revision: str = "head") -> None:
 # The newest migration's revision (a test holds it equal to Alembic's head). A database already at
 # it is told by one SELECT, without importing Alembic and loading every migration script: that check
 # took 1.7 s of a `specbatch status` on PostgreSQL at load 10. Any other answer takes the full check.
-SCHEMA_HEAD = "0016"
+SCHEMA_HEAD = "0017"
 
 
 def _at_head(engine: Engine) -> bool:
@@ -300,6 +300,21 @@ def dispose_engines(close: bool = False) -> None:
         _dispose_all(close)
 
 
+_ids: dict[str, str] = {}     # database_id's answers, by URL: a database keeps its id for life
+
+
+def database_id(url: str) -> str:
+    """The random id the database at ``url`` was given when created (``specbatch_database``,
+    migration 0017): what a task names its job's database by (worker/enqueue.py). Read once a
+    process per URL."""
+    if url not in _ids:
+        from specbatch.db.models import DatabaseIdentity
+
+        with session_factory(url, readonly=True)() as s:
+            _ids[url] = s.scalars(select(DatabaseIdentity.id)).one()
+    return _ids[url]
+
+
 def close_at_exit() -> None:
     """At the process's exit: close the pooled connections, which nothing else closes once the
     entry point freezes what is left out of the last garbage collections (cli/main.py). Closing
@@ -328,7 +343,8 @@ def forget_engines(close: bool = True) -> None:
         _engines.clear()
         _read_engines.clear()
         _factories.clear()
+        _ids.clear()
 
 
-__all__ = ["close_at_exit", "current_revision", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
+__all__ = ["close_at_exit", "current_revision", "database_id", "dispose_engines", "downgrade", "forget_engines", "get_engine", "read_engine",
            "session_factory", "sqlite_path", "upgrade"]

@@ -108,6 +108,15 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
+class DatabaseIdentity(Base):
+    """One row: the random id this database was given when created (migration 0017), which tasks
+    carry to name their job's database (worker/enqueue.py; docs/DESIGN.md, "Tasks of another
+    database")."""
+
+    __tablename__ = "specbatch_database"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+
+
 class Job(Base):
     __tablename__ = "jobs"
 

@@ -88,7 +88,10 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
     requests are rows, so ``specbatch resume`` re-enqueues whatever is still pending, and a
     request enqueued twice is still generated once (claims skip it).
     """
+    from specbatch.db import database_id
+
     app = app_for(settings)
+    database = database_id(settings.database_url)   # (a worker of another database passes it on)
     sent = 0
     try:
         with tracing.span("enqueue", {"specbatch.job.id": job_id, "specbatch.queue": queue}), \
@@ -97,7 +100,8 @@ def enqueue_requests(settings: Settings, job_id: str, request_ids: list[int], qu
             conn.ensure_connection(max_retries=1, timeout=3)
             with app.producer_or_acquire() as producer:
                 for chunk in chunks(request_ids, settings.chunk_size):
-                    app.send_task(TASK_NAME, args=[job_id, chunk], queue=queue, routing_key=queue,
+                    app.send_task(TASK_NAME, args=[job_id, chunk], kwargs={"database": database},
+                                  queue=queue, routing_key=queue,
                                   producer=producer, retry=True, retry_policy=RETRY_POLICY,
                                   headers=headers)
                     sent += 1

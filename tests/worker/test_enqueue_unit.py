@@ -12,14 +12,18 @@ from specbatch.errors import BrokerUnavailable
 from specbatch.worker.enqueue import enqueue_requests
 
 
-def test_a_broker_down_from_the_start_is_the_error_alone_not_a_log_line_too(caplog) -> None:  # noqa: ANN001
+def test_a_broker_down_from_the_start_is_the_error_alone_not_a_log_line_too(caplog, tmp_path) -> None:  # noqa: ANN001
     """`specbatch resume JOB` with Redis down printed a log-formatted line ("2026-... WARNING
     specbatch.worker.enqueue: job J: 0 task(s) sent before the broker failed") above its one
     `Error:` line (qa51). Nothing was sent: the error says it all."""
+    from specbatch import db
+
     with socket.socket() as s:                  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    settings = Settings.from_env({"SPECBATCH_BROKER_URL": f"redis://127.0.0.1:{port}/0"})
+    url = f"sqlite:///{tmp_path / 'q.db'}"      # (a task names its job's database: read first)
+    db.upgrade(url)
+    settings = Settings.from_env({"SPECBATCH_BROKER_URL": f"redis://127.0.0.1:{port}/0", "SPECBATCH_DATABASE_URL": url})
     with caplog.at_level(logging.WARNING), pytest.raises(BrokerUnavailable) as e:
         enqueue_requests(settings, "job1", [1, 2, 3], "q.down")
     assert "the job job1 is saved: start the broker" in str(e.value)

@@ -45,14 +45,18 @@ def test_wrong_model_and_wrong_database_are_refused_then_the_right_worker_finish
     _wait_refused(cluster, plain, "plain@", queue, "this worker holds smollm2-135m + smollm2-135m-int8")
     assert "Loading weights" not in plain.output()        # refused before loading anything
     plain.stop()
-    # 2. the right pair, but another database
+    # 2. the right pair, but another database: not this worker's task, and no sign that this worker
+    # is the misconfigured one, so it is passed on for a worker of that database, the queue still
+    # consumed (docs/DESIGN.md, "Tasks of another database")
     other_env = {**cluster.env, "SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'other.db'}"}
     argv = [sys.executable, "-c", "from specbatch.cli.main import main; main()", "worker",
             "--target", str(cluster.models / "llama"), "--draft", str(cluster.models / "llama-partial"),
             "-n", "otherdb@%h"]
     other = Proc(argv, other_env, tmp_path / "otherdb.log")
     cluster.procs.append(other)
-    _wait_refused(cluster, other, "otherdb@", queue, "is not in this worker's database")
+    wait_for(lambda: "REFUSED" in other.output() and "is in another database" in other.output(), 120,
+             "otherdb@ to pass the task on")
+    assert _consumes(cluster, "otherdb@", queue), other.output()[-3000:]
     other.stop()
     assert {r["status"] for r in cluster.rows(job_id)} == {"pending"}  # nothing generated or failed
     # 3. the right worker finishes it; every result records its models
@@ -73,6 +77,34 @@ def test_wrong_model_and_wrong_database_are_refused_then_the_right_worker_finish
         assert {(r.numerics["device"], r.numerics["dtype"], r.numerics["torch"]) for r in results} == {
             ("cpu", "float32", torch.__version__)}, results[0].numerics
         assert all(r.numerics["processor"] for r in results)
+
+
+def test_a_task_of_another_database_holds_up_no_job_of_this_one(cluster, tmp_path) -> None:  # noqa: ANN001
+    """A job submitted with another SPECBATCH_DATABASE_URL than the workers' put a task on their
+    queue that every worker refused, pausing its queue: the jobs of the workers' own database
+    waited behind it until someone purged the broker (qa53). The worker passes it on and goes on
+    with its own database's work."""
+    from specbatch import db
+    from specbatch.db import session_factory
+    from specbatch.jobs import intake, store
+    from specbatch.worker.enqueue import enqueue_requests
+
+    elsewhere = cluster.settings.model_copy(update={"database_url": f"sqlite:///{tmp_path / 'elsewhere.db'}"})
+    db.upgrade(elsewhere.database_url)
+    queue = cluster.queue()
+    with session_factory(elsewhere.database_url).begin() as s:      # a job no worker's database holds
+        stray = store.create_job(s, target=str(cluster.models / "llama"), drafts=[str(cluster.models / "llama-partial")],
+                                 params={}, requests=intake.parse_file(cluster.prompts(ROWS[:1]), {}, elsewhere),
+                                 queue=queue)
+        stray_ids = list(store.resumable_request_ids(s, stray.id))
+    enqueue_requests(elsewhere, stray.id, stray_ids, queue)         # first in the queue
+    right = cluster.worker("right")
+    job_id, _ = cluster.submit(ROWS)
+    summary = cluster.wait_finished(job_id)
+    assert summary["status"] == "completed", summary
+    assert "REFUSED" in right.output() and f"job {stray.id} is in another database" in right.output(), \
+        right.output()[-3000:]
+    assert _consumes(cluster, "right@", queue)
 
 
 def test_target_that_keeps_failing_makes_the_worker_unhealthy_not_the_queue(cluster) -> None:  # noqa: ANN001
