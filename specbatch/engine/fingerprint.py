@@ -130,10 +130,10 @@ def decoded_with(model: Any) -> dict[str, Any]:
     (``results.numerics``), so that ``specbatch audit`` re-decodes it the same way and, where
     it cannot, says what differs (docs/CONTRACTS.md). Made once per compiled forward: only
     installing or adopting one changes it after the load (``LoadedModel.decoded``)."""
-    import transformers
-
     if model.decoded is not None and model.decoded[0] is model.compiled:
         return dict(model.decoded[1])
+    import transformers
+
     device = getattr(model.device, "type", str(model.device))
     name = processor(device, getattr(model.device, "index", None))
     if device == "cpu" and cpuinfo.vector_isa():
