@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 
 
 BROKER_DOWN = "the job queue's broker cannot be reached; nothing was queued, try again later"
+# on a 409 whose answer cannot change: openai-python retries every 409 ("lock timeouts") twice with
+# backoff unless the server says not to (its _should_retry obeys this header first)
+NO_RETRY = {"x-should-retry": "false"}
 
 
 class ApiError(Exception):
@@ -47,7 +50,7 @@ def from_domain(e: SpecBatchError) -> ApiError:
     if isinstance(e, (FileNotFound, BatchNotFound, JobNotFound)):
         return ApiError(404, str(e), param="id")
     if isinstance(e, BatchEnded):    # OpenAI's answer, word for word (its clients match on it)
-        return ApiError(409, str(e))
+        return ApiError(409, str(e), headers=NO_RETRY)
     if isinstance(e, InputError):    # the field in the message too: clients show only the message
         return ApiError(400, f"{e.field}: {e.reason}" if e.field else e.reason, param=e.field)
     if isinstance(e, BrokerUnavailable):     # its text names the broker URL, which may hold a password

@@ -11,7 +11,7 @@ from fastapi.responses import FileResponse, JSONResponse
 from specbatch.api import upload
 from specbatch.api.auth import Keyed
 from specbatch.api.deps import AppState
-from specbatch.api.errors import ApiError
+from specbatch.api.errors import NO_RETRY, ApiError
 from specbatch.api.models import FileDeleted, FileList, FileObject
 from specbatch.api.responses import answer
 from specbatch.api.schema import UPLOAD_BODY
@@ -88,7 +88,8 @@ def delete_file(caller: Keyed, file_id: str) -> JSONResponse:
         files.get_file(s, file_id, owner)           # another tenant's file: 404 before anything else
         if live := batches.live_batches_of_file(s, file_id):
             raise ApiError(409, f"file {file_id} is the input of {', '.join(live)}, which has not ended; "
-                                "cancel it or wait for it to end first", param="id", code="file_in_use")
+                                "cancel it or wait for it to end first", param="id", code="file_in_use",
+                           headers=NO_RETRY)
         files.delete_file(s, file_id, owner)
     files.file_path(sb.settings, file_id).unlink(missing_ok=True)
     return answer({"id": file_id, "object": "file", "deleted": True})

@@ -85,10 +85,16 @@ def _as_decoded(decoded: tuple[str | None, str | None], device: str | None, dtyp
     settings'. The configured device keeps its index where it is of the recorded type (cuda:1)."""
     import torch
 
+    from specbatch.engine.loading import parse_device
+
     recorded_device, recorded_dtype = decoded
     if device is None:
         device = default_device
-        if recorded_device is not None and torch.device(default_device).type != recorded_device:
+        try:
+            configured = parse_device(default_device).type
+        except ValueError:      # SPECBATCH_DEVICE's mistake: the load says it in one line
+            configured = recorded_device
+        if recorded_device is not None and configured != recorded_device:
             here = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
             if here.get(recorded_device):
                 device = recorded_device

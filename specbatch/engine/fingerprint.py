@@ -128,7 +128,10 @@ def decoded_with(model: Any) -> dict[str, Any]:
     another machine may round by: the processor (its kernels: docs/DESIGN.md, "Attention folds
     the query heads") and the torch and transformers versions. Recorded with every result
     (``results.numerics``), so that ``specbatch audit`` re-decodes it the same way and, where
-    it cannot, says what differs (docs/CONTRACTS.md)."""
+    it cannot, says what differs (docs/CONTRACTS.md). Made once per compiled forward: only
+    installing or adopting one changes it after the load (``LoadedModel.decoded``)."""
+    if model.decoded is not None and model.decoded[0] is model.compiled:
+        return dict(model.decoded[1])
     import transformers
 
     device = getattr(model.device, "type", str(model.device))
@@ -136,8 +139,10 @@ def decoded_with(model: Any) -> dict[str, Any]:
     if device == "cpu" and cpuinfo.vector_isa():
         name = f"{name} ({cpuinfo.vector_isa()})"
     plain = numerics(model)
-    return {**plain, "dtype": plain["dtype"].removeprefix("torch."),    # what --dtype takes
-            "processor": name, "torch": torch.__version__, "transformers": transformers.__version__}
+    record = {**plain, "dtype": plain["dtype"].removeprefix("torch."),    # what --dtype takes
+              "processor": name, "torch": torch.__version__, "transformers": transformers.__version__}
+    model.decoded = (model.compiled, record)
+    return dict(record)
 
 
 def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> str | None:

@@ -188,14 +188,12 @@ def audit(items_: Sequence[Item], engine_for: Callable[[str], Engine],
     involved, so such a mismatch does not show speculation lossy (docs/CONTRACTS.md)."""
     from specbatch.engine.fingerprint import decoded_with
 
-    here: dict[int, dict[str, Any]] = {}
     out = []
     for item in items_:
         engine = engine_for(item.target)
         v = audit_item(engine, item)
         if not v.ok and not item.lossy:
-            numerics = here.setdefault(id(engine), decoded_with(engine.target))
-            if differ := numerics_differ(item.numerics, numerics):
+            if differ := numerics_differ(item.numerics, decoded_with(engine.target)):
                 v = replace(v, detail=f"{v.detail} (decoded with other numerics than this audit's: {differ}; "
                                       "a near-tie can round either way across them with no draft involved: "
                                       "audit where it was decoded)")

@@ -21,15 +21,19 @@ from specbatch.worker.queues import queue_name, route_drafters
 
 def engine_models(engine: Any) -> dict[str, Any]:
     """What a result records about the engine that produced it: its models, and how its target
-    computes (``numerics``: what ``specbatch audit`` re-decodes with, docs/CONTRACTS.md)."""
+    computes (``numerics``: what ``specbatch audit`` re-decodes with, docs/CONTRACTS.md). Called
+    for every stored result: the record is made once per compiled forward (``decoded_with``)."""
     from specbatch.engine.fingerprint import decoded_with
     from specbatch.engine.loading import LoadedModel
 
     target = getattr(engine, "target", None)
+    numerics = decoded_with(target) if isinstance(target, LoadedModel) else None
+    if numerics is not None and getattr(engine, "static_graphs", None) is not None:
+        numerics["compiled"] = True     # compile=static: the engine's graphs, the target's forward unset
     return {"target": getattr(engine, "target_name", None),
             "drafts": list(getattr(engine, "drafter_names", []) or []),
             "lossy": bool(getattr(engine, "lossy", False)),
-            "numerics": decoded_with(target) if isinstance(target, LoadedModel) else None}
+            "numerics": numerics}
 
 
 def draft_only(engine: Any) -> Any:

@@ -66,3 +66,36 @@ def test_a_batch_that_has_ended_cannot_be_cancelled_as_on_openai(tmp_path: Path)
     assert anyio.run(cancel, ids["in_progress"]).status in ("cancelling", "cancelled")
     assert anyio.run(cancel, ids["in_progress"]).status in ("cancelling", "cancelled")   # (again: still 200)
     db.forget_engines()
+
+
+def test_the_official_client_does_not_retry_a_refused_cancel(tmp_path: Path) -> None:
+    """openai-python retries a 409 ("lock timeouts") twice, with backoff, unless the answer says
+    x-should-retry: false: a cancel of an ended batch, or the deletion of a live batch's input, was
+    sent three times and raised after seconds of waiting for an answer that cannot change (review53)."""
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    settings = Settings.from_env({"SPECBATCH_DATABASE_URL": url, "SPECBATCH_FILES_DIR": str(tmp_path / "f"),
+                                  "SPECBATCH_BROKER_URL": "memory://"})
+    app = create_app(settings)
+    ids = _ended(url, settings)
+    with db.session_factory(url).begin() as s:
+        live_input = batches.get_batch(s, ids["in_progress"]).input_file_id
+    sent: list[str] = []
+
+    async def refused(call: Any) -> Any:
+        async def on_request(request: httpx.Request) -> None:
+            sent.append(request.url.path)
+
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                     event_hooks={"request": [on_request]}) as http:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="k", http_client=http)   # retries as shipped
+            try:
+                return await call(client)
+            except openai.APIStatusError as e:
+                return e
+
+    e = anyio.run(refused, lambda c: c.batches.cancel(ids["completed"]))
+    assert isinstance(e, openai.ConflictError) and e.response.headers["x-should-retry"] == "false", e
+    e = anyio.run(refused, lambda c: c.files.delete(live_input))
+    assert isinstance(e, openai.ConflictError) and e.body["code"] == "file_in_use", e
+    assert sent == [f"/v1/batches/{ids['completed']}/cancel", f"/v1/files/{live_input}"], sent
+    db.forget_engines()

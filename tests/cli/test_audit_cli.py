@@ -244,3 +244,30 @@ def test_a_one_token_result_is_worded_in_the_singular() -> None:
     sampled = Item(2, "q2", "t", "hi", None, None, {"temperature": 0.7}, [2], None, False)
     assert audit_item(Alone(), sampled).detail == \
         "1 token possible under the target (no logprobs stored to compare)"
+
+
+@pytest.mark.parametrize("recorded", [{"device": "cuda", "dtype": "bfloat16"}, {"device": "cpu", "dtype": "float32"}])
+def test_a_bad_configured_device_is_one_line_whatever_the_results_recorded(tmp_path, monkeypatch, tiny_models,
+                                                                           recorded):
+    """SPECBATCH_DEVICE=gpu is a setting's mistake, told in one line by the load; with results that
+    recorded a device, the audit's choice of device read it first and said "unexpected error
+    (RuntimeError: Expected one of cpu, cuda, ...) ... please report it" (review53)."""
+    from tests.jobs.test_store import output
+
+    url, parsed = _database(tmp_path, monkeypatch, LINES[:1])
+    with db.session_factory(url).begin() as s:
+        job_id = store.create_job(s, target=str(tiny_models / "llama"), drafts=[], params={},
+                                  requests=parsed.requests, queue="q").id
+        (rid,) = store.resumable_request_ids(s, job_id)
+        store.claim_requests(s, [rid], "w", 60, 3)
+        store.record_result(s, rid, output(), "w", {"numerics": recorded})
+        store.refresh_job(s, job_id)
+    monkeypatch.setenv("SPECBATCH_DEVICE", "gpu")
+    get_settings.cache_clear()
+    try:
+        result = run("audit", job_id)
+    finally:
+        db.forget_engines()
+    assert result.exit_code == 1, result.output
+    assert "unknown device 'gpu': use cpu, cuda, cuda:N or mps" in result.stderr, result.stderr
+    assert "unexpected error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
