@@ -151,8 +151,9 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-def test_a_taken_metrics_port_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    """SPECBATCH_METRICS_PORT on a port in use: the worker stops before loading anything."""
+def test_a_taken_metrics_port_is_one_clear_line(monkeypatch: pytest.MonkeyPatch, tiny_models) -> None:  # noqa: ANN001
+    """SPECBATCH_METRICS_PORT on a port in use: the worker stops before loading anything (a real
+    model's name: a name that is no model is refused before the port is tried)."""
     import socket
 
     from click.testing import CliRunner
@@ -166,7 +167,7 @@ def test_a_taken_metrics_port_is_one_clear_line(monkeypatch: pytest.MonkeyPatch)
         port = busy.getsockname()[1]
         monkeypatch.setenv("SPECBATCH_METRICS_PORT", str(port))
         monkeypatch.setenv("SPECBATCH_METRICS_ADDRESS", "127.0.0.1")
-        result = CliRunner().invoke(cli, ["worker", "--target", "/nonexistent/model"])
+        result = CliRunner().invoke(cli, ["worker", "--target", str(tiny_models / "llama"), "--draft", "none"])
     assert result.exit_code == 1, result.output
     assert result.output.strip().splitlines() == [
         f"Error: cannot serve metrics on 127.0.0.1:{port}: Address already in use; choose another --metrics-port"]
