@@ -10,11 +10,6 @@ from specbatch.config import Settings
 from specbatch.worker import tasks
 
 
-class _Retry(Exception):
-    def __init__(self, countdown: float) -> None:
-        self.countdown = countdown
-
-
 @pytest.fixture
 def settings(tmp_path):  # noqa: ANN001
     url = f"sqlite:///{tmp_path / 'w.db'}"
@@ -34,19 +29,52 @@ def test_each_database_keeps_one_id_of_its_own(tmp_path) -> None:  # noqa: ANN00
 
 
 def test_a_task_of_another_database_goes_back_later_each_time_then_is_dropped(settings, monkeypatch) -> None:  # noqa: ANN001
-    task = tasks.process_chunk_task
-    monkeypatch.setattr(task, "retry", lambda countdown, max_retries: _Retry(countdown))
+    from celery.exceptions import Retry
+
     monkeypatch.setattr(tasks, "set_consuming", lambda *a, **k: pytest.fail("a queue was paused"))
-    waits = []
+    waits, kwargs = [], {"database": "f" * 32}
     for tries in range(tasks.FOREIGN_TRIES):
-        task.push_request(id=f"t{tries}", retries=tries, delivery_info={"routing_key": "q"})
-        try:
-            out = task.pass_on(settings, "job1", "f" * 32)
-        finally:
-            task.pop_request()
-        if isinstance(out, _Retry):
-            waits.append(out.countdown)
+        out = _take(settings, monkeypatch, tries, **kwargs)     # each pass is a retry of the message
+        if isinstance(out, Retry):
+            waits.append(out.when)
+            kwargs = out.sig.kwargs         # what the message sent back carries
     assert waits == [5, 10, 20, 40, 80, 160, 300, 300, 300, 300, 300], waits
     assert isinstance(out, Reject) and out.requeue is False
     assert "`specbatch resume job1` with that database's SPECBATCH_DATABASE_URL" in str(out.reason)
-    assert task.refused == set()
+    assert tasks.process_chunk_task.refused == set()
+
+
+def _take(settings: Settings, monkeypatch, retries: int, **kwargs) -> BaseException:  # noqa: ANN001, ANN003
+    """Run the task body as a worker of ``settings``' database would, ``retries`` earlier retries of
+    any kind on the message; what it raised. Celery's own retry, eager: the message it would send
+    is the Retry's signature."""
+    task = tasks.process_chunk_task
+    monkeypatch.setattr(tasks, "get_settings", lambda: settings)
+    task.push_request(id="t1", retries=retries, args=["job1", [1, 2]], kwargs=kwargs, is_eager=True,
+                      called_directly=False, delivery_info={"routing_key": "q"})
+    try:
+        task.run("job1", [1, 2], **kwargs)
+    except BaseException as e:  # noqa: BLE001 - what the task raised is the answer
+        return e
+    finally:
+        task.pop_request()
+    raise AssertionError("the task of another database ran")
+
+
+def test_retries_of_another_kind_do_not_count_as_passes(settings, monkeypatch) -> None:  # noqa: ANN001
+    """Celery's request.retries counts every retry of the message: waits for a lease another worker
+    held and transient errors in the task's own database, worker-lost resends. Counted as passes, a
+    task that had waited on leases 11 times was dropped the first time a worker of another database
+    took it ("no worker of that database took it in 12 tries"), and one that had waited 6 times
+    went back 300 s later, not 5 (review53b)."""
+    from celery.exceptions import Retry
+
+    out = _take(settings, monkeypatch, retries=11, database="f" * 32)
+    assert isinstance(out, Retry), out
+    assert out.when == 5
+    assert list(out.sig.args) == ["job1", [1, 2]]
+    assert out.sig.kwargs == {"database": "f" * 32, "passes": 1}      # the database it names goes with it
+    out = _take(settings, monkeypatch, retries=30, database="f" * 32, passes=10)
+    assert isinstance(out, Retry) and out.when == 300 and out.sig.kwargs["passes"] == 11
+    out = _take(settings, monkeypatch, retries=0, database="f" * 32, passes=11)
+    assert isinstance(out, Reject) and out.requeue is False and "in 12 tries" in str(out.reason)
