@@ -35,10 +35,18 @@ def _job(url: str, queue: str, n: int = 3, meta: dict | None = None, age: float 
     return job_id, ids
 
 
-def test_broker_holds_waiting_and_taken_tasks(redis_server) -> None:  # noqa: ANN001
+def _settings(redis_server, tmp_path, **env: str) -> Settings:  # noqa: ANN001
+    """Settings of the test's broker and a database of its own: a task names its job's database
+    (enqueue_requests reads its id), and without a URL that was the user's default database under
+    ~/.local/share, created or migrated by the test (review53b)."""
+    return Settings.from_env({"SPECBATCH_BROKER_URL": redis_server.url,
+                              "SPECBATCH_DATABASE_URL": f"sqlite:///{tmp_path / 'sb.db'}", **env})
+
+
+def test_broker_holds_waiting_and_taken_tasks(redis_server, tmp_path) -> None:  # noqa: ANN001
     from kombu import Connection
 
-    settings = Settings.from_env({"SPECBATCH_BROKER_URL": redis_server.url, "SPECBATCH_CHUNK_SIZE": "2"})
+    settings = _settings(redis_server, tmp_path, SPECBATCH_CHUNK_SIZE="2")
     assert broker_holds(settings, "q.a") == set()              # empty queue, nothing taken
     enqueue_requests(settings, "job1", [11, 12, 13], "q.a")
     assert broker_holds(settings, "q.a") == {11, 12, 13}       # waiting tasks name them
@@ -83,8 +91,8 @@ def test_two_workers_marking_at_once_send_each_request_once(db_url: str) -> None
         assert mark_sent(s, ids, 30) == []
 
 
-def test_a_queue_longer_than_the_scan_concludes_nothing(redis_server, monkeypatch) -> None:  # noqa: ANN001
-    settings = Settings.from_env({"SPECBATCH_BROKER_URL": redis_server.url, "SPECBATCH_CHUNK_SIZE": "1"})
+def test_a_queue_longer_than_the_scan_concludes_nothing(redis_server, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    settings = _settings(redis_server, tmp_path, SPECBATCH_CHUNK_SIZE="1")
     enqueue_requests(settings, "job1", [1, 2, 3], "q.long")
     monkeypatch.setattr(stranded, "MAX_SCAN", 2)
     assert broker_holds(settings, "q.long") is None
