@@ -509,9 +509,12 @@ def retry(job_id: str, as_json: bool) -> None:
       specbatch retry 3f9a2c
     """
     from specbatch.jobs import store
+    from specbatch.worker.submission import read_database_id
 
     settings = get_settings()
-    with open_db(settings).begin() as s:
+    factory = open_db(settings)
+    read_database_id(settings)
+    with factory.begin() as s:
         ids = store.retry_failed(s, job_id)
         job = store.get_job(s, job_id)
         jid, queue, job_drafters = job.id, job.queue, list(job.drafts or [])

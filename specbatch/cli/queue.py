@@ -127,7 +127,8 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str],
     """Validate (unless ``parsed`` already is) and store the file as a job; returns its id and its
     pending request ids per pair."""
     from specbatch.engine.drafter_specs import parse_drafters
-    from specbatch.worker.submission import Pair, store_job
+    from specbatch.jobs import store
+    from specbatch.worker.submission import Pair, read_database_id, store_job
 
     if parsed is None:
         parsed = _read_file(settings, file, defaults, model_map, (target, drafts))
@@ -135,7 +136,10 @@ def _create_job(settings: Settings, file: str, target: str, drafts: list[str],
             warn(line)
     pair = Pair(target, parse_drafters(drafts))
     assert pair.queue == queue, (pair.queue, queue)
-    with open_db(settings, create=True).begin() as s:
+    factory = open_db(settings, create=True)
+    if not store.run_in_its_process(metadata):
+        read_database_id(settings)
+    with factory.begin() as s:
         return store_job(s, parsed, pair=pair, defaults=defaults,
                          source="<stdin>" if file == "-" else str(Path(file).resolve()), metadata=metadata,
                          cache=cache)

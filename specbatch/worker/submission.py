@@ -88,6 +88,16 @@ class Submission:
         return sum(len(ids) for ids in self.routes.values())
 
 
+def read_database_id(settings: Settings) -> str:
+    """The id the tasks name the database by (``db.database_id``), read before a command writes
+    what they will send: read at the first send, after the write, a database lost between the two
+    (or an id this role may not read) left a job saved and unsent, or failed requests pending with
+    no task, under "run the command again", which submitted the file twice (review53b)."""
+    from specbatch.db import database_id
+
+    return database_id(settings.database_url)
+
+
 def store_job(s: Session, parsed: ParsedFile, *, pair: Pair, defaults: dict[str, Any], source: str | None,
               metadata: dict[str, Any] | None = None, cache: bool = True) -> tuple[str, Routes]:
     """Write the job and its pending requests in the caller's transaction; (job id, ids per route).
@@ -104,6 +114,7 @@ def submit_job(settings: Settings, factory: sessionmaker, parsed: ParsedFile, *,
     """Store the job, then send its tasks. ``with_job(session, job_id)`` writes more rows in the
     job's transaction (the API's batch). Raises BrokerUnavailable if the send fails (the job is
     saved: ``specbatch resume`` re-sends it)."""
+    read_database_id(settings)
     with factory.begin() as s:
         job_id, routes = store_job(s, parsed, pair=pair, defaults=defaults, source=source, metadata=metadata,
                                    cache=cache)

@@ -468,6 +468,46 @@ def test_retry_with_the_broker_down_leaves_requests_pending(db_url, monkeypatch)
     assert statuses(db_url, job_id) == ["completed", "pending"]
 
 
+def _id_unreadable(monkeypatch) -> None:
+    """The database stops answering as a command reads its id (db.database_id), which the tasks it
+    sends name their job's database by."""
+    import psycopg
+    from sqlalchemy.exc import OperationalError
+
+    def lost(url: str) -> str:
+        raise OperationalError("SELECT specbatch_database.id", {}, psycopg.OperationalError("server closed the connection"))
+
+    monkeypatch.setattr(db, "database_id", lost)
+
+
+def test_submit_reads_the_database_id_before_it_writes_the_job(db_url, tmp_path, monkeypatch):
+    """The id was read at the first send, after the job was written: a database lost there (or one
+    whose id this role may not read) left a job saved and unsent under "run the command again",
+    and submitting again made a second job of the same file (review53b)."""
+    import specbatch.worker.enqueue as enqueue
+
+    monkeypatch.setattr(enqueue, "check_broker", lambda settings: None)
+    _id_unreadable(monkeypatch)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    result = run("submit", str(prompts), "--target", "org/tgt")
+    assert result.exit_code == 1
+    assert "the database stopped answering (server closed the connection)" in result.stderr, result.output
+    with db.session_factory(db_url).begin() as s:
+        assert s.scalar(select(func.count()).select_from(Job)) == 0
+
+
+def test_retry_reads_the_database_id_before_it_changes_a_request(db_url, monkeypatch):
+    """As submit: its failed requests were made pending before the id was read, so running it again
+    said "no failed requests; nothing to retry" of requests no task named (review53b)."""
+    job_id, _ = make_job(db_url, results=1, failures=1, pending=0)
+    _id_unreadable(monkeypatch)
+    result = run("retry", job_id)
+    assert result.exit_code == 1
+    assert "the database stopped answering (server closed the connection)" in result.stderr, result.output
+    assert statuses(db_url, job_id) == ["completed", "failed"]
+
+
 def test_db_upgrade_and_url(db_url, tmp_path):
     result = run("db", "upgrade")
     assert result.exit_code == 0, result.output
