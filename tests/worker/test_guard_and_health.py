@@ -105,6 +105,8 @@ def test_a_task_of_another_database_holds_up_no_job_of_this_one(cluster, tmp_pat
     assert "REFUSED" in right.output() and f"job {stray.id} is in another database" in right.output(), \
         right.output()[-3000:]
     assert _consumes(cluster, "right@", queue)
+    # passed on again 5 s later: the message sent back carried its count (kwargs "passes"), through Redis
+    wait_for(lambda: "(try 2 of 12)" in right.output(), 60, "the stray task's second pass")
 
 
 def test_target_that_keeps_failing_makes_the_worker_unhealthy_not_the_queue(cluster) -> None:  # noqa: ANN001
