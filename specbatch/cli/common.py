@@ -139,8 +139,13 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
     if workers is None:
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
         return
+    elsewhere = _of_another_database(settings, workers)
     for w in workers:
-        if w.paused:
+        if w.name in elsewhere:
+            warn(f"worker {w.name} consumes queue {queue} but reads another database (id {w.database}; this "
+                 f"one's is {elsewhere[w.name]}): it passes this database's tasks on unrun; give it the "
+                 "SPECBATCH_DATABASE_URL this command uses")
+        elif w.paused:
             warn(f"worker {w.name} is online for queue {queue} but does not consume it: it paused "
                  "itself (its log's 'paused:' line says why)")
         elif not w.consuming:
@@ -148,8 +153,24 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
                        "tasks wait in the queue until it consumes", err=True)
         elif states and w.state and not w.state.startswith("ready"):
             click.echo(f"worker {w.name}: {worker_state(w.state)}", err=True)
-    if all(w.paused for w in workers):
+    if all(w.paused or w.name in elsewhere for w in workers):
         warn(f"no live worker consumes queue {queue}: {advice}")
+
+
+def _of_another_database(settings: Any, workers: Sequence[Any]) -> dict[str, str]:
+    """worker name -> this command's database id, for the workers that said they read another
+    (monitor.WorkerView.database; one that said nothing, an older worker, is not counted)."""
+    if not any(w.database for w in workers):
+        return {}
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from specbatch.db import database_id
+
+    try:
+        mine = database_id(settings.database_url)
+    except SQLAlchemyError:     # the command's own error says it; this is a warning's detail
+        return {}
+    return {w.name: mine for w in workers if w.database and w.database != mine}
 
 
 def worker_state(state: str) -> str:

@@ -15,6 +15,7 @@ logger = logging.getLogger(__name__)
 
 # in a `specbatch worker`'s app config: `celery inspect conf` and Flower's worker page (Config) show it
 STATE_KEY = "specbatch_state"
+DATABASE_KEY = "specbatch_database"   # the id of the database a worker reads (db.database_id), None: not known
 # a prefork worker's state until its pool child reports one
 STARTING = "starting: loading models"
 
@@ -64,11 +65,12 @@ class WorkerView:
     # online for the queue (its own), past starting, and not consuming it: it cancelled its own
     # consumer (worker.breaker: a refused task, the database down, target failures)
     paused: bool = False
+    database: str | None = None   # the id of the database it reads (None: not said, an older worker)
 
 
 def _views(settings: Settings, timeout: float) -> dict[str, dict[str, Any]] | None:
-    """worker name -> {"queues", "default_queue", "state"} (``panel.specbatch_view``); None when the
-    broker is unreachable."""
+    """worker name -> {"queues", "default_queue", "state", "database"} (``panel.specbatch_view``);
+    None when the broker is unreachable."""
     replies = _inspect(settings, VIEW_COMMAND, timeout)
     if replies is None or all(isinstance(r, dict) and "queues" in r for r in replies.values()):
         return replies
@@ -94,7 +96,8 @@ def queue_workers(settings: Settings, queue: str, timeout: float = 1.0) -> list[
         own = reply.get("default_queue") == queue
         starting = own and str(state or "").startswith("starting")
         if consuming or starting or own:
-            views.append(WorkerView(worker, consuming, state, paused=own and not consuming and not starting))
+            views.append(WorkerView(worker, consuming, state, paused=own and not consuming and not starting,
+                                    database=reply.get("database")))
     if any(not v.paused for v in views):
         return views
     # a worker that answered said what it consumes: this machine's scratch directories count only

@@ -13,14 +13,16 @@ from typing import Any
 
 from celery.worker.control import inspect_command
 
-from specbatch.worker.monitor import STATE_KEY, VIEW_COMMAND
+from specbatch.worker.monitor import DATABASE_KEY, STATE_KEY, VIEW_COMMAND
 
 
 @inspect_command(name=VIEW_COMMAND)
 def specbatch_view(state: Any) -> dict[str, Any]:
     """{"queues": the queues consumed now, "default_queue": the worker's own pair queue (consumed
-    once its models are loaded), "state": its ``specbatch_state`` or None}."""
+    once its models are loaded), "state": its ``specbatch_state`` or None, "database": the id of
+    the database it reads or None}."""
     consumer = state.consumer.task_consumer
     conf = state.app.conf
     return {"queues": [q.name for q in consumer.queues] if consumer else [],
-            "default_queue": conf.task_default_queue, "state": conf.get(STATE_KEY)}
+            "default_queue": conf.task_default_queue, "state": conf.get(STATE_KEY),
+            "database": conf.get(DATABASE_KEY)}

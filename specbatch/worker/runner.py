@@ -44,7 +44,7 @@ from specbatch.config import Settings
 from specbatch.engine.drafter_specs import names, parse_drafters
 from specbatch.errors import SpecBatchError
 from specbatch.worker.app import create_app
-from specbatch.worker.monitor import STARTING, STATE_KEY
+from specbatch.worker.monitor import DATABASE_KEY, STARTING, STATE_KEY
 from specbatch.worker.queues import queue_name
 from specbatch.worker.scratch import STATE_FILE, read_worker, scratch_dirs, source, workers_root, write_worker
 
@@ -180,6 +180,21 @@ def worker_argv(queue: str, *, hostname: str | None, loglevel: str, pool: str = 
     return argv + list(extra)
 
 
+def _database_id(settings: Settings) -> str | None:
+    """The id of the database this worker reads (``db.database_id``), which its remote control
+    answers with: `status` and `submit` of another database then say so (``cli.common.
+    check_queue_workers``). None where it cannot be read now: the worker waits for a database that
+    is down when its first task comes (worker.breaker)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from specbatch.db import database_id
+
+    try:
+        return database_id(settings.database_url)
+    except (SQLAlchemyError, SpecBatchError):
+        return None
+
+
 def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
                device: str | None = None, dtype: str | None = None, batch_size: int | str | None = None,
                max_memory: int | None = None, threads: int | None = None, compile: str | None = None,
@@ -209,6 +224,7 @@ def run_worker(settings: Settings, *, target: str, drafts: Sequence[str] = (),
         app.conf.update(
             specbatch_state_file=str(own / STATE_FILE) if pool == "prefork" else None,
             specbatch_state=STARTING if pool == "prefork" else "ready",
+            **{DATABASE_KEY: _database_id(settings)},
             specbatch_engine={"target": target, "drafts": drafts,
                               "device": device or settings.device, "dtype": dtype or settings.dtype,
                               "batch_size": batch_size or settings.batch_size, "max_memory": max_memory,

@@ -703,6 +703,28 @@ def test_status_names_a_paused_worker_and_warns_that_nothing_consumes(db_url, mo
     assert "decoding" not in result.stderr and "is starting" not in result.stderr
 
 
+def test_status_names_a_worker_of_another_database_and_warns_that_nothing_consumes(db_url, monkeypatch):
+    """A worker consuming the job's queue but reading another database passes its tasks on unrun
+    (docs/DESIGN.md, "Tasks of another database"): status says so, with the fix, and that no live
+    worker consumes the queue. One of this database, or one that says nothing of its database (an
+    older worker), reads as before."""
+    import specbatch.worker.monitor as monitor
+
+    views = [monitor.WorkerView("w1@h", True, "eager: auto: x", database="0" * 32)]
+    monkeypatch.setattr(monitor, "queue_workers", lambda settings, queue, **_: views)
+    job_id, _ = make_job(db_url)
+    result = run("status", job_id)
+    assert result.exit_code == 0, result.output
+    assert (f"warning: worker w1@h consumes queue sb.q1 but reads another database (id {'0' * 32}; this one's "
+            f"is {db.database_id(db_url)}): it passes this database's tasks on unrun; give it the "
+            "SPECBATCH_DATABASE_URL this command uses") in result.stderr, result.stderr
+    assert "warning: no live worker consumes queue sb.q1" in result.stderr
+    for same in (db.database_id(db_url), None):
+        views[:] = [monitor.WorkerView("w1@h", True, "eager: auto: x", database=same)]
+        result = run("status", job_id)
+        assert "another database" not in result.stderr and "no live worker" not in result.stderr, result.stderr
+
+
 def test_resume_of_a_cancelled_or_finished_job_says_so_without_the_broker(db_url):
     """Not "re-enqueued 0 requests" (exit 0, after a worker check on the broker): a cancelled job is
     refused as `retry` refuses it, one with nothing left says so (the broker here is unreachable)."""

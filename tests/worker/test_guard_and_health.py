@@ -57,6 +57,13 @@ def test_wrong_model_and_wrong_database_are_refused_then_the_right_worker_finish
     wait_for(lambda: "REFUSED" in other.output() and "is in another database" in other.output(), 120,
              "otherdb@ to pass the task on")
     assert _consumes(cluster, "otherdb@", queue), other.output()[-3000:]
+    # and `status` of the job's database names it as a worker of another database
+    import subprocess
+
+    from tests.worker.conftest import CLI
+
+    status = subprocess.run([*CLI, "status", job_id], env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert "worker otherdb@" in status.stderr and "reads another database" in status.stderr, status.stderr
     other.stop()
     assert {r["status"] for r in cluster.rows(job_id)} == {"pending"}  # nothing generated or failed
     # 3. the right worker finishes it; every result records its models

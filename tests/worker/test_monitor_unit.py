@@ -10,14 +10,15 @@ def test_consumers_and_workers_starting_for_the_queue_not_others_in_one_broadcas
     """One remote-control round trip (worker.panel's command), not two: each waits its whole timeout
     (1 s) for replies, two of them were two seconds of every `status`."""
     replies = {monitor.VIEW_COMMAND: {
-        "a@h": {"queues": ["q1"], "default_queue": "q1", "state": "compiling 1/2 (t graph 1/2), ..."},
+        "a@h": {"queues": ["q1"], "default_queue": "q1", "state": "compiling 1/2 (t graph 1/2), ...",
+                "database": "d" * 32},
         "b@h": {"queues": [], "default_queue": "q1", "state": "starting: loading models"},
         "c@h": {"queues": [], "default_queue": "q2", "state": "starting: loading models"},
         "d@h": {"queues": ["q2"], "default_queue": "specbatch.default", "state": None}}}
     asked: list[str] = []
     monkeypatch.setattr(monitor, "_inspect", lambda s, command, timeout: asked.append(command) or replies[command])
     views = monitor.queue_workers(Settings.from_env({}), "q1")
-    assert views == [monitor.WorkerView("a@h", True, "compiling 1/2 (t graph 1/2), ..."),
+    assert views == [monitor.WorkerView("a@h", True, "compiling 1/2 (t graph 1/2), ...", database="d" * 32),
                      monitor.WorkerView("b@h", False, "starting: loading models")]
     assert [v.name for v in monitor.queue_workers(Settings.from_env({}), "q2") or []] == ["c@h", "d@h"]
     assert asked == [monitor.VIEW_COMMAND] * 2
