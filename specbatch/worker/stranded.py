@@ -51,25 +51,34 @@ def queue_keys(queue: str) -> tuple[str, ...]:
     return (queue, *(f"{queue}{KOMBU_PRIORITY_SEP}{p}" for p in KOMBU_PRIORITIES))
 
 
-def _request_ids(payload: Any) -> tuple[str, list[int]] | None:
-    """(job id, request ids) of one of our task messages (Celery protocol 2, JSON); None otherwise."""
+def _request_ids(payload: Any, database: str) -> tuple[str, list[int]] | None:
+    """(job id, request ids) of one of our task messages (Celery protocol 2, JSON) of the database
+    whose id is ``database`` (or sent before tasks named theirs); None otherwise: another
+    database's request ids say nothing of this one's rows (docs/DESIGN.md, "Tasks of another
+    database")."""
     try:
         body = payload["body"]
         if payload.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
-        args = json.loads(body)[0]
+        args, kwargs = json.loads(body)[:2]
+        if kwargs.get("database", database) != database:
+            return None
         return str(args[0]), [int(i) for i in args[1]]
-    except (KeyError, IndexError, TypeError, ValueError):
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
         return None
 
 
 def broker_holds(settings: Settings, queue: str) -> set[int] | None:
-    """The request ids of ``queue``'s tasks in the broker: waiting in the queue, or taken by a
-    worker and not acknowledged; None when the broker cannot be looked into or the queue holds
+    """The request ids of ``queue``'s tasks of this database in the broker: waiting in the queue,
+    or taken by a worker and not acknowledged; None when the broker cannot be looked into or the queue holds
     more than ``MAX_SCAN`` tasks."""
     if not settings.broker_url.startswith(("redis://", "rediss://", "unix://")):
         return None
     import redis
+
+    from specbatch.db import database_id
+
+    database = database_id(settings.database_url)
 
     client = redis.Redis.from_url(settings.broker_url, socket_timeout=BROKER_TIMEOUT,
                                   socket_connect_timeout=BROKER_TIMEOUT)
@@ -90,13 +99,13 @@ def broker_holds(settings: Settings, queue: str) -> set[int] | None:
         client.close()
     held: set[int] = set()
     for raw in (m for msgs in waiting for m in msgs):
-        ids = _request_ids(_json(raw))
+        ids = _request_ids(_json(raw), database)
         if ids is not None:
             held.update(ids[1])
     for raw in unacked:
         entry = _json(raw)
         if isinstance(entry, list) and len(entry) == 3 and entry[2] == queue:
-            ids = _request_ids(entry[0])
+            ids = _request_ids(entry[0], database)
             if ids is not None:
                 held.update(ids[1])
     return held

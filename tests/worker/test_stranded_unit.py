@@ -9,6 +9,7 @@ from datetime import timedelta
 
 from sqlalchemy import update
 
+from specbatch import db
 from specbatch.config import Settings
 from specbatch.db import session_factory
 from specbatch.db.models import Job, Request, RequestStatus, utcnow
@@ -55,6 +56,12 @@ def test_broker_holds_waiting_and_taken_tasks(redis_server, tmp_path) -> None:  
         taken = [queue.get(timeout=5), queue.get(timeout=5)]   # not acknowledged: in Redis's unacked hash
         assert broker_holds(settings, "q.a") == {11, 12, 13}
         assert broker_holds(settings, "q.b") == set()          # another queue's tasks are not its own
+        # nor another database's: its request 12 is not this database's request 12 (review53b)
+        db.upgrade(elsewhere := f"sqlite:///{tmp_path / 'elsewhere.db'}")
+        enqueue_requests(settings.model_copy(update={"database_url": elsewhere}), "job9", [12, 14], "q.a")
+        assert broker_holds(settings, "q.a") == {11, 12, 13}
+        assert broker_holds(settings.model_copy(update={"database_url": elsewhere}), "q.a") == {12, 14}
+        queue.get(timeout=5).ack()
         for m in taken:
             m.ack()
         queue.close()
