@@ -45,6 +45,8 @@ async def create_file(request: Request, caller: Keyed) -> JSONResponse:
     with files.incoming(sb.settings) as tmp:
         form = await upload.receive(request, tmp, sb.settings)
         purpose = form.fields.get("purpose")
+        if purpose is None:     # (OpenAI: "Missing required parameter: 'purpose'.")
+            raise ApiError(400, "missing required parameter 'purpose': give 'batch'", param="purpose")
         if purpose != "batch":
             raise ApiError(400, f"purpose must be 'batch' (got {purpose!r}): this server runs batches only",
                            param="purpose")

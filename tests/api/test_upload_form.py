@@ -50,3 +50,11 @@ def test_one_file_part_is_stored_whole(client: Any) -> None:
     got = client.post("/v1/files", data={"purpose": "batch"}, files={"file": ("a.jsonl", LINE + b"\n")})
     assert got.status_code == 200, got.text
     assert client.get(f"/v1/files/{got.json()['id']}/content").content == LINE + b"\n"
+
+
+def test_an_upload_without_a_purpose_says_it_is_missing(client: Any) -> None:
+    """It said "purpose must be 'batch' (got None)": a Python value for a field the form lacked (qa53)."""
+    got = client.post("/v1/files", files={"file": ("a.jsonl", LINE + b"\n")})
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert (error["param"], error["message"]) == ("purpose", "missing required parameter 'purpose': give 'batch'"), error
