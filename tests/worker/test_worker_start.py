@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from specbatch.db import database_id
 from specbatch.worker import monitor, scratch
 from specbatch.worker.monitor import active_queues, queue_workers
 from tests.worker.conftest import CLI
@@ -51,7 +52,8 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
     # the worker answers status's one broadcast itself (worker.panel), not through the two built-in commands
     reply = next(r for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0) or {}).items()
                  if w.startswith("w1@"))
-    assert reply == {"queues": [], "default_queue": cluster.queue(), "state": "starting: loading models"}
+    assert reply == {"queues": [], "default_queue": cluster.queue(), "state": "starting: loading models",
+                     "database": database_id(cluster.settings.database_url)}    # (its database's id)
 
     # what a user sees: the worker is starting, not "no live worker ... start one"
     job_id, _ = cluster.submit([{"custom_id": "a", "prompt": "hi", "max_tokens": 3}])
