@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from specbatch.cli.main import cli
 from specbatch.config import get_settings
-from specbatch.db import session_factory
+from specbatch.db import database_id, session_factory
 from specbatch.jobs import store
 from specbatch.jobs.intake import ParsedRequest
 from specbatch.worker.enqueue import enqueue_requests
@@ -41,7 +41,8 @@ def test_a_cancelled_jobs_queued_tasks_are_dropped_unread(redis_server: RedisSer
     assert result.exit_code == 0, result.output
 
     # the tasks stay queued: nothing in `cancel` reaches the broker
-    queued = [_request_ids(_json(raw)) for raw in redis_server.client().lrange(QUEUE, 0, -1)]
+    here = database_id(settings.database_url)       # (the tasks name their database)
+    queued = [_request_ids(_json(raw), here) for raw in redis_server.client().lrange(QUEUE, 0, -1)]
     assert sorted(queued, key=lambda t: t[1] if t else []) == [(job_id, ids[0:2]), (job_id, ids[2:4]),
                                                               (job_id, ids[4:])]
 
