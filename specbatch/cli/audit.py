@@ -83,9 +83,8 @@ def _as_decoded(decoded: tuple[str | None, str | None], device: str | None, dtyp
     """The device and dtype to re-decode with: --device / --dtype where given, else the ones the
     results were decoded with (``audit.decoded_on``) where this machine has that device, else the
     settings'. The configured device keeps its index where it is of the recorded type (cuda:1)."""
-    import torch
-
-    from specbatch.engine.loading import parse_device
+    from specbatch.engine.loading import parse_device, resolve_device
+    from specbatch.errors import DeviceError
 
     recorded_device, recorded_dtype = decoded
     if device is None:
@@ -95,10 +94,10 @@ def _as_decoded(decoded: tuple[str | None, str | None], device: str | None, dtyp
         except ValueError:      # SPECBATCH_DEVICE's mistake: the load says it in one line
             configured = recorded_device
         if recorded_device is not None and configured != recorded_device:
-            here = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available()}
-            if here.get(recorded_device):
+            try:
+                resolve_device(recorded_device)     # (DeviceError: not on this machine)
                 device = recorded_device
-            else:
+            except DeviceError:
                 click.echo(f"specbatch: the results were decoded on {recorded_device}, which this machine does "
                            f"not have: auditing on {device}, where a near-tie may round the other way", err=True)
     return device, dtype or recorded_dtype or default_dtype

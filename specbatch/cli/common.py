@@ -139,11 +139,12 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
     if workers is None:
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
         return
-    elsewhere = _of_another_database(settings, workers)
+    here = _this_database(settings, workers)
+    elsewhere = {w.name for w in workers if here and w.database and w.database != here}
     for w in workers:
         if w.name in elsewhere:
             warn(f"worker {w.name} consumes queue {queue} but reads another database (id {w.database}; this "
-                 f"one's is {elsewhere[w.name]}): it passes this database's tasks on unrun; give it the "
+                 f"one's is {here}): it passes this database's tasks on unrun; give it the "
                  "SPECBATCH_DATABASE_URL this command uses")
         elif w.paused:
             warn(f"worker {w.name} is online for queue {queue} but does not consume it: it paused "
@@ -157,20 +158,19 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
         warn(f"no live worker consumes queue {queue}: {advice}")
 
 
-def _of_another_database(settings: Any, workers: Sequence[Any]) -> dict[str, str]:
-    """worker name -> this command's database id, for the workers that said they read another
-    (monitor.WorkerView.database; one that said nothing, an older worker, is not counted)."""
+def _this_database(settings: Any, workers: Sequence[Any]) -> str | None:
+    """This command's database id, to tell the workers that read another (monitor.WorkerView.
+    database); None where no worker said which it reads (older workers) or it cannot be read."""
     if not any(w.database for w in workers):
-        return {}
+        return None
     from sqlalchemy.exc import SQLAlchemyError
 
     from specbatch.db import database_id
 
     try:
-        mine = database_id(settings.database_url)
+        return database_id(settings.database_url)
     except SQLAlchemyError:     # the command's own error says it; this is a warning's detail
-        return {}
-    return {w.name: mine for w in workers if w.database and w.database != mine}
+        return None
 
 
 def worker_state(state: str) -> str:

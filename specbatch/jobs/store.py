@@ -618,7 +618,8 @@ def record_cached_result(s: Session, request_id: int, source: Result, worker: st
         "latency_seconds": (now - started).total_seconds(),
         "accepted_per_position": [], "pool_wins": {}, "target": source.target, "drafts": source.drafts,
         "lossy": source.lossy, "numerics": source.numerics,     # decoded where the source was
-        "cache_key": source.cache_key, "cache_target": source.cache_target, "cached": True, "cached_from": source.cached_from if source.cached else source.id,  # the generated row
+        "cache_key": source.cache_key, "cache_target": source.cache_target, "cached": True,
+        "cached_from": source.cached_from if source.cached else source.id,  # the generated row
         "logprobs": source.logprobs,    # the key holds the request's logprobs: the source's are the same
     }
     written = _insert_ignoring_duplicates(s, values)
