@@ -41,6 +41,7 @@ nothing is copied there; a tensor whose storage ends sooner gets zero columns co
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -64,33 +65,63 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     groups = int(getattr(module, "num_key_value_groups", 1))
     pad_rows = query.device.type == "cpu" and rows_move()
     pad_cols = query.device.type == "cpu" and columns_move()
-    if attention_mask is None and query.shape[2] == 1 and (pad_rows or pad_cols):
-        # a one-token step sees every column: spelled as a mask, so that it is padded like the
-        # verify block the same token would otherwise be scored in
-        attention_mask = torch.ones(query.shape[0], 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
-    if ((groups == 1 and not (pad_rows or pad_cols)) or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[1] != 1
+    one_token = attention_mask is None and query.shape[2] == 1 and (pad_rows or pad_cols)
+    if ((groups == 1 and not (pad_rows or pad_cols)) or (attention_mask is None and not one_token)
+            or (attention_mask is not None and (attention_mask.dim() != 4 or attention_mask.shape[1] != 1))
             or dropout or any(kwargs.get(k) for k in ("position_bias", "softcap", "output_attentions"))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     b, heads, t, _ = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    rows = attention_mask.shape[0]
     q = query.reshape(b, kv_heads, groups * t, query.shape[-1])             # head h -> group h // groups
-    mask = attention_mask[:, :, None].expand(rows, 1, groups, t, length).reshape(rows, 1, groups * t, length)
     pad = _pad_rows(groups * t) if pad_rows else 0
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-        mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)
     # not under dynamo: the widening's length arithmetic made inductor's lowering fail there ("Exponent
     # must be non-negative"), so the compiled forward fell back to eager wherever ``columns_move``;
     # and a compiled step and verify run different graphs (their own fusions and GEMM blocking), so
     # the bits it keeps alike in eager are not alike compiled anyway (docs/COMPILE.md, exactness)
-    if pad_cols and not torch.compiler.is_compiling() and (cols := _aligned(length) - length):
-        key, value, mask = _pad_columns(key, value, mask, cols)
+    cols = _aligned(length) - length if pad_cols and not torch.compiler.is_compiling() else 0
+    if cols:
+        key, value = _wider(key, cols), _wider(value, cols)
+    mask = _folded_mask(attention_mask, b, groups, t, length, pad, cols, q.dtype)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     if pad:
         out = out[:, :, : groups * t]
     return out.reshape(b, heads, t, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+# the last folded mask made on this thread, with what it was made from: every layer of a forward
+# gets the same mask (transformers' and the flat forward alike) and would fold it again, ~50 us a
+# layer at 16 rows (decode lanes, engine/lanes.py, call one model on several threads at once)
+_held = threading.local()
+
+
+def _folded_mask(attention_mask: torch.Tensor | None, b: int, groups: int, t: int, length: int, pad: int,
+                 cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask (rows, 1, groups * t + pad, length + cols) of ``attention_mask`` (rows or 1,
+    1, t, length; None: a one-token step that sees every column) for the folded queries: repeated
+    per group, ``pad`` query rows added and ``cols`` hidden key columns. A boolean mask is made
+    additive in ``dtype`` here (0 or -inf: SDPA's own conversion), once, not in every layer's SDPA call. Held
+    for the next call with the same mask: the input is kept, so its identity cannot be reused."""
+    key = (b, groups, t, length, pad, cols, dtype)
+    held = None if torch.compiler.is_compiling() else getattr(_held, "last", None)
+    if held is not None and held[0] is attention_mask and held[1] == key:
+        return held[2]
+    # a one-token step sees every column: spelled as a mask, so that it is padded like the verify
+    # block the same token would otherwise be scored in
+    mask = torch.ones(b, 1, 1, length, dtype=torch.bool) if attention_mask is None else attention_mask   # (CPU only)
+    rows = mask.shape[0]
+    mask = mask[:, :, None].expand(rows, 1, groups, t, length).reshape(rows, 1, groups * t, length)
+    if pad:
+        mask = torch.nn.functional.pad(mask, (0, 0, 0, pad), value=False if mask.dtype == torch.bool else 0.0)
+    if cols:
+        mask = torch.nn.functional.pad(mask, (0, cols), value=False if mask.dtype == torch.bool else float("-inf"))
+    if mask.dtype == torch.bool:
+        mask = torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))   # SDPA's own conversion
+    if not torch.compiler.is_compiling():
+        _held.last = (attention_mask, key, mask)
+    return mask
 
 
 def _pad_rows(rows: int) -> int:
@@ -139,15 +170,6 @@ def _keys_probe(rows: int, keys: int) -> Callable[[int, int], torch.Tensor]:
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k[:, :, :length], v[:, :, :length], attn_mask=seen)
     return sdpa
-
-
-def _pad_columns(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, cols: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """key and value (B, Hk, L, D) ``cols`` columns wider and the mask hiding them: a view over the
-    columns that follow in memory (a GrowingLayer's spare columns, zeros or rolled-back keys; the next
-    head's: finite values the mask hides) where the storage has them, else zero columns copied on."""
-    hidden = False if mask.dtype == torch.bool else float("-inf")
-    return _wider(key, cols), _wider(value, cols), torch.nn.functional.pad(mask, (0, cols), value=hidden)
 
 
 def _wider(t: torch.Tensor, cols: int) -> torch.Tensor:

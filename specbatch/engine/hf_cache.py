@@ -176,7 +176,7 @@ def _regrow(buf: torch.Tensor | None, like: torch.Tensor, rows: int, n: int, col
     rows of ``n`` columns."""
     held = buf.shape[0] if buf is not None and buf.dim() == 4 else 0
     # zeros, not empty, and a 512-column block of slack past the last head: attention widens keys
-    # as a view over the columns that follow (engine/attention.py, _pad_columns: up to 191 past
+    # as a view over the columns that follow (engine/attention.py, _wider: up to 191 past
     # a head's), and a masked column must hold a finite number (0 x NaN is NaN)
     shape = (max(rows, held), like.shape[1], cols + max(32, cols // 4), like.shape[3])
     size = shape[0] * shape[1] * shape[2] * shape[3]

@@ -29,6 +29,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from specbatch.engine.flat_forward import FlatForward
+
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
@@ -66,12 +68,16 @@ class LoadedModel:
     # fingerprint.decoded_with's record and the compiled forward it was made for: every stored
     # result reads it, and making it walks the modules (0.26 ms on 32 layers)
     decoded: tuple[CompiledForward | None, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    # transformers' forward operator for operator without its module machinery, where the
+    # architecture is one it reproduces (engine/flat_forward.py); set by load_model
+    flat: FlatForward | None = field(default=None, repr=False, compare=False)
 
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         """One forward with a KV cache (the cache keyword was renamed within transformers 5.x).
 
         Compiled when a compiled forward is installed and the cache is not empty; eager otherwise
-        (and for good once compiling failed, after one warning).
+        (and for good once compiling failed, after one warning): flat where it serves the call,
+        else transformers' own, the same numbers either way.
         """
         kwarg = cache_kwarg(self.model)
         compiled = self.compiled
@@ -84,6 +90,9 @@ class LoadedModel:
                     if not is_compile_error(e):
                         raise
                     compiled.fail(e)
+        flat = self.flat
+        if flat is not None and flat.serves(kwargs):
+            return flat(input_ids, cache, **kwargs)
         return self.model(input_ids=input_ids, use_cache=True, **{kwarg: cache}, **kwargs)
 
     @property
@@ -347,6 +356,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
         if int8:
             model = _quantize_int8(model, dev, inplace=True)   # read for this load alone
     from specbatch.engine.attention import use_folded_attention  # (transformers: imported on first load)
+    from specbatch.engine.flat_forward import FlatForward
     from specbatch.engine.hub_kernels import unroute_hub_kernels
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
@@ -359,7 +369,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev,
                        eos_token_ids=_eos_ids(model, tokenizer),
                        max_positions=_max_positions(model.config), load_seconds=seconds,
-                       info={"source": str(source.path), "int8": int8, "dtype": dtype})
+                       info={"source": str(source.path), "int8": int8, "dtype": dtype},
+                       flat=FlatForward.of(model))
 
 
 def _source(name: str, known: KnownModel | None, cache_dir: str | os.PathLike[str] | None) -> _Source:

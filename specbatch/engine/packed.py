@@ -272,15 +272,19 @@ class PackedLinear(torch.nn.Linear):
         linear._group, linear._member = group, member
         return linear
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (..., K) float32 -> (..., N)."""
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is multiplied by a packed copy rather than by ``F.linear``."""
         # neither op has a backward (its output would silently carry no gradient): F.linear where
         # autograd records, as outside inference/no_grad with a weight that requires grad
         # and where x is no (..., K): MKL's op takes K from the weight and reads x's rows at that
         # stride (a (2, 100) x times a 96-wide weight gave numbers), F.linear raises
-        if torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu" or \
-                x.shape[-1:] != (self.in_features,) or \
-                (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        return not (torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu"
+                    or x.shape[-1:] != (self.in_features,)
+                    or (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) float32 -> (..., N)."""
+        if not self.takes(x):
             return F.linear(x, self.weight, self.bias)
         group = self._group
         if group is not None:
@@ -298,6 +302,20 @@ class PackedLinear(torch.nn.Linear):
         k = self._group.kernel if self._group is not None and self._group.sources else self._packed.kernel
         return super().extra_repr() + (f", {k.name}-packed" if k is not None else "") + \
             (", columns of a shared product" if self._group is not None else "")
+
+
+def sibling_outputs(members: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
+    """Each of sibling Linears' outputs for the one input ``x``: views of their group's one product
+    where they still make up a packed group in order (the numbers their own forwards would give,
+    without handing the product out member by member), else each member's own forward."""
+    first = members[0]
+    group = first._group if isinstance(first, PackedLinear) else None
+    if group is not None and len(group.columns) == len(members) and first.takes(x) \
+            and all(isinstance(m, PackedLinear) and m._group is group and m._member == i and group.serves(i, m.weight)
+                    for i, m in enumerate(members)):
+        y = group.product(x)
+        return [y[..., a:b] for a, b in group.columns]
+    return [m.forward(x) for m in members]
 
 
 def packed_kernel(model: torch.nn.Module) -> str | None:

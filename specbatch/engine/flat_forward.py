@@ -1,0 +1,153 @@
+"""A decoder forward without transformers' module machinery, operator for operator the same.
+
+At the decode loop's few rows a forward of the default target spends about 5 ms of 40-45 (2-core
+AMD EPYC, 4 rows) in Python around its operators: ~330 module calls through ``nn.Module.__call__``,
+transformers' decorators and keyword plumbing on every layer, the shared q/k/v and gate/up products
+handed out member by member (docs/DESIGN.md, "The flat forward"). This walks the same layers in
+one loop and calls the same operators on the same operands in the same order as
+``modeling_llama`` / ``modeling_qwen2`` (transformers 5.x): the embedding, the mask transformers'
+own ``create_causal_mask`` makes, the rotary module, RMSNorm's six operators with its casts, the
+attention function the model is configured with (engine/attention.py's), the KV cache's
+``update``, the MLP, the head over the kept positions. So every output is bitwise transformers'
+(tests/engine/test_flat_forward.py compares them on each path the engine takes: a prefill, a
+step, a verify's tree mask, holes, packed and plain Linears, int8, bfloat16), and a target
+decoded through it is the same target.
+
+What it serves is narrow on purpose (``FlatForward.of``, ``serves``): the decoder layer, attention,
+MLP and norm classes of Llama and Qwen2 without sliding-window layers, in eval mode with autograd
+off, asked for logits only. Forward pre-hooks on the model and its layers (``specbatch run``'s
+stop check, worker/interrupt.py) run as ``nn.Module.__call__`` would run them; any other hook, a
+hook that returns new inputs, or any other keyword sends the call to transformers' forward.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, slice_logits_to_keep
+from transformers.models.llama.modeling_llama import rotate_half
+
+from specbatch.engine.packed import sibling_outputs
+
+# (decoder layer, attention, MLP, norm) classes per architecture whose forwards this reproduces
+_CLASSES = {
+    "llama": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
+    "qwen2": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
+}
+_KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep"})
+
+
+class FlatForward:
+    """The flat forward of one causal LM (``of``); call it as ``model(input_ids=..., cache=...,
+    use_cache=True, **kwargs)`` would be called, where ``serves(kwargs)``."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        base = model.model
+        self.layers = list(base.layers[: base.config.num_hidden_layers])
+        # the modules whose hooks are not run here: a hook on any of them sends a call to transformers
+        ran = {id(model), *map(id, self.layers)}
+        self._hookless = [m for m in model.modules() if id(m) not in ran]
+        self._eager_attention: Callable[..., Any] = sys.modules[type(self.layers[0].self_attn).__module__] \
+            .eager_attention_forward
+
+    @classmethod
+    def of(cls, model: Any) -> FlatForward | None:
+        """The flat forward of ``model`` where its layers are ones this reproduces, else None."""
+        config = getattr(model, "config", None)
+        names = _CLASSES.get(getattr(config, "model_type", ""))
+        base = getattr(model, "model", None)
+        if names is None or base is None or type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM") \
+                or getattr(base, "has_sliding_layers", False) or not hasattr(base, "layers"):
+            return None
+        for layer in base.layers:
+            parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm)
+            if tuple(type(p).__name__ for p in parts) != names or \
+                    type(layer.post_attention_layernorm).__name__ != names[3]:
+                return None
+        return cls(model)
+
+    def serves(self, kwargs: dict[str, Any]) -> bool:
+        """Whether a call with these keywords (beside the input ids and cache) is served here."""
+        if not _KWARGS.issuperset(kwargs) or self.model.training or torch.is_grad_enabled():
+            return False
+        if _has_global_hooks() or _hooked(self.model, after=True) or any(_hooked(m, after=True) for m in self.layers):
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._hookless)
+
+    def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> Any:
+        """input_ids (B, T) -> logits (B, kept, V) in a ``CausalLMOutputWithPast``; appends to ``cache``.
+        Call under inference mode or ``no_grad``, where ``serves``."""
+        model = self.model
+        _pre_hooks(model, ())
+        base = model.model
+        config = base.config
+        h = base.embed_tokens(input_ids)
+        if position_ids is None:
+            position_ids = (torch.arange(h.shape[1], device=h.device) + cache.get_seq_length()).unsqueeze(0)
+        mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=attention_mask, cache=cache,
+                                  position_ids=position_ids)
+        cos, sin = base.rotary_emb(h, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, self._eager_attention)
+        extra = {"position_ids": position_ids, "use_cache": True}
+        for layer in self.layers:
+            _pre_hooks(layer, (h,))
+            h = _layer(layer, h, mask, cos, sin, cache, attention, extra)
+        h = _norm(base.norm, h)
+        return CausalLMOutputWithPast(logits=model.lm_head.forward(slice_logits_to_keep(h, logits_to_keep)))
+
+
+def _layer(layer: Any, h: torch.Tensor, mask: Any, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+           attention: Callable[..., Any], extra: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer: ``LlamaDecoderLayer.forward`` / ``LlamaAttention.forward`` / ``LlamaMLP.forward``."""
+    attn, mlp = layer.self_attn, layer.mlp
+    shape = (*h.shape[:-1], -1, attn.head_dim)
+    # attention: q, k, v (B, heads, T, D), rotated, the cache's keys and values, the configured function
+    q, k, v = (y.view(shape).transpose(1, 2) for y in sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj),
+                                                                       _norm(layer.input_layernorm, h)))
+    q = (q * cos) + (rotate_half(q) * sin)
+    k = (k * cos) + (rotate_half(k) * sin)
+    k, v = cache.update(k, v, attn.layer_idx, kwargs=extra)
+    out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
+                       **({"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}), **extra)
+    h = h + attn.o_proj.forward(out.reshape(*shape[:-2], -1).contiguous())
+    # MLP
+    gate, up = sibling_outputs((mlp.gate_proj, mlp.up_proj), _norm(layer.post_attention_layernorm, h))
+    return h + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+
+
+def _norm(norm: Any, h: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``, its casts included (no-ops in float32, not in bfloat16)."""
+    dtype = h.dtype
+    x = h.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * x.to(dtype)
+
+
+def _has_global_hooks() -> bool:
+    from torch.nn.modules import module as m
+    return bool(m._global_forward_hooks or m._global_forward_pre_hooks or m._global_forward_hooks_always_called
+                or m._global_backward_hooks or m._global_backward_pre_hooks)
+
+
+def _hooked(m: torch.nn.Module, *, after: bool) -> bool:
+    """Hooks ``_pre_hooks`` does not run: forward hooks, and pre-hooks that take keywords."""
+    return bool((after and (m._forward_hooks or m._backward_hooks or m._backward_pre_hooks))
+                or m._forward_pre_hooks_with_kwargs)
+
+
+def _pre_hooks(m: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    """Run ``m``'s forward pre-hooks as ``nn.Module.__call__`` does. They are checks (a stop
+    request, a count): one that returns new inputs is a bug here, not an input to honour halfway."""
+    for hook in tuple(m._forward_pre_hooks.values()):
+        if hook(m, args) is not None:
+            raise RuntimeError(f"a forward pre-hook of {type(m).__name__} returned new inputs: "
+                               "the flat forward runs pre-hooks that only check")

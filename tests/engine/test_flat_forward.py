@@ -1,0 +1,170 @@
+"""The flat forward (engine/flat_forward.py) gives transformers' forward's numbers bit for bit, on
+every path the engine takes, and honours the hooks that ``specbatch run`` and the bench install."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+
+from specbatch.engine.cache import BatchCache
+from specbatch.engine.flat_forward import FlatForward
+from specbatch.engine.loading import LoadedModel, load_model
+from specbatch.engine.packed import PackedLinear
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 (biased q/k/v, tied head) saved with the tiny models' tokenizer."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_models / "llama")
+    torch.manual_seed(3)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      initializer_range=0.2, tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    out = tmp_path_factory.mktemp("qwen2")
+    Qwen2ForCausalLM(cfg).eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _pair(lm: LoadedModel, rows: int) -> tuple[BatchCache, BatchCache]:
+    """Two caches of ``rows`` rows over one model: the first decodes flat, the second through transformers."""
+    assert lm.flat is not None
+    return BatchCache(lm, rows), BatchCache(dataclasses.replace(lm, flat=None), rows)
+
+
+def _same(a: BatchCache, b: BatchCache, feeds: list[list[int]], keep: int,
+          parents: list[list[int]] | None = None) -> None:
+    with mock.patch.object(FlatForward, "__call__", autospec=True, side_effect=FlatForward.__call__) as spy:
+        x = a.forward(feeds, keep, parents)
+    y = b.forward(feeds, keep, parents)
+    assert spy.call_count == 1, "the flat forward served the call"
+    assert torch.equal(x, y), f"max difference {(x - y).abs().max().item()}"
+
+
+def _walk(lm: LoadedModel) -> None:
+    """A padded prefill, dense steps, a verify of a token tree, rejected tokens (holes), rows leaving
+    and joining: logits equal bit for bit at each."""
+    a, b = _pair(lm, 3)
+    with torch.inference_mode():
+        prompts = [[5, 9, 14, 3, 7, 22, 8], [11, 4], [6, 6, 19, 2]]
+        _same(a, b, prompts, 1)                           # left-padded prefill: a 4-D mask
+        a.drop_tail([0, 0, 0]), b.drop_tail([0, 0, 0])
+        _same(a, b, [[7], [3], [12]], 1)                  # a one-token step over holes (the pads)
+        for c in (a, b):
+            c.compact()
+        _same(a, b, [[7], [3], [12]], 1)                  # dense: the model's own causal mask
+        tree = [[4, 8, 8, 2], [1, 9, 5, 5], [3, 3, 6, 10]]
+        parents = [[-1, 0, 0, 1], [-1, 0, 1, 2], [-1, 0, 0, 2]]
+        _same(a, b, tree, 4, parents)                     # a verify: a tree mask, every position kept
+        for c in (a, b):
+            c.reject([[2], [3], [1, 3]])                  # holes where branches lost
+        _same(a, b, [[13], [2], [9]], 1)
+        for c in (a, b):
+            c.select([0, 2])
+        _same(a, b, [[5, 6], [8, 1]], 2)
+    with torch.inference_mode():
+        a, b = _pair(lm, 1)
+        _same(a, b, [list(range(3, 40))], 0)              # an unmasked causal prefill, every logit
+
+
+def test_llama_packed_matches_transformers(load) -> None:
+    lm = load("llama")
+    assert isinstance(lm.model.model.layers[0].self_attn.q_proj, PackedLinear), "packed Linears here"
+    _walk(lm)
+
+
+def _uneven_norms(lm: LoadedModel) -> LoadedModel:
+    """The tiny models' RMSNorm weights are all ones, under which a cast misplaced around the
+    weight's product changes nothing: random weights make it show."""
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+    return lm
+
+
+def test_llama_plain_linears_and_bfloat16_match_transformers(tiny_models: Path) -> None:
+    _walk(_uneven_norms(load_model(str(tiny_models / "llama"), linears="off")))
+    _walk(_uneven_norms(load_model(str(tiny_models / "llama"), dtype="bfloat16")))
+
+
+def test_qwen2_matches_transformers(qwen2_dir: Path) -> None:
+    lm = load_model(str(qwen2_dir))
+    assert lm.flat is not None
+    _walk(_uneven_norms(lm))
+
+
+def test_int8_draft_matches_transformers(load) -> None:
+    from specbatch.engine.loading import _quantized_copy
+
+    lm = load("llama")
+    model = _quantized_copy(lm.model, torch.device("cpu"))
+    _walk(dataclasses.replace(lm, model=model, flat=FlatForward.of(model)))
+
+
+def test_other_architectures_are_transformers_own(load, tiny_models: Path) -> None:
+    assert load("gpt2").flat is None
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                               use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    sliding = AutoModelForCausalLM.from_config(cfg).eval()
+    assert FlatForward.of(sliding) is None, "a sliding-window layer takes another mask"
+
+
+def test_keywords_hooks_and_grad_it_does_not_serve_go_to_transformers(load) -> None:
+    flat = load("llama").flat
+    assert flat is not None
+    with torch.inference_mode():
+        assert flat.serves({"attention_mask": None, "position_ids": None, "logits_to_keep": 1})
+        assert not flat.serves({"output_hidden_states": True})
+        handle = flat.layers[0].mlp.register_forward_hook(lambda *_: None)
+        assert not flat.serves({})
+        handle.remove()
+        handle = flat.layers[1].register_forward_pre_hook(lambda m, args, kwargs: None, with_kwargs=True)
+        assert not flat.serves({})
+        handle.remove()
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda *_: None)
+        assert not flat.serves({})
+        handle.remove()
+        assert flat.serves({})
+    with torch.enable_grad():
+        assert not flat.serves({})
+
+
+def test_pre_hooks_on_the_model_and_its_layers_run_as_module_calls_run_them(load) -> None:
+    """worker/interrupt.py's stop check: a pre-hook on the model and on each decoder layer; one
+    raising stops the forward there."""
+    lm = load("llama")
+    flat = lm.flat
+    assert flat is not None
+    seen: list[str] = []
+    handles = [lm.model.register_forward_pre_hook(lambda m, args: seen.append(f"model {args}"))]
+    handles += [layer.register_forward_pre_hook(lambda m, args, i=i: seen.append(f"layer {i} {args[0].shape}"))
+                for i, layer in enumerate(flat.layers)]
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_):
+        raise Stop
+
+    try:
+        with torch.inference_mode():
+            assert flat.serves({})
+            BatchCache(lm, 1).forward([[3, 4, 5]], 1)
+            assert seen == ["model ()", "layer 0 torch.Size([1, 3, 64])", "layer 1 torch.Size([1, 3, 64])"]
+            handles.append(flat.layers[1].register_forward_pre_hook(stop))
+            with pytest.raises(Stop):
+                BatchCache(lm, 1).forward([[3, 4, 5]], 1)
+    finally:
+        for h in handles:
+            h.remove()
