@@ -188,3 +188,14 @@ def test_the_draft_quantized_from_the_loaded_target_equals_a_separate_load(pair,
                                    params=GenerationParams(max_new_tokens=32)).token_ids for text in CHATS[:3]]
                for m in (derived, separate)]
     assert outputs[0] == outputs[1]
+
+
+def test_the_flat_forward_is_transformers_bit_for_bit_on_the_real_pair(pair):
+    """engine/flat_forward.py on the real target (packed Linears, 30 layers, 9 query heads on 3)
+    and its int8 draft: the logits of a padded prefill, steps, a verify's tree, holes, rows leaving
+    equal transformers' forward's, ``torch.equal``."""
+    from tests.engine.test_flat_forward import _walk
+
+    for lm in pair:
+        assert lm.flat is not None
+        _walk(lm)
