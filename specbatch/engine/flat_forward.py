@@ -78,7 +78,7 @@ class FlatForward:
             return False
         if _has_global_hooks() or _hooked(self.model, after=True) or any(_hooked(m, after=True) for m in self.layers):
             return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in self._hookless)
+        return not any(_live(m._forward_hooks) or m._forward_pre_hooks for m in self._hookless)
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> Any:
@@ -140,8 +140,17 @@ def _has_global_hooks() -> bool:
 
 def _hooked(m: torch.nn.Module, *, after: bool) -> bool:
     """Hooks ``_pre_hooks`` does not run: forward hooks, and pre-hooks that take keywords."""
-    return bool((after and (m._forward_hooks or m._backward_hooks or m._backward_pre_hooks))
+    return bool((after and (_live(m._forward_hooks) or m._backward_hooks or m._backward_pre_hooks))
                 or m._forward_pre_hooks_with_kwargs)
+
+
+def _live(hooks: dict[int, Any]) -> bool:
+    """Whether any of these forward hooks does something here. transformers' output-capturing
+    hooks (utils/output_capturing.py), installed on the layers for good by the first forward asked
+    for hidden states (a drafter that reads the target's), record only while that forward's
+    collector is set, which no call of the flat forward is inside: skipping them skips nothing."""
+    return any(getattr(h, "__name__", "") != "output_capturing_hook"
+               or getattr(h, "__module__", "") != "transformers.utils.output_capturing" for h in hooks.values())
 
 
 def _pre_hooks(m: torch.nn.Module, args: tuple[Any, ...]) -> None:

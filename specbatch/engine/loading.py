@@ -68,9 +68,13 @@ class LoadedModel:
     # fingerprint.decoded_with's record and the compiled forward it was made for: every stored
     # result reads it, and making it walks the modules (0.26 ms on 32 layers)
     decoded: tuple[CompiledForward | None, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
-    # transformers' forward operator for operator without its module machinery, where the
-    # architecture is one it reproduces (engine/flat_forward.py); set by load_model
-    flat: FlatForward | None = field(default=None, repr=False, compare=False)
+    # eager forwards go through engine/flat_forward.py where it serves them (transformers' numbers
+    # with less Python); False: transformers' own forward always (tests compare the two)
+    flat: bool = True
+    # the flat forward of ``model`` (None: its architecture is not one it reproduces), made at the
+    # first forward for the model this holds then: a copy given another model makes its own
+    _flat: FlatForward | None = field(default=None, init=False, repr=False, compare=False)
+    _flat_of: Any = field(default=None, init=False, repr=False, compare=False)
 
     def forward(self, input_ids: torch.Tensor, cache: Any, **kwargs: Any) -> Any:
         """One forward with a KV cache (the cache keyword was renamed within transformers 5.x).
@@ -90,10 +94,18 @@ class LoadedModel:
                     if not is_compile_error(e):
                         raise
                     compiled.fail(e)
-        flat = self.flat
+        flat = self.flat_forward() if self.flat else None
         if flat is not None and flat.serves(kwargs):
             return flat(input_ids, cache, **kwargs)
         return self.model(input_ids=input_ids, use_cache=True, **{kwarg: cache}, **kwargs)
+
+    def flat_forward(self) -> FlatForward | None:
+        """engine/flat_forward.py's forward of ``model``, where its architecture is one it reproduces."""
+        if self._flat_of is not self.model:
+            from specbatch.engine.flat_forward import FlatForward
+
+            self._flat, self._flat_of = FlatForward.of(self.model), self.model
+        return self._flat
 
     @property
     def vocab_size(self) -> int:
@@ -356,7 +368,6 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
         if int8:
             model = _quantize_int8(model, dev, inplace=True)   # read for this load alone
     from specbatch.engine.attention import use_folded_attention  # (transformers: imported on first load)
-    from specbatch.engine.flat_forward import FlatForward
     from specbatch.engine.hub_kernels import unroute_hub_kernels
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
@@ -369,8 +380,7 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=dev,
                        eos_token_ids=_eos_ids(model, tokenizer),
                        max_positions=_max_positions(model.config), load_seconds=seconds,
-                       info={"source": str(source.path), "int8": int8, "dtype": dtype},
-                       flat=FlatForward.of(model))
+                       info={"source": str(source.path), "int8": int8, "dtype": dtype})
 
 
 def _source(name: str, known: KnownModel | None, cache_dir: str | os.PathLike[str] | None) -> _Source:

@@ -34,8 +34,8 @@ def qwen2_dir(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 def _pair(lm: LoadedModel, rows: int) -> tuple[BatchCache, BatchCache]:
     """Two caches of ``rows`` rows over one model: the first decodes flat, the second through transformers."""
-    assert lm.flat is not None
-    return BatchCache(lm, rows), BatchCache(dataclasses.replace(lm, flat=None), rows)
+    assert lm.flat_forward() is not None
+    return BatchCache(lm, rows), BatchCache(dataclasses.replace(lm, flat=False), rows)
 
 
 def _same(a: BatchCache, b: BatchCache, feeds: list[list[int]], keep: int,
@@ -54,7 +54,6 @@ def _walk(lm: LoadedModel) -> None:
     with torch.inference_mode():
         prompts = [[5, 9, 14, 3, 7, 22, 8], [11, 4], [6, 6, 19, 2]]
         _same(a, b, prompts, 1)                           # left-padded prefill: a 4-D mask
-        a.drop_tail([0, 0, 0]), b.drop_tail([0, 0, 0])
         _same(a, b, [[7], [3], [12]], 1)                  # a one-token step over holes (the pads)
         for c in (a, b):
             c.compact()
@@ -97,7 +96,7 @@ def test_llama_plain_linears_and_bfloat16_match_transformers(tiny_models: Path) 
 
 def test_qwen2_matches_transformers(qwen2_dir: Path) -> None:
     lm = load_model(str(qwen2_dir))
-    assert lm.flat is not None
+    assert lm.flat_forward() is not None
     _walk(_uneven_norms(lm))
 
 
@@ -106,11 +105,14 @@ def test_int8_draft_matches_transformers(load) -> None:
 
     lm = load("llama")
     model = _quantized_copy(lm.model, torch.device("cpu"))
-    _walk(dataclasses.replace(lm, model=model, flat=FlatForward.of(model)))
+    twin = dataclasses.replace(lm, model=model)
+    assert twin.flat_forward() is not None and twin.flat_forward() is not lm.flat_forward(), "its own model's"
+    assert twin.flat_forward().model is model
+    _walk(twin)
 
 
 def test_other_architectures_are_transformers_own(load, tiny_models: Path) -> None:
-    assert load("gpt2").flat is None
+    assert load("gpt2").flat_forward() is None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model("qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -121,7 +123,7 @@ def test_other_architectures_are_transformers_own(load, tiny_models: Path) -> No
 
 
 def test_keywords_hooks_and_grad_it_does_not_serve_go_to_transformers(load) -> None:
-    flat = load("llama").flat
+    flat = load("llama").flat_forward()
     assert flat is not None
     with torch.inference_mode():
         assert flat.serves({"attention_mask": None, "position_ids": None, "logits_to_keep": 1})
@@ -144,7 +146,7 @@ def test_pre_hooks_on_the_model_and_its_layers_run_as_module_calls_run_them(load
     """worker/interrupt.py's stop check: a pre-hook on the model and on each decoder layer; one
     raising stops the forward there."""
     lm = load("llama")
-    flat = lm.flat
+    flat = lm.flat_forward()
     assert flat is not None
     seen: list[str] = []
     handles = [lm.model.register_forward_pre_hook(lambda m, args: seen.append(f"model {args}"))]
@@ -168,3 +170,17 @@ def test_pre_hooks_on_the_model_and_its_layers_run_as_module_calls_run_them(load
     finally:
         for h in handles:
             h.remove()
+
+
+def test_hidden_states_asked_of_transformers_once_leave_the_flat_forward_serving(tiny_models: Path) -> None:
+    """A forward asked for hidden states (a drafter that reads the target's) is transformers'; its
+    first one installs transformers' output-capturing hooks on every layer for good. They record
+    nothing outside such a forward, so later calls are still served flat, with the same numbers."""
+    lm = load_model(str(tiny_models / "llama"))
+    flat = lm.flat_forward()
+    assert flat is not None
+    with torch.inference_mode():
+        BatchCache(lm, 1).forward([[3, 4, 5]], 1, hidden=True)
+        assert any(m._forward_hooks for m in lm.model.modules()), "transformers hooked its layers"
+        assert flat.serves({"logits_to_keep": 1})
+    _walk(lm)

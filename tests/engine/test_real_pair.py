@@ -197,5 +197,5 @@ def test_the_flat_forward_is_transformers_bit_for_bit_on_the_real_pair(pair):
     from tests.engine.test_flat_forward import _walk
 
     for lm in pair:
-        assert lm.flat is not None
+        assert lm.flat_forward() is not None
         _walk(lm)
