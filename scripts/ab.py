@@ -5,7 +5,8 @@
 - ``job``: the default job (examples/job-mixed-48.jsonl), A B B A per configuration; tok/s and
   whether every output equals the first run's.
 
-``--compare``: ``fold`` (folded attention, engine/attention.py, against transformers' SDPA path) or
+``--compare``: ``flat`` (transformers' forward against engine/flat_forward.py's) or ``fold`` (folded
+attention, engine/attention.py, against transformers' SDPA path) or
 ``columns`` (folded attention with its keys padded to
 an aligned length, as where ``columns_move``, against as they are) or ``packed`` (Linears over packed weights, engine/packed.py, against ``F.linear``) or ``kernels``
 (oneDNN's packed product against MKL's, whether or not each passes its check here).
@@ -14,6 +15,7 @@ an aligned length, as where ``columns_move``, against as they are) or ``packed``
     python scripts/ab.py --compare packed step 1x1x200,1x5x200,4x1x200,8x1x200,32x1x200
     OMP_NUM_THREADS=1 python scripts/ab.py --compare packed job --configs auto,B32plain,B4spec
     OMP_NUM_THREADS=2 python scripts/ab.py --threads 2 --compare kernels job --configs auto,B8plain
+    OMP_NUM_THREADS=2 python scripts/ab.py --threads 2 --compare flat step 1x1x200,4x1x200,16x1x200,32x1x200,4x5x200
 """
 
 from __future__ import annotations
@@ -41,6 +43,13 @@ CONFIGS = {"auto": ("auto", "auto"), "B32plain": (32, False), "B32spec": (32, Tr
 
 def variants(models: list[LoadedModel], compare: str) -> dict[str, Callable[[], None]]:
     """Two named ways of running the same models: each callable switches them to its way."""
+    if compare == "flat":
+        def flat(on: bool) -> Callable[[], None]:
+            def switch() -> None:
+                for lm in models:
+                    lm.flat = on
+            return switch
+        return {"transformers'": flat(False), "flat": flat(True)}
     if compare == "fold":
         def attention(mode: str) -> Callable[[], None]:
             def switch() -> None:
@@ -128,7 +137,7 @@ def job(target: LoadedModel, draft: LoadedModel, file: str, configs: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--compare", choices=("fold", "columns", "packed", "kernels"), default="fold")
+    ap.add_argument("--compare", choices=("flat", "fold", "columns", "packed", "kernels"), default="fold")
     ap.add_argument("--threads", type=int, default=1)
     sub = ap.add_subparsers(dest="what", required=True)
     s = sub.add_parser("step")
