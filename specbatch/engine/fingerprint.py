@@ -97,9 +97,37 @@ def _linears(module: Any) -> dict[str, str]:
     return {"linears": f"{k}-packed"} if k is not None else {}
 
 
-def numerics(model: Any) -> dict[str, Any]:
+# what a result's record says where its decode began compiled and ended eager or the other way
+# (a compiler failure mid-batch: ``decode_ran``): neither state's results cache key fits it
+PARTLY = "partly"
+
+
+def compiled_now(model: Any, graphs: Any = None) -> bool:
+    """Whether decoding ``model`` goes through compiled graphs now: its compiled forward
+    (``LoadedModel.compiled``: compile on/auto, adopted from a background compile) or ``graphs``
+    (an engine's ``static_graphs``: compile=static), installed and not failed (after a compiler
+    failure either decodes eagerly for good: ``Graphs.fail``). THE rule: the record, the
+    fingerprint and the audit all read it."""
+    return any(g is not None and getattr(g, "failed", None) is None
+               for g in (getattr(model, "compiled", None), graphs))
+
+
+def decodes_compiled(engine: Any) -> bool:
+    """``compiled_now`` for an engine's target (its static graphs included)."""
+    return compiled_now(getattr(engine, "target", None), getattr(engine, "static_graphs", None))
+
+
+def decode_ran(began: bool | None, now: bool) -> bool | str:
+    """How a result's decode ran, from ``decodes_compiled`` at its start (``began``; None: not
+    known, taken as ``now``) and at its end: compiled, eager, or ``PARTLY`` where a swap fell
+    inside it (a background compile is adopted between batches only; a failure can come mid-batch)."""
+    return now if began is None or began == now else PARTLY
+
+
+def numerics(model: Any, graphs: Any = None) -> dict[str, Any]:
     """What a LoadedModel computes with beyond its files (dtype, device class, int8 scheme,
-    compiled or not, packed Linears' kernel): what changes its numbers on one machine."""
+    compiled or not, packed Linears' kernel): what changes its numbers on one machine.
+    ``graphs``: the engine's static graphs, if any (``compiled_now``)."""
     device = getattr(model.device, "type", str(model.device))
     dtype = str(model.info.get("dtype", "float32"))
     return {
@@ -110,7 +138,7 @@ def numerics(model: Any) -> dict[str, Any]:
         # torch.ao's per-tensor ones and from each other
         "int8": int8.numerics() if bool(model.info.get("int8")) and device == "cpu" else False,
         # a compiled forward may round differently from eager: kept apart, to be safe
-        "compiled": getattr(model, "compiled", None) is not None,
+        "compiled": compiled_now(model, graphs),
         **_linears(model.model),
     }
 
@@ -123,34 +151,58 @@ def processor(device_type: str, index: int | None = None) -> str:
     return f"{cpuinfo.field('model name') or platform.processor()} x{os.cpu_count()}"
 
 
-def decoded_with(model: Any) -> dict[str, Any]:
+def decoded_with(model: Any, graphs: Any = None, compiled: bool | str | None = None) -> dict[str, Any]:
     """``numerics`` plus what a results cache on one machine need not key but a result on
     another machine may round by: the processor (its kernels: docs/DESIGN.md, "Attention folds
     the query heads") and the torch and transformers versions. Recorded with every result
     (``results.numerics``), so that ``specbatch audit`` re-decodes it the same way and, where
-    it cannot, says what differs (docs/CONTRACTS.md). Made once per compiled forward: only
-    installing or adopting one changes it after the load (``LoadedModel.decoded``)."""
-    if model.decoded is not None and model.decoded[0] is model.compiled:
-        return dict(model.decoded[1])
-    import transformers
+    it cannot, says what differs (docs/CONTRACTS.md). ``compiled``: how the result's decode ran
+    where the caller knows (``decode_ran``: ``PARTLY`` too); else ``compiled_now``, read at each
+    call (a failure turns it off with the same forward installed). The rest is made once per
+    compiled forward (``LoadedModel.decoded``: it walks the modules)."""
+    if model.decoded is None or model.decoded[0] is not model.compiled:
+        import transformers
 
-    device = getattr(model.device, "type", str(model.device))
-    name = processor(device, getattr(model.device, "index", None))
-    if device == "cpu" and cpuinfo.vector_isa():
-        name = f"{name} ({cpuinfo.vector_isa()})"
-    plain = numerics(model)
-    record = {**plain, "dtype": plain["dtype"].removeprefix("torch."),    # what --dtype takes
-              "processor": name, "torch": torch.__version__, "transformers": transformers.__version__}
-    model.decoded = (model.compiled, record)
-    return dict(record)
+        device = getattr(model.device, "type", str(model.device))
+        name = processor(device, getattr(model.device, "index", None))
+        if device == "cpu" and cpuinfo.vector_isa():
+            name = f"{name} ({cpuinfo.vector_isa()})"
+        plain = numerics(model)
+        model.decoded = (model.compiled, {**plain, "dtype": plain["dtype"].removeprefix("torch."),  # as --dtype
+                                          "processor": name, "torch": torch.__version__,
+                                          "transformers": transformers.__version__})
+    record = dict(model.decoded[1])
+    record["compiled"] = compiled_now(model, graphs) if compiled is None else compiled
+    return record
 
 
-def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None) -> str | None:
-    """sha256 of a LoadedModel's files and numerics (``numerics``); None when the files
-    cannot be found (a hub id with no local snapshot)."""
+def decoded_by(engine: Any, compiled: bool | str | None = None) -> dict[str, Any]:
+    """``decoded_with`` for an engine's target, its static graphs included: what a result of it
+    records (worker.guard.engine_models) and what the audit compares that with (jobs/audit.py)."""
+    return decoded_with(engine.target, getattr(engine, "static_graphs", None), compiled)
+
+
+def fingerprint_parts(model: Any, cache_dir: str | os.PathLike[str] | None) -> dict[str, Any] | None:
+    """What ``model_fingerprint`` hashes: the model's files' digest (seconds for a cold memo: a
+    caller keeps it, result_cache.target_identity per engine) and ``numerics`` made once; None
+    when the files cannot be found (a hub id with no local snapshot). ``fingerprint_of`` sets
+    the compiled state, which changes while the model serves."""
     directory = _model_dir(str(model.info.get("source", model.name)))
     if directory is None:
         return None
     memo = Path(cache_dir) / "fingerprints" if cache_dir else None
-    blob = {"v": FINGERPRINT_VERSION, "files": directory_digest(directory, memo), **numerics(model)}
-    return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    return {"v": FINGERPRINT_VERSION, "files": directory_digest(directory, memo), **numerics(model)}
+
+
+def fingerprint_of(parts: dict[str, Any], compiled: bool) -> str:
+    """sha256 of ``fingerprint_parts`` with the compiled state ``compiled``. An eager model's is
+    what it always was (``compiled: False`` was hashed before the state was read per call)."""
+    return hashlib.sha256(json.dumps({**parts, "compiled": bool(compiled)}, sort_keys=True).encode()).hexdigest()
+
+
+def model_fingerprint(model: Any, cache_dir: str | os.PathLike[str] | None, graphs: Any = None) -> str | None:
+    """sha256 of a LoadedModel's files and numerics (``numerics``) as it decodes now (``graphs``:
+    the engine's static graphs, if any); None when the files cannot be found (a hub id with no
+    local snapshot)."""
+    parts = fingerprint_parts(model, cache_dir)
+    return None if parts is None else fingerprint_of(parts, compiled_now(model, graphs))

@@ -66,7 +66,9 @@ class LoadedModel:
     info: dict[str, Any] = field(default_factory=dict)
     compiled: CompiledForward | None = None     # set by compile.forward.install
     # fingerprint.decoded_with's record and the compiled forward it was made for: every stored
-    # result reads it, and making it walks the modules (0.26 ms on 32 layers)
+    # result reads it, and making it walks the modules (0.26 ms on 32 layers). Its "compiled" is
+    # not read from here: decoded_with sets it per call (the forward may fail, static graphs are
+    # the engine's)
     decoded: tuple[CompiledForward | None, dict[str, Any]] | None = field(default=None, repr=False, compare=False)
     # eager forwards go through engine/flat_forward.py where it serves them (transformers' numbers
     # with less Python); False: transformers' own forward always (tests compare the two)

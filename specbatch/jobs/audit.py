@@ -114,7 +114,8 @@ def decoded_on(items_: Sequence[Item]) -> tuple[str | None, str | None]:
     return one("device"), one("dtype")
 
 
-# what a result's numbers depend on besides the target's files and the request (fingerprint.decoded_with)
+# what a result's numbers depend on besides the target's files and the request (fingerprint.decoded_with;
+# compiled: True, False or "partly", a decode that straddled a compiler failure)
 _NUMERICS = ("device", "dtype", "int8", "compiled", "linears", "processor", "torch", "transformers")
 
 
@@ -186,14 +187,14 @@ def audit(items_: Sequence[Item], engine_for: Callable[[str], Engine],
     A mismatch on a result decoded with other numerics than the audit's says which: across a
     device, dtype, kernel or library version a near-tie can round either way with no draft
     involved, so such a mismatch does not show speculation lossy (docs/CONTRACTS.md)."""
-    from specbatch.engine.fingerprint import decoded_with
+    from specbatch.engine.fingerprint import decoded_by
 
     out = []
     for item in items_:
         engine = engine_for(item.target)
         v = audit_item(engine, item)
         if not v.ok and not item.lossy:
-            if differ := numerics_differ(item.numerics, decoded_with(engine.target)):
+            if differ := numerics_differ(item.numerics, decoded_by(engine)):
                 v = replace(v, detail=f"{v.detail} (decoded with other numerics than this audit's: {differ}; "
                                       "a near-tie can round either way across them with no draft involved: "
                                       "audit where it was decoded)")

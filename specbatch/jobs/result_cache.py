@@ -12,10 +12,15 @@ zero generation statistics. So it works in ``specbatch run`` and in a cluster, s
 and needs no other service. In a worker (specbatch.worker.chunk) the lookup happens right after a
 request is claimed, before any model work:
 
-    cache = ResultCache.for_engine(engine, settings.cache_dir)   # once per engine, memoized
+    cache = ResultCache.for_engine(engine, settings.cache_dir)   # files' digest once per engine
     hits, todo = cache.serve(session_factory, claimed, worker)  # hits are written already
-    ...generate todo, store each with cache.columns(request_id)...
+    ...generate todo, store each with cache.columns(request_id, began_compiled)...
     copies = cache.resolve(session_factory, request_id, worker)  # duplicates of it in the chunk
+
+The target's fingerprint holds whether it decodes compiled (engine/fingerprint.py), which a
+worker's background compile or a compiler failure changes while it runs: each lookup and each
+stored key reads it then (``ResultCache``), and a result whose decode straddled a change gets
+no key.
 
 Identical requests claimed together (one chunk) are generated once: the first is generated, the
 others wait for it in the chunk and are written as hits. Two workers that claim the same key at
@@ -107,78 +112,123 @@ def _find_sources(s: Session, keys: set[str]) -> dict[str, Result]:
     return found
 
 
-_identities: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+_parts: weakref.WeakKeyDictionary[Any, dict[str, Any] | None] = weakref.WeakKeyDictionary()
 
 
-def target_identity(engine: Any, cache_dir: str | None) -> str | None:
-    """The engine's target fingerprint (content of its files + numerics), computed once per engine;
-    None disables the cache (an engine without a local target, e.g. a test fake)."""
+def _target_parts(engine: Any, cache_dir: str | None) -> dict[str, Any] | None:
+    """``fingerprint.fingerprint_parts`` of the engine's target (its files' digest: seconds on a
+    cold memo), computed once per engine; None: no cache for this engine."""
     try:
-        return _identities[engine]
+        return _parts[engine]
     except (KeyError, TypeError):
         pass
     target = getattr(engine, "target", None)
-    identity = None
+    parts = None
     # a --fallback-draft engine (lossy) answers in the target's place: never cache what it says
     if target is not None and hasattr(target, "info") and not getattr(engine, "lossy", False):
-        from specbatch.engine.fingerprint import model_fingerprint
+        from specbatch.engine.fingerprint import fingerprint_parts
 
         try:
-            identity = model_fingerprint(target, cache_dir)
+            parts = fingerprint_parts(target, cache_dir)
         except OSError as e:  # unreadable files: generate as usual, just without the cache
             logger.warning("results cache off: cannot fingerprint %s: %s", getattr(target, "name", "?"), e)
     try:
-        _identities[engine] = identity
+        _parts[engine] = parts
     except TypeError:
         pass
-    return identity
+    return parts
+
+
+def target_identity(engine: Any, cache_dir: str | None) -> str | None:
+    """The engine's target fingerprint (content of its files + numerics) as it decodes now: the
+    files' digest is taken once per engine, the compiled state is read at each call
+    (``fingerprint.decodes_compiled``: a background compile adopts a compiled forward or static
+    graphs while the worker runs, a compiler failure leaves eager for good). None disables the
+    cache (an engine without a local target, e.g. a test fake)."""
+    parts = _target_parts(engine, cache_dir)
+    if parts is None:
+        return None
+    from specbatch.engine.fingerprint import decodes_compiled, fingerprint_of
+
+    return fingerprint_of(parts, decodes_compiled(engine))
 
 
 @dataclass
 class ResultCache:
-    """The cache as one worker's chunk sees it (see the module docstring)."""
+    """The cache as one worker's chunk sees it (see the module docstring).
+
+    Keys follow how a result is decoded, which can change while a worker runs (a background
+    compile adopted between batches, a compiler failure mid-batch): a claim is looked up under
+    the target's fingerprint as the engine decodes at that moment (``serve``), a generated result
+    is stored under the fingerprint it was decoded with (``columns``), and one whose decode
+    straddled a change is stored with no key, so it is served to no one."""
 
     engine: Any
-    target: str | None                                  # the target's fingerprint; None: off
-    keys: dict[int, str] = field(default_factory=dict)  # request id -> key (cacheable requests)
+    # the target's fingerprint at the last lookup (``serve``); None: off for this engine
+    target: str | None
+    keys: dict[int, str] = field(default_factory=dict)  # request id -> key it was looked up under
     waiting: dict[int, list[Any]] = field(default_factory=dict)  # generated id -> its duplicates
     # key -> the request of this chunk generating it, until its result is in (a batch claims more
     # of its job as it runs: a duplicate claimed later waits for it too, not generated twice)
     leading: dict[str, int] = field(default_factory=dict)
+    cache_dir: str | None = None
+    # request id -> what its key hashes besides the target (prompt ids, parameters): the key
+    # again when it is stored, under the fingerprint it was decoded with
+    inputs: dict[int, tuple[list[int], GenerationParams]] = field(default_factory=dict)
 
     @classmethod
     def for_engine(cls, engine: Any, cache_dir: str | None) -> ResultCache:
-        return cls(engine, target_identity(engine, cache_dir))
+        return cls(engine, target_identity(engine, cache_dir), cache_dir=cache_dir)
+
+    def _target_now(self) -> str | None:
+        """The fingerprint as the engine decodes now; a cache made without an engine (a test's)
+        keeps the one it was given."""
+        if self.target is None or self.engine is None:
+            return self.target
+        return target_identity(self.engine, self.cache_dir)
 
     def waiting_ids(self) -> list[int]:
         """Claimed duplicates waiting for a request of this chunk (their leases need renewing)."""
         return [c.id for cs in self.waiting.values() for c in cs]
 
-    def columns(self, request_id: int) -> dict[str, Any]:
-        """``record_result`` keywords for a generated request: its key and the target fingerprint."""
-        key = self.keys.get(request_id)
-        return {"cache_key": key, "cache_target": self.target} if key else {}
+    def columns(self, request_id: int, began_compiled: bool | None = None) -> dict[str, Any]:
+        """``record_result`` keywords for a generated request: its key and the target fingerprint
+        it was decoded with. ``began_compiled``: ``fingerprint.decodes_compiled`` when its decode
+        began (None: not known, taken as now); where that differs from now the decode straddled a
+        change (``fingerprint.decode_ran``: PARTLY) and it is stored with no key."""
+        from specbatch.engine.fingerprint import PARTLY, decode_ran, decodes_compiled
 
-    def _key(self, claimed: Any) -> str | None:
-        if self.target is None or not cacheable(claimed.params):
+        inputs = self.inputs.get(request_id)
+        if inputs is None or decode_ran(began_compiled, decodes_compiled(self.engine)) == PARTLY:
+            return {}
+        target = self._target_now()
+        return {"cache_key": cache_key(target, *inputs), "cache_target": target} if target else {}
+
+    def _inputs(self, claimed: Any) -> tuple[list[int], GenerationParams] | None:
+        """What a cacheable request's key hashes besides the target; None: not cacheable."""
+        if not cacheable(claimed.params):
             return None
         try:
             input_ids = getattr(claimed, "input_ids", None)   # a token-id prompt is its own key
             ids = list(input_ids) if input_ids else self.engine.encode(claimed.prompt, claimed.messages)
         except SpecBatchError:   # the request's own fault: generating it reports the error
             return None
-        return cache_key(self.target, ids, claimed.params)
+        return ids, claimed.params
 
     def serve(self, sf: Any, claimed: Sequence[Any], worker: str) -> tuple[list[tuple[Any, GenerationOutput]],
                                                                           list[Any]]:
         """Serve ``claimed`` (ClaimedRequests) from the cache: returns (hits written, now completed,
         with their outputs; the requests left to generate). Idempotent, so safe to retry whole.
         Called again for requests claimed later in the same chunk, it adds to what waits."""
-        if self.target is None or not claimed:
+        if not claimed:
+            return [], []
+        target = self.target = self._target_now()   # looked up as the engine decodes now
+        if target is None:
             return [], list(claimed)
         for c in claimed:
-            if c.id not in self.keys and (key := self._key(c)) is not None:
-                self.keys[c.id] = key
+            if c.id not in self.keys and (inputs := self._inputs(c)) is not None:
+                self.inputs[c.id] = inputs
+                self.keys[c.id] = cache_key(target, *inputs)
         hits: list[tuple[Any, GenerationOutput]] = []
         todo: list[Any] = []
         waiting: dict[int, list[Any]] = {}

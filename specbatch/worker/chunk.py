@@ -194,6 +194,10 @@ def process_chunk(settings: Settings, engine: Engine, request_ids: Sequence[int]
         if batch > 1 and not any(c.attempts > 0 for c in claimed):
             claimed += transact(sf, _claim_ahead, settings, claimed, worker_name, batch)
         touched_jobs.update(c.job_id for c in claimed)
+        # a background compile that finished is adopted before the lookup, not at the decode a
+        # moment later: this claim is looked up under the numerics it will be decoded with
+        if (adopt := getattr(engine, "adopt_compiled", None)) is not None:
+            adopt()
         hits, claimed = with_db_retry(cache.serve, sf, claimed, worker_name)
         for c, out in hits:
             _report_cached(report, on_result, c, out, claimed_ns)
@@ -293,6 +297,7 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
     them with one more attempt, so a request that keeps crashing ends failed after max_attempts.
     (Undoing the attempt instead could loop forever.)
     """
+    from specbatch.engine.fingerprint import decodes_compiled
     from specbatch.jobs import store
 
     with LeaseKeeper(sf, [c.id for c in run], worker, settings.lease_seconds) as keeper:
@@ -305,7 +310,13 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
         # would hand it to another worker (harmless, its ids are held or done, but wasted)
         claim_until = time.monotonic() + settings.visibility_timeout / 4
 
+        # request id -> whether its decode began compiled: a compiler failure mid-batch turns the
+        # engine eager for good, and a result decoded partly each way is keyed as neither
+        began: dict[int, bool] = {}
+
         def start(indices: list[int]) -> None:
+            compiled = decodes_compiled(engine)
+            began.update((run[i].id, compiled) for i in indices)
             transact(sf, store.start_requests, [run[i].id for i in indices], worker)
 
         def more(room: int) -> list[EngineRequest]:
@@ -334,9 +345,10 @@ def _generate_run(settings: Settings, engine: Engine, sf: Any, run: list[Any], w
             msg, param = _own_fault(out)
             error_type = store.INVALID_REQUEST
             if msg is None:
+                compiled = began.pop(c.id, None)
                 try:
-                    transact(sf, _store_result, c, out, worker, engine_models(engine),
-                             cache.columns(c.id) if cache else {})
+                    transact(sf, _store_result, c, out, worker, engine_models(engine, compiled),
+                             cache.columns(c.id, compiled) if cache else {})
                 except PERMANENT_DB_ERRORS as e:  # this result can never be stored: fail it, go on
                     msg = f"the result could not be stored: {getattr(e, 'orig', e)}"
                     error_type, param = store.SERVER_ERROR, None

@@ -19,17 +19,18 @@ from specbatch.redact import mask
 from specbatch.worker.queues import queue_name, route_drafters
 
 
-def engine_models(engine: Any) -> dict[str, Any]:
+def engine_models(engine: Any, began_compiled: bool | None = None) -> dict[str, Any]:
     """What a result records about the engine that produced it: its models, and how its target
-    computes (``numerics``: what ``specbatch audit`` re-decodes with, docs/CONTRACTS.md). Called
-    for every stored result: the record is made once per compiled forward (``decoded_with``)."""
-    from specbatch.engine.fingerprint import decoded_with
+    computes (``numerics``: what ``specbatch audit`` re-decodes with, docs/CONTRACTS.md).
+    ``began_compiled``: ``fingerprint.decodes_compiled`` when the result's decode began; where it
+    differs from now (a compile failed mid-batch) the record says ``"compiled": "partly"``.
+    Called for every stored result: the record is made once per compiled forward (``decoded_with``)."""
+    from specbatch.engine.fingerprint import decode_ran, decoded_by, decodes_compiled
     from specbatch.engine.loading import LoadedModel
 
     target = getattr(engine, "target", None)
-    numerics = decoded_with(target) if isinstance(target, LoadedModel) else None
-    if numerics is not None and getattr(engine, "static_graphs", None) is not None:
-        numerics["compiled"] = True     # compile=static: the engine's graphs, the target's forward unset
+    numerics = decoded_by(engine, decode_ran(began_compiled, decodes_compiled(engine))) \
+        if isinstance(target, LoadedModel) else None
     return {"target": getattr(engine, "target_name", None),
             "drafts": list(getattr(engine, "drafter_names", []) or []),
             "lossy": bool(getattr(engine, "lossy", False)),

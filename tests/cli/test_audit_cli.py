@@ -225,6 +225,27 @@ def test_a_mismatch_names_the_numerics_that_differ_from_the_recorded_ones(tiny_m
         (v,) = audit([item(same)], lambda target: engine)
         assert not v.ok and "numerics" not in v.detail, v
 
+def test_the_audit_compares_with_how_its_engine_decodes_now(tiny_models):
+    """The audit's own numerics follow the rule the records follow (fingerprint.decodes_compiled):
+    its engine's static graphs are compiled (it read the target's forward only), failed ones eager."""
+    from types import SimpleNamespace
+
+    from specbatch.engine.fingerprint import decoded_with
+
+    engine = Engine(load_model(str(tiny_models / "llama")))
+    here = decoded_with(engine.target)
+    good = engine.generate(prompt="def fibonacci(n):", params=intake.params_from_dict({"max_new_tokens": 6}))
+    bad = [*good.token_ids[:2], (good.token_ids[2] + 1) % engine.target.vocab_size, *good.token_ids[3:]]
+    item = Item(1, "x", "t", "def fibonacci(n):", None, None, {"max_new_tokens": 6}, bad, None, False,
+                numerics={**here, "compiled": True})
+    engine.static_graphs = SimpleNamespace(failed=None)     # (no static backend: it decodes eagerly here)
+    (v,) = audit([item], lambda target: engine)
+    assert not v.ok and "numerics" not in v.detail, v
+    engine.static_graphs.failed = "BackendCompilerFailed: boom"
+    (v,) = audit([item], lambda target: engine)
+    assert "compiled True, here False" in v.detail, v
+
+
 def test_a_one_token_result_is_worded_in_the_singular() -> None:
     """`ok  chat-09: identical: 1 tokens identical to the target alone` (an answer that is one end
     token; qa53): counts go through plural(), as every other line's."""

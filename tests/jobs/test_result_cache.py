@@ -442,3 +442,140 @@ def test_a_lossy_fallback_engine_neither_serves_nor_stores(db_url, tmp_path, eng
     report = process_chunk(settings, fallback, ids, "w1")
     assert report.cached == [] and report.completed == ids
     assert all(r.lossy and r.cache_key is None and not r.cached for r in results(db_url, job))
+
+
+# ---------------------------------------------------------------- keys follow how a result was decoded
+
+
+def _compiled_forward(model):
+    """A real compiled forward installed on ``model`` that never runs a graph (every shape class
+    eager): nothing compiles, yet the model decodes "compiled" as far as any record can tell."""
+    from specbatch.engine.compile.forward import install
+
+    compiled = install(model)
+    assert compiled is not None
+    compiled.eager_classes = {(rows, tokens) for rows in (False, True) for tokens in (False, True)}
+    return compiled
+
+
+class _Finished:
+    """A background compile that has finished (engine/background.py): adopting it installs a
+    compiled forward on the target, or hands the engine static graphs, as BackgroundCompile.adopt."""
+
+    done = True
+
+    def __init__(self, model, static: bool = False) -> None:
+        from types import SimpleNamespace
+
+        from specbatch.engine.compile.decision import CompilePlan
+
+        self.model, self.plan = model, CompilePlan("on", True, "warmed up in a test")
+        self.graphs = SimpleNamespace(failed=None) if static else None
+
+    def adopt(self):
+        if self.graphs is None:
+            _compiled_forward(self.model)
+        return self.plan
+
+
+def test_an_eager_target_keeps_the_fingerprint_it_had(tmp_path, tiny_models):
+    """Reading the compiled state at each call changed no eager key, so the results cached before
+    stay valid: the fingerprint is still the one FINGERPRINT_VERSION 1 made (spelled out here)."""
+    import hashlib
+
+    from specbatch.engine import packed
+    from specbatch.engine.fingerprint import directory_digest
+
+    model = load_model(str(tiny_models / "llama"))
+    kernel = packed.packed_kernel(model.model)
+    blob = {"v": 1, "files": directory_digest(tiny_models / "llama", None), "dtype": "torch.float32",
+            "device": "cpu", "int8": False, "compiled": False,
+            **({"linears": f"{kernel}-packed"} if kernel is not None else {})}
+    before = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
+    assert model_fingerprint(model, tmp_path) == before
+    engine = Engine(model)
+    assert result_cache.target_identity(engine, str(tmp_path)) == before
+    assert result_cache.ResultCache.for_engine(engine, str(tmp_path)).target == before
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["compiled-forward", "static-graphs"])
+def test_a_compile_adopted_while_the_worker_runs_keys_what_it_decodes_next_as_compiled(
+        db_url, tmp_path, tiny_models, engines, static):
+    """A worker compiles in the background and adopts the graphs between batches: what it decodes
+    from then on is compiled and keyed so (the engine's fingerprint was computed once and stayed
+    eager), it is served no eager entry, and no eager engine is served its entries."""
+    settings = _settings(db_url, tmp_path)
+    engine = Engine(load_model(str(tiny_models / "llama")), [], batch_size=3)
+    first, ids = make_job(settings, lines(PROMPTS[:2]))
+    process_chunk(settings, engine, ids, "w1")
+    eager = {r.cache_target for r in results(db_url, first)}
+    assert len(eager) == 1 and None not in eager
+
+    engine.background = _Finished(engine.target, static)   # adopted at the chunk's first batch
+    job, ids = make_job(settings, lines(PROMPTS[:3]), name="compiled.jsonl")
+    report = process_chunk(settings, engine, ids, "w1")
+    assert report.cached == [] and sorted(report.completed) == ids
+    assert engine.background is None and (engine.static_graphs is not None) is static
+    got = results(db_url, job)
+    assert all(r.numerics["compiled"] is True and r.cache_key for r in got), [r.numerics for r in got]
+    compiled = {r.cache_target for r in got}
+    assert len(compiled) == 1 and compiled != eager
+
+    # an eager engine is served the eager entries only; the compiled one, its own
+    job, ids = make_job(settings, lines(PROMPTS[:3]), name="eager-again.jsonl")
+    report = process_chunk(settings, engines["none-b3"], ids, "w2")
+    assert report.cached == ids[:2]
+    job, ids = make_job(settings, lines(PROMPTS[:3]), name="compiled-again.jsonl")
+    assert process_chunk(settings, engine, ids, "w1").cached == ids
+
+
+def test_static_graphs_are_keyed_apart_from_eager(db_url, tmp_path, engines):
+    """--compile static decodes through the engine's graphs, the target's compiled forward unset:
+    its results were keyed (and served) as eager ones."""
+    from types import SimpleNamespace
+
+    settings = _settings(db_url, tmp_path)
+    _, ids = make_job(settings, lines(PROMPTS[:2]))
+    process_chunk(settings, engines["none-b3"], ids, "w1")
+    static = Engine(engines["none-b3"].target, [], batch_size=3)
+    static.static_graphs = SimpleNamespace(failed=None)   # (without the static backend it decodes eagerly)
+    job, ids = make_job(settings, lines(PROMPTS[:2]), name="static.jsonl")
+    report = process_chunk(settings, static, ids, "w2")
+    assert report.cached == [] and sorted(report.completed) == ids
+    assert all(r.numerics["compiled"] is True and r.cache_key for r in results(db_url, job))
+
+
+def test_a_decode_straddling_a_compile_failure_is_not_cached_and_later_ones_are_eager(
+        db_url, tmp_path, tiny_models, engines, monkeypatch):
+    """The compiled forward fails while rows decode (CompiledForward.fail: eager for good): those
+    rows decoded partly compiled, partly eager, so they are stored with no key and a record that
+    says so; what decodes after the failure is eager and keyed as eager results are."""
+    from specbatch.engine.fingerprint import PARTLY
+
+    settings = _settings(db_url, tmp_path)
+    engine = Engine(load_model(str(tiny_models / "llama")), [], batch_size=3)
+    compiled = _compiled_forward(engine.target)
+    real = engine.generate_many
+
+    def failing_as_they_start(requests, *args, on_start=None, **kwargs):
+        def start(indices):
+            on_start(indices)
+            compiled.fail(RuntimeError("inductor fell over"))   # after they began, before their steps
+        return real(requests, *args, on_start=start, **kwargs)
+
+    monkeypatch.setattr(engine, "generate_many", failing_as_they_start)
+    job, ids = make_job(settings, lines(PROMPTS[:2]))
+    assert sorted(process_chunk(settings, engine, ids, "w1").completed) == ids
+    got = results(db_url, job)
+    assert all(r.cache_key is None and r.cache_target is None and r.numerics["compiled"] == PARTLY
+               for r in got), [(r.cache_key, r.numerics) for r in got]
+
+    monkeypatch.undo()
+    job, ids = make_job(settings, lines(PROMPTS[:2]), name="after.jsonl")
+    report = process_chunk(settings, engine, ids, "w1")
+    assert report.cached == [] and sorted(report.completed) == ids      # the straddled rows were not stored as entries
+    got = results(db_url, job)
+    assert all(r.numerics["compiled"] is False for r in got)
+    assert {r.cache_target for r in got} == {result_cache.target_identity(engines["none-b3"], settings.cache_dir)}
+    job, ids = make_job(settings, lines(PROMPTS[:2]), name="eager.jsonl")
+    assert process_chunk(settings, engines["none-b3"], ids, "w2").cached == ids
