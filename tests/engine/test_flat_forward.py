@@ -184,3 +184,35 @@ def test_hidden_states_asked_of_transformers_once_leave_the_flat_forward_serving
         assert any(m._forward_hooks for m in lm.model.modules()), "transformers hooked its layers"
         assert flat.serves({"logits_to_keep": 1})
     _walk(lm)
+
+
+def test_a_same_named_class_of_other_code_is_transformers_own(tiny_models: Path) -> None:
+    """Remote code (``trust_remote_code``) may name its classes as transformers' are named: a
+    ``LlamaMLP`` of its own, with its own forward, is not the forward this reproduces, and its
+    numbers are its own forward's."""
+    lm = load_model(str(tiny_models / "llama"))
+
+    class LlamaMLP(type(lm.model.model.layers[0].mlp)):     # (the same name, another forward)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+    for layer in lm.model.model.layers:
+        layer.mlp.__class__ = LlamaMLP
+    assert FlatForward.of(lm.model) is None
+    with torch.inference_mode():
+        x = BatchCache(lm, 1).forward([[3, 4, 5]], 1)
+        y = BatchCache(dataclasses.replace(lm, flat=False), 1).forward([[3, 4, 5]], 1)
+    assert torch.equal(x, y)
+
+
+def test_a_module_whose_forward_was_replaced_is_transformers_own(tiny_models: Path) -> None:
+    """A forward replaced on the module itself (accelerate's offloading hooks wrap ``forward`` so)
+    is not the class's forward this reproduces. ``unroute_hub_kernels``' replacement, the class's
+    own forward unwrapped, is (every model ``load_model`` gives has it)."""
+    lm = load_model(str(tiny_models / "llama"))
+    assert "forward" in vars(lm.model.model.layers[0].self_attn), "load_model unrouted the hub kernels"
+    assert FlatForward.of(lm.model) is not None
+    norm = lm.model.model.layers[1].post_attention_layernorm
+    plain = norm.forward
+    norm.forward = lambda h: plain(h) * 2
+    assert FlatForward.of(lm.model) is None
