@@ -13,8 +13,9 @@ attention function the model is configured with (engine/attention.py's), the KV 
 step, a verify's tree mask, holes, packed and plain Linears, int8, bfloat16), and a target
 decoded through it is the same target.
 
-What it serves is narrow on purpose (``FlatForward.of``, ``serves``): the decoder layer, attention,
-MLP and norm classes of Llama and Qwen2 without sliding-window layers, in eval mode with autograd
+What it serves is narrow on purpose (``FlatForward.of``, ``serves``): transformers' own classes (not
+same-named ones of remote code) of Llama and Qwen2 without sliding-window layers, each module on its
+class's forward, in eval mode with autograd
 off, asked for logits only. Forward pre-hooks on the model and its layers (``specbatch run``'s
 stop check, worker/interrupt.py) run as ``nn.Module.__call__`` would run them; any other hook, a
 hook that returns new inputs, or any other keyword sends the call to transformers' forward.
@@ -67,9 +68,10 @@ class FlatForward:
         module = importlib.import_module(source)     # (remote code of this model_type may not have)
         causal_lm, decoder, layer_cls, attention, mlp, norm = (getattr(module, prefix + n) for n in (
             "ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
-        base = getattr(model, "model", None)
-        if type(model) is not causal_lm or type(base) is not decoder or getattr(base, "has_sliding_layers", False) \
-                or type(base.norm) is not norm:
+        if type(model) is not causal_lm:
+            return None
+        base = model.model
+        if type(base) is not decoder or getattr(base, "has_sliding_layers", False) or type(base.norm) is not norm:
             return None
         parts = [model, base, base.norm]
         for layer in base.layers:
