@@ -216,3 +216,56 @@ def test_a_module_whose_forward_was_replaced_is_transformers_own(tiny_models: Pa
     plain = norm.forward
     norm.forward = lambda h: plain(h) * 2
     assert FlatForward.of(lm.model) is None
+
+
+_CONFIGS = {
+    "biases": {"attention_bias": True, "mlp_bias": True},
+    "head_dim 24": {"head_dim": 24},
+    "one kv head, gelu, tied": {"num_key_value_heads": 1, "hidden_act": "gelu", "tie_word_embeddings": True},
+    "llama3 rope": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "yarn rope (attention scaling)": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                          "original_max_position_embeddings": 64}},
+    "dynamic rope past its length": {"max_position_embeddings": 8,
+                                     "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+}
+
+
+@pytest.mark.parametrize("attention", ["specbatch", "sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("config", list(_CONFIGS))
+def test_configs_match_transformers(config: str, arch: str, dtype: torch.dtype, attention: str) -> None:
+    """What ``FlatForward.of`` accepts is computed as transformers computes it, for what configs
+    vary (biases, head size, rope kinds, tied head, activation) on any attention implementation:
+    a left-padded prefill (2-D mask), steps without position ids, a tensor ``logits_to_keep``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specbatch.engine.attention import use_folded_attention
+    from specbatch.engine.hf_cache import new_cache
+
+    kw = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **_CONFIGS[config]}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw), dtype=dtype,
+                                             attn_implementation="eager" if attention == "eager" else "sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:          # norms (all ones: a misplaced cast would not show) and biases
+                p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))) + 0.5)
+    if attention == "specbatch":
+        use_folded_attention(model)
+    flat = FlatForward.of(model)
+    assert flat is not None
+    g = torch.Generator().manual_seed(1)
+    pads = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    calls = [(torch.randint(3, 96, (2, 6), generator=g), {"attention_mask": pads, "position_ids": (pads.cumsum(-1) - 1).clamp(min=0)}),
+             (torch.randint(3, 96, (2, 3), generator=g), {"logits_to_keep": torch.tensor([0, 2])}),
+             (torch.randint(3, 96, (2, 1), generator=g), {"logits_to_keep": 1})]
+    ours, theirs = new_cache(), new_cache()
+    with torch.inference_mode():
+        for ids, kwargs in calls:
+            assert flat.serves(kwargs)
+            x = flat(ids, ours, **kwargs).logits
+            y = model(input_ids=ids, use_cache=True, cache=theirs, **kwargs).logits
+            assert torch.equal(x, y), f"max difference {(x - y).abs().max().item()}"
