@@ -42,6 +42,7 @@ nothing is copied there; a tensor whose storage ends sooner gets zero columns co
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -97,17 +98,26 @@ def folded_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 _held = threading.local()
 
 
+def _no_mask() -> None:
+    """What a one-token step's held mask was made from (None: it sees every column)."""
+    return None
+
+
 def _folded_mask(attention_mask: torch.Tensor | None, b: int, groups: int, t: int, length: int, pad: int,
                  cols: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask (rows, 1, groups * t + pad, length + cols) of ``attention_mask`` (rows or 1,
     1, t, length; None: a one-token step that sees every column) for the folded queries: repeated
     per group, ``pad`` query rows added and ``cols`` hidden key columns. A boolean mask is made
     additive in ``dtype`` here (0 or -inf: SDPA's own conversion), once, not in every layer's SDPA call. Held
-    for the next call with the same mask: the input is kept, so its identity cannot be reused."""
+    for the next call with the same mask while that mask lives: a weak reference, whose referent
+    cannot be freed and its identity reused unseen, and which lets the folded mask go with it (a
+    long padded prefill's stayed held until the thread's next forward)."""
     key = (b, groups, t, length, pad, cols, dtype)
     held = None if torch.compiler.is_compiling() else getattr(_held, "last", None)
-    if held is not None and held[0] is attention_mask and held[1] == key:
-        return held[2]
+    # (a mask is alive here, so where the reference is to it, it has not emptied the pair)
+    if held is not None and (held[0] is _no_mask if attention_mask is None else held[0]() is attention_mask) \
+            and held[1][0] == key:
+        return held[1][1]
     # a one-token step sees every column: spelled as a mask, so that it is padded like the verify
     # block the same token would otherwise be scored in
     mask = torch.ones(b, 1, 1, length, dtype=torch.bool) if attention_mask is None else attention_mask   # (CPU only)
@@ -120,7 +130,8 @@ def _folded_mask(attention_mask: torch.Tensor | None, b: int, groups: int, t: in
     if mask.dtype == torch.bool:
         mask = torch.zeros_like(mask, dtype=dtype).masked_fill_(mask.logical_not(), float("-inf"))   # SDPA's own conversion
     if not torch.compiler.is_compiling():
-        _held.last = (attention_mask, key, mask)
+        pair = [key, mask]      # emptied when the mask it came from is freed (no cycle: it holds no reference)
+        _held.last = (_no_mask if attention_mask is None else weakref.ref(attention_mask, lambda _: pair.clear()), pair)
     return mask
 
 

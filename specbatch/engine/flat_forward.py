@@ -13,8 +13,9 @@ attention function the model is configured with (engine/attention.py's), the KV 
 step, a verify's tree mask, holes, packed and plain Linears, int8, bfloat16), and a target
 decoded through it is the same target.
 
-What it serves is narrow on purpose (``FlatForward.of``, ``serves``): the decoder layer, attention,
-MLP and norm classes of Llama and Qwen2 without sliding-window layers, in eval mode with autograd
+What it serves is narrow on purpose (``FlatForward.of``, ``serves``): transformers' own classes (not
+same-named ones of remote code) of Llama and Qwen2 without sliding-window layers, each module on its
+class's forward, in eval mode with autograd
 off, asked for logits only. Forward pre-hooks on the model and its layers (``specbatch run``'s
 stop check, worker/interrupt.py) run as ``nn.Module.__call__`` would run them; any other hook, a
 hook that returns new inputs, or any other keyword sends the call to transformers' forward.
@@ -22,6 +23,7 @@ hook that returns new inputs, or any other keyword sends the call to transformer
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -34,11 +36,9 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from specbatch.engine.packed import sibling_outputs
 
-# (decoder layer, attention, MLP, norm) classes per architecture whose forwards this reproduces
-_CLASSES = {
-    "llama": ("LlamaDecoderLayer", "LlamaAttention", "LlamaMLP", "LlamaRMSNorm"),
-    "qwen2": ("Qwen2DecoderLayer", "Qwen2Attention", "Qwen2MLP", "Qwen2RMSNorm"),
-}
+# the transformers modules whose classes' forwards this reproduces, by model type, and their prefix
+_MODULES = {"llama": ("transformers.models.llama.modeling_llama", "Llama"),
+            "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2")}
 _KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep"})
 
 
@@ -58,19 +58,28 @@ class FlatForward:
 
     @classmethod
     def of(cls, model: Any) -> FlatForward | None:
-        """The flat forward of ``model`` where its layers are ones this reproduces, else None."""
-        config = getattr(model, "config", None)
-        names = _CLASSES.get(getattr(config, "model_type", ""))
-        base = getattr(model, "model", None)
-        if names is None or base is None or type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM") \
-                or getattr(base, "has_sliding_layers", False) or not hasattr(base, "layers"):
+        """The flat forward of ``model`` where its modules are transformers' own ones this reproduces
+        (the classes themselves: remote code may name its own classes alike), each with its class's
+        forward, else None."""
+        where = _MODULES.get(getattr(getattr(model, "config", None), "model_type", ""))
+        if where is None:
             return None
+        source, prefix = where
+        module = importlib.import_module(source)     # (remote code of this model_type may not have)
+        causal_lm, decoder, layer_cls, attention, mlp, norm = (getattr(module, prefix + n) for n in (
+            "ForCausalLM", "Model", "DecoderLayer", "Attention", "MLP", "RMSNorm"))
+        if type(model) is not causal_lm:
+            return None
+        base = model.model
+        if type(base) is not decoder or getattr(base, "has_sliding_layers", False) or type(base.norm) is not norm:
+            return None
+        parts = [model, base, base.norm]
         for layer in base.layers:
-            parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm)
-            if tuple(type(p).__name__ for p in parts) != names or \
-                    type(layer.post_attention_layernorm).__name__ != names[3]:
+            mine = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+            if tuple(map(type, mine)) != (layer_cls, attention, mlp, norm, norm):
                 return None
-        return cls(model)
+            parts += mine
+        return cls(model) if all(map(_own_forward, parts)) else None
 
     def serves(self, kwargs: dict[str, Any]) -> bool:
         """Whether a call with these keywords (beside the input ids and cache) is served here."""
@@ -130,6 +139,17 @@ def _norm(norm: Any, h: torch.Tensor) -> torch.Tensor:
     variance = x.pow(2).mean(-1, keepdim=True)
     x = x * torch.rsqrt(variance + norm.variance_epsilon)
     return norm.weight * x.to(dtype)
+
+
+def _own_forward(m: torch.nn.Module) -> bool:
+    """Whether ``m`` runs its class's forward: none set on the module itself (accelerate's hooks wrap
+    it so), or the one ``hub_kernels.unroute_hub_kernels`` sets, the class's unwrapped."""
+    mine = vars(m).get("forward")
+    if mine is None:
+        return True
+    cls = type(m).forward
+    func = getattr(mine, "__func__", None)
+    return func is not None and (func is cls or func is getattr(cls, "__wrapped__", None))
 
 
 def _has_global_hooks() -> bool:

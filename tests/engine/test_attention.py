@@ -216,3 +216,28 @@ def test_under_dynamo_one_graph_serves_every_key_length(monkeypatch):
         with torch.inference_mode():
             torch.testing.assert_close(compiled(q, k, v, seen), folded_sdpa(attn, q, k, v, seen)[0])
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_the_folded_mask_is_let_go_with_the_mask_it_was_made_from(monkeypatch):
+    """Every layer of a forward gets one folded mask, made once; it lives no longer than the mask
+    it was made from (a forward's: a long padded prefill's stayed held until the thread's next
+    forward, the folded one ``groups`` times its size)."""
+    import gc
+    import weakref
+
+    given: list[weakref.ref[torch.Tensor]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, attn_mask=None, **kwargs):
+        given.append(weakref.ref(attn_mask))
+        return sdpa(*args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    q, k, v, seen = _inputs(2, 9, 3, 5, 40)
+    module = _Attn(3)
+    for _ in range(2):      # two layers of one forward
+        folded_sdpa(module, q, k, v, seen, scaling=0.25)
+    assert given[0]() is not None and given[0]() is given[1](), "made once for both"
+    del seen
+    gc.collect()
+    assert given[0]() is None

@@ -184,3 +184,88 @@ def test_hidden_states_asked_of_transformers_once_leave_the_flat_forward_serving
         assert any(m._forward_hooks for m in lm.model.modules()), "transformers hooked its layers"
         assert flat.serves({"logits_to_keep": 1})
     _walk(lm)
+
+
+def test_a_same_named_class_of_other_code_is_transformers_own(tiny_models: Path) -> None:
+    """Remote code (``trust_remote_code``) may name its classes as transformers' are named: a
+    ``LlamaMLP`` of its own, with its own forward, is not the forward this reproduces, and its
+    numbers are its own forward's."""
+    lm = load_model(str(tiny_models / "llama"))
+
+    class LlamaMLP(type(lm.model.model.layers[0].mlp)):     # (the same name, another forward)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+    for layer in lm.model.model.layers:
+        layer.mlp.__class__ = LlamaMLP
+    assert FlatForward.of(lm.model) is None
+    with torch.inference_mode():
+        x = BatchCache(lm, 1).forward([[3, 4, 5]], 1)
+        y = BatchCache(dataclasses.replace(lm, flat=False), 1).forward([[3, 4, 5]], 1)
+    assert torch.equal(x, y)
+
+
+def test_a_module_whose_forward_was_replaced_is_transformers_own(tiny_models: Path) -> None:
+    """A forward replaced on the module itself (accelerate's offloading hooks wrap ``forward`` so)
+    is not the class's forward this reproduces. ``unroute_hub_kernels``' replacement, the class's
+    own forward unwrapped, is (every model ``load_model`` gives has it)."""
+    lm = load_model(str(tiny_models / "llama"))
+    assert "forward" in vars(lm.model.model.layers[0].self_attn), "load_model unrouted the hub kernels"
+    assert FlatForward.of(lm.model) is not None
+    norm = lm.model.model.layers[1].post_attention_layernorm
+    plain = norm.forward
+    norm.forward = lambda h: plain(h) * 2
+    assert FlatForward.of(lm.model) is None
+
+
+_CONFIGS = {
+    "biases": {"attention_bias": True, "mlp_bias": True},
+    "head_dim 24": {"head_dim": 24},
+    "one kv head, gelu, tied": {"num_key_value_heads": 1, "hidden_act": "gelu", "tie_word_embeddings": True},
+    "llama3 rope": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0, "low_freq_factor": 1.0,
+                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+    "yarn rope (attention scaling)": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                          "original_max_position_embeddings": 64}},
+    "dynamic rope past its length": {"max_position_embeddings": 8,
+                                     "rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
+}
+
+
+@pytest.mark.parametrize("attention", ["specbatch", "sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("config", list(_CONFIGS))
+def test_configs_match_transformers(config: str, arch: str, dtype: torch.dtype, attention: str) -> None:
+    """What ``FlatForward.of`` accepts is computed as transformers computes it, for what configs
+    vary (biases, head size, rope kinds, tied head, activation) on any attention implementation:
+    a left-padded prefill (2-D mask), steps without position ids, a tensor ``logits_to_keep``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specbatch.engine.attention import use_folded_attention
+    from specbatch.engine.hf_cache import new_cache
+
+    kw = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **_CONFIGS[config]}
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw), dtype=dtype,
+                                             attn_implementation="eager" if attention == "eager" else "sdpa").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:          # norms (all ones: a misplaced cast would not show) and biases
+                p.copy_(torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))) + 0.5)
+    if attention == "specbatch":
+        use_folded_attention(model)
+    flat = FlatForward.of(model)
+    assert flat is not None
+    g = torch.Generator().manual_seed(1)
+    pads = torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    calls = [(torch.randint(3, 96, (2, 6), generator=g), {"attention_mask": pads, "position_ids": (pads.cumsum(-1) - 1).clamp(min=0)}),
+             (torch.randint(3, 96, (2, 3), generator=g), {"logits_to_keep": torch.tensor([0, 2])}),
+             (torch.randint(3, 96, (2, 1), generator=g), {"logits_to_keep": 1})]
+    ours, theirs = new_cache(), new_cache()
+    with torch.inference_mode():
+        for ids, kwargs in calls:
+            assert flat.serves(kwargs)
+            x = flat(ids, ours, **kwargs).logits
+            y = model(input_ids=ids, use_cache=True, cache=theirs, **kwargs).logits
+            assert torch.equal(x, y), f"max difference {(x - y).abs().max().item()}"
