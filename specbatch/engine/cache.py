@@ -31,7 +31,7 @@ class BatchCache:
 
     def __init__(self, model: LoadedModel, n_rows: int = 0) -> None:
         self.model = model
-        self.cache: Cache = new_cache(grow=model.compiled is None)
+        self.cache: Cache = new_cache(grow=not model.compiled_live)
         self.valid = torch.zeros(n_rows, 0, dtype=torch.bool, device=model.device)
         self.n_valid = torch.zeros(n_rows, dtype=torch.long, device=model.device)
         self._block: tuple[int, list[int]] = (0, [])  # last forward: first column, pad per row
@@ -131,7 +131,7 @@ class BatchCache:
         if cache_length(self.cache):
             self.cache.batch_select_indices(idx)
         else:   # no columns: nothing to keep, and a cropped cache would keep its old row count
-            self.cache = new_cache(grow=self.model.compiled is None)
+            self.cache = new_cache(grow=not self.model.compiled_live)
         self.valid, self.n_valid = self.valid[idx], self.n_valid[idx]
         self._invalidate([])
 
@@ -168,7 +168,7 @@ class BatchCache:
                 their.values = torch.cat([_zero_rows(their.values, self.n_rows), their.values])
             self.cache = other.cache
         else:   # no columns either side: a cache cropped to none still holds its old rows
-            self.cache = new_cache(grow=self.model.compiled is None)
+            self.cache = new_cache(grow=not self.model.compiled_live)
         self.valid = torch.cat([_left_pad_mask(self.valid, width), _left_pad_mask(other.valid, width)])
         self.n_valid = torch.cat([self.n_valid, other.n_valid])
 
@@ -185,7 +185,7 @@ class BatchCache:
         ``DynamicCache`` keeps one (B, H, L, D) tensor per layer and rows write their own tails."""
         assert not self.valid.shape[1], "a prefix loads into a backend with nothing cached"
         n = self.n_rows
-        self.cache = new_cache(grow=self.model.compiled is None)
+        self.cache = new_cache(grow=not self.model.compiled_live)
         for i, (k, v) in enumerate(kv.data):
             self.cache.update(k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1), i)   # (a cat: a copy)
         self.valid = torch.ones(n, kv.n_tokens, dtype=torch.bool, device=self.model.device)

@@ -479,9 +479,11 @@ class Engine:
         return self.contention if lanes == 1 else None
 
     def _eager(self) -> bool:
-        """No compiled forward: none planned, none warming up, none installed on the target."""
-        return not self.static_cache and self.background is None and self.target.compiled is None and \
-            not (self.compile_plan is not None and self.compile_plan.enabled)
+        """No compiled forward: none planned, none warming up, none serving the target (one that
+        failed decodes eagerly for good)."""
+        planned = self.compile_plan is not None and self.compile_plan.enabled
+        return not self.static_cache and self.background is None and not self.target.compiled_live and \
+            not (planned and self.target.compiled is None)
 
     def _lane(self, lane: int, lanes: int) -> _Lane:
         return self.lane_state.setdefault((lane, lanes), _Lane())

@@ -110,6 +110,12 @@ class LoadedModel:
         return self._flat
 
     @property
+    def compiled_live(self) -> bool:
+        """A compiled forward is installed and has not failed: after a compiler failure the model
+        decodes eagerly for good (``Graphs.fail``), and is laid out and scheduled as eager again."""
+        return self.compiled is not None and self.compiled.failed is None
+
+    @property
     def vocab_size(self) -> int:
         return int(self.model.config.get_text_config().vocab_size)
 

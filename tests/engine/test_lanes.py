@@ -213,3 +213,29 @@ def test_engine_load_takes_the_lanes_the_process_configured(monkeypatch, tiny_mo
     assert Engine.load(str(tiny_models / "llama")).lanes == 2
     monkeypatch.setattr(threads, "_SET", [])
     assert Engine.load(str(tiny_models / "llama")).lanes == 1
+
+
+def test_a_target_whose_compiled_forward_failed_decodes_in_lanes_over_growing_caches(tiny_models):
+    """After a compiler failure the target decodes eagerly for good (``Graphs.fail``): the engine
+    schedules it as eager again (lanes) and lays its caches out as eager ones (growing in place),
+    where before it kept a failed forward's single loop and concatenating caches."""
+    from specbatch.engine.cache import BatchCache
+    from specbatch.engine.compile.forward import install
+    from specbatch.engine.hf_cache import GrowingLayer, kv_layers
+    from specbatch.engine.loading import load_model
+
+    target = load_model(str(tiny_models / "llama"))
+    compiled = install(target)
+    assert compiled is not None
+    compiled.eager_classes = {(rows, tokens) for rows in (False, True) for tokens in (False, True)}  # nothing compiles
+    engine = Engine(target, lanes=2)
+    assert not engine._eager()
+    compiled.fail(RuntimeError("inductor fell over"))
+    assert engine._eager()
+    cache = BatchCache(target, 1)
+    cache.forward([[3, 4, 5]], 1)
+    assert all(isinstance(layer, GrowingLayer) for layer in kv_layers(cache.cache))
+    got = dict(engine.generate_many(requests()))
+    assert engine.lanes_used == 2
+    for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+        assert got[i].token_ids == target_greedy(target, p, n), i
