@@ -5,8 +5,9 @@ AMD EPYC, 4 rows) in Python around its operators: ~420 module calls through ``nn
 transformers' decorators and keyword plumbing on every layer, the shared q/k/v and gate/up products
 handed out member by member (docs/DESIGN.md, "The flat forward"). This walks the same layers in
 one loop and calls the same operators on the same operands in the same order as
-``modeling_llama`` / ``modeling_qwen2`` (transformers 5.x): the embedding, the mask transformers'
-own ``create_causal_mask`` makes, the rotary module, RMSNorm's six operators with its casts, the
+``modeling_llama`` / ``modeling_mistral`` / ``modeling_qwen2`` / ``modeling_qwen3`` (transformers
+5.x): the embedding, the mask transformers' own ``create_causal_mask`` makes, the rotary module,
+Qwen3's per-head query and key norms, RMSNorm's six operators with its casts, the
 attention function the model is configured with (engine/attention.py's), the KV cache's
 ``update``, the MLP, the head over the kept positions. So every output is bitwise transformers'
 (tests/engine/test_flat_forward.py compares them on each path the engine takes: a prefill, a
@@ -14,7 +15,7 @@ step, a verify's tree mask, holes, packed and plain Linears, int8, bfloat16), an
 decoded through it is the same target.
 
 What it serves is narrow on purpose (``FlatForward.of``, ``serves``): transformers' own classes (not
-same-named ones of remote code) of Llama and Qwen2 without sliding-window layers, each module on its
+same-named ones of remote code) of Llama, Mistral, Qwen2 and Qwen3 without sliding-window layers, each module on its
 class's forward, in eval mode with autograd
 off, asked for logits only. Forward pre-hooks on the model and its layers (``specbatch run``'s
 stop check, worker/interrupt.py) run as ``nn.Module.__call__`` would run them; any other hook, a
@@ -38,7 +39,9 @@ from specbatch.engine.packed import sibling_outputs
 
 # the transformers modules whose classes' forwards this reproduces, by model type, and their prefix
 _MODULES = {"llama": ("transformers.models.llama.modeling_llama", "Llama"),
-            "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2")}
+            "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+            "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+            "qwen3": ("transformers.models.qwen3.modeling_qwen3", "Qwen3")}
 _KWARGS = frozenset({"attention_mask", "position_ids", "logits_to_keep"})
 
 
@@ -55,6 +58,11 @@ class FlatForward:
         self._hookless = [m for m in model.modules() if id(m) not in ran]
         self._eager_attention: Callable[..., Any] = sys.modules[type(self.layers[0].self_attn).__module__] \
             .eager_attention_forward
+        # the sliding_window keyword each layer's attention passes its attention function (Qwen2/3:
+        # the layer's, None on full-attention layers; Mistral: its config's, None here; Llama: none)
+        self._window = [{"sliding_window": layer.self_attn.sliding_window} if hasattr(layer.self_attn, "sliding_window")
+                        else {"sliding_window": None} if base.config.model_type == "mistral" else {}
+                        for layer in self.layers]
 
     @classmethod
     def of(cls, model: Any) -> FlatForward | None:
@@ -71,14 +79,20 @@ class FlatForward:
         if type(model) is not causal_lm:
             return None
         base = model.model
-        if type(base) is not decoder or getattr(base, "has_sliding_layers", False) or type(base.norm) is not norm:
+        # a sliding window takes another mask: Qwen2/3 per layer (``layer_types``), Mistral for all
+        # layers where its config sets one
+        if type(base) is not decoder or getattr(base, "has_sliding_layers", False) or type(base.norm) is not norm \
+                or (prefix == "Mistral" and getattr(model.config, "sliding_window", None) is not None):
             return None
         parts = [model, base, base.norm]
         for layer in base.layers:
             mine = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
-            if tuple(map(type, mine)) != (layer_cls, attention, mlp, norm, norm):
+            # Qwen3 normalizes each head's query and key (q_norm, k_norm) before the rotation
+            heads = tuple(getattr(layer.self_attn, n) for n in ("q_norm", "k_norm") if hasattr(layer.self_attn, n))
+            if tuple(map(type, mine + heads)) != (layer_cls, attention, mlp, norm, norm) + (norm,) * len(heads) \
+                    or len(heads) != (2 if prefix == "Qwen3" else 0):
                 return None
-            parts += mine
+            parts += mine + heads
         return cls(model) if all(map(_own_forward, parts)) else None
 
     def serves(self, kwargs: dict[str, Any]) -> bool:
@@ -106,26 +120,29 @@ class FlatForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, self._eager_attention)
         extra = {"position_ids": position_ids, "use_cache": True}
-        for layer in self.layers:
+        for layer, window in zip(self.layers, self._window):
             _pre_hooks(layer, (h,))
-            h = _layer(layer, h, mask, cos, sin, cache, attention, extra)
+            h = _layer(layer, h, mask, cos, sin, cache, attention, extra, window)
         h = _norm(base.norm, h)
         return CausalLMOutputWithPast(logits=model.lm_head.forward(slice_logits_to_keep(h, logits_to_keep)))
 
 
 def _layer(layer: Any, h: torch.Tensor, mask: Any, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
-           attention: Callable[..., Any], extra: dict[str, Any]) -> torch.Tensor:
-    """One decoder layer: ``LlamaDecoderLayer.forward`` / ``LlamaAttention.forward`` / ``LlamaMLP.forward``."""
+           attention: Callable[..., Any], extra: dict[str, Any], window: dict[str, Any]) -> torch.Tensor:
+    """One decoder layer: ``LlamaDecoderLayer.forward`` / ``LlamaAttention.forward`` (Qwen3's:
+    ``q_norm`` / ``k_norm`` on each head first) / ``LlamaMLP.forward``."""
     attn, mlp = layer.self_attn, layer.mlp
     shape = (*h.shape[:-1], -1, attn.head_dim)
     # attention: q, k, v (B, heads, T, D), rotated, the cache's keys and values, the configured function
-    q, k, v = (y.view(shape).transpose(1, 2) for y in sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj),
-                                                                       _norm(layer.input_layernorm, h)))
+    q, k, v = (y.view(shape) for y in sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj),
+                                                      _norm(layer.input_layernorm, h)))
+    if (q_norm := getattr(attn, "q_norm", None)) is not None:
+        q, k = _norm(q_norm, q), _norm(attn.k_norm, k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = (q * cos) + (rotate_half(q) * sin)
     k = (k * cos) + (rotate_half(k) * sin)
     k, v = cache.update(k, v, attn.layer_idx, kwargs=extra)
-    out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling,
-                       **({"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else {}), **extra)
+    out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window, **extra)
     h = h + attn.o_proj.forward(out.reshape(*shape[:-2], -1).contiguous())
     # MLP
     gate, up = sibling_outputs((mlp.gate_proj, mlp.up_proj), _norm(layer.post_attention_layernorm, h))

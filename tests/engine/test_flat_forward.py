@@ -120,6 +120,9 @@ def test_other_architectures_are_transformers_own(load, tiny_models: Path) -> No
                                use_sliding_window=True, sliding_window=8, max_window_layers=1)
     sliding = AutoModelForCausalLM.from_config(cfg).eval()
     assert FlatForward.of(sliding) is None, "a sliding-window layer takes another mask"
+    cfg = AutoConfig.for_model("mistral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, vocab_size=64, sliding_window=8)
+    assert FlatForward.of(AutoModelForCausalLM.from_config(cfg).eval()) is None, "Mistral's window: every layer's"
 
 
 def test_keywords_hooks_and_grad_it_does_not_serve_go_to_transformers(load) -> None:
@@ -233,7 +236,7 @@ _CONFIGS = {
 
 @pytest.mark.parametrize("attention", ["specbatch", "sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("config", list(_CONFIGS))
 def test_configs_match_transformers(config: str, arch: str, dtype: torch.dtype, attention: str) -> None:
     """What ``FlatForward.of`` accepts is computed as transformers computes it, for what configs
@@ -245,7 +248,8 @@ def test_configs_match_transformers(config: str, arch: str, dtype: torch.dtype, 
     from specbatch.engine.hf_cache import new_cache
 
     kw = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **_CONFIGS[config]}
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, **_CONFIGS[config],
+          **({"sliding_window": None} if arch == "mistral" else {})}     # (its default: 4096, a window mask)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **kw), dtype=dtype,
                                              attn_implementation="eager" if attention == "eager" else "sdpa").eval()
