@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers.masking_utils import create_causal_mask
@@ -53,16 +53,14 @@ class FlatForward:
         self.model = model
         base = model.model
         self.layers = list(base.layers[: base.config.num_hidden_layers])
+        # each layer's modules, looked up once: nn.Module's attribute look-up is ~1 us a name, 26
+        # names a layer (``of`` checked their classes; a module swapped in later is not seen)
+        self._plans = [_Plan.of(layer, base.config.model_type) for layer in self.layers]
         # the modules whose hooks are not run here: a hook on any of them sends a call to transformers
         ran = {id(model), *map(id, self.layers)}
         self._hookless = [m for m in model.modules() if id(m) not in ran]
         self._eager_attention: Callable[..., Any] = sys.modules[type(self.layers[0].self_attn).__module__] \
             .eager_attention_forward
-        # the sliding_window keyword each layer's attention passes its attention function (Qwen2/3:
-        # the layer's, None on full-attention layers; Mistral: its config's, None here; Llama: none)
-        self._window = [{"sliding_window": layer.self_attn.sliding_window} if hasattr(layer.self_attn, "sliding_window")
-                        else {"sliding_window": None} if base.config.model_type == "mistral" else {}
-                        for layer in self.layers]
 
     @classmethod
     def of(cls, model: Any) -> FlatForward | None:
@@ -97,11 +95,12 @@ class FlatForward:
 
     def serves(self, kwargs: dict[str, Any]) -> bool:
         """Whether a call with these keywords (beside the input ids and cache) is served here."""
-        if not _KWARGS.issuperset(kwargs) or self.model.training or torch.is_grad_enabled():
+        if not _KWARGS.issuperset(kwargs) or self.model.training or torch.is_grad_enabled() \
+                or torch.compiler.is_compiling():
             return False
         if _has_global_hooks() or _hooked(self.model, after=True) or any(_hooked(m, after=True) for m in self.layers):
             return False
-        return not any(_live(m._forward_hooks) or m._forward_pre_hooks for m in self._hookless)
+        return not any((m._forward_hooks and _live(m._forward_hooks)) or m._forward_pre_hooks for m in self._hookless)
 
     def __call__(self, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> Any:
@@ -120,33 +119,63 @@ class FlatForward:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, self._eager_attention)
         extra = {"position_ids": position_ids, "use_cache": True}
-        for layer, window in zip(self.layers, self._window):
-            _pre_hooks(layer, (h,))
-            h = _layer(layer, h, mask, cos, sin, cache, attention, extra, window)
+        for plan in self._plans:
+            if plan.layer._forward_pre_hooks:
+                _pre_hooks(plan.layer, (h,))
+            h = _layer(plan, h, mask, cos, sin, cache, attention, extra)
         h = _norm(base.norm, h)
         return CausalLMOutputWithPast(logits=model.lm_head.forward(slice_logits_to_keep(h, logits_to_keep)))
 
 
-def _layer(layer: Any, h: torch.Tensor, mask: Any, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
-           attention: Callable[..., Any], extra: dict[str, Any], window: dict[str, Any]) -> torch.Tensor:
+class _Plan(NamedTuple):
+    """One decoder layer's modules and constants, as its forwards read them."""
+
+    layer: Any
+    attn: Any
+    in_norm: Any
+    post_norm: Any
+    qkv: tuple[Any, Any, Any]
+    qk_norms: tuple[Any, Any] | None       # Qwen3's per-head query and key norms
+    o_proj: Any
+    gate_up: tuple[Any, Any]
+    down_proj: Any
+    act: Any
+    head_dim: int
+    layer_idx: int
+    scaling: float
+    # the sliding_window keyword its attention passes the attention function (Qwen2/3: the
+    # layer's, None on full-attention layers; Mistral: its config's, None where served; Llama: none)
+    window: dict[str, Any]
+
+    @classmethod
+    def of(cls, layer: Any, model_type: str) -> _Plan:
+        attn, mlp = layer.self_attn, layer.mlp
+        norms = (attn.q_norm, attn.k_norm) if hasattr(attn, "q_norm") else None
+        window = {"sliding_window": attn.sliding_window} if hasattr(attn, "sliding_window") else \
+            {"sliding_window": None} if model_type == "mistral" else {}
+        return cls(layer, attn, layer.input_layernorm, layer.post_attention_layernorm,
+                   (attn.q_proj, attn.k_proj, attn.v_proj), norms, attn.o_proj, (mlp.gate_proj, mlp.up_proj),
+                   mlp.down_proj, mlp.act_fn, attn.head_dim, attn.layer_idx, attn.scaling, window)
+
+
+def _layer(p: _Plan, h: torch.Tensor, mask: Any, cos: torch.Tensor, sin: torch.Tensor, cache: Any,
+           attention: Callable[..., Any], extra: dict[str, Any]) -> torch.Tensor:
     """One decoder layer: ``LlamaDecoderLayer.forward`` / ``LlamaAttention.forward`` (Qwen3's:
     ``q_norm`` / ``k_norm`` on each head first) / ``LlamaMLP.forward``."""
-    attn, mlp = layer.self_attn, layer.mlp
-    shape = (*h.shape[:-1], -1, attn.head_dim)
+    shape = (*h.shape[:-1], -1, p.head_dim)
     # attention: q, k, v (B, heads, T, D), rotated, the cache's keys and values, the configured function
-    q, k, v = (y.view(shape) for y in sibling_outputs((attn.q_proj, attn.k_proj, attn.v_proj),
-                                                      _norm(layer.input_layernorm, h)))
-    if (q_norm := getattr(attn, "q_norm", None)) is not None:
-        q, k = _norm(q_norm, q), _norm(attn.k_norm, k)
+    q, k, v = (y.view(shape) for y in sibling_outputs(p.qkv, _norm(p.in_norm, h)))
+    if p.qk_norms is not None:
+        q, k = _norm(p.qk_norms[0], q), _norm(p.qk_norms[1], k)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q = (q * cos) + (rotate_half(q) * sin)
     k = (k * cos) + (rotate_half(k) * sin)
-    k, v = cache.update(k, v, attn.layer_idx, kwargs=extra)
-    out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling, **window, **extra)
-    h = h + attn.o_proj.forward(out.reshape(*shape[:-2], -1).contiguous())
+    k, v = cache.update(k, v, p.layer_idx, kwargs=extra)
+    out, _ = attention(p.attn, q, k, v, mask, dropout=0.0, scaling=p.scaling, **p.window, **extra)
+    h = h + p.o_proj.forward(out.reshape(*shape[:-2], -1).contiguous())
     # MLP
-    gate, up = sibling_outputs((mlp.gate_proj, mlp.up_proj), _norm(layer.post_attention_layernorm, h))
-    return h + mlp.down_proj.forward(mlp.act_fn(gate) * up)
+    gate, up = sibling_outputs(p.gate_up, _norm(p.post_norm, h))
+    return h + p.down_proj.forward(p.act(gate) * up)
 
 
 def _norm(norm: Any, h: torch.Tensor) -> torch.Tensor:
