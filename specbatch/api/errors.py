@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
-from specbatch.errors import BrokerUnavailable, InputError, JobNotFound, SpecBatchError, one_line
+from specbatch.errors import BrokerUnavailable, InputError, InputErrors, JobNotFound, SpecBatchError, one_line
 from specbatch.jobs.batches import BatchEnded, BatchNotFound
 from specbatch.jobs.files import FileNotFound
 from specbatch.jobs.structured import TOO_DEEP
@@ -54,7 +54,8 @@ def from_domain(e: SpecBatchError) -> ApiError:
     if isinstance(e, BatchEnded):    # OpenAI's answer, word for word (its clients match on it)
         return ApiError(409, str(e), headers=NO_RETRY)
     if isinstance(e, InputError):    # the field in the message too: clients show only the message
-        return ApiError(400, f"{e.field}: {e.reason}" if e.field else e.reason, param=e.field)
+        named = e.field and not isinstance(e, InputErrors)     # (InputErrors names each field itself)
+        return ApiError(400, f"{e.field}: {e.reason}" if named else e.reason, param=e.field)
     if isinstance(e, BrokerUnavailable):     # its text names the broker URL, which may hold a password
         return ApiError(503, BROKER_DOWN, type="server_error", code="broker_unavailable")
     return ApiError(400, str(e))
