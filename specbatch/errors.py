@@ -18,6 +18,26 @@ class InputError(SpecBatchError):
         super().__init__(": ".join(parts))
 
 
+class InputErrors(InputError):
+    """Several problems of one value as one error (the keys of a batch's metadata: a client told
+    only of the first fixed it and met the next). ``field``: the value they share (the API's
+    ``param``); the message names each problem's own field, in the order given."""
+
+    def __init__(self, problems: list[tuple[str, str]], field: str) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{f}: {r}" for f, r in problems), field=field)
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def input_error(problems: list[tuple[str, str]], field: str) -> InputError:
+    """One problem as an InputError naming its field; several as InputErrors of ``field``."""
+    if len(problems) == 1:
+        return InputError(problems[0][1], field=problems[0][0])
+    return InputErrors(problems, field)
+
+
 class IntakeError(SpecBatchError):
     """A prompt file failed validation; ``errors`` lists every InputError found."""
 

@@ -18,7 +18,7 @@ from specbatch.api.auth import Keyed
 from specbatch.api.deps import AppState
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
-from specbatch.api.metadata import check_metadata, job_options
+from specbatch.api.metadata import batch_options
 from specbatch.api.models import Batch, BatchList, BatchStats
 from specbatch.api.responses import answer
 from specbatch.errors import BrokerUnavailable, IntakeError
@@ -94,8 +94,7 @@ def create_batch(caller: Keyed, body: CreateBatch) -> JSONResponse:
     if body.completion_window not in batches.COMPLETION_WINDOWS:
         raise ApiError(400, f"completion_window must be one of {', '.join(batches.COMPLETION_WINDOWS)}",
                        param="completion_window")
-    metadata = check_metadata(body.metadata)
-    options = job_options(metadata, sb.settings)
+    metadata, options = batch_options(body.metadata, sb.settings)
     pair, defaults = options.pair, options.defaults
     try:
         f = sb.read(lambda c: files.read_file(c, body.input_file_id, owner))

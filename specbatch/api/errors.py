@@ -7,6 +7,7 @@ NotFoundError, 400 BadRequestError, ...) and reads the message from this body.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,9 +16,10 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
-from specbatch.errors import BrokerUnavailable, InputError, JobNotFound, SpecBatchError
+from specbatch.errors import BrokerUnavailable, InputError, InputErrors, JobNotFound, SpecBatchError, one_line
 from specbatch.jobs.batches import BatchEnded, BatchNotFound
 from specbatch.jobs.files import FileNotFound
+from specbatch.jobs.structured import TOO_DEEP
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +54,27 @@ def from_domain(e: SpecBatchError) -> ApiError:
     if isinstance(e, BatchEnded):    # OpenAI's answer, word for word (its clients match on it)
         return ApiError(409, str(e), headers=NO_RETRY)
     if isinstance(e, InputError):    # the field in the message too: clients show only the message
-        return ApiError(400, f"{e.field}: {e.reason}" if e.field else e.reason, param=e.field)
+        named = e.field and not isinstance(e, InputErrors)     # (InputErrors names each field itself)
+        return ApiError(400, f"{e.field}: {e.reason}" if named else e.reason, param=e.field)
     if isinstance(e, BrokerUnavailable):     # its text names the broker URL, which may hold a password
         return ApiError(503, BROKER_DOWN, type="server_error", code="broker_unavailable")
     return ApiError(400, str(e))
+
+
+# FastAPI's answer for a JSON body its reader raised on other than a JSONDecodeError (the reader's
+# error is the exception's __cause__): it names nothing a client can fix
+UNPARSED = "There was an error parsing the body"
+
+
+def _unreadable(cause: BaseException) -> str:
+    """Why Python's JSON reader refused a body, in a client's words (no advice to call sys.*)."""
+    if isinstance(cause, RecursionError):
+        return TOO_DEEP
+    if isinstance(cause, UnicodeDecodeError):
+        return f"it is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at byte {cause.start})"
+    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        return f"a number has more than {sys.get_int_max_str_digits()} digits"
+    return one_line(cause)[:200]
 
 
 def install(app: FastAPI) -> None:
@@ -88,6 +107,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
+        if e.status_code == 400 and e.detail == UNPARSED and e.__cause__ is not None:
+            return as_response(ApiError(400, f"the request body is not valid JSON: {_unreadable(e.__cause__)}",
+                                        code="invalid_json"))
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
         return as_response(ApiError(e.status_code, str(e.detail), code=code,
                                   headers=dict(e.headers) if e.headers else None))

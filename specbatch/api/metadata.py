@@ -13,7 +13,7 @@ from typing import Any
 from specbatch.config import Settings
 from specbatch.engine.drafter_specs import model_names
 from specbatch.engine.known_models import missing_weights, name_problem
-from specbatch.errors import InputError, IntakeError, ModelLoadError
+from specbatch.errors import InputError, InputErrors, IntakeError, ModelLoadError, input_error
 from specbatch.jobs import intake
 from specbatch.worker.submission import Pair
 
@@ -30,24 +30,61 @@ MAX_KEY, MAX_VALUE = 64, 512
 
 
 def check_metadata(metadata: Any) -> dict[str, str]:
-    """OpenAI's metadata rules; raises InputError naming the key."""
+    """OpenAI's metadata rules; raises InputError naming the key (every bad key, in one error)."""
+    problems, good = _bounds(metadata)
+    if problems:
+        raise input_error(problems, "metadata")
+    return good
+
+
+def batch_options(metadata: Any, settings: Settings) -> tuple[dict[str, str], JobOptions]:
+    """``check_metadata`` and ``job_options`` of a batch's metadata, every bad key of both named
+    in one error (a value past 512 characters and a misspelt reserved key: both)."""
+    problems, good = _bounds(metadata)
+    try:
+        options = job_options(good, settings)
+    except InputError as e:
+        problems += e.problems if isinstance(e, InputErrors) else [(str(e.field), e.reason)]
+    if problems:
+        raise input_error(_in_order(problems, list(metadata)), "metadata")
+    return good, options
+
+
+def _bounds(metadata: Any) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(a problem of each bad key, the good keys): OpenAI's bounds; raises for the whole object."""
     if metadata is None:
-        return {}
+        return [], {}
     if not isinstance(metadata, dict):
         raise InputError("must be an object of string keys and values", field="metadata")
     if len(metadata) > MAX_METADATA:
         raise InputError(f"has {len(metadata)} keys; the limit is {MAX_METADATA}", field="metadata")
+    problems, good = [], {}
     for k, v in metadata.items():
-        if "\x00" in k:     # PostgreSQL text cannot hold a NUL; the key is not echoed
-            raise InputError("a key contains a NUL character (\\u0000), which text cannot hold", field="metadata")
-        if not isinstance(v, str):
-            raise InputError("must be a string", field=f"metadata.{k}")
-        if "\x00" in v:
-            raise InputError("contains a NUL character (\\u0000), which text cannot hold", field=f"metadata.{k}")
-        if len(k) > MAX_KEY or len(v) > MAX_VALUE:
-            raise InputError(f"keys are at most {MAX_KEY} characters and values at most {MAX_VALUE}",
-                             field=f"metadata.{k}")
-    return dict(metadata)
+        if (problem := _key_problem(k, v)) is not None:
+            problems.append(problem)
+        else:
+            good[k] = v
+    return problems, good
+
+
+def _in_order(problems: list[tuple[str, str]], keys: list[str]) -> list[tuple[str, str]]:
+    """The problems in the order their keys were given (a key not echoed, last)."""
+    def place(problem: tuple[str, str]) -> int:
+        key = problem[0].removeprefix("metadata.")
+        return keys.index(key) if problem[0] != "metadata" and key in keys else len(keys)
+    return sorted(problems, key=place)
+
+
+def _key_problem(k: str, v: Any) -> tuple[str, str] | None:
+    if "\x00" in k:     # PostgreSQL text cannot hold a NUL; the key is not echoed
+        return "metadata", "a key contains a NUL character (\\u0000), which text cannot hold"
+    if not isinstance(v, str):
+        return f"metadata.{k}", "must be a string"
+    if "\x00" in v:
+        return f"metadata.{k}", "contains a NUL character (\\u0000), which text cannot hold"
+    if len(k) > MAX_KEY or len(v) > MAX_VALUE:
+        return f"metadata.{k}", f"keys are at most {MAX_KEY} characters and values at most {MAX_VALUE}"
+    return None
 
 
 def _flag(value: str, key: str) -> bool:
@@ -91,37 +128,53 @@ def job_options(metadata: dict[str, str], settings: Settings) -> JobOptions:
     ``specbatch_temperature``, ``specbatch_top_p``, ``specbatch_top_k``, ``specbatch_seed``,
     ``specbatch_stop`` (a string or a JSON array).
     """
-    for key in metadata:
-        if key.startswith(RESERVED_PREFIX) and key not in RESERVED_KEYS:
-            raise InputError(f"unknown reserved key; known: {', '.join(RESERVED_KEYS)}",
-                             field=f"metadata.{key}")
+    # every bad key is named, in one error: a client told of the first fixed it and met the next
+    problems: list[tuple[str, str]] = [
+        (f"metadata.{key}", f"unknown reserved key (known: {', '.join(RESERVED_KEYS)})")
+        for key in metadata if key.startswith(RESERVED_PREFIX) and key not in RESERVED_KEYS]
     target = metadata.get("specbatch_target", "").strip() or None
     drafts = [d.strip() for d in metadata.get("specbatch_draft", "").split(",") if d.strip()]
-    if not drafts and metadata.get("specbatch_draft", "").strip():   # "," alone: a typo, not the default pair
-        raise InputError("names no draft: give drafter specs, comma-separated (as --draft), or leave the key out "
-                         "for the default pair", field="metadata.specbatch_draft")
+    no_draft = not drafts and metadata.get("specbatch_draft", "").strip() != ""   # ",": a typo, not the default pair
+    if no_draft:
+        problems.append(("metadata.specbatch_draft", "names no draft: give drafter specs, comma-separated (as "
+                                                     "--draft), or leave the key out for the default pair"))
+    pair = None
     try:
         ngram = _flag(metadata.get("specbatch_ngram", ""), "specbatch_ngram")    # sugar, as --ngram
-        pair = Pair.resolve(settings, target, drafts, ["ngram"] if ngram else [])
+        if not no_draft:
+            pair = Pair.resolve(settings, target, drafts, ["ngram"] if ngram else [])
+    except InputError as e:
+        problems.append((str(e.field), e.reason))
     except ModelLoadError as e:    # no model by that name: the batch would wait for a worker forever
         key = "specbatch_target" if target is not None and name_problem(target) else "specbatch_draft"
-        raise InputError(str(e), field=f"metadata.{key}") from e
-    defaults = {name: _value(key, metadata[key], kind) for key, (name, kind) in DEFAULT_KEYS.items()
-                if key in metadata}
+        problems.append((f"metadata.{key}", str(e)))
+    defaults: dict[str, Any] = {}
+    for key, (name, kind) in DEFAULT_KEYS.items():
+        try:
+            if key in metadata:
+                defaults[name] = _value(key, metadata[key], kind)
+        except InputError as e:
+            problems.append((str(e.field), e.reason))
     try:
         intake.job_params(defaults)
     except IntakeError as e:    # fields come back as CLI options (--max-new-tokens): name our key
-        first = e.errors[0]
-        name = (first.field or "").lstrip("-").replace("-", "_")
-        key = next((k for k, (n, _) in DEFAULT_KEYS.items() if n == name), "")
-        raise InputError(first.reason, field=f"metadata.{key}" if key else "metadata") from e
+        for error in e.errors:
+            name = (error.field or "").lstrip("-").replace("-", "_")
+            key = next((k for k, (n, _) in DEFAULT_KEYS.items() if n == name), "")
+            problems.append((f"metadata.{key}" if key else "metadata", error.reason))
     specs = [x.strip() for x in metadata.get("specbatch_model_map", "").split(";") if x.strip()]
+    model_map = None
     try:
         model_map = intake.parse_model_map(specs, allow_remote=settings.allow_remote_models)
+        if pair is not None and not settings.allow_remote_models:
+            check_weights(target, model_names(pair.drafters) if drafts else [], model_map)
     except IntakeError as e:
-        raise InputError(e.errors[0].reason, field="metadata.specbatch_model_map") from e
-    if not settings.allow_remote_models:
-        check_weights(target, model_names(pair.drafters) if drafts else [], model_map)
+        problems.append(("metadata.specbatch_model_map", e.errors[0].reason))
+    except InputError as e:
+        problems.append((str(e.field), e.reason))
+    if problems:
+        raise input_error(_in_order(problems, list(metadata)), "metadata")
+    assert pair is not None      # (resolved: no problem with its keys)
     return JobOptions(pair, defaults, model_map)
 
 

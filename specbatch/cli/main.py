@@ -106,9 +106,16 @@ def _database_lost(e: Exception) -> str | None:
             "run the command again once it answers (--debug shows the stack trace)")
 
 
+# SQLite's extended SQLITE_BUSY codes whose cause is not a lock held past the busy timeout
+# (sqlite.org/rescode.html); SQLITE_LOCKED (6) is no busy database: a conflict inside one
+# connection, a bug, left to "unexpected error"
+SQLITE_BUSY_RECOVERY, SQLITE_BUSY_SNAPSHOT = 261, 517
+
+
 def _database_busy(e: Exception) -> str | None:
-    """One line for SQLite's "database is locked" (SQLITE_BUSY): another process (a worker, a
-    second command) held the file's write lock past the busy timeout every connection waits."""
+    """One line for SQLite's "database is locked" (SQLITE_BUSY and its extended codes): another
+    process (a worker, a second command) held the file's write lock past the busy timeout every
+    connection waits, was recovering the log after a crash, or wrote after this command read."""
     if type(e).__module__.split(".")[0] != "sqlalchemy":
         return None
     import sqlite3
@@ -117,12 +124,19 @@ def _database_busy(e: Exception) -> str | None:
 
     from specbatch.db import SQLITE_BUSY_TIMEOUT_MS
 
-    if not isinstance(e, OperationalError) or not isinstance(e.orig, sqlite3.OperationalError) \
-            or getattr(e.orig, "sqlite_errorcode", 0) & 0xFF != sqlite3.SQLITE_BUSY:    # (extended codes too)
+    if not isinstance(e, OperationalError) or not isinstance(e.orig, sqlite3.OperationalError):
         return None
-    return (f"the database was busy: another process held its write lock for over "
-            f"{SQLITE_BUSY_TIMEOUT_MS / 1000:g} s (SQLite's busy timeout); what was written before stays; "
-            "run the command again (--debug shows the stack trace)")
+    code = getattr(e.orig, "sqlite_errorcode", 0)
+    if code & 0xFF != sqlite3.SQLITE_BUSY:
+        return None
+    rerun = "what was written before stays; run the command again (--debug shows the stack trace)"
+    if code == SQLITE_BUSY_SNAPSHOT:   # SQLite fails it at once: no waiting would have helped
+        return ("the database changed under this command: another process wrote to it after this command "
+                f"began reading, so its read could not become a write (SQLite's SQLITE_BUSY_SNAPSHOT); {rerun}")
+    held = ("was recovering its write-ahead log after a crash" if code == SQLITE_BUSY_RECOVERY
+            else "held its write lock")
+    return (f"the database was busy: another process {held} for over {SQLITE_BUSY_TIMEOUT_MS / 1000:g} s "
+            f"(SQLite's busy timeout); {rerun}")
 
 
 def _connection_failed(orig: BaseException | None) -> bool:

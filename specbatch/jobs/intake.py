@@ -314,10 +314,8 @@ def _check_metadata(v: Any, field: str) -> tuple[dict[str, str] | None, list[tup
         return None, []
     if not isinstance(v, dict):
         return None, [(field, f"must be an object of strings, got {json_type(v)}")]
-    bad = [k for k, x in v.items() if not isinstance(x, str)]
-    if bad:
-        return None, [(f"{field}.{bad[0]}", f"must be a string, got {json_type(v[bad[0]])}")]
-    return dict(v), []
+    bad = [(f"{field}.{k}", f"must be a string, got {json_type(x)}") for k, x in v.items() if not isinstance(x, str)]
+    return (None, bad) if bad else (dict(v), [])
 
 
 def _unknown(obj: dict[str, Any], known: tuple[str, ...], prefix: str) -> list[tuple[str, str]]:

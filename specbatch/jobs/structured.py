@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from typing import Any
 
 from specbatch.engine.grammar_spec import GrammarSpec, spec_problem
@@ -66,7 +67,7 @@ def _compiles(spec: GrammarSpec, field: str) -> Problems:
     if problem is None:
         return []
     if spec.kind == "json" and problem.startswith(UNSATISFIABLE):
-        return [_unsatisfiable(json.loads(spec.source), _one_line(problem[len(UNSATISFIABLE):].strip()), field)]
+        return _unsatisfiable(spec, _why(problem), field)
     return [(field, f"the grammar library refuses it: {_one_line(problem)}")]
 
 
@@ -74,31 +75,74 @@ def _compiles(spec: GrammarSpec, field: str) -> Problems:
 # {"enum": []}: a dataset builder never wrote that anyOf). Lists that match nothing when empty, and
 # what each lists; llguidance's "incompatible types", said as what a schema does to get it
 UNSATISFIABLE = "Unsatisfiable schema:"
+EMPTIED = ("anyOf is empty", "oneOf is empty")
 EMPTY_LISTS = {"enum": "value", "type": "type", "anyOf": "schema", "oneOf": "schema"}
 VALUES = ("const", "default", "enum", "examples")      # keywords whose contents are data, not schemas
 INCOMPATIBLE = 'its "type" contradicts a "const", "enum" or "allOf" part of it'
+# empty lists tried, a compile each (~20 ms, up to 2n + 1 of them), to find those that matter;
+# past this many the first is named
+MAX_TRIED = 8
+
+Path = tuple[str | int, ...]
 
 
-def _unsatisfiable(schema: Any, why: str, field: str) -> tuple[str, str]:
+def _why(problem: str) -> str:
+    return _one_line(problem[len(UNSATISFIABLE):].strip())
+
+
+def _unsatisfiable(spec: GrammarSpec, why: str, field: str) -> Problems:
     """A schema no JSON value matches, in words: where llguidance says "anyOf is empty" (or oneOf),
-    the first empty list of ``EMPTY_LISTS`` in the schema is named where it is."""
+    each empty list of ``EMPTY_LISTS`` that leaves no value is named where it is."""
     # (no deeper than llguidance reads a schema: it refuses one nested past 128 levels itself)
-    if why in ("anyOf is empty", "oneOf is empty") and (empty := _empty_list(schema, field)) is not None:
-        where, key = empty
-        return where, f"is an empty list, so no JSON value matches the schema; list at least one {EMPTY_LISTS[key]}"
-    return field, f"no JSON value matches this schema: {INCOMPATIBLE if why == 'incompatible types' else why}"
+    if why in EMPTIED and (empty := _emptying(spec.source, spec.strict)):
+        return [(field + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path),
+                 f"is an empty list, so no JSON value matches the schema; list at least one "
+                 f"{EMPTY_LISTS[str(path[-1])]}") for path in empty]
+    return [(field, f"no JSON value matches this schema: {INCOMPATIBLE if why == 'incompatible types' else why}")]
 
 
-def _empty_list(node: Any, where: str) -> tuple[str, str] | None:
-    """(the path, the keyword) of the first ``EMPTY_LISTS`` keyword whose list is empty, depth first."""
+@lru_cache(maxsize=64)      # a job's lines often share one schema: it is tried once, not per line
+def _emptying(source: str, strict: bool) -> tuple[Path, ...]:
+    """The empty lists that leave the schema no value, in the schema's order. The library is asked,
+    not second-guessed: an unused ``$defs`` entry's or an optional property's ``"enum": []`` matches
+    nothing yet empties nothing. Named: each list whose dropping alone lets the schema compile (both
+    branches of an ``anyOf`` of two empty ones); where none does (``"enum": []`` beside
+    ``"oneOf": []``), those that must all be dropped: all dropped, then each put back in turn that
+    the schema compiles with."""
+    found = _empty_lists(json.loads(source), ())
+    if len(found) > MAX_TRIED:
+        return tuple(found[:1])
+
+    def empties(dropped: list[Path]) -> bool:
+        schema = json.loads(source)
+        for path in dropped:
+            node = schema
+            for k in path[:-1]:
+                node = node[k]
+            del node[path[-1]]            # no constraint left: any value passes this keyword
+        problem = GrammarSpec.json_schema(schema, strict).problem()   # not remembered: tried once
+        return problem is not None and problem.startswith(UNSATISFIABLE) and _why(problem) in EMPTIED
+
+    alone = tuple(path for path in found if not empties([path]))
+    if alone or empties(found):
+        return alone or tuple(found[:1])
+    dropped = list(found)
+    for path in found:
+        if not empties([p for p in dropped if p != path]):
+            dropped.remove(path)
+    return tuple(dropped)
+
+
+def _empty_lists(node: Any, where: Path) -> list[Path]:
+    """The path of every ``EMPTY_LISTS`` keyword whose list is empty, in the schema's order."""
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    found: list[Path] = []
     for k, v in items:
-        path = f"{where}.{k}" if isinstance(node, dict) else f"{where}[{k}]"
         if isinstance(node, dict) and k in EMPTY_LISTS and v == []:
-            return path, k
-        if k not in VALUES and (found := _empty_list(v, path)) is not None:
-            return found
-    return None
+            found.append((*where, k))
+        elif k not in VALUES:
+            found += _empty_lists(v, (*where, k))
+    return found
 
 
 def _one_line(message: str) -> str:

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import functools
 import warnings
+from operator import itemgetter
+from typing import Any
 
+import celery.app.amqp
 from celery import Celery, signals
 from celery.exceptions import CPendingDeprecationWarning
+from kombu import Connection
 
 from specbatch.config import Settings, get_settings
+from specbatch.redact import mask_url
 
 TASK_NAME = "specbatch.process_chunk"
 
@@ -73,9 +78,27 @@ def _quiet_the_settled_warning(**_: object) -> None:
                             category=CPendingDeprecationWarning)
 
 
+GETFIELDS = itemgetter("port", "userid", "password", "virtual_host", "transport")   # kombu's default
+
+
+class ShownConnection(Connection):
+    """kombu's Connection whose ``as_uri()`` (Celery's banner "transport: ...", its "Connected to
+    ..." and "Cannot connect to ..." lines) masks only a password that is there: kombu's writes
+    ``:**@`` into a URL with none at all (``redis://:**@127.0.0.1:6379/0``), which reads as if one
+    were set. Masked by ``redact``, as every other line shows a URL."""
+
+    def as_uri(self, include_password: Any = False, mask: Any = "**", getfields: Any = GETFIELDS) -> str:
+        uri = super().as_uri(include_password=True, mask=mask, getfields=getfields)
+        return uri if include_password else mask_url(uri)
+
+
+class AMQP(celery.app.amqp.AMQP):
+    Connection = ShownConnection
+
+
 def create_app(settings: Settings) -> Celery:
     """A new Celery app configured from ``settings``."""
-    app = Celery("specbatch", set_as_current=False)
+    app = Celery("specbatch", set_as_current=False, amqp=AMQP)
     app.conf.update(celery_config(settings))
     return app
 

@@ -4,19 +4,17 @@ Flower's Broker tab lists the queues live workers consume, or, with none, the ap
 queue: the pair queues (``specbatch.worker.queues``) are made on first use, so a job's waiting
 tasks sat in a queue the tab did not list. Here the tab also lists every ``specbatch.*`` queue the
 broker has a binding for (kombu's Redis transport keeps one set per exchange; a pair queue's
-exchange is named after it), with its message count as Flower reads it. And its broker URL is
-masked where it has a password, only then.
+exchange is named after it), with its message count as Flower reads it. (Its broker URL is masked where it has a password,
+only then, by the app's connection class: ``worker.app.ShownConnection``.)
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
 
 from specbatch.config import Settings, get_settings
-from specbatch.redact import mask_url
 from specbatch.worker.app import create_app
 from specbatch.worker.queues import PREFIX
 
@@ -61,23 +59,6 @@ def _list_broker_queues_too() -> None:
     BaseHandler.get_active_queue_names = get_active_queue_names
 
 
-def _masked_broker_uri(flower: Any) -> str:
-    """Flower's broker URL, masked by ``redact``: kombu's ``as_uri()`` writes ``:**@`` into a URL
-    with no password at all (``redis://:**@127.0.0.1:6379/0``), which reads as if one were set."""
-    with flower.capp.connection() as conn:
-        return mask_url(conn.as_uri(include_password=True))
-
-
-def _mask_only_what_is_there() -> None:
-    try:
-        from flower.app import Flower
-    except ImportError:   # not the Flower process's concern then
-        return
-    prop = functools.cached_property(_masked_broker_uri)
-    prop.__set_name__(Flower, "broker_uri")
-    Flower.broker_uri = prop
-
-
 def _basic_auth(settings: Settings) -> None:
     """SPECBATCH_FLOWER_PASSWORD as Flower's own FLOWER_BASIC_AUTH, which Flower reads from the
     environment after importing this app: `celery -A specbatch.worker.flower flower` (README's
@@ -89,4 +70,3 @@ def _basic_auth(settings: Settings) -> None:
 app = create_app(get_settings())
 _basic_auth(get_settings())
 _list_broker_queues_too()
-_mask_only_what_is_there()

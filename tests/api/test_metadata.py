@@ -174,3 +174,51 @@ def test_installed_weights_and_the_default_pair_are_not_refused(monkeypatch: pyt
                                  "SPECBATCH_DEFAULT_DRAFT": "qwen2.5-coder-0.5b"})
     assert job_options({}, default).pair.target == "qwen2.5-coder-1.5b"
     assert job_options({"specbatch_draft": "qwen2.5-coder-0.5b"}, default).pair.drafts == ["qwen2.5-coder-0.5b"]
+
+
+@pytest.mark.parametrize("meta, want", [
+    ({"a": 1, "ok": "v", "c": [2]}, "metadata.a: must be a string; metadata.c: must be a string"),
+    ({"a": "v" * 513, "b\0": "v"}, "metadata.a: keys are at most 64 characters and values at most 512; metadata: a "
+                                   "key contains a NUL character (\\u0000), which text cannot hold"),
+])
+def test_every_bad_key_of_the_metadata_is_named_in_one_error(meta: dict, want: str) -> None:
+    """Two bad keys: only the first was named, the client fixed it and met the next (tidy54). One
+    error, OpenAI's shape: the message names every key, in the order given; param the metadata."""
+    from specbatch.api.errors import from_domain
+
+    with pytest.raises(InputError) as e:
+        check_metadata(meta)
+    api = from_domain(e.value)
+    assert (api.status, api.message, api.param) == (400, want, "metadata"), api.message
+
+
+def test_every_bad_reserved_key_is_named_in_one_error() -> None:
+    from specbatch.api.errors import from_domain
+
+    with pytest.raises(InputError) as e:
+        job_options({"specbatch_ngram": "maybe", "note": "x", "specbatch_modle": "m", "specbatch_max_tokens": "lots",
+                     "specbatch_top_p": "1.5", "specbatch_stop": "[oops"}, SETTINGS)
+    api = from_domain(e.value)
+    assert api.param == "metadata", api.param
+    named = [part.split(":")[0] for part in api.message.split("; metadata.")]
+    assert named == ["metadata.specbatch_ngram", "specbatch_modle", "specbatch_max_tokens", "specbatch_top_p",
+                     "specbatch_stop"], api.message
+    # one bad key: as before, the key is the param
+    with pytest.raises(InputError) as e:
+        job_options({"specbatch_top_p": "1.5", "specbatch_temperature": "0.5"}, SETTINGS)
+    assert e.value.field == "metadata.specbatch_top_p"
+
+
+def test_a_batchs_bad_bounds_and_bad_reserved_keys_are_named_together() -> None:
+    """POST /v1/batches checked the bounds first and stopped there: a value past 512 characters hid
+    the misspelt reserved key after it."""
+    from specbatch.api.errors import from_domain
+    from specbatch.api.metadata import batch_options
+
+    with pytest.raises(InputError) as e:
+        batch_options({"specbatch_tmperature": "1", "note": "v" * 600, "specbatch_ngram": "maybe", "ok": "v"}, SETTINGS)
+    api = from_domain(e.value)
+    assert api.param == "metadata" and [p.split(":")[0] for p in api.message.split("; ")] == [
+        "metadata.specbatch_tmperature", "metadata.note", "metadata.specbatch_ngram"], api.message
+    metadata, options = batch_options({"specbatch_max_tokens": "8", "note": "v"}, SETTINGS)
+    assert metadata == {"specbatch_max_tokens": "8", "note": "v"} and options.defaults == {"max_new_tokens": 8}

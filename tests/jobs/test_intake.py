@@ -478,6 +478,12 @@ def test_a_native_line_takes_the_openai_aliases_model_and_metadata(tmp_path):
         intake.parse_file(path, None, settings)
     fields = {err.field for err in e.value.errors}
     assert {"model", "metadata.k", "max_completion_tokens"} <= fields, fields
+    # every key that is not a string, not the first alone (tidy54)
+    path.write_bytes(L(prompt="x", metadata={"a": 1, "ok": "v", "b": [2]}))
+    with pytest.raises(IntakeError) as e:
+        intake.parse_file(path, None, settings)
+    assert [(err.field, err.reason) for err in e.value.errors] == [
+        ("metadata.a", "must be a string, got the number 1"), ("metadata.b", "must be a string, got an array")]
 
 
 def test_a_null_prompt_or_messages_is_not_given(tmp_path):

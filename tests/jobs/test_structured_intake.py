@@ -169,6 +169,24 @@ def test_a_schema_no_value_matches_is_refused_in_words_not_the_librarys(fields, 
     assert "anyOf is empty" not in errors[0] and "Unsatisfiable" not in errors[0], errors
 
 
+@pytest.mark.parametrize("schema, want", [
+    ({"$defs": {"unused": {"enum": []}}, "oneOf": []}, ["oneOf"]),
+    ({"type": "object", "properties": {"a": {"enum": []}}, "oneOf": []}, ["oneOf"]),
+    ({"$defs": {"u": {"enum": []}, "v": {"type": []}}, "$ref": "#/$defs/v"}, ["$defs.v.type"]),
+    ({"anyOf": [{"type": "string", "enum": []}, {"type": []}], "$defs": {"u": {"oneOf": []}}},
+     ["anyOf[0].enum", "anyOf[1].type"]),
+    ({"enum": [], "oneOf": []}, ["enum", "oneOf"]),
+])
+def test_the_empty_lists_named_are_those_that_empty_the_schema(schema, want):
+    """The first empty list depth first was named: an unused $defs entry's "enum": [] (or an
+    optional property's) before the "oneOf": [] that leaves no value (tidy54). Named now: the
+    empty lists that matter, each its own problem, in the schema's order."""
+    errors = refused(chat(**_schema(schema)))
+    where = "batch.jsonl:1: body.response_format.json_schema.schema."
+    assert [e[len(where):].split(":")[0] for e in errors] == want, errors
+    assert all(e.startswith(where) and ": is an empty list, so no JSON value matches" in e for e in errors), errors
+
+
 @pytest.mark.parametrize("fields", [{"guided_regex": "x" * 100_000 + "(("},
                                     {"structured_outputs": {"regex": "(" * 100_000}}])
 def test_the_librarys_message_does_not_echo_a_long_source(fields):

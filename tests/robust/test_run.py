@@ -393,6 +393,72 @@ def test_a_sqlite_lock_past_the_busy_timeout_is_one_line_to_run_again(
     assert "please report it" not in line and "run the command again" in line, line
 
 
+def _snapshot_conflict(path: Path):   # noqa: ANN202
+    """SQLite's own SQLITE_BUSY_SNAPSHOT: a WAL reader whose snapshot another connection wrote past
+    tries to write (no busy handler runs: waiting cannot help)."""
+    import sqlite3
+
+    a, b = sqlite3.connect(path, isolation_level=None), sqlite3.connect(path, isolation_level=None)
+    try:
+        a.execute("PRAGMA journal_mode = WAL")
+        a.execute("CREATE TABLE t (x)")
+        a.execute("BEGIN")
+        a.execute("SELECT * FROM t").fetchall()
+        b.execute("INSERT INTO t VALUES (1)")
+        with pytest.raises(sqlite3.OperationalError) as e:
+            a.execute("INSERT INTO t VALUES (2)")
+    finally:
+        a.close()
+        b.close()
+    assert e.value.sqlite_errorcode == sqlite3.SQLITE_BUSY_SNAPSHOT, e.value.sqlite_errorname
+    return e.value
+
+
+def test_sqlites_other_busy_and_locked_codes_say_what_they_mean_not_a_60_s_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SQLITE_BUSY extended code read "another process held its write lock for over 60 s"
+    (tidy54): a snapshot conflict fails at once (no timeout ran), a recovery is another process
+    repairing the log after a crash. SQLITE_LOCKED (a conflict inside one connection) is no busy
+    database: a bug to report. Each one line, no traceback."""
+    import sqlite3
+
+    from sqlalchemy.exc import OperationalError
+
+    import specbatch.jobs.store as store
+
+    raised: list[OperationalError] = []
+
+    def failing(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise raised[0]
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    monkeypatch.setattr(store, "list_jobs", failing)
+
+    def line_for(orig: Exception) -> str:
+        raised[:] = [OperationalError("INSERT", {}, orig)]
+        result = CliRunner().invoke(cli, ["jobs"])
+        assert result.exit_code == 1 and "Traceback" not in result.stderr, result.output
+        (line,) = result.stderr.strip().splitlines()
+        return line
+
+    snapshot = line_for(_snapshot_conflict(tmp_path / "other.sqlite"))
+    assert snapshot.startswith("Error: the database changed under this command: another process wrote to it "
+                               "after this command began reading"), snapshot
+    assert "60 s" not in snapshot and "run the command again" in snapshot, snapshot
+    recovery = sqlite3.OperationalError("database is locked")
+    recovery.sqlite_errorcode, recovery.sqlite_errorname = 261, "SQLITE_BUSY_RECOVERY"   # (not made on demand)
+    line = line_for(recovery)
+    assert line.startswith("Error: the database was busy: another process was recovering its write-ahead log "
+                           "after a crash for over 60 s"), line
+    locked = sqlite3.OperationalError("database table is locked")
+    locked.sqlite_errorcode, locked.sqlite_errorname = sqlite3.SQLITE_LOCKED, "SQLITE_LOCKED"
+    line = line_for(locked)
+    assert line.startswith("Error: unexpected error (OperationalError: ") and "please report it" in line, line
+    assert "busy" not in line, line
+
+
 def test_out_of_device_memory_is_told_what_lowers_the_budget_not_reported_as_a_bug(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A GPU that ran out of memory (torch.OutOfMemoryError, CUDA's allocator) is no bug: the line

@@ -25,6 +25,25 @@ def test_celery_config_keeps_the_queue_promises() -> None:
     assert conf["broker_transport_options"]["visibility_timeout"] == 123
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),      # kombu wrote redis://:**@, logged as :***@
+    ("redis://u@h:6379/0", "redis://u@h:6379/0"),                   # a user, no password: u:**@
+    ("redis://:s3cret@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+    ("redis://u:s3cret@h:6379/0", "redis://u:***@h:6379/0"),
+    ("redis://h:6379/0?password=s3cret", "redis://:***@h:6379/0"),   # (moved into the user part)
+])
+def test_the_workers_banner_and_log_show_the_broker_url_masked_only_where_it_has_a_password(
+        url: str, shown: str) -> None:
+    """Celery's banner ("transport: ...") and its "Connected to ..." line print kombu's
+    ``Connection.as_uri()``, which wrote ``:**@`` into a URL with no password at all (tidy54): it
+    read as if one were set. Flower had the same fix (worker.flower)."""
+    app = create_app(Settings(database_url="sqlite://", broker_url=url))
+    with app.connection() as conn:
+        assert conn.as_uri() == shown
+        assert "s3cret" not in repr(conn)
+        assert conn.as_uri(include_password=True) == url.replace("h:6379/0?password=s3cret", ":s3cret@h:6379/0")
+
+
 def test_queue_name_is_derived_from_the_pair(tmp_path) -> None:  # noqa: ANN001
     (tmp_path / "m").mkdir()
     a = queue_name(str(tmp_path / "m"), ["smollm2-135m-int8"])

@@ -51,7 +51,7 @@ def test_flowers_broker_url_is_masked_only_where_it_has_a_password(url: str, sho
     pytest.importorskip("flower")
     from flower.app import Flower
 
-    import specbatch.worker.flower  # noqa: F401 - patches Flower's broker_uri
+    # Flower's own broker_uri, unpatched: the app's connection class masks (worker.app.ShownConnection)
     from specbatch.config import Settings
     from specbatch.worker.app import create_app
 
