@@ -119,3 +119,24 @@ def start_api(request: pytest.FixtureRequest, backend: str, redis: RedisServer, 
         get_engine(url)
         empty_tables(url)
     return Api(tmp, redis, url, models).start()
+
+
+@pytest.fixture
+def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The API in this process (FastAPI's test client) over a fresh SQLite database, no keys: for
+    what a request's handling says, not the service around it. A server error comes back as a 500
+    response, not an exception, as a real client would see it."""
+    from fastapi.testclient import TestClient
+
+    from specbatch.api.app import create_app
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'api.db'}")
+    monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
+    monkeypatch.delenv("SPECBATCH_API_KEYS", raising=False)
+    get_settings.cache_clear()
+    try:
+        with TestClient(create_app(get_settings()), raise_server_exceptions=False) as c:
+            yield c
+    finally:
+        get_settings.cache_clear()

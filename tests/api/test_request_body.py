@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,24 +14,6 @@ from specbatch.jobs.structured import TOO_DEEP
 FIELDS = {"input_file_id": "file-0123456789abcdef01234567", "endpoint": "/v1/chat/completions",
           "completion_window": "24h"}
 JSON = {"Content-Type": "application/json"}
-
-
-@pytest.fixture
-def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    from fastapi.testclient import TestClient
-
-    from specbatch.api.app import create_app
-    from specbatch.config import get_settings
-
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'api.db'}")
-    monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
-    monkeypatch.delenv("SPECBATCH_API_KEYS", raising=False)
-    get_settings.cache_clear()
-    try:
-        with TestClient(create_app(get_settings()), raise_server_exceptions=False) as c:
-            yield c
-    finally:
-        get_settings.cache_clear()
 
 
 def _with(field: str, raw: str) -> bytes:

@@ -3,7 +3,6 @@ that OpenAI's form does not have."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,24 +10,6 @@ import pytest
 
 LINE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", ' \
        b'"body": {"messages": [{"role": "user", "content": "hi"}]}}'
-
-
-@pytest.fixture
-def client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    from fastapi.testclient import TestClient
-
-    from specbatch.api.app import create_app
-    from specbatch.config import get_settings
-
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'api.db'}")
-    monkeypatch.setenv("SPECBATCH_FILES_DIR", str(tmp_path / "files"))
-    monkeypatch.delenv("SPECBATCH_API_KEYS", raising=False)
-    get_settings.cache_clear()
-    try:
-        with TestClient(create_app(get_settings())) as c:
-            yield c
-    finally:
-        get_settings.cache_clear()
 
 
 @pytest.mark.parametrize("second", [LINE + b"\n", LINE.replace(b'"a"', b'"b"')])

@@ -323,23 +323,30 @@ def test_an_unexpected_error_in_any_command_is_one_line_unless_debug(monkeypatch
     assert isinstance(debug.exception, ValueError)
 
 
+def _listing_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Exception]:
+    """A fresh SQLite database for the CLI whose job listing (``specbatch jobs``) raises the error
+    the caller puts in the returned list: what the command says of a database error it meets."""
+    import specbatch.jobs.store as store
+
+    raised: list[Exception] = []
+
+    def failing(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
+        raise raised[0]
+
+    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
+    get_settings.cache_clear()
+    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
+    monkeypatch.setattr(store, "list_jobs", failing)
+    return raised
+
+
 def test_a_database_lost_mid_command_is_one_line_not_a_bug_to_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A database that stopped answering after the command opened it (a server restarted) said
     "unexpected error ... please report it", over psycopg's two lines (tidy52)."""
     from sqlalchemy.exc import OperationalError
 
-    import specbatch.jobs.store as store
-
-    raised: list[OperationalError] = []
-
-    def lost(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
-        raise raised[0]
-
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
-    get_settings.cache_clear()
-    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
-    monkeypatch.setattr(store, "list_jobs", lost)
+    raised = _listing_raises(tmp_path, monkeypatch)
     # SQLAlchemy's mark of a connection found dead (psycopg's message goes on over two lines)
     raised[:] = [OperationalError("SELECT jobs", {}, Exception(
         "server closed the connection unexpectedly\n\tThis probably means the server terminated abnormally"),
@@ -424,17 +431,7 @@ def test_sqlites_other_busy_and_locked_codes_say_what_they_mean_not_a_60_s_wait(
 
     from sqlalchemy.exc import OperationalError
 
-    import specbatch.jobs.store as store
-
-    raised: list[OperationalError] = []
-
-    def failing(*args, **kwargs):   # noqa: ANN002, ANN003, ANN202
-        raise raised[0]
-
-    monkeypatch.setenv("SPECBATCH_DATABASE_URL", f"sqlite:///{tmp_path / 'db.sqlite'}")
-    get_settings.cache_clear()
-    assert CliRunner().invoke(cli, ["db", "upgrade"]).exit_code == 0
-    monkeypatch.setattr(store, "list_jobs", failing)
+    raised = _listing_raises(tmp_path, monkeypatch)
 
     def line_for(orig: Exception) -> str:
         raised[:] = [OperationalError("INSERT", {}, orig)]
