@@ -276,35 +276,30 @@ class EngineTask(Task):
         self.show_decoding(engine)
         return report
 
-    def pass_on(self, settings: Any, job_id: str, database: str, passes: int) -> BaseException:
-        """A task whose job is in another database than this worker's (a submitter with another
-        SPECBATCH_DATABASE_URL on this broker): no sign that this worker is the misconfigured
-        one, and pausing this queue, as a refusal does, held up every job of this worker's own
-        database behind it (qa53). So it goes back for a worker of that database, later each
-        time, this queue still consumed; at the ``FOREIGN_TRIES``-th try it is dropped: its
-        requests stay pending in their own database, where ``specbatch resume`` sends them
-        again (docs/DESIGN.md, "Tasks of another database").
+    def pass_on(self, settings: Any, job_id: str, passes: int, why: str, dropped: str) -> BaseException:
+        """A task this worker should not run and another worker may: its job is in another
+        database than this worker's (a submitter with another SPECBATCH_DATABASE_URL on this
+        broker), or a newer specbatch sent it with arguments this one does not know (a rolling
+        upgrade). No sign that this worker is misconfigured, and pausing this queue, as a refusal
+        does, held up every job of this worker's own database behind it (qa53). So it goes back
+        for another worker, later each time, this queue still consumed; at the ``FOREIGN_TRIES``-th
+        try it is dropped: its requests stay pending in their database, where ``specbatch resume``
+        sends them again (docs/DESIGN.md, "Tasks of another database").
 
-        ``passes``: how often workers of other databases passed it on before, carried in the
-        task's kwargs. Not Celery's ``request.retries``, which counts every retry of the message
-        (waits for a lease, transient errors and worker-lost resends in its own database): a task
-        that had waited on leases 11 times was dropped at its first pass (review53b)."""
-        from specbatch.db import database_id
-        from specbatch.redact import mask
-
-        here = f"this worker's {mask(settings.database_url)} (id {database_id(settings.database_url)})"
+        ``why``: what is wrong with it here; ``dropped``: what to do once it is dropped.
+        ``passes``: how often workers passed it on before, carried in the task's kwargs. Not
+        Celery's ``request.retries``, which counts every retry of the message (waits for a lease,
+        transient errors and worker-lost resends in its own database): a task that had waited on
+        leases 11 times was dropped at its first pass (review53b)."""
         if passes + 1 >= FOREIGN_TRIES:
-            reason = (f"job {job_id} is in another database (id {database}) than {here}, and no worker of "
-                      f"that database took it in {passes + 1} tries; its requests stay pending there: "
-                      f"`specbatch resume {job_id}` with that database's SPECBATCH_DATABASE_URL sends them again")
+            reason = f"{why}, and no other worker took it in {passes + 1} tries; {dropped}"
             logger.error("DROPPED task %s: %s", self.request.id, reason)
             return Reject(reason, requeue=False)
         wait = _countdown(settings, min(FOREIGN_LAST_WAIT, FOREIGN_FIRST_WAIT * 2 ** passes))
-        logger.warning("REFUSED task %s: job %s is in another database (id %s) than %s: back to %s in %.0f s "
-                       "for a worker of that database (try %d of %d); this worker goes on consuming it",
-                       self.request.id, job_id, database, here, _queue(self), wait, passes + 1, FOREIGN_TRIES)
-        return self.retry(kwargs={**(self.request.kwargs or {}), "database": database, "passes": passes + 1},
-                          countdown=wait)
+        logger.warning("REFUSED task %s: %s: back to %s in %.0f s for another worker (try %d of %d); "
+                       "this worker goes on consuming it", self.request.id, why, _queue(self), wait, passes + 1,
+                       FOREIGN_TRIES)
+        return self.retry(kwargs={**(self.request.kwargs or {}), "passes": passes + 1}, countdown=wait)
 
     def wait_for_database(self, settings: Any, error: BaseException, job_id: str, worker: str) -> None:
         """The database is down: stop consuming, probe until it answers, release what this
@@ -381,20 +376,27 @@ def _release(s: Any, job_id: str, worker: str) -> list[int]:
 
 @app.task(bind=True, base=EngineTask, name=TASK_NAME)
 def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int],
-                       database: str | None = None, passes: int = 0) -> dict[str, Any]:
+                       database: str | None = None, passes: int = 0, **newer: Any) -> dict[str, Any]:
     """Generate the requests ``request_ids`` of job ``job_id``, which is in the database whose
     id is ``database`` (``db.database_id``; None: a task sent before tasks named it); see
     ``specbatch.worker.chunk``.
 
-    A task of another database is passed on (``EngineTask.pass_on``; ``passes``: how often
-    before). Guarded
+    A task of another database, or one a newer specbatch sent with arguments this one does not
+    know (``newer``: a rolling upgrade), is passed on (``EngineTask.pass_on``; ``passes``: how
+    often before). Guarded
     (``specbatch.worker.guard``): a job of other models, or one this worker's database lacks, is
     refused and requeued. Breaker (``specbatch.worker.breaker``): a database outage pauses this
     worker until the database answers; repeated target failures make it unhealthy.
     """
     from specbatch.db import database_id
+    from specbatch.redact import mask
 
     settings = get_settings()
+    if newer:       # before anything is read: what these arguments change is not known here
+        raise self.pass_on(settings, job_id, passes,
+                           f"job {job_id}'s task was sent by a newer specbatch (arguments this worker does not know: "
+                           f"{', '.join(sorted(newer))})",
+                           f"its requests stay pending: upgrade this job's workers, then `specbatch resume {job_id}`")
     fallback = self.decoder_for(settings, job_id)   # None: this process's engine
     worker = _worker_name(self)
     while True:
@@ -421,7 +423,10 @@ def process_chunk_task(self: EngineTask, job_id: str, request_ids: list[int],
         except Exception as e:
             fallback = self.after_target_failure(settings, job_id, worker, fallback, e)
     if foreign:
-        raise self.pass_on(settings, job_id, str(database), passes)
+        here = f"this worker's {mask(settings.database_url)} (id {database_id(settings.database_url)})"
+        raise self.pass_on(settings, job_id, passes, f"job {job_id} is in another database (id {database}) than {here}",
+                           f"its requests stay pending there: `specbatch resume {job_id}` with that database's "
+                           "SPECBATCH_DATABASE_URL sends them again")
     if report is None:
         logger.info("job %s cancelled: task of %d request(s) dropped unread", job_id, len(request_ids))
         raise _revoked(self)

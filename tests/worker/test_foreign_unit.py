@@ -78,3 +78,22 @@ def test_retries_of_another_kind_do_not_count_as_passes(settings, monkeypatch) -
     assert isinstance(out, Retry) and out.when == 300 and out.sig.kwargs["passes"] == 11
     out = _take(settings, monkeypatch, retries=0, database="f" * 32, passes=11)
     assert isinstance(out, Reject) and out.requeue is False and "in 12 tries" in str(out.reason)
+
+
+def test_a_task_from_a_newer_specbatch_is_passed_on_unread_then_dropped(settings, monkeypatch) -> None:  # noqa: ANN001
+    """A newer specbatch that sends tasks with an argument this one does not know (a rolling
+    upgrade: workers of both versions on one queue) got every older worker's task failing with
+    Celery's TypeError on the unexpected keyword, the queue's requests re-sent by the stranded sweep
+    into the same failure. It is passed on for a worker that knows it, as a task of another
+    database is, its arguments carried along, and dropped at the last try with what to do."""
+    from celery.exceptions import Retry
+
+    monkeypatch.setattr(tasks, "set_consuming", lambda *a, **k: pytest.fail("a queue was paused"))
+    monkeypatch.setattr(tasks.EngineTask, "decoder_for", lambda *a, **k: pytest.fail("the task was read"))
+    out = _take(settings, monkeypatch, retries=3, priority_class="gold")
+    assert isinstance(out, Retry) and out.when == 5, out
+    assert out.sig.kwargs == {"priority_class": "gold", "passes": 1}
+    out = _take(settings, monkeypatch, retries=0, priority_class="gold", passes=tasks.FOREIGN_TRIES - 1)
+    assert isinstance(out, Reject) and out.requeue is False
+    assert "sent by a newer specbatch (arguments this worker does not know: priority_class)" in str(out.reason)
+    assert "upgrade this job's workers, then `specbatch resume job1`" in str(out.reason)
