@@ -1,7 +1,7 @@
 """A decoder forward without transformers' module machinery, operator for operator the same.
 
-At the decode loop's few rows a forward of the default target spends about 5 ms of 40-45 (2-core
-AMD EPYC, 4 rows) in Python around its operators: ~420 module calls through ``nn.Module.__call__``,
+At the decode loop's few rows a forward of the default target spends 3-5 ms of 40-50 (2-core
+AMD EPYC, 1-16 rows: what this saves) in Python around its operators: ~420 module calls through ``nn.Module.__call__``,
 transformers' decorators and keyword plumbing on every layer, the shared q/k/v and gate/up products
 handed out member by member (docs/DESIGN.md, "The flat forward"). This walks the same layers in
 one loop and calls the same operators on the same operands in the same order as
