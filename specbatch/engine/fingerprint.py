@@ -104,12 +104,11 @@ PARTLY = "partly"
 
 def compiled_now(model: Any, graphs: Any = None) -> bool:
     """Whether decoding ``model`` goes through compiled graphs now: its compiled forward
-    (``LoadedModel.compiled``: compile on/auto, adopted from a background compile) or ``graphs``
+    (``LoadedModel.compiled_live``: compile on/auto, adopted from a background compile) or ``graphs``
     (an engine's ``static_graphs``: compile=static), installed and not failed (after a compiler
     failure either decodes eagerly for good: ``Graphs.fail``). THE rule: the record, the
     fingerprint and the audit all read it."""
-    return any(g is not None and getattr(g, "failed", None) is None
-               for g in (getattr(model, "compiled", None), graphs))
+    return bool(getattr(model, "compiled_live", False)) or (graphs is not None and getattr(graphs, "failed", None) is None)
 
 
 def decodes_compiled(engine: Any) -> bool:

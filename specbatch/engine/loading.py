@@ -113,7 +113,7 @@ class LoadedModel:
     def compiled_live(self) -> bool:
         """A compiled forward is installed and has not failed: after a compiler failure the model
         decodes eagerly for good (``Graphs.fail``), and is laid out and scheduled as eager again."""
-        return self.compiled is not None and self.compiled.failed is None
+        return self.compiled is not None and getattr(self.compiled, "failed", None) is None
 
     @property
     def vocab_size(self) -> int:
