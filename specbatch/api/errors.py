@@ -7,7 +7,6 @@ NotFoundError, 400 BadRequestError, ...) and reads the message from this body.
 from __future__ import annotations
 
 import logging
-import sys
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,10 +15,10 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException
 
-from specbatch.errors import BrokerUnavailable, InputError, InputErrors, JobNotFound, SpecBatchError, one_line
+from specbatch.errors import BrokerUnavailable, InputError, InputErrors, JobNotFound, SpecBatchError
 from specbatch.jobs.batches import BatchEnded, BatchNotFound
 from specbatch.jobs.files import FileNotFound
-from specbatch.jobs.structured import TOO_DEEP
+from specbatch.jobs.structured import unreadable
 
 logger = logging.getLogger(__name__)
 
@@ -66,16 +65,6 @@ def from_domain(e: SpecBatchError) -> ApiError:
 UNPARSED = "There was an error parsing the body"
 
 
-def _unreadable(cause: BaseException) -> str:
-    """Why Python's JSON reader refused a body, in a client's words (no advice to call sys.*)."""
-    if isinstance(cause, RecursionError):
-        return TOO_DEEP
-    if isinstance(cause, UnicodeDecodeError):
-        return f"it is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at byte {cause.start})"
-    if isinstance(cause, ValueError) and "integer string conversion" in str(cause):
-        return f"a number has more than {sys.get_int_max_str_digits()} digits"
-    return one_line(cause)[:200]
-
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
@@ -108,7 +97,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
         if e.status_code == 400 and e.detail == UNPARSED and e.__cause__ is not None:
-            return as_response(ApiError(400, f"the request body is not valid JSON: {_unreadable(e.__cause__)}",
+            return as_response(ApiError(400, f"the request body is not valid JSON: {unreadable(e.__cause__)}",
                                         code="invalid_json"))
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
         return as_response(ApiError(e.status_code, str(e.detail), code=code,

@@ -32,7 +32,7 @@ from specbatch.errors import InputError, IntakeError, RequestError
 from specbatch.jobs import openai_fields, structured
 from specbatch.jobs.context import ContextCheck
 from specbatch.jobs.openai_fields import json_type
-from specbatch.jobs.structured import TOO_DEEP
+from specbatch.jobs.structured import unreadable
 from specbatch.plural import plural
 
 logger = logging.getLogger(__name__)
@@ -696,14 +696,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
             continue      # counted, not parsed: the file is rejected as a whole below
         try:
             obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
-        except json.JSONDecodeError as e:
-            err(line_no, None, f"invalid JSON: {e.msg} (column {e.colno})")
-            continue
-        except RecursionError:
-            err(line_no, None, f"invalid JSON: {TOO_DEEP}")
-            continue
-        except ValueError as e:
-            err(line_no, None, f"invalid JSON: {e}")
+        except (ValueError, RecursionError) as e:    # (the hooks' own refusals are ValueErrors too)
+            err(line_no, None, f"invalid JSON: {unreadable(e)}")
             continue
         if not isinstance(obj, dict):
             err(line_no, None, f"must be a JSON object, got {json_type(obj)}")

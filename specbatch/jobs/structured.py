@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from functools import lru_cache
 from typing import Any
 
@@ -28,6 +29,22 @@ from specbatch.jobs.openai_fields import json_type
 # Python's JSON reader raises RecursionError past about 1000 levels (its C scanner shares the
 # interpreter's recursion limit): an upload's line, or a schema given as JSON text, says this
 TOO_DEEP = "nested too deeply (Python's JSON reader stops near 1000 levels)"
+
+
+def unreadable(e: BaseException) -> str:
+    """Why Python's JSON reader refused a text, in a user's words: a line of a file, a body, a
+    schema given as JSON text (no advice to call ``sys.set_int_max_str_digits``)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"{e.msg} (column {e.colno})"
+    if isinstance(e, RecursionError):
+        return TOO_DEEP
+    if isinstance(e, UnicodeDecodeError):
+        return f"it is not UTF-8 text (byte 0x{e.object[e.start]:02x} at byte {e.start})"
+    if isinstance(e, ValueError) and "integer string conversion" in str(e):
+        return f"a number has more than {sys.get_int_max_str_digits()} digits"
+    return _one_line(str(e))
+
+
 QUOTE_KEEP, MESSAGE_KEEP = 80, 300     # characters of a library message kept (_one_line)
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -213,10 +230,8 @@ def _kind_spec(kind: str, value: Any, where: str) -> tuple[GrammarSpec | None, P
         if isinstance(value, str):        # vLLM takes the schema as JSON text too
             try:
                 value = json.loads(value)
-            except json.JSONDecodeError as e:
-                return None, [(where, f"is a string but not JSON: {e.msg} (column {e.colno})")]
-            except RecursionError:
-                return None, [(where, f"is a string but not JSON: {TOO_DEEP}")]
+            except (ValueError, RecursionError) as e:
+                return None, [(where, f"is a string but not JSON: {unreadable(e)}")]
         if not isinstance(value, dict):
             return None, [(where, f"must be a JSON schema object, got {json_type(value)}")]
         spec = GrammarSpec.json_schema(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from specbatch.config import Settings
 from specbatch.db.models import Job, Request, Result
 from specbatch.errors import IntakeError
 from specbatch.jobs import intake, store
+from specbatch.jobs.structured import TOO_DEEP
 
 BOM = b"\xef\xbb\xbf"
 KNOWN_LINE_KEYS = "custom_id, prompt, messages, max_tokens, max_new_tokens, max_completion_tokens, temperature, top_p, top_k, seed, stop"
@@ -212,8 +214,28 @@ def test_json_nested_too_deeply_is_a_line_error(seeded_url, tmp_path):
     with pytest.raises(IntakeError) as e:
         submit(Settings(database_url=seeded_url), path)
     assert str(e.value).splitlines()[1:] == [
-        f"{path}:2: invalid JSON: {intake.TOO_DEEP}",
-        f"{path}:3: guided_json: is a string but not JSON: {intake.TOO_DEEP}"]
+        f"{path}:2: invalid JSON: {TOO_DEEP}",
+        f"{path}:3: guided_json: is a string but not JSON: {TOO_DEEP}"]
+    assert snapshot(seeded_url) == before
+
+
+def test_a_number_past_pythons_digit_limit_is_a_line_error(seeded_url, tmp_path):
+    """Python's JSON reader refuses an integer of more than 4300 digits with advice to call
+    sys.set_int_max_str_digits(), which a user cannot take; in a guided_json schema given as JSON
+    text the ValueError was an 'unexpected error'. Now each is the line's error in the words the
+    API uses for a body, nothing written."""
+    big = "9" * 5000
+    lines = [json.dumps({"prompt": "a"}), '{"prompt": "a", "max_tokens": ' + big + "}",
+             json.dumps({"prompt": "a", "guided_json": '{"type": "string", "maxLength": ' + big + "}"})]
+    path = tmp_path / "big.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    before = snapshot(seeded_url)
+    with pytest.raises(IntakeError) as e:
+        submit(Settings(database_url=seeded_url), path)
+    digits = f"a number has more than {sys.get_int_max_str_digits()} digits"
+    assert str(e.value).splitlines()[1:] == [
+        f"{path}:2: invalid JSON: {digits}",
+        f"{path}:3: guided_json: is a string but not JSON: {digits}"]
     assert snapshot(seeded_url) == before
 
 
