@@ -15,6 +15,7 @@ from specbatch.engine.drafter_specs import model_names
 from specbatch.engine.known_models import missing_weights, name_problem
 from specbatch.errors import InputError, InputErrors, IntakeError, ModelLoadError, input_error
 from specbatch.jobs import intake
+from specbatch.jobs.structured import unreadable
 from specbatch.worker.submission import Pair
 
 RESERVED_PREFIX = "specbatch_"
@@ -102,8 +103,8 @@ def _value(key: str, raw: str, kind: type) -> Any:
             return raw
         try:
             return json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise InputError(f"must be a string or a JSON array of strings ({e.msg})",
+        except (ValueError, RecursionError) as e:
+            raise InputError(f"must be a string or a JSON array of strings ({unreadable(e)})",
                              field=f"metadata.{key}") from e
     try:
         return kind(raw)
