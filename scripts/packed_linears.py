@@ -6,7 +6,15 @@ each row's output stays bitwise the same at every row count (batch invariance), 
 
 Prints one line per (shape, rows): us for each way and its speed-up over ``F.linear``, then per shape
 and way the row counts (of 1..--max-rows) at which a row's output differs from its output in the
-largest batch.
+largest batch. Each shape's one weight is multiplied again and again, so it is read from the
+caches.
+
+    python scripts/packed_linears.py --layers 30 --rows 4,16,32 --threads 2
+
+``--layers N``: instead, N layers' distinct weights (q, k, v, o, gate, up, down each) multiplied in a
+forward's order, as a decode step reads them: from memory, once each (the default target's 30 layers
+are 425 MB of float32). Prints ms for the N layers per way and the float32 weight bytes a second that
+makes: the products' distance from the machine's read bandwidth (scripts/forward_floor.py).
 """
 
 from __future__ import annotations
@@ -56,15 +64,48 @@ def shape(name: str, w: torch.Tensor, rows_list: list[int], reps: int, max_rows:
               f"{moved or 'none'}", flush=True)
 
 
+def layers(n_layers: int, rows_list: list[int], reps: int, g: torch.Generator) -> None:
+    """A forward's Linears over ``n_layers`` layers' distinct weights, each way interleaved rep by rep."""
+    order = ("q/o 576->576", "k/v 576->192", "k/v 576->192", "q/o 576->576", "gate/up 576->1536",
+             "gate/up 576->1536", "down 1536->576")
+    weights = [[torch.randn(SHAPES[s][1], SHAPES[s][0], generator=g) * 0.02 for s in order] for _ in range(n_layers)]
+    nbytes = 4 * sum(w.numel() for layer in weights for w in layer)
+    ways: dict[str, Callable[[torch.Tensor, int, int], torch.Tensor]] = {
+        "F.linear": lambda x, i, j: F.linear(x, weights[i][j])}
+    for kern in KERNELS:
+        if kern.available():
+            packed = [[kern.pack(w) for w in layer] for layer in weights]
+            ways[kern.name] = lambda x, i, j, kern=kern, packed=packed: kern.product(x, packed[i][j], weights[i][j], None)
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
+        t: dict[str, list[float]] = {label: [] for label in ways}
+        for rep in range(reps + 2):
+            for label, f in ways.items() if rep % 2 == 0 else reversed(ways.items()):
+                t0 = time.perf_counter()
+                for i, layer in enumerate(weights):
+                    for j, w in enumerate(layer):
+                        f(xs[w.shape[1]], i, j)
+                if rep >= 2:
+                    t[label].append(time.perf_counter() - t0)
+        ms = {label: statistics.median(v) * 1e3 for label, v in t.items()}
+        cols = "  ".join(f"{label} {ms[label]:6.1f} ms ({nbytes / ms[label] / 1e6:4.1f} GB/s)" for label in ways)
+        print(f"{n_layers} layers ({nbytes / 1e6:.0f} MB) rows {rows:3d}: {cols}  load {os.getloadavg()[0]:.1f}",
+              flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--max-rows", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=0, help="N layers' distinct weights in a forward's order")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     g = torch.Generator().manual_seed(0)
+    if a.layers:
+        layers(a.layers, [int(r) for r in a.rows.split(",")], max(3, a.reps // 5), g)
+        return
     for name, (k, n) in SHAPES.items():
         reps = max(3, a.reps // 10) if n > 10000 else a.reps
         shape(name, torch.randn(n, k, generator=g), [int(r) for r in a.rows.split(",")], reps, a.max_rows, g)
