@@ -89,12 +89,13 @@ def directory_digest(directory: Path, memo_dir: Path | None) -> str:
 
 
 def _linears(module: Any) -> dict[str, str]:
-    """Packed Linears (engine/packed.py) round unlike F.linear, and oneDNN's unlike MKL's: results
-    are kept apart by kernel; nothing where unpacked, so other models' fingerprints stay as they were."""
-    from specbatch.engine.packed import packed_kernel
+    """Packed Linears (engine/packed.py) round unlike F.linear, oneDNN's unlike MKL's, and products
+    over llama.cpp's blocks (engine/blocks.py: "+blocks") unlike either: results are kept apart by kernel; nothing
+    where unpacked, so other models' fingerprints stay as they were."""
+    from specbatch.engine.packed import blocks_used, packed_kernel
 
     k = packed_kernel(module)
-    return {"linears": f"{k}-packed"} if k is not None else {}
+    return {"linears": f"{k}-packed" + ("+blocks" if blocks_used(module) else "")} if k is not None else {}
 
 
 # what a result's record says where its decode began compiled and ended eager or the other way

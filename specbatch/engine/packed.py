@@ -51,6 +51,7 @@ from typing import Any, TypeGuard
 import torch
 import torch.nn.functional as F
 
+from specbatch.engine import blocks as block_weights
 from specbatch.engine import cpuinfo
 from specbatch.engine.siblings import HeldProduct, shared_input_groups
 
@@ -187,11 +188,18 @@ class _Packed:
     no storage ``copy.deepcopy`` or pickle could copy (an int8 draft is a deep copy of its target);
     a copy with other weights packs its own at its first call, and an unpickled one likewise."""
 
-    def __init__(self, weight: torch.Tensor | None, k: Kernel | None) -> None:
+    def __init__(self, weight: torch.Tensor | None, k: Kernel | None, blocks: bool = False) -> None:
         self.kernel = k
         self.source = weakref.ref(weight) if weight is not None else None
         self.version = None if weight is None else _version(weight)
-        self.tensor = None if weight is None or k is None or self.version is None else k.pack(weight.detach())
+        self.blocks: block_weights.BlockWeight | None = None
+        self.tensor: torch.Tensor | None = None
+        if weight is None or k is None or self.version is None:
+            return
+        # a weight of llama.cpp's blocks is multiplied as such (engine/blocks.py) where ``blocks`` allows it
+        self.blocks = _blocks_of(weight.detach()) if blocks else None
+        if self.blocks is None:
+            self.tensor = k.pack(weight.detach())
 
     def packs(self, weight: torch.Tensor) -> bool:
         """Whether this is ``weight``'s packed copy as it is now (not another or an older weight:
@@ -203,6 +211,13 @@ class _Packed:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _Packed, (None, None)
+
+
+def _blocks_of(weight: torch.Tensor) -> block_weights.BlockWeight | None:
+    """``weight`` as engine/blocks.py's blocks where it is of that form and this process can
+    multiply by them (the question is asked only then, so other weights never build the product)."""
+    w = block_weights.split(weight)
+    return w if w is not None and block_weights.unavailable() is None else None
 
 
 def _version(weight: torch.Tensor) -> int | None:
@@ -220,16 +235,20 @@ class _Group(HeldProduct):
     (``PackedLinear``). Shared by copies of its modules (a copy's weights are others: it is not
     served), dead once unpickled, as ``_Packed``."""
 
-    def __init__(self, members: list[torch.nn.Linear] | None = None, k: Kernel | None = None) -> None:
+    def __init__(self, members: list[torch.nn.Linear] | None = None, k: Kernel | None = None,
+                 blocks: bool = False) -> None:
         super().__init__([m.out_features for m in members or ()])
         self.sources: list[tuple[weakref.ref[torch.Tensor], int | None]] = []
+        self.blocks: block_weights.BlockWeight | None = None
         if not members or k is None:
             return
         self.kernel = k
         self.sources = [(weakref.ref(m.weight), _version(m.weight)) for m in members]
         cat = torch.cat([m.weight.detach() for m in members])
         self.bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
-        self.packed = k.pack(cat)
+        # (each output of a block product is its own sum: a member's columns are its own product's)
+        self.blocks = _blocks_of(cat) if blocks else None
+        self.packed = k.pack(cat) if self.blocks is None else cat[:0]   # (unused beside blocks)
         # oneDNN's product reads only the weight's shape; MKL's op takes the weight itself
         self.weight = cat if k.name == "mkl" else torch.empty(cat.shape, device="meta")
 
@@ -240,6 +259,8 @@ class _Group(HeldProduct):
         return ref() is weight and version is not None and version == _version(weight)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blocks is not None:
+            return block_weights.product(x, self.blocks, self.bias)
         return self.kernel.product(x, self.packed, self.weight, self.bias)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Group:
@@ -268,7 +289,8 @@ class PackedLinear(torch.nn.Linear):
         linear.__class__ = cls
         assert isinstance(linear, PackedLinear)
         linear._linears = linears
-        linear._packed = _Packed(None, None) if group is not None else _Packed(linear.weight, kernel(linears))
+        linear._packed = _Packed(None, None) if group is not None else \
+            _Packed(linear.weight, kernel(linears), blocks=linears == "auto")
         linear._group, linear._member = group, member
         return linear
 
@@ -292,7 +314,9 @@ class PackedLinear(torch.nn.Linear):
                 return group.columns_of(self._member, x)
             self._group = None      # its weight changed: multiplied alone from now on
         if not self._packed.packs(self.weight):
-            self._packed = _Packed(self.weight, kernel(self._linears))
+            self._packed = _Packed(self.weight, kernel(self._linears), blocks=self._linears == "auto")
+        if self._packed.blocks is not None:
+            return block_weights.product(x, self._packed.blocks, self.bias)
         k = self._packed.kernel
         if self._packed.tensor is None or k is None:
             return F.linear(x, self.weight, self.bias)
@@ -300,8 +324,16 @@ class PackedLinear(torch.nn.Linear):
 
     def extra_repr(self) -> str:
         k = self._group.kernel if self._group is not None and self._group.sources else self._packed.kernel
-        return super().extra_repr() + (f", {k.name}-packed" if k is not None else "") + \
-            (", columns of a shared product" if self._group is not None else "")
+        way = f", {self._format()} blocks" if self.blocks() else f", {k.name}-packed" if k is not None else ""
+        return super().extra_repr() + way + (", columns of a shared product" if self._group is not None else "")
+
+    def blocks(self) -> bool:
+        """Whether its products are engine/blocks.py's, over its weight's blocks."""
+        return self._format() is not None
+
+    def _format(self) -> str | None:
+        held = self._group.blocks if self._group is not None else self._packed.blocks
+        return None if held is None else held.format
 
 
 def sibling_outputs(members: tuple[Any, ...], x: torch.Tensor) -> list[torch.Tensor]:
@@ -319,6 +351,11 @@ def sibling_outputs(members: tuple[Any, ...], x: torch.Tensor) -> list[torch.Ten
             y = group.product(x)
             return [y[..., a:b] for a, b in group.columns]
     return [m.forward(x) for m in members]
+
+
+def blocks_used(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s Linears multiplies by llama.cpp's blocks (engine/blocks.py)."""
+    return any(isinstance(m, PackedLinear) and m.blocks() for m in model.modules())
 
 
 def packed_kernel(model: torch.nn.Module) -> str | None:
@@ -350,7 +387,7 @@ def pack_linears(model: torch.nn.Module, linears: str = "auto") -> int:
             members = [getattr(parent, x) for x in names]
             # (an inference tensor cannot be concatenated into the group's weight outside inference mode)
             if all(_packable(m) and not m.weight.is_inference() for m in members):
-                group = _Group(members, k)
+                group = _Group(members, k, blocks=linears == "auto")
                 for i, m in enumerate(members):
                     PackedLinear.of(m, group, i, linears=linears)
                 grouped.update(names)
