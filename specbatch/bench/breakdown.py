@@ -22,8 +22,9 @@ import torch
 
 GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_int_mm",
                       "quantized::linear_dynamic", "aten::_weight_int8pack_mm",
-                      # engine/packed.py: a float32 Linear on CPU
-                      "mkl::_mkl_linear", "mkldnn::_linear_pointwise"})
+                      # engine/packed.py: a float32 Linear on CPU; engine/blocks.py: one over llama.cpp's blocks
+                      "mkl::_mkl_linear", "mkldnn::_linear_pointwise", "specbatch_blocks::q4_1",
+                      "specbatch_blocks::q8_0"})
 ATTENTION_PREFIX = "aten::_scaled_dot_product"
 SAMPLING_OPS = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
                           "aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::multinomial",
@@ -70,7 +71,10 @@ def _bucket(name: str, shapes: list[Any], vocab: int, callers: Sequence[str] = (
     """``callers``: the names of the events enclosing this operator, innermost first (Python frames
     when the profiler records stacks); only read for cache-management operators."""
     if name in GEMM_OPS:
-        return "head_and_sampling" if any(vocab in s for s in shapes if isinstance(s, list)) else "gemm"
+        # (a block product's weight is (N/32, K, ...) tiles: the head's N is the vocabulary)
+        head = any(vocab in s for s in shapes if isinstance(s, list)) or \
+            (name.startswith("specbatch_blocks::") and len(shapes) > 1 and shapes[1][:1] == [vocab // 32])
+        return "head_and_sampling" if head else "gemm"
     if name.startswith(ATTENTION_PREFIX):
         return "attention"
     if name in SAMPLING_OPS:
@@ -102,7 +106,7 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int) -> 
         hook.remove()
     seconds = dict.fromkeys(BUCKETS, 0.0)
     for e in prof.events():
-        if e.name.startswith(("aten::", "quantized::", "mkl::", "mkldnn::")):
+        if e.name.startswith(("aten::", "quantized::", "mkl::", "mkldnn::", "specbatch_blocks::")):
             callers = _callers(e) if e.name in CACHE_OPS else []
             seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))

@@ -40,6 +40,10 @@ def test_breakdown_buckets_tell_the_head_from_a_layer_gemm():
     assert _bucket("aten::_scaled_dot_product_flash_attention_for_cpu", [], vocab) == "attention"
     assert _bucket("aten::cat", [], vocab) == "cache_management"
     assert _bucket("aten::silu", [], vocab) == "elementwise"
+    # engine/blocks.py's products: the weight as (N/32, K, ...) tiles
+    assert _bucket("specbatch_blocks::q4_1", [[8, 576], [48, 576, 16], [48, 18, 32], [48, 18, 32]], vocab) == "gemm"
+    assert _bucket("specbatch_blocks::q8_0", [[8, 576], [vocab // 32, 576, 32], [vocab // 32, 18, 32]],
+                   vocab) == "head_and_sampling"
 
 
 def test_a_cat_called_by_the_rotary_embedding_is_elementwise():
