@@ -13,8 +13,10 @@ caches.
 
 ``--layers N``: instead, N layers' distinct weights (q, k, v, o, gate, up, down each) multiplied in a
 forward's order, as a decode step reads them: from memory, once each (the default target's 30 layers
-are 425 MB of float32). Prints ms for the N layers per way and the float32 weight bytes a second that
-makes: the products' distance from the machine's read bandwidth (scripts/forward_floor.py).
+are 425 MB of float32). The weights are Q4_1 values, as the default target's (engine/blocks.py), so
+a fourth way multiplies by their blocks where this CPU builds that product. Prints ms for the N
+layers per way and the float32 weight bytes a second that makes: the products' distance from the
+machine's read bandwidth (scripts/forward_floor.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from specbatch.engine import blocks
 from specbatch.engine.packed import KERNELS
 
 # the default target's (SmolLM2-135M) Linears: K -> N
@@ -68,7 +71,8 @@ def layers(n_layers: int, rows_list: list[int], reps: int, g: torch.Generator) -
     """A forward's Linears over ``n_layers`` layers' distinct weights, each way interleaved rep by rep."""
     order = ("q/o 576->576", "k/v 576->192", "k/v 576->192", "q/o 576->576", "gate/up 576->1536",
              "gate/up 576->1536", "down 1536->576")
-    weights = [[torch.randn(SHAPES[s][1], SHAPES[s][0], generator=g) * 0.02 for s in order] for _ in range(n_layers)]
+    weights = [[blocks.q4_1(torch.randn(SHAPES[s][1], SHAPES[s][0], generator=g) * 0.02) for s in order]
+               for _ in range(n_layers)]
     nbytes = 4 * sum(w.numel() for layer in weights for w in layer)
     ways: dict[str, Callable[[torch.Tensor, int, int], torch.Tensor]] = {
         "F.linear": lambda x, i, j: F.linear(x, weights[i][j])}
@@ -76,6 +80,9 @@ def layers(n_layers: int, rows_list: list[int], reps: int, g: torch.Generator) -
         if kern.available():
             packed = [[kern.pack(w) for w in layer] for layer in weights]
             ways[kern.name] = lambda x, i, j, kern=kern, packed=packed: kern.product(x, packed[i][j], weights[i][j], None)
+    if blocks.unavailable() is None:
+        split = [[blocks.split(w) for w in layer] for layer in weights]
+        ways["blocks"] = lambda x, i, j: blocks.product(x, split[i][j])   # type: ignore[arg-type]
     for rows in rows_list:
         xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
         t: dict[str, list[float]] = {label: [] for label in ways}

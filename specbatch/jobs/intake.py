@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 from specbatch.config import Settings
 from specbatch.engine import rules
+from specbatch.engine.drafter_specs import KINDS
 from specbatch.engine.known_models import name_problem, tokenizer_mismatch
 from specbatch.engine.types import GenerationParams
 from specbatch.errors import InputError, IntakeError, RequestError
@@ -126,6 +127,11 @@ def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = 
                                      field="--model-map"))
         elif name.strip() in out:
             errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
+        elif modelless := next((m for m in models[1:] if m in KINDS and KINDS[m].build and not KINDS[m].loads_model),
+                               None):
+            errors.append(InputError(f"{spec!r}: {modelless} loads no model: it drafts for every route of the "
+                                     "job (--ngram, or the specbatch_ngram metadata of an API batch)",
+                                     field="--model-map"))
         elif not allow_remote and (bad := [p for p in map(name_problem, models) if p]):
             errors.append(InputError(f"{spec!r}: {bad[0]}", field="--model-map"))
         elif mismatch := tokenizer_mismatch(models[0], models[1:]):

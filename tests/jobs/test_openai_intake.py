@@ -417,7 +417,10 @@ def test_unmapped_model_is_refused_per_line():
 @pytest.mark.parametrize(("spec", "why"), [
     ("small", "'small': expected NAME=TARGET or NAME=TARGET,DRAFT[,DRAFT...]"),
     ("=t", "'=t': expected NAME=TARGET or NAME=TARGET,DRAFT[,DRAFT...]"),
-    ("a=t,", "'a=t,': expected NAME=TARGET or NAME=TARGET,DRAFT[,DRAFT...]")])
+    ("a=t,", "'a=t,': expected NAME=TARGET or NAME=TARGET,DRAFT[,DRAFT...]"),
+    # a drafter that loads no model is the job's, for every route: it was "model 'ngram' not found" (qa55)
+    ("a=t,ngram", "'a=t,ngram': ngram loads no model: it drafts for every route of the job (--ngram, "
+                  "or the specbatch_ngram metadata of an API batch)")])
 def test_bad_model_map(spec, why):
     with pytest.raises(IntakeError) as e:
         intake.parse_model_map([spec])
