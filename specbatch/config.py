@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -58,8 +59,9 @@ class Settings(BaseSettings):
     default_draft: str = "smollm2-135m-int8"
     # submit/serve: take model names this machine cannot check (paths only the workers hold)
     allow_remote_models: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "cpu"                   # cpu, cuda, cuda:N or mps (the machine's are checked at load)
+    # (engine/loading.py's DTYPES maps each name to torch's dtype)
+    dtype: Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] = "float32"
     batch_size: int | str = "auto"        # "auto" (the throughput autopilot) or rows decoded together
     max_memory: str = ""                  # KV cache + activations budget, e.g. "8GiB"; "": a share of free
     threads: int = Field(default=0, ge=0)  # torch CPU threads; 0: usable cores / local_workers, capped by OMP_NUM_THREADS
@@ -113,6 +115,13 @@ class Settings(BaseSettings):
         from specbatch.engine.autopilot import check_batch_size
 
         return check_batch_size(value)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", value.strip()):
+            raise ValueError("use cpu, cuda, cuda:N or mps")
+        return value.strip()
 
     @field_validator("linears", mode="before")
     @classmethod

@@ -260,3 +260,32 @@ def test_a_command_leaves_no_sqlite_wal_behind_at_exit(tmp_path: Path) -> None:
                               env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"], (args, done.stderr)
+
+
+@pytest.mark.parametrize(("var", "value", "why"), [
+    ("SPECBATCH_DEVICE", "tpu", "use cpu, cuda, cuda:N or mps"),
+    ("SPECBATCH_DEVICE", "cuda:x", "use cpu, cuda, cuda:N or mps"),
+    ("SPECBATCH_DTYPE", "bogus", "Input should be 'float32', 'fp32', 'bfloat16', 'bf16', 'float16' or 'fp16'"),
+    ("SPECBATCH_DTYPE", "float64", "Input should be 'float32'")])
+def test_a_bad_device_or_dtype_setting_stops_every_command_naming_its_variable(monkeypatch, var, value, why):
+    """SPECBATCH_DTYPE=bogus let `specbatch jobs` exit 0 and `generate` fail after 'loading ...'
+    with "unknown dtype" naming no variable (qa55); now it is a settings error like the others."""
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv(var, value)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["jobs"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"Error: {var}={value!r}: ") and why in result.stderr, result.stderr
+
+
+def test_the_dtype_setting_takes_the_names_the_loader_maps():
+    from typing import get_args
+
+    from specbatch.config import Settings
+    from specbatch.engine.loading import DTYPES
+
+    assert set(get_args(Settings.model_fields["dtype"].annotation)) == set(DTYPES)
