@@ -344,7 +344,8 @@ def _warn_left_out(job_id: str, left_out: tuple[str, int, bool] | None) -> None:
                    "parquet: typed columns for datasets / DuckDB / pandas. Default: the one -o's "
                    "extension names (.jsonl, .csv, .parquet or .pq), else jsonl.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path),
-              help="File to write ('-': stdout). Default: stdout for jsonl/csv, JOB.parquet for parquet.")
+              help="File to write ('-': stdout; missing directories are made). Default: stdout for "
+                   "jsonl/csv, JOB.parquet for parquet.")
 @click.option("--errors", "errors_path", type=click.Path(dir_okay=False, path_type=Path),
               help="jsonl: write failed/cancelled lines here and only successes to the output "
                    "(OpenAI's output/error file pair).")
