@@ -29,11 +29,13 @@ for it).
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import logging
 import os
 import shutil
 import signal
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -333,8 +335,11 @@ def _serve_metrics(settings: Settings, port: int) -> tuple[str, Any]:
         return directory, metrics.serve(port, settings.metrics_address, directory)
     except OSError as e:
         shutil.rmtree(directory, ignore_errors=True)
+        # an address that does not resolve, or is not this machine's, is the address's fault, not the port's
+        fix = "check SPECBATCH_METRICS_ADDRESS (an address of this machine, e.g. 0.0.0.0 or 127.0.0.1)" \
+            if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL else "choose another --metrics-port"
         raise SpecBatchError(f"cannot serve metrics on {settings.metrics_address}:{port}: {e.strerror or e}; "
-                             "choose another --metrics-port") from e
+                             f"{fix}") from e
 
 
 def _stop_metrics(directory: str, server: Any) -> None:

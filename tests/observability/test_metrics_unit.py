@@ -181,3 +181,21 @@ def test_prompt_tokens_read_from_the_prefix_cache_are_counted() -> None:
     m.observe_completed(read)
     assert m.registry.get_sample_value("specbatch_prompt_tokens_total", LABELS) == 43
     assert m.registry.get_sample_value("specbatch_prefix_cache_hit_tokens_total", LABELS) == 32
+
+
+@pytest.mark.parametrize("address", ["notanip", "10.255.255.1"])   # unresolvable; not this machine's
+def test_a_bad_metrics_address_is_named_not_the_port(monkeypatch: pytest.MonkeyPatch, tiny_models,  # noqa: ANN001
+                                                     address: str) -> None:
+    """qa55: an address that does not resolve got 'choose another --metrics-port'."""
+    from click.testing import CliRunner
+
+    from specbatch.cli.main import cli
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    monkeypatch.setenv("SPECBATCH_METRICS_PORT", "9417")
+    monkeypatch.setenv("SPECBATCH_METRICS_ADDRESS", address)
+    result = CliRunner().invoke(cli, ["worker", "--target", str(tiny_models / "llama"), "--draft", "none"])
+    assert result.exit_code == 1, result.output
+    [line] = result.output.strip().splitlines()
+    assert line.startswith(f"Error: cannot serve metrics on {address}:9417: ") and \
+        line.endswith("check SPECBATCH_METRICS_ADDRESS (an address of this machine, e.g. 0.0.0.0 or 127.0.0.1)"), line
