@@ -123,6 +123,14 @@ class Settings(BaseSettings):
             raise ValueError("use cpu, cuda, cuda:N or mps")
         return value.strip()
 
+    @field_validator("api_keys")
+    @classmethod
+    def _api_keys(cls, value: str) -> str:
+        # (raised only where no key is in it: nothing secret is echoed)
+        if value and not any(k.strip() for k in value.split(",")):
+            raise ValueError("set, but names no key: give comma-separated keys, or leave it unset for none")
+        return value
+
     @field_validator("linears", mode="before")
     @classmethod
     def _linears(cls, value: object) -> object:

@@ -289,3 +289,19 @@ def test_the_dtype_setting_takes_the_names_the_loader_maps():
     from specbatch.engine.loading import DTYPES
 
     assert set(get_args(Settings.model_fields["dtype"].annotation)) == set(DTYPES)
+
+
+@pytest.mark.parametrize("value", [",,", " , ", " "])
+def test_api_keys_set_to_no_key_is_refused_not_read_as_no_authentication(monkeypatch, value):
+    """qa55: SPECBATCH_API_KEYS=',,' (a broken secret template) started `serve` with 0 keys, no
+    authentication. Unset or empty still means no keys."""
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_API_KEYS", value)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli, ["jobs"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"Error: SPECBATCH_API_KEYS={value!r}: set, but names no key"), result.stderr
