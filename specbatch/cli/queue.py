@@ -801,7 +801,7 @@ def _print_summary(summary: dict[str, Any], settings: Settings) -> None:
     table.add_column("field", style="bold")
     table.add_column("value")
     table.add_row("target", str(summary.get("target")))
-    table.add_row("drafts", ", ".join(summary.get("drafts") or []) or "-")
+    table.add_row("drafts", ", ".join(summary.get("drafters", summary.get("drafts")) or []) or "-")   # --ngram too
     for key in ("total", "completed", "failed", "cancelled", "pending", "running"):
         if key in counts:
             table.add_row(f"requests {key}", str(counts[key]))

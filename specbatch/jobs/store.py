@@ -25,7 +25,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from specbatch.db.models import ApiBatch, Job, JobStatus, Request, RequestStatus, Result, utcnow
-from specbatch.engine.drafter_specs import model_names, parse_drafters, pool_fields
+from specbatch.engine.drafter_specs import model_names, names, parse_drafters, pool_fields, without_models
 from specbatch.engine.types import GenerationOutput, GenerationParams
 from specbatch.errors import JobNotFound, SpecBatchError
 from specbatch.jobs import logprobs
@@ -699,7 +699,10 @@ def token_budgets(s: Session, job_id: str, request_ids: Sequence[int] | None = N
 
 def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:
     """Per body.model of the job's requests (None: lines without one), where it runs: {model, target,
-    drafts, requests}; the job's pair unless --model-map routed the model (one route per model)."""
+    drafts, drafters, requests}; the job's pair unless --model-map routed the model (one route per
+    model). ``drafts``: the draft models; ``drafters``: every drafter, those of the job's pool that
+    load no model (--ngram) too, which draft on every route."""
+    pool = parse_drafters(job.drafts or [])
     out = []
     counts = s.execute(select(Request.model, func.count()).where(Request.job_id == job.id)
                        .group_by(Request.model)).all()
@@ -707,7 +710,7 @@ def model_routes(s: Session, job: Job) -> list[dict[str, Any]]:
         same = Request.model.is_(None) if model is None else Request.model == model
         target, drafts = s.execute(select(Request.target, Request.drafts)
                                    .where(Request.job_id == job.id, same).limit(1)).one()
-        out.append({"model": model, "target": target or job.target,
-                    "drafts": list(drafts or []) if target else model_names(parse_drafters(job.drafts or [])),
-                    "requests": n})
+        own = list(drafts or []) if target else model_names(pool)
+        out.append({"model": model, "target": target or job.target, "drafts": own,
+                    "drafters": own + names(without_models(pool)), "requests": n})
     return out

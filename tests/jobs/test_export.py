@@ -394,8 +394,21 @@ def test_job_summary_lists_where_each_model_runs(job, tmp_path):
             intake.ParsedRequest(1, "x", "completion", "p", None, {}, model="gpt-4o-mini")])  # not counted
         routes = store.job_summary(s, job_id)["models"]
     assert routes == [
-        {"model": "babbage-002", "target": "tgt", "drafts": [], "requests": 3},
-        {"model": "gpt-4o-mini", "target": "tgt-chat", "drafts": ["d-chat"], "requests": 2}]
+        {"model": "babbage-002", "target": "tgt", "drafts": [], "drafters": [], "requests": 3},
+        {"model": "gpt-4o-mini", "target": "tgt-chat", "drafts": ["d-chat"], "drafters": ["d-chat"], "requests": 2}]
+
+
+def test_a_jobs_drafters_that_load_no_model_are_shown_on_every_route(db_url):
+    """qa55: with --model-map and --ngram, status read 'other: tgt' (plain decoding, it seemed) and
+    'gpt-4o-mini: tgt-chat <- d-chat' while both routes drafted with the n-gram drafter too."""
+    with db.session_factory(db_url).begin() as s:
+        job_id = store.create_job(s, target="tgt", drafts=["d1", "ngram"], params={}, queue="q", requests=[
+            intake.ParsedRequest(1, "a", "completion", "p", None, {}),
+            intake.ParsedRequest(2, "b", "completion", "p", None, {}, model="m", target="tgt-chat", drafts=["d-chat"]),
+            intake.ParsedRequest(3, "c", "completion", "p", None, {}, model="other", target="tgt", drafts=[])]).id
+        routes = store.job_summary(s, job_id)["models"]
+    assert [(r["model"], r["drafts"], r["drafters"]) for r in routes] == [
+        (None, ["d1"], ["d1", "ngram"]), ("m", ["d-chat"], ["d-chat", "ngram"]), ("other", [], ["ngram"])]
 
 
 def test_an_export_sweeps_temporary_files_a_killed_export_left(job, tmp_path):
