@@ -70,7 +70,8 @@ class Settings(BaseSettings):
     processes: Positive = 1               # `specbatch run`: processes decoding after one load (worker/forked.py)
     compile: Literal["auto", "on", "off", "static"] = "auto"   # compiled forward, or static: docs/COMPILE.md
     prefix_cache: bool = True             # shared prompt prefixes computed once (engine/prefix.py)
-    # how float32 CPU Linears multiply (engine/packed.py): auto picks a packed kernel by the CPU's vendor
+    # how float32 CPU Linears multiply (engine/packed.py): auto multiplies weights of llama.cpp's blocks as
+    # such (engine/blocks.py) and picks a packed kernel by the CPU's vendor for the rest
     linears: Literal["auto", "onednn", "mkl", "off"] = "auto"
     flower_user: str = "admin"
     flower_password: str = ""

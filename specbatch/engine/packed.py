@@ -33,6 +33,10 @@ packed products do not: a row's logits then depend on the rows beside it only th
 padding, not through the Linears. oneDNN's one exception, a 1-row product over a wide K (the MLP's
 down projection) rounding unlike 2 rows, is closed by computing one row as two.
 
+A weight that is exactly llama.cpp's Q4_1 or Q8_0 blocks (the default target's) is multiplied as
+those blocks instead, under ``linears="auto"`` where engine/blocks.py's product is available: fewer
+bytes read, its own fixed order of sums (that module's docstring).
+
 Under ``torch.compile`` the module traces as ``F.linear`` (inductor's freezing packs for itself), as it
 runs wherever autograd records (neither op has a backward) and over an inference tensor's weight.
 The packed copy doubles the Linears' memory; the weight stays a Parameter, so the state dict, tied
