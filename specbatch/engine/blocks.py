@@ -10,12 +10,13 @@ weight, bitwise (never assumed: a weight with one value off it is refused), and
 ``block_product.cpp`` multiplies by the weight as q, d (and m), 6 or 9 bits a weight instead of 32,
 making each float32 weight again in a register, bitwise the same value. Only the order of each
 output's sum is its own: one fma chain over the inputs in order, whatever rows share the call
-(batch-invariant by construction), the same bits on every AVX-512 CPU. So it defines the target's
+(batch-invariant by construction), the same bits on every CPU with AVX-512 or AVX2 (the two versions
+make each output by the same fmas in the same order). So it defines the target's
 numbers where it is used, as MKL's or oneDNN's packed products do where they are
 (engine/packed.py), and results are fingerprinted by it (engine/fingerprint.py: "+blocks").
 
 Used where all of these hold, else the Linear keeps its packed float32 product: the weight
-splits; the CPU has AVX-512 (``avx512f``, ``avx512bw``); the C++ source builds (torch's JIT
+splits; the CPU has AVX-512 (``avx512f``, ``avx512bw``) or AVX2 with FMA; the C++ source builds (torch's JIT
 extension build: a C++ compiler and ``ninja``, once per machine and source, into torch's extension
 cache, ``TORCH_EXTENSIONS_DIR``: about 9 s); ``check`` passes; and ``SPECBATCH_LINEARS`` is
 ``auto`` (a pinned kernel, ``mkl`` or ``onednn``, pins every Linear: to reproduce numbers made
@@ -45,7 +46,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("block_product.cpp")
 BLOCK = 32          # inputs a block's d (and m) cover, and outputs a tile of the product makes
-NAME = "blocks"     # as results are fingerprinted (engine/fingerprint.py)
+# the ISAs are set per function in the source; no fused multiply-add but those it writes: their
+# order is the numbers'
+FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 @dataclass(frozen=True)
@@ -124,13 +127,21 @@ def _per_block(v: torch.Tensor) -> torch.Tensor:
     return v.reshape(n // BLOCK, BLOCK, blocks).permute(0, 2, 1).contiguous()
 
 
-def product(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) float32 -> (..., N): ``x @ w.dense().T`` (+ bias) in the product's own order."""
+def isas() -> list[int]:
+    """The vector widths this CPU runs the product at: 512 (AVX-512), 256 (AVX2 with FMA), both give
+    the same bits; [] for neither."""
+    have = cpuinfo.flags()
+    return [isa for isa, flags in ((512, {"avx512f", "avx512bw"}), (256, {"avx2", "fma"})) if flags <= have]
+
+
+def product(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None, isa: int = 0) -> torch.Tensor:
+    """x (..., K) float32 -> (..., N): ``x @ w.dense().T`` (+ bias) in the product's own order.
+    ``isa``: 512 or 256 (``isas``) to ask for one; 0, the widest."""
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if w.m is not None:
-        y = torch.ops.specbatch_blocks.q4_1(flat, w.q, w.d, w.m)
+        y = torch.ops.specbatch_blocks.q4_1(flat, w.q, w.d, w.m, isa)
     else:
-        y = torch.ops.specbatch_blocks.q8_0(flat, w.q, w.d)
+        y = torch.ops.specbatch_blocks.q8_0(flat, w.q, w.d, isa)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], w.out_features)
@@ -160,11 +171,11 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def unavailable() -> str | None:
-    """None where this process can use the product (the CPU has AVX-512, the source builds and
+    """None where this process can use the product (the CPU has AVX-512 or AVX2, the source builds and
     ``check`` passes); else why not, logged once. Asked only when a weight splits, so models of
     other weights never build it."""
-    why: str | None = "the CPU has no AVX-512"
-    if {"avx512f", "avx512bw"} <= cpuinfo.flags():
+    why: str | None = "the CPU has neither AVX-512 nor AVX2"
+    if isas():
         why = _build() or check()
     if why is None:
         logger.info("Linears whose weights are llama.cpp blocks multiply by them (engine/blocks.py)")
@@ -183,10 +194,10 @@ def _build() -> str | None:
             import ninja
 
             os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *FLAGS]).encode()).hexdigest()[:12]
     try:
         load(name=f"specbatch_blocks_{digest}", sources=[str(SOURCE)], is_python_module=False, verbose=False,
-             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+             extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: keep float32 products
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"building engine/block_product.cpp failed: {first[:200]}"
@@ -208,7 +219,10 @@ def check() -> str | None:
             whole = product(x, w)
             if not torch.allclose(whole, F.linear(x, weight), rtol=1e-4, atol=1e-4):
                 return f"the {w.format} product disagrees with F.linear"
-            for rows in (1, 2, 3, 12, 13, 17, 40, 64):
+            for rows in (1, 2, 3, 5, 6, 12, 13, 17, 40, 64):
                 if not torch.equal(product(x[:rows], w), whole[:rows]):
                     return f"the {w.format} product rounds a row differently at {rows} rows"
+            for isa in isas():
+                if not torch.equal(product(x[:17], w, isa=isa), whole[:17]):
+                    return f"the {w.format} product at {isa} bits rounds unlike at the widest"
     return None

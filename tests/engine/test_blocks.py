@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specbatch.engine import Engine, EngineRequest, GenerationParams, cpuinfo, fingerprint, packed
+from specbatch.engine import Engine, EngineRequest, GenerationParams, fingerprint, packed
 from specbatch.engine import blocks as bw
 from specbatch.engine.drafter_specs import NGRAM
 from specbatch.engine.loading import load_model
@@ -19,7 +19,7 @@ from tests.engine.test_greedy_exact import PROMPTS, target_greedy
 GEN = torch.Generator().manual_seed(5)
 # skipped only where the product cannot be built (no AVX-512, no compiler); where it is built, a
 # product that fails its check fails these tests, not skips them
-NOT_BUILT = "the CPU has no AVX-512" if not {"avx512f", "avx512bw"} <= cpuinfo.flags() else bw._build()
+NOT_BUILT = "the CPU has neither AVX-512 nor AVX2" if not bw.isas() else bw._build()
 needs_product = pytest.mark.skipif(NOT_BUILT is not None, reason=f"{NOT_BUILT}")
 
 
@@ -72,6 +72,22 @@ def test_the_product_is_close_to_f_linears_and_a_rows_bits_do_not_depend_on_its_
             assert torch.equal(bw.product(x[:rows], blocks, bias), whole[:rows]), rows
         assert torch.equal(bw.product(x[7:8], blocks, bias), whole[7:8])
         assert torch.equal(bw.product(x.view(4, 16, k), blocks, bias), whole.view(4, 16, 160))
+
+
+@needs_product
+@pytest.mark.parametrize("form", FORMATS)
+def test_the_avx2_and_avx512_products_give_the_same_bits(form):
+    """Each output is the same fmas in the same order at either width: a host with AVX2 only (Zen 3,
+    most laptops) makes the numbers an AVX-512 host makes."""
+    if bw.isas() != [512, 256]:
+        pytest.skip("needs a CPU with both")
+    w, bias = q4_weight(160, 576, form), torch.randn(160, generator=GEN)
+    blocks = bw.split(w)
+    x = torch.randn(40, 576, generator=GEN)
+    with torch.inference_mode():
+        for rows in (1, 4, 5, 6, 11, 12, 13, 40):
+            assert torch.equal(bw.product(x[:rows], blocks, bias, isa=256),
+                               bw.product(x[:rows], blocks, bias, isa=512)), rows
 
 
 @needs_product
