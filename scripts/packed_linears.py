@@ -14,7 +14,8 @@ caches.
 ``--layers N``: instead, N layers' distinct weights (q, k, v, o, gate, up, down each) multiplied in a
 forward's order, as a decode step reads them: from memory, once each (the default target's 30 layers
 are 425 MB of float32). The weights are Q4_1 values, as the default target's (engine/blocks.py), so
-a fourth way multiplies by their blocks where this CPU builds that product. Prints ms for the N
+more ways multiply by their blocks where this CPU builds that product, at each vector width it has
+(``blocks512``, ``blocks256``). Prints ms for the N
 layers per way and the float32 weight bytes a second that makes: the products' distance from the
 machine's read bandwidth (scripts/forward_floor.py).
 """
@@ -82,7 +83,8 @@ def layers(n_layers: int, rows_list: list[int], reps: int, g: torch.Generator) -
             ways[kern.name] = lambda x, i, j, kern=kern, packed=packed: kern.product(x, packed[i][j], weights[i][j], None)
     if blocks.unavailable() is None:
         split = [[blocks.split(w) for w in layer] for layer in weights]
-        ways["blocks"] = lambda x, i, j: blocks.product(x, split[i][j])   # type: ignore[arg-type]
+        for isa in blocks.isas():      # the widest first; AVX2's too on an AVX-512 CPU (an AVX2-only CPU's way)
+            ways[f"blocks{isa}"] = lambda x, i, j, isa=isa: blocks.product(x, split[i][j], isa=isa)  # type: ignore[arg-type]
     for rows in rows_list:
         xs = {k: torch.randn(rows, k, generator=g) for k in (576, 1536)}
         t: dict[str, list[float]] = {label: [] for label in ways}
