@@ -270,9 +270,10 @@ def test_a_one_token_result_is_worded_in_the_singular() -> None:
 @pytest.mark.parametrize("recorded", [{"device": "cuda", "dtype": "bfloat16"}, {"device": "cpu", "dtype": "float32"}])
 def test_a_bad_configured_device_is_one_line_whatever_the_results_recorded(tmp_path, monkeypatch, tiny_models,
                                                                            recorded):
-    """SPECBATCH_DEVICE=gpu is a setting's mistake, told in one line by the load; with results that
-    recorded a device, the audit's choice of device read it first and said "unexpected error
-    (RuntimeError: Expected one of cpu, cuda, ...) ... please report it" (review53)."""
+    """SPECBATCH_DEVICE=gpu is a setting's mistake, told in one line; with results that recorded a
+    device, the audit's choice of device read it first and said "unexpected error (RuntimeError:
+    Expected one of cpu, cuda, ...) ... please report it" (review53). Since qa55 the settings
+    refuse it before any command runs (exit 2, naming the variable)."""
     from tests.jobs.test_store import output
 
     url, parsed = _database(tmp_path, monkeypatch, LINES[:1])
@@ -289,6 +290,6 @@ def test_a_bad_configured_device_is_one_line_whatever_the_results_recorded(tmp_p
         result = run("audit", job_id)
     finally:
         db.forget_engines()
-    assert result.exit_code == 1, result.output
-    assert "unknown device 'gpu': use cpu, cuda, cuda:N or mps" in result.stderr, result.stderr
+    assert result.exit_code == 2, result.output
+    assert "SPECBATCH_DEVICE='gpu': use cpu, cuda, cuda:N or mps" in result.stderr, result.stderr
     assert "unexpected error" not in result.stderr and "Traceback" not in result.stderr, result.stderr
