@@ -24,119 +24,130 @@
 
 namespace {
 
-using Tile = void (*)(const float*, int64_t, const uint8_t*, const float*, const float*, float*, int64_t, int64_t);
+// A tile of 32 outputs is made block by block: a block's 32 x 32 weights are made once into a
+// panel (4 KB, in L1), then every group of rows multiplies by the panel, its accumulators carried
+// in y from one block to the next (a float32 stored and read back is the same float: each output
+// stays one fma chain in k's order).
+constexpr int64_t kPanel = 32 * 32;
 
-// ---- AVX-512: a tile's 32 outputs as two vectors, up to 12 rows (2 x 12 accumulators)
+// ---- AVX-512: a row's 32 outputs as two vectors, up to 12 rows a group (2 x 12 accumulators)
 
 constexpr int64_t kRows512 = 12;
 
 template <bool Q8>
-AVX512 inline void weights512(const uint8_t* q, int64_t at, __m512 d0, __m512 d1, __m512 m0, __m512 m1,
-                              __m512& w0, __m512& w1) {
-  if constexpr (Q8) {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + at * 32));
-    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))), d0);
-    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))), d1);
-  } else {
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + at * 16));
-    const __m128i lo = _mm_and_si128(raw, nibble);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))), d0, m0);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))), d1, m1);
+AVX512 void panel512(const uint8_t* q, const float* d, const float* m, int64_t K, int64_t t, int64_t b,
+                     float* panel) {
+  const int64_t at = (t * (K / 32) + b) * 32;
+  const __m512 d0 = _mm512_loadu_ps(d + at), d1 = _mm512_loadu_ps(d + at + 16);
+  const __m512 m0 = Q8 ? d0 : _mm512_loadu_ps(m + at), m1 = Q8 ? d1 : _mm512_loadu_ps(m + at + 16);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int64_t kk = 0; kk < 32; ++kk) {
+    const int64_t k = t * K + b * 32 + kk;
+    __m512 w0, w1;
+    if constexpr (Q8) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k * 32));
+      w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(raw))), d0);
+      w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(raw, 1))), d1);
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 16));
+      const __m128i lo = _mm_and_si128(raw, nibble);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi))), d0, m0);
+      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi))), d1, m1);
+    }
+    _mm512_store_ps(panel + kk * 32, w0);
+    _mm512_store_ps(panel + kk * 32 + 16, w1);
   }
 }
 
-template <bool Q8, int R>
-AVX512 void tile512(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y,
-                    int64_t N, int64_t t) {
+template <int R>
+AVX512 void rows512(const float* x, int64_t K, const float* panel, int64_t k0, float* y, int64_t N, bool first) {
   __m512 acc0[R], acc1[R];
   for (int r = 0; r < R; ++r) {
-    acc0[r] = _mm512_setzero_ps();
-    acc1[r] = _mm512_setzero_ps();
+    acc0[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * N);
+    acc1[r] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * N + 16);
   }
-  const int64_t blocks = K / 32;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t at = (t * blocks + b) * 32;
-    const __m512 d0 = _mm512_loadu_ps(d + at), d1 = _mm512_loadu_ps(d + at + 16);
-    const __m512 m0 = Q8 ? d0 : _mm512_loadu_ps(m + at), m1 = Q8 ? d1 : _mm512_loadu_ps(m + at + 16);
-    for (int64_t k = b * 32; k < b * 32 + 32; ++k) {
-      __m512 w0, w1;
-      weights512<Q8>(q, t * K + k, d0, d1, m0, m1, w0, w1);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xr = _mm512_set1_ps(x[r * K + k]);
-        acc0[r] = _mm512_fmadd_ps(xr, w0, acc0[r]);
-        acc1[r] = _mm512_fmadd_ps(xr, w1, acc1[r]);
-      }
+  for (int64_t kk = 0; kk < 32; ++kk) {
+    const __m512 w0 = _mm512_load_ps(panel + kk * 32), w1 = _mm512_load_ps(panel + kk * 32 + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * K + k0 + kk]);
+      acc0[r] = _mm512_fmadd_ps(xr, w0, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(xr, w1, acc1[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * N + t * 32, acc0[r]);
-    _mm512_storeu_ps(y + r * N + t * 32 + 16, acc1[r]);
+    _mm512_storeu_ps(y + r * N, acc0[r]);
+    _mm512_storeu_ps(y + r * N + 16, acc1[r]);
   }
 }
 
+using Rows = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, bool);
+constexpr Rows kRowsOf512[kRows512 + 1] = {nullptr, rows512<1>, rows512<2>, rows512<3>, rows512<4>, rows512<5>,
+                                           rows512<6>, rows512<7>, rows512<8>, rows512<9>, rows512<10>,
+                                           rows512<11>, rows512<12>};
+
+// ---- AVX2: a row's 32 outputs as two halves of 16 (two vectors each), up to 6 rows a group
+
+constexpr int64_t kRows256 = 6;
+
 template <bool Q8>
-constexpr Tile kTiles512[kRows512 + 1] = {
-    nullptr, tile512<Q8, 1>, tile512<Q8, 2>, tile512<Q8, 3>, tile512<Q8, 4>, tile512<Q8, 5>, tile512<Q8, 6>,
-    tile512<Q8, 7>, tile512<Q8, 8>, tile512<Q8, 9>, tile512<Q8, 10>, tile512<Q8, 11>, tile512<Q8, 12>};
-
-// ---- AVX2: a tile's 32 outputs as two halves of 16 (two vectors each), up to 5 rows (2 x 5 accumulators)
-
-constexpr int64_t kRows256 = 5;
-
-template <bool Q8>
-AVX2 inline void weights256(const uint8_t* q, int64_t at, int half, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
-                            __m256& w0, __m256& w1) {
-  if constexpr (Q8) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + at * 32 + half * 16));
-    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d0);
-    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d1);
-  } else {
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + at * 16 + half * 8));
-    const __m128i lo = _mm_and_si128(raw, nibble);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-    const __m128i both = _mm_unpacklo_epi8(lo, hi);    // this half's 16 outputs in order
-    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both)), d0, m0);
-    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))), d1, m1);
+AVX2 void panel256(const uint8_t* q, const float* d, const float* m, int64_t K, int64_t t, int64_t b,
+                   float* panel) {
+  const int64_t at = (t * (K / 32) + b) * 32;
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    const __m256 d0 = _mm256_loadu_ps(d + at + half * 16), d1 = _mm256_loadu_ps(d + at + half * 16 + 8);
+    const __m256 m0 = Q8 ? d0 : _mm256_loadu_ps(m + at + half * 16);
+    const __m256 m1 = Q8 ? d1 : _mm256_loadu_ps(m + at + half * 16 + 8);
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const int64_t k = t * K + b * 32 + kk;
+      __m256 w0, w1;
+      if constexpr (Q8) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + half * 16));
+        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d0);
+        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d1);
+      } else {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + half * 8));
+        const __m128i lo = _mm_and_si128(raw, nibble);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+        const __m128i both = _mm_unpacklo_epi8(lo, hi);    // this half's 16 outputs in order
+        w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both)), d0, m0);
+        w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))), d1, m1);
+      }
+      _mm256_store_ps(panel + kk * 32 + half * 16, w0);
+      _mm256_store_ps(panel + kk * 32 + half * 16 + 8, w1);
+    }
   }
 }
 
-template <bool Q8, int R>
-AVX2 void tile256(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, float* y,
-                  int64_t N, int64_t t) {
-  const int64_t blocks = K / 32;
+template <int R>
+AVX2 void rows256(const float* x, int64_t K, const float* panel, int64_t k0, float* y, int64_t N, bool first) {
   for (int half = 0; half < 2; ++half) {
     __m256 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) {
-      acc0[r] = _mm256_setzero_ps();
-      acc1[r] = _mm256_setzero_ps();
+      acc0[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * N + half * 16);
+      acc1[r] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * N + half * 16 + 8);
     }
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (t * blocks + b) * 32 + half * 16;
-      const __m256 d0 = _mm256_loadu_ps(d + at), d1 = _mm256_loadu_ps(d + at + 8);
-      const __m256 m0 = Q8 ? d0 : _mm256_loadu_ps(m + at), m1 = Q8 ? d1 : _mm256_loadu_ps(m + at + 8);
-      for (int64_t k = b * 32; k < b * 32 + 32; ++k) {
-        __m256 w0, w1;
-        weights256<Q8>(q, t * K + k, half, d0, d1, m0, m1, w0, w1);
-        for (int r = 0; r < R; ++r) {
-          const __m256 xr = _mm256_set1_ps(x[r * K + k]);
-          acc0[r] = _mm256_fmadd_ps(xr, w0, acc0[r]);
-          acc1[r] = _mm256_fmadd_ps(xr, w1, acc1[r]);
-        }
+    for (int64_t kk = 0; kk < 32; ++kk) {
+      const __m256 w0 = _mm256_load_ps(panel + kk * 32 + half * 16);
+      const __m256 w1 = _mm256_load_ps(panel + kk * 32 + half * 16 + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xr = _mm256_set1_ps(x[r * K + k0 + kk]);
+        acc0[r] = _mm256_fmadd_ps(xr, w0, acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(xr, w1, acc1[r]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(y + r * N + t * 32 + half * 16, acc0[r]);
-      _mm256_storeu_ps(y + r * N + t * 32 + half * 16 + 8, acc1[r]);
+      _mm256_storeu_ps(y + r * N + half * 16, acc0[r]);
+      _mm256_storeu_ps(y + r * N + half * 16 + 8, acc1[r]);
     }
   }
 }
 
-template <bool Q8>
-constexpr Tile kTiles256[kRows256 + 1] = {nullptr, tile256<Q8, 1>, tile256<Q8, 2>, tile256<Q8, 3>,
-                                          tile256<Q8, 4>, tile256<Q8, 5>};
+constexpr Rows kRowsOf256[kRows256 + 1] = {nullptr, rows256<1>, rows256<2>, rows256<3>, rows256<4>, rows256<5>,
+                                           rows256<6>};
+
+using Panel = void (*)(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, float*);
 
 // ---- the ops
 
@@ -155,7 +166,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d
   const bool has256 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (isa == 0) isa = has512 ? 512 : 256;
   TORCH_CHECK((isa == 512 && has512) || (isa == 256 && has256), "this CPU has no ", isa == 512 ? "AVX-512" : "AVX2");
-  const Tile* kinds = isa == 512 ? kTiles512<Q8> : kTiles256<Q8>;
+  const Panel panel_of = isa == 512 ? Panel(panel512<Q8>) : Panel(panel256<Q8>);
+  const Rows* rows_of = isa == 512 ? kRowsOf512 : kRowsOf256;
   const int64_t most = isa == 512 ? kRows512 : kRows256;
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
@@ -164,12 +176,16 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = Q8 ? nullptr : m.data_ptr<float>();
-  // rows in even groups of at most ``most``: every group makes again the weights it reads
+  // rows in even groups of at most ``most``
   const int64_t groups = (M + most - 1) / most, per = (M + groups - 1) / groups;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float panel[kPanel];
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t r0 = 0; r0 < M; r0 += per)
-        kinds[std::min(per, M - r0)](xp + r0 * K, K, qp, dp, mp, yp + r0 * N, N, t);
+      for (int64_t b = 0; b < K / 32; ++b) {
+        panel_of(qp, dp, mp, K, t, b, panel);
+        for (int64_t r0 = 0; r0 < M; r0 += per)
+          rows_of[std::min(per, M - r0)](xp + r0 * K, K, panel, b * 32, yp + r0 * N + t * 32, N, b == 0);
+      }
   });
   return y;
 }
