@@ -529,14 +529,9 @@ def test_the_exit_statuses_run_documents_are_in_the_readmes_first_word_on_them()
 def test_the_settings_error_the_readme_quotes_is_the_one_printed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The Configuration section quoted pydantic's "Input should be greater than or equal to 1"
     for SPECBATCH_BATCH_SIZE='0'; the command printed its own words."""
-    from specbatch.config import get_settings
+    from tests.cli.test_cli_surface import jobs_with
 
-    monkeypatch.setenv("SPECBATCH_BATCH_SIZE", "0")
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(cli, ["jobs"])
-    finally:
-        get_settings.cache_clear()
+    result = jobs_with(monkeypatch, "SPECBATCH_BATCH_SIZE", "0")
     assert result.exit_code == 2, result.output
     printed = result.stderr.strip().removeprefix("Error: ")
     assert printed.startswith("SPECBATCH_BATCH_SIZE='0': "), printed

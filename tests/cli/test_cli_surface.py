@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -262,6 +263,18 @@ def test_a_command_leaves_no_sqlite_wal_behind_at_exit(tmp_path: Path) -> None:
         assert sorted(p.name for p in tmp_path.iterdir()) == ["x.db"], (args, done.stderr)
 
 
+def jobs_with(monkeypatch: pytest.MonkeyPatch, var: str, value: str) -> Any:
+    """`specbatch jobs` with one setting's variable set: where a bad setting stops a command."""
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv(var, value)
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(cli, ["jobs"])
+    finally:
+        get_settings.cache_clear()
+
+
 @pytest.mark.parametrize(("var", "value", "why"), [
     ("SPECBATCH_DEVICE", "tpu", "use cpu, cuda, cuda:N or mps"),
     ("SPECBATCH_DEVICE", "cuda:x", "use cpu, cuda, cuda:N or mps"),
@@ -270,14 +283,7 @@ def test_a_command_leaves_no_sqlite_wal_behind_at_exit(tmp_path: Path) -> None:
 def test_a_bad_device_or_dtype_setting_stops_every_command_naming_its_variable(monkeypatch, var, value, why):
     """SPECBATCH_DTYPE=bogus let `specbatch jobs` exit 0 and `generate` fail after 'loading ...'
     with "unknown dtype" naming no variable (qa55); now it is a settings error like the others."""
-    from specbatch.config import get_settings
-
-    monkeypatch.setenv(var, value)
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(cli, ["jobs"])
-    finally:
-        get_settings.cache_clear()
+    result = jobs_with(monkeypatch, var, value)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"Error: {var}={value!r}: ") and why in result.stderr, result.stderr
 
@@ -295,13 +301,6 @@ def test_the_dtype_setting_takes_the_names_the_loader_maps():
 def test_api_keys_set_to_no_key_is_refused_not_read_as_no_authentication(monkeypatch, value):
     """qa55: SPECBATCH_API_KEYS=',,' (a broken secret template) started `serve` with 0 keys, no
     authentication. Unset or empty still means no keys."""
-    from specbatch.config import get_settings
-
-    monkeypatch.setenv("SPECBATCH_API_KEYS", value)
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(cli, ["jobs"])
-    finally:
-        get_settings.cache_clear()
+    result = jobs_with(monkeypatch, "SPECBATCH_API_KEYS", value)
     assert result.exit_code == 2, result.output
     assert result.stderr.startswith(f"Error: SPECBATCH_API_KEYS={value!r}: set, but names no key"), result.stderr
