@@ -187,8 +187,15 @@ def unavailable() -> str | None:
 def _build() -> str | None:
     """Build and load the product's library (torch's extension cache keeps it per machine and
     source); None, or why it failed in one line."""
-    from torch.utils.cpp_extension import load
-
+    # (importing it warns "No CUDA runtime is found, using CUDA_HOME=..." where a CUDA toolkit is on
+    # the PATH: nothing this CPU build reads, so not in a user's terminal)
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        from torch.utils.cpp_extension import load
+    finally:
+        quiet.setLevel(level)
     if shutil.which("ninja") is None:     # pip's ninja, from a venv whose bin is not on PATH
         with contextlib.suppress(ImportError):
             import ninja
