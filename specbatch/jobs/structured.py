@@ -96,6 +96,9 @@ EMPTIED = ("anyOf is empty", "oneOf is empty")
 EMPTY_LISTS = {"enum": "value", "type": "type", "anyOf": "schema", "oneOf": "schema"}
 VALUES = ("const", "default", "enum", "examples")      # keywords whose contents are data, not schemas
 INCOMPATIBLE = 'its "type" contradicts a "const", "enum" or "allOf" part of it'
+# llguidance's "Regex is empty: (And (SearchRegex /.../) (Regex /.../))": the regexes it made of a
+# string schema's keywords leave no string together
+NO_STRING = "no string meets its pattern, format, minLength and maxLength together"
 # empty lists tried, a compile each (~20 ms, up to 2n + 1 of them), to find those that matter;
 # past this many the first is named
 MAX_TRIED = 8
@@ -115,7 +118,8 @@ def _unsatisfiable(spec: GrammarSpec, why: str, field: str) -> Problems:
         return [(field + "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path),
                  f"is an empty list, so no JSON value matches the schema; list at least one "
                  f"{EMPTY_LISTS[str(path[-1])]}") for path in empty]
-    return [(field, f"no JSON value matches this schema: {INCOMPATIBLE if why == 'incompatible types' else why}")]
+    words = INCOMPATIBLE if why == "incompatible types" else NO_STRING if why.startswith("Regex is empty") else why
+    return [(field, f"no JSON value matches this schema: {words}")]
 
 
 @lru_cache(maxsize=64)      # a job's lines often share one schema: it is tried once, not per line

@@ -160,6 +160,10 @@ def _schema(schema: dict) -> dict:
     (_schema({"type": "integer", "minimum": 5, "maximum": 3}),
      "body.response_format.json_schema.schema: no JSON value matches this schema: minimum (5) is greater than "
      "maximum (3)"),
+    # llguidance said "Regex is empty:  (And (SearchRegex /^a$/) (Regex /(?s:.{5,})/))" (qa55)
+    (_schema({"type": "string", "pattern": "^a$", "minLength": 5}),
+     "body.response_format.json_schema.schema: no JSON value matches this schema: no string meets its "
+     "pattern, format, minLength and maxLength together"),
 ])
 def test_a_schema_no_value_matches_is_refused_in_words_not_the_librarys(fields, want):
     """{"enum": []} was refused as "the grammar library refuses it: Unsatisfiable schema: anyOf is
@@ -167,6 +171,7 @@ def test_a_schema_no_value_matches_is_refused_in_words_not_the_librarys(fields, 
     errors = refused(chat(**fields))
     assert len(errors) == 1 and errors[0].startswith("batch.jsonl:1: " + want), errors
     assert "anyOf is empty" not in errors[0] and "Unsatisfiable" not in errors[0], errors
+    assert "Regex" not in errors[0], errors
 
 
 @pytest.mark.parametrize("schema, want", [
