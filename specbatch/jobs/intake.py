@@ -197,6 +197,8 @@ def _check_logprobs(fields_: dict[str, Any], prefix: str, chat: bool) -> tuple[i
         if lp is None or lp is False:
             return None, []
         value, why = rules.COMPLETION_LOGPROBS.check(lp)
+        if why and lp is True:       # the other kind's form: say which
+            why += f" (true is a {'chat' if prefix else 'messages'} line's form, with top_logprobs)"
         return (None, [(prefix + "logprobs", why)]) if why else (value, [])
     problems: list[tuple[str, str]] = []
     if lp is not None and not isinstance(lp, bool):

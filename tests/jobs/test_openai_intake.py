@@ -314,7 +314,9 @@ def test_logprobs_fields_set_the_top_alternatives(url, fields, want):
     (CHAT, {"top_logprobs": 3}, "body.top_logprobs: needs logprobs: true (got null)"),
     (CHAT, {"logprobs": 3}, "body.logprobs: must be a boolean, got the number 3"),
     (COMPLETIONS, {"logprobs": 6}, "body.logprobs: must be in [0, 5], got 6"),
-    (COMPLETIONS, {"logprobs": True}, "body.logprobs: must be an integer in [0, 5], got a boolean"),
+    # (true is chat's form: qa55 asked that the message say so)
+    (COMPLETIONS, {"logprobs": True}, "body.logprobs: must be an integer in [0, 5], got a boolean (true is a "
+                                      "chat line's form, with top_logprobs)"),
 ])
 def test_bad_logprobs_fields(url, fields, why):
     body = {"model": "m", **({"messages": MSGS} if url == CHAT else {"prompt": "Hi"}), **fields}
@@ -328,6 +330,9 @@ def test_native_lines_take_the_logprobs_fields_of_their_kind():
     assert (a.params["logprobs"], b.params["logprobs"]) == (3, 4)
     assert refused(json.dumps({"prompt": "Hi", "top_logprobs": 2})) == [
         "batch.jsonl:1: top_logprobs: a prompt line takes logprobs (0..5), as /v1/completions"]
+    assert refused(json.dumps({"prompt": "Hi", "logprobs": True})) == [
+        "batch.jsonl:1: logprobs: must be an integer in [0, 5], got a boolean (true is a messages line's form, "
+        "with top_logprobs)"]
 
 
 # ---------------------------------------------------------------- also accepted
