@@ -53,14 +53,17 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 @dataclass(frozen=True)
 class BlockWeight:
-    """A (N, K) float32 weight as the product reads it (block_product.cpp's layout): ``format``
-    "q4_1" (q (N/32, K, 16) uint8, two outputs a byte; m the blocks' offsets) or "q8_0" (q
-    (N/32, K, 32) int8; m None); d, m (N/32, K/32, 32) float32."""
+    """A (N, K) float32 weight as the product reads it (block_product.cpp's layout): Q4_1 (q (N/32,
+    K, 16) uint8, two outputs a byte; m the blocks' offsets) or Q8_0 (q (N/32, K, 32) int8; m
+    None); d, m (N/32, K/32, 32) float32."""
 
-    format: str
     q: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+
+    @property
+    def format(self) -> str:
+        return "q8_0" if self.m is None else "q4_1"
 
     @property
     def out_features(self) -> int:
@@ -69,7 +72,7 @@ class BlockWeight:
     def dense(self) -> torch.Tensor:
         """The float32 weight it stands for, made as the product makes it (``d * q + m``)."""
         tiles, k, _ = self.q.shape
-        if self.format == "q4_1":
+        if self.m is not None:        # Q4_1
             q = torch.stack([self.q & 0x0F, self.q >> 4], -1).reshape(tiles, k, BLOCK).float()
         else:
             q = self.q.float()                                                             # (t, K, 32)
@@ -90,6 +93,10 @@ def split(weight: torch.Tensor) -> BlockWeight | None:
     n, k = weight.shape
     with torch.no_grad():
         w = weight.detach().reshape(n, k // BLOCK, BLOCK)
+        # the first tile of outputs first: a weight of no such form (any safetensors checkpoint's)
+        # is refused without passes and temporaries the size of the whole weight at load
+        if n > BLOCK and _q4_1(w[:BLOCK]) is None and _q8_0(w[:BLOCK]) is None:
+            return None
         return _q4_1(w) or _q8_0(w)
 
 
@@ -102,7 +109,7 @@ def _q4_1(w: torch.Tensor) -> BlockWeight | None:
     if not torch.equal(torch.addcmul(m, q, d), w):
         return None
     qt = _tiles(q.to(torch.uint8))                                        # (t, K, 32)
-    return BlockWeight("q4_1", (qt[..., 0::2] | (qt[..., 1::2] << 4)).contiguous(), _per_block(d), _per_block(m))
+    return BlockWeight((qt[..., 0::2] | (qt[..., 1::2] << 4)).contiguous(), _per_block(d), _per_block(m))
 
 
 def _q8_0(w: torch.Tensor) -> BlockWeight | None:
@@ -112,7 +119,7 @@ def _q8_0(w: torch.Tensor) -> BlockWeight | None:
     q = torch.round(w / torch.where(d == 0, 1.0, d)).clamp_(-128, 127)
     if not torch.equal(q * d, w):
         return None
-    return BlockWeight("q8_0", _tiles(q.to(torch.int8)).contiguous(), _per_block(d))
+    return BlockWeight(_tiles(q.to(torch.int8)).contiguous(), _per_block(d))
 
 
 def _tiles(q: torch.Tensor) -> torch.Tensor:
