@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -635,6 +636,14 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    # Python reads 1e400 as infinity, which a field's message then echoed as "the number inf"
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is beyond a float's range (about 1.8e308)")
+    return value
+
+
 def _not_jsonl(first: str) -> str | None:
     """Why a file whose first non-blank line is ``first`` is plain JSON rather than JSON Lines, or
     None. Such a file fails on nearly every line, so this one hint stands for all those errors."""
@@ -703,7 +712,8 @@ def read_stream(fp: BinaryIO, name: str, defaults: dict[str, Any] | None, settin
         if n_requests > settings.max_requests:
             continue      # counted, not parsed: the file is rejected as a whole below
         try:
-            obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+            obj = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+                             parse_float=_finite_float)
         except (ValueError, RecursionError) as e:    # (the hooks' own refusals are ValueErrors too)
             err(line_no, None, f"invalid JSON: {unreadable(e)}")
             continue

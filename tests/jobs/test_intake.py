@@ -123,6 +123,9 @@ BAD_CASES = {
     "seed_negative": (L(prompt="a", seed=-1), ["1: seed: must be in [0, 2**63 - 1], got -1"]),
     "seed_too_big": (L(prompt="a", seed=2**64), [f"1: seed: must be in [0, 2**63 - 1], got {2**64}"]),
     "nan_temperature": (b'{"prompt": "a", "temperature": NaN}\n', ["1: invalid JSON: NaN is not valid JSON"]),
+    # Python reads 1e400 as infinity: the message said "got the number inf" (qa55)
+    "max_tokens_past_a_float": (b'{"prompt": "a", "max_tokens": 1e400}\n',
+                                ["1: invalid JSON: the number 1e400 is beyond a float's range (about 1.8e308)"]),
     "duplicate_json_key": (b'{"prompt": "a", "prompt": "b"}\n', ['1: invalid JSON: duplicate key "prompt"']),
     "max_tokens_conflict": (L(prompt="a", max_tokens=5, max_new_tokens=6),
                             ["1: max_new_tokens: conflicts with max_tokens; give one of them"]),
