@@ -41,6 +41,13 @@ def _default_cache_dir() -> str:
     return str(_user_dir("XDG_CACHE_HOME", ".cache"))
 
 
+# the devices a setting or --device may name, checked here without importing torch
+# (engine/loading.py's parse_device reads the same pattern). An index is 0..127 without leading
+# zeros, as torch parses one: it reads cuda:128 as cuda:-128 and refuses cuda:01.
+DEVICE_NAME = re.compile(r"cpu|mps|cuda(:(0|[1-9]\d?|1[01]\d|12[0-7]))?")
+DEVICE_HINT = "use cpu, cuda, cuda:N or mps"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore",
                                       env_ignore_empty=True, case_sensitive=False)
@@ -120,8 +127,8 @@ class Settings(BaseSettings):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", value.strip()):
-            raise ValueError("use cpu, cuda, cuda:N or mps")
+        if not DEVICE_NAME.fullmatch(value.strip()):
+            raise ValueError(DEVICE_HINT)
         return value.strip()
 
     @field_validator("api_keys")

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
     from specbatch.engine.flat_forward import FlatForward
 
+from specbatch.config import DEVICE_HINT, DEVICE_NAME
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
@@ -139,13 +140,9 @@ def known_model_status() -> list[dict[str, Any]]:
 def parse_device(device: str) -> torch.device:
     """``cpu``, ``cuda``, ``cuda:N`` or ``mps`` as written; ValueError for anything else (whether
     the device is there is ``resolve_device``'s question)."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"unknown device {device!r}: use cpu, cuda, cuda:N or mps")
-    return dev
+    if not DEVICE_NAME.fullmatch(device.strip()):
+        raise ValueError(f"unknown device {device!r}: {DEVICE_HINT}")
+    return torch.device(device.strip())
 
 
 def resolve_device(device: str) -> torch.device:

@@ -27,10 +27,10 @@ from typing import Any, BinaryIO
 
 from specbatch.config import Settings
 from specbatch.engine import rules
-from specbatch.engine.drafter_specs import KINDS
+from specbatch.engine.drafter_specs import DrafterSpec
 from specbatch.engine.known_models import name_problem, tokenizer_mismatch
 from specbatch.engine.types import GenerationParams
-from specbatch.errors import InputError, IntakeError, RequestError
+from specbatch.errors import InputError, IntakeError, ModelLoadError, RequestError
 from specbatch.jobs import openai_fields, structured
 from specbatch.jobs.context import ContextCheck
 from specbatch.jobs.openai_fields import json_type
@@ -110,6 +110,22 @@ class ParsedFile:
         return out
 
 
+def _route_drafts(texts: list[str]) -> list[str] | str:
+    """A route's draft models (``model:`` written or implied), or why one of them cannot be a
+    route's: a drafter that loads no model drafts for every route of the job."""
+    drafts = []
+    for text in texts:
+        try:
+            spec = DrafterSpec.parse(text)
+        except ModelLoadError as e:
+            return str(e)
+        if not spec.loads_model:
+            return (f"{spec} loads no model: it drafts for every route of the job (--ngram, or the "
+                    "specbatch_ngram metadata of an API batch)")
+        drafts.append(spec.arg)
+    return drafts
+
+
 def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = False
                     ) -> dict[str, Route] | None:
     """``NAME=TARGET[,DRAFT...]`` options into {NAME: (TARGET, [DRAFT, ...])}; None for no option.
@@ -128,17 +144,14 @@ def parse_model_map(specs: list[str] | tuple[str, ...], *, allow_remote: bool = 
                                      field="--model-map"))
         elif name.strip() in out:
             errors.append(InputError(f"{name.strip()!r} is mapped twice", field="--model-map"))
-        elif modelless := next((m for m in models[1:] if m in KINDS and KINDS[m].build and not KINDS[m].loads_model),
-                               None):
-            errors.append(InputError(f"{spec!r}: {modelless} loads no model: it drafts for every route of the "
-                                     "job (--ngram, or the specbatch_ngram metadata of an API batch)",
-                                     field="--model-map"))
-        elif not allow_remote and (bad := [p for p in map(name_problem, models) if p]):
+        elif isinstance(drafts := _route_drafts(models[1:]), str):
+            errors.append(InputError(f"{spec!r}: {drafts}", field="--model-map"))
+        elif not allow_remote and (bad := [p for p in map(name_problem, [models[0], *drafts]) if p]):
             errors.append(InputError(f"{spec!r}: {bad[0]}", field="--model-map"))
-        elif mismatch := tokenizer_mismatch(models[0], models[1:]):
+        elif mismatch := tokenizer_mismatch(models[0], drafts):
             errors.append(InputError(f"{spec!r}: {mismatch}", field="--model-map"))
         else:
-            out[name.strip()] = (models[0], models[1:])
+            out[name.strip()] = (models[0], drafts)
     if errors:
         raise IntakeError(errors)
     return out

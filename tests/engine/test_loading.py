@@ -369,3 +369,26 @@ def test_a_known_model_needs_the_callers_cache_dir():
     the cache_dir its caller passes (the CLI and workers pass SPECBATCH_CACHE_DIR)."""
     with pytest.raises(ModelLoadError, match="without a cache directory"):
         load_model("smollm2-135m")
+
+
+@pytest.mark.parametrize("name", ["cpu", "cuda", "cuda:0", "cuda:3", "mps", " cpu ", "cpu:0", "mps:0", "meta", "tpu",
+                                  "cuda:x", "cuda:99999999999999999999", "cuda:127", "cuda:128", "cuda:01",
+                                  "CPU", ""])
+def test_a_device_setting_and_parse_device_agree(name, monkeypatch):
+    # the settings check (torch-free) and the engine's parse_device take the same names: "cpu:0"
+    # passed --device and failed SPECBATCH_DEVICE
+    from specbatch.config import Settings
+
+    try:
+        Settings(device=name)
+        setting_ok = True
+    except ValueError:
+        setting_ok = False
+    try:
+        loading.parse_device(name)
+        parsed_ok = True
+    except ValueError:
+        parsed_ok = False
+    assert setting_ok == parsed_ok
+    if parsed_ok:     # and torch reads the index it was given (cuda:128 was cuda:-128)
+        assert str(loading.parse_device(name)) == name.strip()

@@ -412,6 +412,11 @@ def test_model_map_routes_by_body_model():
     assert got.warnings("t") == []                                      # the model is not ignored
 
 
+def test_a_route_draft_may_be_written_as_a_model_spec():
+    # --draft's "model:NAME" form names the same model on a route ("model:d1" was a model of that name)
+    assert intake.parse_model_map(["a=t,model:d1,d2"], allow_remote=True) == {"a": ("t", ["d1", "d2"])}
+
+
 def test_unmapped_model_is_refused_per_line():
     assert refused(line({"model": "small", "messages": MSGS}, cid="a"),
                    line({"model": "gpt-4o", "messages": MSGS}, cid="b"), model_map=["small=t"]) == [
@@ -425,7 +430,10 @@ def test_unmapped_model_is_refused_per_line():
     ("a=t,", "'a=t,': expected NAME=TARGET or NAME=TARGET,DRAFT[,DRAFT...]"),
     # a drafter that loads no model is the job's, for every route: it was "model 'ngram' not found" (qa55)
     ("a=t,ngram", "'a=t,ngram': ngram loads no model: it drafts for every route of the job (--ngram, "
-                  "or the specbatch_ngram metadata of an API batch)")])
+                  "or the specbatch_ngram metadata of an API batch)"),
+    # a drafter kind, read as a drafter: it was "model 'eagle:h' not found"
+    ("a=t,eagle:h", "'a=t,eagle:h': drafter 'eagle:h': EAGLE heads need the target's hidden states per step; "
+                    "not available yet")])
 def test_bad_model_map(spec, why):
     with pytest.raises(IntakeError) as e:
         intake.parse_model_map([spec])
