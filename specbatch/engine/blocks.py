@@ -203,11 +203,12 @@ def _build() -> str | None:
         from torch.utils.cpp_extension import load
     finally:
         quiet.setLevel(level)
+    path = os.environ.get("PATH")
     if shutil.which("ninja") is None:     # pip's ninja, from a venv whose bin is not on PATH
         with contextlib.suppress(ImportError):
             import ninja
 
-            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path or ""])
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join([torch.__version__, *FLAGS]).encode()).hexdigest()[:12]
     try:
         load(name=f"specbatch_blocks_{digest}", sources=[str(SOURCE)], is_python_module=False, verbose=False,
@@ -215,6 +216,11 @@ def _build() -> str | None:
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: keep float32 products
         first = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
         return f"building engine/block_product.cpp failed: {first[:200]}"
+    finally:     # the build's PATH, not the process's from now on
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
     return None
 
 

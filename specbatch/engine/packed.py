@@ -244,6 +244,8 @@ class _Group(HeldProduct):
         super().__init__([m.out_features for m in members or ()])
         self.sources: list[tuple[weakref.ref[torch.Tensor], int | None]] = []
         self.blocks: block_weights.BlockWeight | None = None
+        # the kernel's packed copy and the weight its product takes, where no block product serves
+        self.packed = self.weight = torch.empty(0, device="meta")
         if not members or k is None:
             return
         self.kernel = k
@@ -252,9 +254,10 @@ class _Group(HeldProduct):
         self.bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
         # (each output of a block product is its own sum: a member's columns are its own product's)
         self.blocks = _blocks_of(cat) if blocks else None
-        self.packed = k.pack(cat) if self.blocks is None else cat[:0]   # (unused beside blocks)
-        # oneDNN's product reads only the weight's shape; MKL's op takes the weight itself
-        self.weight = cat if k.name == "mkl" else torch.empty(cat.shape, device="meta")
+        if self.blocks is None:
+            self.packed = k.pack(cat)
+            # oneDNN's product reads only the weight's shape; MKL's op takes the weight itself
+            self.weight = cat if k.name == "mkl" else torch.empty(cat.shape, device="meta")
 
     def serves(self, member: int, weight: torch.Tensor) -> bool:
         if member >= len(self.sources):
