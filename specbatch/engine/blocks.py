@@ -5,9 +5,11 @@ arithmetic: on a 2-core Xeon MKL's packed products read the default target's 425
 Linear weights at 12-16 GB/s where the machine streams 27 (docs/bench/report-job-xeon.md). The
 default target is dequantized from a GGUF whose Linears are Q4_1 (every block of 32 inputs of a
 weight row is ``d * q + m``, q a 4-bit integer, d and m float16 values) and whose tied embedding,
-the vocabulary head, is Q8_0 (``d * q``, q an 8-bit integer). ``split`` finds that form in a float32
-weight, bitwise (never assumed: a weight with one value off it is refused), and
-``block_product.cpp`` multiplies by the weight as q, d (and m), 6 or 9 bits a weight instead of 32,
+the vocabulary head, is Q8_0 (``d * q``, q an 8-bit integer). ``split`` finds that form (and
+Q5_0's, ``d * q`` with q in -16..15) in a float32 weight, bitwise (never assumed: a weight with one
+value off it is refused); the K-quants' scales (Q4_K, Q6_K: the Qwen benchmark pair) are not float16
+values and come from the GGUF file itself (engine/gguf_blocks.py, ``with_scales``, ``give``). And
+``block_product.cpp`` multiplies by the weight as q, d (and m), 6 to 10 bits a weight instead of 32,
 making each float32 weight again in a register, bitwise the same value. Only the order of each
 output's sum is its own: one fma chain over the inputs in order, whatever rows share the call
 (batch-invariant by construction), the same bits on every CPU with AVX-512 or AVX2 (the two versions
@@ -34,6 +36,7 @@ import hashlib
 import logging
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +57,9 @@ FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 @dataclass(frozen=True)
 class BlockWeight:
     """A (N, K) float32 weight as the product reads it (block_product.cpp's layout): Q4_1 (q (N/32,
-    K, 16) uint8, two outputs a byte; m the blocks' offsets) or Q8_0 (q (N/32, K, 32) int8; m
-    None); d, m (N/32, K/32, 32) float32."""
+    K, 16) uint8, two outputs a byte; m the blocks' offsets), Q8_0 (q (N/32, K, 32) int8; m None)
+    or Q6_K (as Q8_0, with a d per 16 inputs); d, m (N/32, K/32, 32) float32 (Q6_K's d (N/32, K/16,
+    32))."""
 
     q: torch.Tensor
     d: torch.Tensor
@@ -63,7 +67,12 @@ class BlockWeight:
 
     @property
     def format(self) -> str:
-        return "q8_0" if self.m is None else "q4_1"
+        return "q4_1" if self.m is not None else "q8_0" if self.per == BLOCK else "q6_k"
+
+    @property
+    def per(self) -> int:
+        """Inputs one d covers: 32, or Q6_K's 16."""
+        return self.q.shape[1] // self.d.shape[1]
 
     @property
     def out_features(self) -> int:
@@ -76,16 +85,27 @@ class BlockWeight:
             q = torch.stack([self.q & 0x0F, self.q >> 4], -1).reshape(tiles, k, BLOCK).float()
         else:
             q = self.q.float()                                                             # (t, K, 32)
-        d = self.d.repeat_interleave(BLOCK, 1)
+        d = self.d.repeat_interleave(self.per, 1)
         w = q * d if self.m is None else torch.addcmul(self.m.repeat_interleave(BLOCK, 1), q, d)
         return w.permute(0, 2, 1).reshape(tiles * BLOCK, k)
+
+    @staticmethod
+    def stacked(parts: list[BlockWeight]) -> BlockWeight | None:
+        """Sibling weights' blocks as the blocks of their concatenation (outputs after outputs: a
+        tile is 32 outputs of one of them), None where their forms differ."""
+        if len({(p.format, p.q.shape[1]) for p in parts}) != 1:
+            return None
+        m = [p.m for p in parts]
+        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                           None if m[0] is None else torch.cat([x for x in m if x is not None]))
 
 
 def split(weight: torch.Tensor) -> BlockWeight | None:
     """``weight`` (N, K) float32 as llama.cpp's blocks of 32 inputs where every block of every row
     is exactly of one form (N and K multiples of 32), tried in this order: Q4_1, ``d * q + m`` with
     q in 0..15 (m the block's least value, d the float16 nearest its spread over 15); Q8_0,
-    ``d * q`` with q in -128..127 (d the float16 nearest its largest magnitude over 127). d and m
+    ``d * q`` with q in -128..127 (d the float16 nearest its largest magnitude over 127); Q5_0,
+    ``d * q`` with q in -16..15 (d its largest magnitude over 16), multiplied as Q8_0. d and m
     must be float16 values and every weight is checked bitwise; None where no form holds."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu" \
             or weight.shape[0] % BLOCK or weight.shape[1] % BLOCK or not weight.numel():
@@ -95,9 +115,62 @@ def split(weight: torch.Tensor) -> BlockWeight | None:
         w = weight.detach().reshape(n, k // BLOCK, BLOCK)
         # the first tile of outputs first: a weight of no such form (any safetensors checkpoint's)
         # is refused without passes and temporaries the size of the whole weight at load
-        if n > BLOCK and _q4_1(w[:BLOCK]) is None and _q8_0(w[:BLOCK]) is None:
-            return None
-        return _q4_1(w) or _q8_0(w)
+        forms = [f for f in (_q4_1, _q8_0, _q5_0) if n == BLOCK or f(w[:BLOCK]) is not None]
+        return next((got for f in forms if (got := f(w)) is not None), None)
+
+
+def with_scales(weight: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> BlockWeight | None:
+    """``weight`` (N, K) float32 as blocks whose scales are given, not found (llama.cpp's K-quants,
+    whose float32 scales the weight does not show: engine/gguf_blocks.py): with ``m`` (N, K/32),
+    ``d * q + m``, q in 0..15 (Q4_K's, as Q4_1's); without, ``d * q`` with q in -32..31 and a d per
+    16 inputs (Q6_K's, d (N, K/16)). None unless every weight is made again bitwise. Needs the
+    product built (``unavailable()`` None)."""
+    n, k = weight.shape
+    if n % BLOCK or (q := _q_given(weight, d, m)) is None:
+        return None
+    if m is None:
+        return BlockWeight(_tiles(q.view(n, k // BLOCK, BLOCK)).contiguous(), _per_block(d.unsqueeze(-1)))
+    qt = _tiles(q.view(n, k // BLOCK, BLOCK))
+    return BlockWeight((qt[..., 0::2] | (qt[..., 1::2] << 4)).contiguous(), _per_block(d.unsqueeze(-1)),
+                       _per_block(m.unsqueeze(-1)))
+
+
+def fits(weight: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> bool:
+    """Whether ``with_scales`` would make ``weight`` (any rows) again with these scales."""
+    return _q_given(weight, d, m) is not None
+
+
+def _q_given(weight: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor | None:
+    """``with_scales``'s q (N, K), uint8 (int8 without m), where they make every weight bitwise:
+    block_product.cpp's ``recover``, one pass (torch's operators took 22 s over the Qwen 1.5B's
+    1.5 billion weights on a 2-core EPYC, passes over memory)."""
+    n, k = weight.shape
+    per = BLOCK if m is not None else BLOCK // 2
+    if weight.dtype != torch.float32 or k % BLOCK or d.shape != (n, k // per) \
+            or (m is not None and m.shape != (n, k // BLOCK)):
+        return None
+    q = torch.ops.specbatch_blocks.recover(weight.detach().contiguous(), d.contiguous(),
+                                           None if m is None else m.contiguous())
+    return q if q.numel() else None
+
+
+# weights whose blocks were given rather than found (``give``): {id: (the weight, its version then, blocks)}
+_given: dict[int, tuple[weakref.ref[torch.Tensor], int, BlockWeight]] = {}
+
+
+def give(weight: torch.Tensor, blocks: BlockWeight) -> None:
+    """Let ``of(weight)`` answer ``blocks`` while ``weight`` is unchanged (engine/gguf_blocks.py,
+    which checked them bitwise against it)."""
+    key = id(weight)
+    _given[key] = (weakref.ref(weight, lambda _: _given.pop(key, None)), weight._version, blocks)
+
+
+def of(weight: torch.Tensor) -> BlockWeight | None:
+    """``weight``'s blocks: those given for it as it is now, else those ``split`` finds."""
+    held = _given.get(id(weight))
+    if held is not None and held[0]() is weight and held[1] == weight._version:
+        return held[2]
+    return split(weight)
 
 
 def _q4_1(w: torch.Tensor) -> BlockWeight | None:
@@ -122,6 +195,18 @@ def _q8_0(w: torch.Tensor) -> BlockWeight | None:
     return BlockWeight(_tiles(q.to(torch.int8)).contiguous(), _per_block(d))
 
 
+def _q5_0(w: torch.Tensor) -> BlockWeight | None:
+    """Q5_0 (``d * q``, q in -16..15: the block's value of largest magnitude is ``-16 d``, so d
+    takes the other sign), held as Q8_0's 8-bit q: the same product."""
+    d = -w.gather(-1, w.abs().argmax(-1, keepdim=True)) / 16          # (exact: a power of two)
+    if not (torch.equal(d.half().float(), d) and torch.isfinite(d).all()):
+        return None
+    q = torch.round(w / torch.where(d == 0, 1.0, d)).clamp_(-16, 15)
+    if not torch.equal(q * d, w):
+        return None
+    return BlockWeight(_tiles(q.to(torch.int8)).contiguous(), _per_block(d))
+
+
 def _tiles(q: torch.Tensor) -> torch.Tensor:
     """(N, K/32, 32) -> (N/32, K, 32): each tile of 32 outputs, input by input."""
     n, blocks, _ = q.shape
@@ -129,7 +214,7 @@ def _tiles(q: torch.Tensor) -> torch.Tensor:
 
 
 def _per_block(v: torch.Tensor) -> torch.Tensor:
-    """(N, K/32, 1) -> (N/32, K/32, 32): each block's value for a tile's 32 outputs."""
+    """(N, B, 1) -> (N/32, B, 32): each block's value (B blocks a row) for a tile's 32 outputs."""
     n, blocks, _ = v.shape
     return v.reshape(n // BLOCK, BLOCK, blocks).permute(0, 2, 1).contiguous()
 
@@ -147,8 +232,10 @@ def product(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None, i
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     if w.m is not None:
         y = torch.ops.specbatch_blocks.q4_1(flat, w.q, w.d, w.m, isa)
-    else:
+    elif w.per == BLOCK:
         y = torch.ops.specbatch_blocks.q8_0(flat, w.q, w.d, isa)
+    else:
+        y = torch.ops.specbatch_blocks.q6_k(flat, w.q, w.d, isa)
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], w.out_features)
@@ -174,6 +261,17 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
     d = x.abs().amax(-1, keepdim=True) / 127
     q = torch.round(x / torch.where(d == 0, 1.0, d))
     return (q * d.half().float()).reshape(n, k)
+
+
+def q6_k(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (N, K) in Q6_K's form, ``d * q`` with q in -32..31 and a d per 16 inputs (here the
+    float16 nearest the 16's largest magnitude over 31, where llama.cpp's is a float16 times an
+    8-bit integer), and its d (N, K/16): for checks and tests (gguf-py has no Q6_K quantizer)."""
+    n, k = weight.shape
+    x = weight.reshape(n, k // 16, 16)
+    d = (x.abs().amax(-1, keepdim=True) / 31).half().float()
+    q = torch.round(x / torch.where(d == 0, 1.0, d)).clamp(-32, 31)
+    return (q * d).reshape(n, k), d.squeeze(-1)
 
 
 @functools.cache
@@ -230,11 +328,17 @@ def check() -> str | None:
     else why not."""
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for n, k, quantized in ((64, 1536, q4_1), (96, 96, q4_1), (64, 1536, q8_0), (96, 96, q8_0)):
-            weight = quantized(torch.randn(n, k, generator=gen) / 16)
-            w = split(weight)
-            if w is None or w.format != quantized.__name__ or not torch.equal(w.dense(), weight):
-                return f"a weight of {quantized.__name__} blocks did not split back to itself"
+        for n, k, form in ((64, 1536, "q4_1"), (96, 96, "q4_1"), (64, 1536, "q8_0"), (96, 96, "q8_0"),
+                           (64, 1536, "q6_k"), (96, 256, "q6_k")):
+            x = torch.randn(n, k, generator=gen) / 16
+            if form == "q6_k":         # (its scales are given, not found: engine/gguf_blocks.py)
+                weight, scales = q6_k(x)
+                w = with_scales(weight, scales, None)
+            else:
+                weight = q4_1(x) if form == "q4_1" else q8_0(x)
+                w = split(weight)
+            if w is None or w.format != form or not torch.equal(w.dense(), weight):
+                return f"a weight of {form} blocks did not split back to itself"
             x = torch.randn(300, k, generator=gen)
             whole = product(x, w)
             if not torch.allclose(whole, F.linear(x, weight), rtol=1e-4, atol=1e-4):

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from specbatch.engine.flat_forward import FlatForward
 
 from specbatch.config import DEVICE_HINT, DEVICE_NAME
+from specbatch.engine import gguf_blocks
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once
 from specbatch.engine.hf_cache import cache_kwarg, cache_length
@@ -43,7 +44,7 @@ from specbatch.engine.known_models import (
     not_same_tokenizer,
 )
 from specbatch.engine.model_files import POSITION_KEYS, gguf_cache_key
-from specbatch.engine.packed import pack_linears
+from specbatch.engine.packed import can_pack, pack_linears
 from specbatch.errors import DeviceError, ModelLoadError
 from specbatch.plural import plural
 
@@ -214,6 +215,7 @@ class _Source:
 
     path: Path
     fresh: Any = None     # a PreTrainedModel, eval mode, float32, on the CPU; None when cached already
+    gguf: Path | None = None    # the GGUF file the files were dequantized from
 
 
 def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
@@ -224,7 +226,7 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
     target = cache_dir / "dequantized" / gguf_cache_key(gguf)
     if (target / "model.safetensors").exists():
         _drop_quantization_config(target / "config.json")     # a cache written before this was fixed
-        return _Source(target)
+        return _Source(target, gguf=gguf)
     logger.info("dequantizing %s into %s (once)", gguf, target)
     # a private temp dir per loader: workers starting together on a fresh cache don't collide
     tmp = target.with_name(f"{target.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -235,6 +237,8 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                          dtype=torch.float32)
+            with contextlib.suppress(Exception):  # none: a later load reads the file for it
+                gguf_blocks.write_index(gguf, tmp)  # while parsed: (at a load it costs as much again)
     except Exception as e:  # noqa: BLE001 - any loader failure becomes one readable error
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelLoadError(f"cannot read GGUF file {gguf}: {e}") from e
@@ -254,7 +258,7 @@ def _dequantize_to_cache(gguf: Path, cache_dir: Path) -> _Source:
     except OSError:  # another loader finished first: use its copy
         shutil.rmtree(tmp, ignore_errors=True)
     model.config._name_or_path = str(target)    # what from_pretrained(target) records
-    return _Source(target, fresh=model.eval())
+    return _Source(target, fresh=model.eval(), gguf=gguf)
 
 
 def _as_plain(model: Any) -> None:
@@ -377,6 +381,8 @@ def load_model(name: str, *, device: str = "cpu", dtype: str = "float32",
 
     use_folded_attention(model)     # a verify must not copy the KV cache per query head
     unroute_hub_kernels(model)      # compiling on another thread must not race eager decoding
+    if source.gguf is not None and base is None and not int8 and linears == "auto" and can_pack(model, linears):
+        gguf_blocks.give(model, source.gguf, source.path)    # its K-quant scales: products over its blocks
     pack_linears(model, linears)    # float32 on CPU: MKL packs each weight once, not every call
     seconds = time.perf_counter() - t0
     logger.info("loaded %s from %s in %.1fs%s", name, source.path, seconds,

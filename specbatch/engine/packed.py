@@ -50,7 +50,7 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -201,7 +201,7 @@ class _Packed:
         if weight is None or k is None or self.version is None:
             return
         # a weight of llama.cpp's blocks is multiplied as such (engine/blocks.py) where ``blocks`` allows it
-        self.blocks = _blocks_of(weight.detach()) if blocks else None
+        self.blocks = _blocks_of(weight) if blocks else None
         if self.blocks is None:
             self.tensor = k.pack(weight.detach())
 
@@ -220,8 +220,19 @@ class _Packed:
 def _blocks_of(weight: torch.Tensor) -> block_weights.BlockWeight | None:
     """``weight`` as engine/blocks.py's blocks where it is of that form and this process can
     multiply by them (the question is asked only then, so other weights never build the product)."""
-    w = block_weights.split(weight)
+    w = block_weights.of(weight)
     return w if w is not None and block_weights.unavailable() is None else None
+
+
+def _stacked_blocks(members: list[torch.nn.Linear]) -> block_weights.BlockWeight | None | Literal[False]:
+    """Sibling Linears' blocks as one product's where every one has blocks of one form; None where
+    none has blocks; False where some have and they cannot make one (another form, or none)."""
+    parts = [_blocks_of(m.weight) for m in members]
+    given = [p for p in parts if p is not None]
+    if not given:
+        return None
+    stacked = block_weights.BlockWeight.stacked(given) if len(given) == len(parts) else None
+    return stacked if stacked is not None else False
 
 
 def _version(weight: torch.Tensor) -> int | None:
@@ -237,10 +248,11 @@ class _Group(HeldProduct):
     weight's product (``group_check``), so this saves calls, never changes a number. A member whose
     weight was replaced or written in place is no longer served: it packs its own
     (``PackedLinear``). Shared by copies of its modules (a copy's weights are others: it is not
-    served), dead once unpickled, as ``_Packed``."""
+    served), dead once unpickled, as ``_Packed``. ``blocks``: the members' blocks stacked
+    (``_stacked_blocks``), multiplied by instead of a packed copy."""
 
     def __init__(self, members: list[torch.nn.Linear] | None = None, k: Kernel | None = None,
-                 blocks: bool = False) -> None:
+                 blocks: block_weights.BlockWeight | None = None) -> None:
         super().__init__([m.out_features for m in members or ()])
         self.sources: list[tuple[weakref.ref[torch.Tensor], int | None]] = []
         self.blocks: block_weights.BlockWeight | None = None
@@ -250,11 +262,11 @@ class _Group(HeldProduct):
             return
         self.kernel = k
         self.sources = [(weakref.ref(m.weight), _version(m.weight)) for m in members]
-        cat = torch.cat([m.weight.detach() for m in members])
         self.bias = torch.cat([m.bias.detach() for m in members]) if members[0].bias is not None else None
         # (each output of a block product is its own sum: a member's columns are its own product's)
-        self.blocks = _blocks_of(cat) if blocks else None
+        self.blocks = blocks
         if self.blocks is None:
+            cat = torch.cat([m.weight.detach() for m in members])
             self.packed = k.pack(cat)
             # oneDNN's product reads only the weight's shape; MKL's op takes the weight itself
             self.weight = cat if k.name == "mkl" else torch.empty(cat.shape, device="meta")
@@ -394,7 +406,10 @@ def pack_linears(model: torch.nn.Module, linears: str = "auto") -> int:
             members = [getattr(parent, x) for x in names]
             # (an inference tensor cannot be concatenated into the group's weight outside inference mode)
             if all(_packable(m) and not m.weight.is_inference() for m in members):
-                group = _Group(members, k, blocks=linears == "auto")
+                blocks = _stacked_blocks(members) if linears == "auto" else None
+                if blocks is False:     # (Q4_K q beside a Q6_K v: each multiplies by its own blocks)
+                    continue
+                group = _Group(members, k, blocks)
                 for i, m in enumerate(members):
                     PackedLinear.of(m, group, i, linears=linears)
                 grouped.update(names)

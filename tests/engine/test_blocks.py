@@ -126,7 +126,8 @@ def test_siblings_over_blocks_share_one_product_with_each_columns_own_bits():
             if isinstance(m, torch.nn.Linear) and m.weight.shape[0] % 32 == 0:
                 m.weight.copy_(bw.q4_1(m.weight))
     attn = model.model.layers[0].self_attn
-    group = packed._Group([attn.q_proj, attn.k_proj, attn.v_proj], packed.kernel(), blocks=True)
+    members = [attn.q_proj, attn.k_proj, attn.v_proj]
+    group = packed._Group(members, packed.kernel(), packed._stacked_blocks(members) or None)
     assert group.blocks is not None
     # nor does it hold the float32 concatenation its kernel would take (its storage, a weight's
     # size, was kept beside the blocks: 278 MB in the default target's 30 layers)

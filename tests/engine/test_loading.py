@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +31,9 @@ def _permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(model_dir: Path, out: Path) -> Path:
-    """Write the Llama in ``model_dir`` (and its BPE tokenizer) as an F32 GGUF file."""
+def write_gguf(model_dir: Path, out: Path, raw: Callable[[str, Any], tuple[Any, Any] | None] | None = None) -> Path:
+    """Write the Llama or Qwen2 in ``model_dir`` (and its BPE tokenizer) as a GGUF file: F32
+    tensors, or what ``raw(gguf_name, array)`` gives, (bytes, quantization type), where it gives one."""
     import gguf
     import numpy as np
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -38,7 +41,8 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(model_dir)
     cfg = model.config
-    w = gguf.GGUFWriter(str(out), "llama")
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[cfg.model_type]
+    w = gguf.GGUFWriter(str(out), cfg.model_type)
     w.add_name(model_dir.name)
     w.add_vocab_size(cfg.vocab_size)
     w.add_context_length(cfg.max_position_embeddings)
@@ -66,18 +70,22 @@ def write_gguf(model_dir: Path, out: Path) -> Path:
     w.add_pad_token_id(tok.pad_token_id)
     if tok.chat_template:
         w.add_chat_template(tok.chat_template)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
     for name, t in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue                              # tied: GGUF has no output.weight
         a = t.numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == gguf.MODEL_ARCH.LLAMA and name.endswith("q_proj.weight"):
             a = _permute(a, cfg.num_attention_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == gguf.MODEL_ARCH.LLAMA and name.endswith("k_proj.weight"):
             a = _permute(a, cfg.num_key_value_heads)
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gname, name
-        w.add_tensor(gname, np.ascontiguousarray(a))
+        quantized = raw(gname, a) if raw is not None else None
+        if quantized is None:
+            w.add_tensor(gname, np.ascontiguousarray(a))
+        else:
+            w.add_tensor(gname, quantized[0], raw_dtype=quantized[1])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
