@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -17,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
+from specbatch.device_names import DEVICE_HINT, DEVICE_NAME
 from specbatch.errors import SettingsError
 from specbatch.redact import mask
 
@@ -39,13 +39,6 @@ def _default_files_dir() -> str:
 
 def _default_cache_dir() -> str:
     return str(_user_dir("XDG_CACHE_HOME", ".cache"))
-
-
-# the devices a setting or --device may name, checked here without importing torch
-# (engine/loading.py's parse_device reads the same pattern). An index is 0..127 without leading
-# zeros, as torch parses one: it reads cuda:128 as cuda:-128 and refuses cuda:01.
-DEVICE_NAME = re.compile(r"cpu|mps|cuda(:(0|[1-9]\d?|1[01]\d|12[0-7]))?")
-DEVICE_HINT = "use cpu, cuda, cuda:N or mps"
 
 
 class Settings(BaseSettings):

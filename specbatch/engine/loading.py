@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from specbatch.engine.flat_forward import FlatForward
 
-from specbatch.config import DEVICE_HINT, DEVICE_NAME
+from specbatch.device_names import DEVICE_HINT, DEVICE_NAME
 from specbatch.engine import gguf_blocks
 from specbatch.engine.compile.forward import CompiledForward
 from specbatch.engine.gguf_once import parsed_once

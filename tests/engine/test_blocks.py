@@ -165,7 +165,13 @@ def test_a_target_of_blocks_decodes_as_itself_alone_speculating_and_batched(q4_l
     target = load_model(str(q4_llama))
     assert blocks_used(target.model)
     assert fingerprint.decoded_with(target)["linears"].endswith("+blocks")
-    engine = Engine(target, [load_model(str(q4_llama)), NGRAM])
+    decodes_as_itself(target, load_model(str(q4_llama)))
+
+
+def decodes_as_itself(target, draft) -> None:
+    """``target``'s greedy outputs alone are its outputs speculating (``draft`` and n-grams, gamma 4)
+    one prompt at a time and three rows at a time."""
+    engine = Engine(target, [draft, NGRAM])
     params = GenerationParams(max_new_tokens=24, gamma=4, adaptive=False)
     alone = {p: target_greedy(target, p, 24) for p in PROMPTS}
     for p in PROMPTS:

@@ -8,13 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from specbatch.engine import Engine, EngineRequest, GenerationParams, gguf_blocks
 from specbatch.engine import blocks as bw
-from specbatch.engine.drafter_specs import NGRAM
+from specbatch.engine import gguf_blocks
 from specbatch.engine.loading import load_model
 from specbatch.engine.packed import PackedLinear
-from tests.engine.test_blocks import needs_product
-from tests.engine.test_greedy_exact import PROMPTS, target_greedy
+from tests.engine.test_blocks import decodes_as_itself, needs_product
 from tests.engine.test_loading import write_gguf
 
 RNG = np.random.default_rng(7)
@@ -130,13 +128,7 @@ def test_a_gguf_of_k_quants_decodes_by_its_blocks_as_itself_alone_speculating_an
     assert formats["model.layers.0.self_attn.v_proj"] == "q6_k"
     assert layer.self_attn.q_proj._group is None            # Q4_K beside a Q6_K v: each its own product
     assert layer.mlp.gate_proj._group is not None and layer.mlp.gate_proj._group.blocks is not None
-    engine = Engine(target, [load_model(str(k_quant_qwen2), cache_dir=tmp_path), NGRAM])
-    params = GenerationParams(max_new_tokens=24, gamma=4, adaptive=False)
-    alone = {p: target_greedy(target, p, 24) for p in PROMPTS}
-    for p in PROMPTS:
-        assert engine.generate(prompt=p, params=params).token_ids == alone[p]
-    batched = dict(engine.generate_many([EngineRequest(prompt=p, params=params) for p in PROMPTS], 3))
-    assert [batched[i].token_ids for i in range(len(PROMPTS))] == [alone[p] for p in PROMPTS]
+    decodes_as_itself(target, load_model(str(k_quant_qwen2), cache_dir=tmp_path))
     # without the file's scales no Linear finds its blocks
     monkeypatch.setattr(gguf_blocks, "give", lambda *args: 0)
     plain = load_model(str(k_quant_qwen2), cache_dir=tmp_path)
