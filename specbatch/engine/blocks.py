@@ -165,6 +165,12 @@ def give(weight: torch.Tensor, blocks: BlockWeight) -> None:
     _given[key] = (weakref.ref(weight, lambda _: _given.pop(key, None)), weight._version, blocks)
 
 
+def forget(weight: torch.Tensor) -> None:
+    """Drop the blocks given for ``weight``: a sibling group multiplies by a stacked copy of them
+    (engine/packed.py), and a weight that leaves its group has changed, so they no longer fit it."""
+    _given.pop(id(weight), None)
+
+
 def of(weight: torch.Tensor) -> BlockWeight | None:
     """``weight``'s blocks: those given for it as it is now, else those ``split`` finds."""
     held = _given.get(id(weight))
