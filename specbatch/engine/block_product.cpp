@@ -166,6 +166,55 @@ AVX2 void rows256(const float* x, int64_t K, const float* panel, int64_t k0, flo
 constexpr Rows kRowsOf256[kRows256 + 1] = {nullptr, rows256<1>, rows256<2>, rows256<3>, rows256<4>, rows256<5>,
                                            rows256<6>};
 
+// One or two rows on AVX2 (a decode step of one sequence): each weight made as panel256 makes it,
+// then multiplied at once, its tile's accumulators kept in registers over every block: the same
+// fmas in the same order as the panel, without storing the panel and reading it back (on AVX2 CPUs
+// making the weights bounds a step of one row).
+template <Form F, int R>
+AVX2 void direct256(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, int64_t t,
+                    float* y, int64_t N) {
+  constexpr bool Q8 = eight_bit(F);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const int64_t at = (t * (K / per_d(F)) + b * (32 / per_d(F))) * 32;
+      __m256 d0 = _mm256_loadu_ps(d + at + half * 16), d1 = _mm256_loadu_ps(d + at + half * 16 + 8);
+      const __m256 m0 = Q8 ? d0 : _mm256_loadu_ps(m + at + half * 16);
+      const __m256 m1 = Q8 ? d1 : _mm256_loadu_ps(m + at + half * 16 + 8);
+      for (int64_t kk = 0; kk < 32; ++kk) {
+        const int64_t k = t * K + b * 32 + kk;
+        if (F == kQ6_K && kk == 16) {
+          d0 = _mm256_loadu_ps(d + at + 32 + half * 16);
+          d1 = _mm256_loadu_ps(d + at + 32 + half * 16 + 8);
+        }
+        __m256 w0, w1;
+        if constexpr (Q8) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + half * 16));
+          w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d0);
+          w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d1);
+        } else {
+          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + half * 8));
+          const __m128i both = _mm_unpacklo_epi8(_mm_and_si128(raw, nibble),
+                                                 _mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
+          w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both)), d0, m0);
+          w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))), d1, m1);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256 xr = _mm256_set1_ps(x[r * K + b * 32 + kk]);
+          acc0[r] = _mm256_fmadd_ps(xr, w0, acc0[r]);
+          acc1[r] = _mm256_fmadd_ps(xr, w1, acc1[r]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(y + r * N + t * 32 + half * 16, acc0[r]);
+      _mm256_storeu_ps(y + r * N + t * 32 + half * 16 + 8, acc1[r]);
+    }
+  }
+}
+
 using Panel = void (*)(const uint8_t*, const float*, const float*, int64_t, int64_t, int64_t, float*);
 
 // ---- the ops
@@ -197,6 +246,13 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d
   const uint8_t* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* dp = d.data_ptr<float>();
   const float* mp = Q8 ? nullptr : m.data_ptr<float>();
+  if (isa == 256 && M <= 2) {
+    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t)
+        (M == 1 ? direct256<F, 1> : direct256<F, 2>)(xp, K, qp, dp, mp, t, yp, N);
+    });
+    return y;
+  }
   // rows in even groups of at most ``most``
   const int64_t groups = (M + most - 1) / most, per = (M + groups - 1) / groups;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {

@@ -50,8 +50,10 @@ def test_a_loading_worker_is_online_says_so_and_consumes_once_loaded(cluster, ga
     view = next(v for v in queue_workers(cluster.settings, cluster.queue()) or [] if v.name.startswith("w1@"))
     assert not view.consuming      # online, not consuming: nothing is taken before the models are there
     # the worker answers status's one broadcast itself (worker.panel), not through the two built-in commands
-    reply = next(r for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0) or {}).items()
-                 if w.startswith("w1@"))
+    # (asked until it answers: a worker busy loading on a loaded 2-core machine missed a 1 s broadcast)
+    reply = wait_for(lambda: next((r for w, r in (monitor._inspect(cluster.settings, monitor.VIEW_COMMAND, 1.0)
+                                                  or {}).items() if w.startswith("w1@")), None),
+                     60, "the loading worker to answer status's broadcast")
     assert reply == {"queues": [], "default_queue": cluster.queue(), "state": "starting: loading models",
                      "database": database_id(cluster.settings.database_url)}    # (its database's id)
 
