@@ -104,12 +104,31 @@ constexpr Rows kRowsOf512[kRows512 + 1] = {nullptr, rows512<1>, rows512<2>, rows
 
 constexpr int64_t kRows256 = 6;
 
+// Input k's 16 weights of one half of a tile (outputs half * 16 ..), made in two AVX2 vectors: the
+// one way both the panel and the one- and two-row path make them (their bits must agree).
+template <Form F>
+AVX2 inline void make256(const uint8_t* q, int64_t k, int half, __m256 d0, __m256 d1, __m256 m0, __m256 m1,
+                         __m256& w0, __m256& w1) {
+  if constexpr (eight_bit(F)) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + half * 16));
+    w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d0);
+    w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d1);
+  } else {
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + half * 8));
+    const __m128i lo = _mm_and_si128(raw, nibble);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
+    const __m128i both = _mm_unpacklo_epi8(lo, hi);    // this half's 16 outputs in order
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both)), d0, m0);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))), d1, m1);
+  }
+}
+
 template <Form F>
 AVX2 void panel256(const uint8_t* q, const float* d, const float* m, int64_t K, int64_t t, int64_t b,
                    float* panel) {
   constexpr bool Q8 = eight_bit(F);
   const int64_t at = (t * (K / per_d(F)) + b * (32 / per_d(F))) * 32;
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int half = 0; half < 2; ++half) {
     __m256 d0 = _mm256_loadu_ps(d + at + half * 16), d1 = _mm256_loadu_ps(d + at + half * 16 + 8);
     const __m256 m0 = Q8 ? d0 : _mm256_loadu_ps(m + at + half * 16);
@@ -121,18 +140,7 @@ AVX2 void panel256(const uint8_t* q, const float* d, const float* m, int64_t K, 
         d1 = _mm256_loadu_ps(d + at + 32 + half * 16 + 8);
       }
       __m256 w0, w1;
-      if constexpr (Q8) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + half * 16));
-        w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d0);
-        w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d1);
-      } else {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + half * 8));
-        const __m128i lo = _mm_and_si128(raw, nibble);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nibble);
-        const __m128i both = _mm_unpacklo_epi8(lo, hi);    // this half's 16 outputs in order
-        w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both)), d0, m0);
-        w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))), d1, m1);
-      }
+      make256<F>(q, k, half, d0, d1, m0, m1, w0, w1);
       _mm256_store_ps(panel + kk * 32 + half * 16, w0);
       _mm256_store_ps(panel + kk * 32 + half * 16 + 8, w1);
     }
@@ -174,7 +182,6 @@ template <Form F, int R>
 AVX2 void direct256(const float* x, int64_t K, const uint8_t* q, const float* d, const float* m, int64_t t,
                     float* y, int64_t N) {
   constexpr bool Q8 = eight_bit(F);
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   for (int half = 0; half < 2; ++half) {
     __m256 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
@@ -190,17 +197,7 @@ AVX2 void direct256(const float* x, int64_t K, const uint8_t* q, const float* d,
           d1 = _mm256_loadu_ps(d + at + 32 + half * 16 + 8);
         }
         __m256 w0, w1;
-        if constexpr (Q8) {
-          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * 32 + half * 16));
-          w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d0);
-          w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d1);
-        } else {
-          const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k * 16 + half * 8));
-          const __m128i both = _mm_unpacklo_epi8(_mm_and_si128(raw, nibble),
-                                                 _mm_and_si128(_mm_srli_epi16(raw, 4), nibble));
-          w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(both)), d0, m0);
-          w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(both, 8))), d1, m1);
-        }
+        make256<F>(q, k, half, d0, d1, m0, m1, w0, w1);
         for (int r = 0; r < R; ++r) {
           const __m256 xr = _mm256_set1_ps(x[r * K + b * 32 + kk]);
           acc0[r] = _mm256_fmadd_ps(xr, w0, acc0[r]);
