@@ -51,8 +51,9 @@ def take_back_expired(s: Any, queues: Collection[str]) -> dict[tuple[str, str], 
             mine[rid] = (job_id, queue)
     if not mine:
         return {}
+    # ``worker`` stays: the last holder, named if the request runs out of attempts
     taken = s.scalars(update(Request).where(Request.id.in_(list(mine)), expired)
-                      .values(status=RequestStatus.pending, worker=None, lease_expires_at=None)
+                      .values(status=RequestStatus.pending, lease_expires_at=None)
                       .returning(Request.id)).all()
     out: dict[tuple[str, str], list[int]] = {}
     for rid in sorted(taken):

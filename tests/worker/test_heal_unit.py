@@ -49,6 +49,24 @@ def test_only_expired_leases_of_its_queues_are_taken_back_once(db_url: str) -> N
     assert {status[i] for i in other} == {RequestStatus.running}
 
 
+def test_a_request_taken_back_keeps_its_last_holders_name_for_its_failure(db_url: str) -> None:  # noqa: F811
+    """The sweep takes a dead worker's request back; when it has then used every attempt, the
+    next claim fails it naming the worker it killed (the CI flake at stop 56: whether the sweep or
+    a redelivered task reached it first decided whether the name was there)."""
+    ids = _job(db_url, "sb.mine", n=1, holder="w1@box:7")
+    with session_factory(db_url).begin() as s:
+        store.start_requests(s, ids, "w1@box:7")
+        s.execute(update(Request).where(Request.id.in_(ids)).values(attempts=3))
+    _expire(db_url, ids)
+    with session_factory(db_url).begin() as s:
+        assert take_back_expired(s, {"sb.mine"})
+    with session_factory(db_url).begin() as s:
+        assert store.claim_requests(s, ids, "w2@box:8", 60, 3) == []
+        row = s.get(Request, ids[0])
+        assert row is not None and row.status == RequestStatus.failed
+        assert row.error is not None and row.error.endswith("died each time (last: w1@box:7)"), row.error
+
+
 def test_a_run_jobs_expired_rows_are_never_taken_back_by_a_worker(db_url: str) -> None:  # noqa: F811
     """A `specbatch run` job decodes in that process (its `resume` takes a dead one's rows back);
     a worker consuming the same pair's queue must not send them to itself, as stranded.pending_in
