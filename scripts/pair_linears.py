@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from interleave import abba, child_result
 
 CHILD = r"""
 import json, sys, time, torch
@@ -48,15 +49,6 @@ print("RESULT " + json.dumps({"tokens": sum(map(len, outs)), "seconds": seconds,
 """
 
 
-def run(linears: str, job: dict[str, object]) -> dict[str, object]:
-    env = {**os.environ, "SPECBATCH_LINEARS": linears}
-    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(job)], env=env, capture_output=True, text=True)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        sys.exit(f"{linears}: no result\n{out.stderr[-3000:]}")
-    return dict(json.loads(line[7:]))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
@@ -79,8 +71,9 @@ def main() -> None:
     seen: dict[str, list[float]] = {"auto": [], a.against: []}
     outs: dict[str, list[list[int]]] = {}
     for r in range(a.rounds):
-        for linears in (["auto", a.against] if r % 2 == 0 else [a.against, "auto"]):
-            got = run(linears, job)
+        for linears in abba(r, ["auto", a.against]):
+            got = child_result([sys.executable, "-c", CHILD, json.dumps(job)],
+                               {**os.environ, "SPECBATCH_LINEARS": linears}, linears)
             rate = float(got["tokens"]) / float(got["seconds"])
             seen[linears].append(rate)
             outs[linears] = got["outs"]

@@ -1,5 +1,5 @@
 """`specbatch run` of the default job under several settings, each run a new process of its own,
-interleaved round by round, outputs compared token for token:
+interleaved round by round (A B B A), outputs compared token for token:
 
     python scripts/run_variants.py SPECBATCH_PROCESSES=2 --rounds 3           # the default vs 2 processes
     python scripts/run_variants.py SPECBATCH_PROCESSES=2 SPECBATCH_LANES=2 --busy
@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from interleave import abba
 
 
 def digest(url: str) -> str:
@@ -52,7 +54,8 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(a.rounds):
-                for k, (name, settings) in enumerate(variants.items()):
+                for name in abba(r, list(variants)):
+                    settings, k = variants[name], list(variants).index(name)
                     url = f"sqlite:///{tmp}/r{r}-v{k}.db"
                     env = {**os.environ, **settings, "SPECBATCH_DATABASE_URL": url}
                     load0 = os.getloadavg()[0]

@@ -18,10 +18,11 @@ import argparse
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from interleave import abba, child_result
 
 CONFIGS = {"auto": ("auto", "auto"), "B32plain": (32, False), "B32spec": (32, True), "B8spec": (8, True),
            "B8plain": (8, False)}
@@ -95,21 +96,15 @@ def main() -> None:
     digests: dict[tuple[str, str], set[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(a.rounds):
-            order = trees if rnd % 2 == 0 else trees[::-1]
             for name in a.configs.split(","):
                 batch, spec = CONFIGS[name]
                 spec_file = Path(tmp) / f"{name}.json"
                 spec_file.write_text(json.dumps({"ids": ids, "limits": limits, "threads": a.threads,
                                                  "name": name, "batch": batch, "spec": spec,
                                                  "temperature": a.temperature, "fixed_gamma": a.fixed_gamma}))
-                for tree in order:
-                    env = {**os.environ, "PYTHONPATH": tree}
-                    run = subprocess.run([sys.executable, "-c", CHILD, tree, str(spec_file)], env=env,
-                                         capture_output=True, text=True, cwd=tree)
-                    line = next((x for x in run.stdout.splitlines() if x.startswith("RESULT ")), None)
-                    if line is None:
-                        sys.exit(f"{tree} failed:\n{run.stderr[-3000:]}")
-                    r = json.loads(line[7:])
+                for tree in abba(rnd, trees):
+                    r = child_result([sys.executable, "-c", CHILD, tree, str(spec_file)],
+                                     {**os.environ, "PYTHONPATH": tree}, tree, cwd=tree)
                     rate = r["tokens"] / r["seconds"]
                     digest = hashlib.sha256(json.dumps(r["outs"]).encode()).hexdigest()[:12]
                     rates.setdefault((name, tree), []).append(rate)
