@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from specbatch.bench.breakdown import BUCKETS, _bucket, profile_pass
+from specbatch.bench.breakdown import BUCKETS, _bucket, fastest, profile_pass
 from specbatch.bench.job import PUBLIC_KEYS, plan
 from specbatch.cli.main import cli
 
@@ -44,6 +44,23 @@ def test_breakdown_buckets_tell_the_head_from_a_layer_gemm():
     assert _bucket("specbatch_blocks::q4_1", [[8, 576], [48, 576, 16], [48, 18, 32], [48, 18, 32]], vocab) == "gemm"
     assert _bucket("specbatch_blocks::q8_0", [[8, 576], [vocab // 32, 576, 32], [vocab // 32, 18, 32]],
                    vocab) == "head_and_sampling"
+
+
+def test_a_peak_is_the_fastest_trial_not_one_a_neighbour_slowed(monkeypatch):
+    """A product of tens of microseconds: one trial interrupted (here: a fake clock that loses 1 s
+    in the first trial) must not set the peak the report divides by."""
+    from specbatch.bench import breakdown
+
+    now = [0.0]
+    calls = [0]
+
+    def call():
+        calls[0] += 1
+        now[0] += 1.0 if calls[0] == 1 else 1e-5
+
+    monkeypatch.setattr(breakdown.time, "perf_counter", lambda: now[0])
+    assert fastest(call, repeats=10, trials=3) == pytest.approx(1e-5)
+    assert calls[0] == 30
 
 
 def test_a_cat_called_by_the_rotary_embedding_is_elementwise():
