@@ -68,6 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
             sb.probe.running.cancel()
         sb.finalizer.close()
         sb.checks.shutdown(wait=False, cancel_futures=True)
+        sb.consumers.executor.shutdown(wait=False, cancel_futures=True)
 
     # FastAPI's own /docs and /redoc load their scripts from a CDN (a blank page offline): /docs is
     # Swagger UI from the swagger-ui-py package instead, and ReDoc is off

@@ -7,11 +7,11 @@ the stored file; the batch row is written in the job's transaction.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Connection
 
 from specbatch.api.auth import Keyed
@@ -19,7 +19,7 @@ from specbatch.api.deps import AppState
 from specbatch.api.errors import BROKER_DOWN, ApiError
 from specbatch.api.files import page
 from specbatch.api.metadata import batch_options
-from specbatch.api.models import Batch, BatchList, BatchStats
+from specbatch.api.models import Batch, BatchList, BatchStats, ExpiresAfter
 from specbatch.api.responses import answer
 from specbatch.errors import BrokerUnavailable, IntakeError
 from specbatch.jobs import batches, files, intake
@@ -30,14 +30,6 @@ from specbatch.worker.submission import submit_job
 logger = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["batches"])
-
-
-class ExpiresAfter(BaseModel):
-    """OpenAI's bounds, checked so a bad value is a 400; outputs are kept until deleted anyway."""
-
-    model_config = ConfigDict(extra="forbid")
-    anchor: Literal["created_at"]
-    seconds: int = Field(ge=3600, le=2_592_000)   # 1 hour to 30 days
 
 
 class CreateBatch(BaseModel):
@@ -126,14 +118,16 @@ def create_batch(caller: Keyed, body: CreateBatch) -> JSONResponse:
             batches.create_batch(s, **fields, errors=mismatched)
         return answer(_object(sb, batch_id, owner))
     try:
-        submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
-                   source=f"{body.input_file_id} ({filename})", metadata={**metadata, "batch_id": batch_id},
-                   with_job=lambda s, job_id: batches.create_batch(s, **fields, job_id=job_id))
+        submitted = submit_job(sb.settings, sb.factory, parsed, pair=pair, defaults=defaults,
+                               source=f"{body.input_file_id} ({filename})",
+                               metadata={**metadata, "batch_id": batch_id},
+                               with_job=lambda s, job_id: batches.create_batch(s, **fields, job_id=job_id))
     except BrokerUnavailable:
         with sb.factory.begin() as s:     # nobody will run it: end it now rather than leave it queued
             batches.fail(s, batch_id, [{"code": "broker_unavailable", "line": None, "param": None,
                                         "message": BROKER_DOWN}])
         raise
+    sb.consumers.created(batch_id, submitted.sent)
     return answer(_object(sb, batch_id, owner))
 
 

@@ -21,6 +21,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import sessionmaker
 
+from specbatch.api.consumers import QueueWatch
 from specbatch.config import Settings
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ class AppState:
     checks: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=4, thread_name_prefix="specbatch-health"))
     probe: Probe = field(default_factory=lambda: Probe(fresh=1.0, stale=5.0))
+    consumers: QueueWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.consumers = QueueWatch(self.settings)
 
     def read(self, fn: Callable[[Connection], T]) -> T:
         """``fn(connection)`` on a connection of ``reads``, run once more on a new connection where the

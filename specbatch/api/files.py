@@ -7,12 +7,13 @@ from typing import Any, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, JSONResponse
+from pydantic import ValidationError
 
 from specbatch.api import upload
 from specbatch.api.auth import Keyed
 from specbatch.api.deps import AppState
 from specbatch.api.errors import NO_RETRY, ApiError
-from specbatch.api.models import FileDeleted, FileList, FileObject
+from specbatch.api.models import ExpiresAfter, FileDeleted, FileList, FileObject
 from specbatch.api.responses import answer
 from specbatch.api.schema import UPLOAD_BODY
 from specbatch.jobs import batches, files
@@ -24,6 +25,27 @@ def page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
     """OpenAI's cursor page (the client follows ``after=last id`` while ``has_more``)."""
     return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+
+EXPIRES = ("expires_after[anchor]", "expires_after[seconds]")     # as openai-python sends a nested field
+
+
+def form_fields(fields: dict[str, str]) -> None:
+    """An upload's form fields other than ``purpose``: an unknown one is a 400 naming it (as
+    ``POST /v1/batches``'s unknown fields: a misspelt option is not dropped); ``expires_after``
+    must be within OpenAI's bounds (the file is kept until deleted whatever it says)."""
+    for name in fields:
+        if name != "purpose" and name not in EXPIRES:
+            raise ApiError(400, f"unrecognized form field {name!r}: an upload takes purpose, file and "
+                                "expires_after", param=name)
+    if any(k in fields for k in EXPIRES):
+        try:
+            ExpiresAfter.model_validate({k[len("expires_after["):-1]: fields[k] for k in EXPIRES if k in fields})
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            raise ApiError(400, f"expires_after.{where}: {first['msg']} (anchor 'created_at', seconds "
+                                "3600 to 2592000)", param="expires_after") from None
 
 
 def _save(sb: AppState, tmp: Any, form: upload.Upload, owner: str | None) -> dict[str, Any]:
@@ -50,6 +72,7 @@ async def create_file(request: Request, caller: Keyed) -> JSONResponse:
         if purpose != "batch":
             raise ApiError(400, f"purpose must be 'batch' (got {purpose!r}): this server runs batches only",
                            param="purpose")
+        form_fields(form.fields)
         if form.filename is None:
             raise ApiError(400, "the 'file' part is missing", param="file")
         if form.tally.lines == 0:

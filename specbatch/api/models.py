@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ExpiresAfter(BaseModel):
+    """A request's ``expires_after`` (a file's) or ``output_expires_after`` (a batch's): OpenAI's
+    bounds, checked so a bad value is a 400; files and outputs are kept until deleted anyway."""
+
+    model_config = ConfigDict(extra="forbid")
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=3600, le=2_592_000)   # 1 hour to 30 days
 
 
 class FileObject(BaseModel):

@@ -21,6 +21,9 @@ UPLOAD_BODY: dict[str, Any] = {"requestBody": {"required": True, "content": {"mu
                  "description": "JSON Lines, UTF-8: one batch request per line "
                                 "(SPECBATCH_MAX_UPLOAD_BYTES and SPECBATCH_MAX_REQUESTS bound it)"},
         "purpose": {"type": "string", "enum": ["batch"]},
+        # (openai-python sends the nested object as these two fields; the file is kept until deleted)
+        "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+        "expires_after[seconds]": {"type": "integer", "minimum": 3600, "maximum": 2592000},
     }}}}}}
 
 _ERROR_SCHEMA: dict[str, Any] = {

@@ -67,12 +67,14 @@ def jobs(limit: int, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(box=None)
-    for col in ("id", "status", "models", "done", "failed", "created"):
+    # an API batch's id beside its job's: the id an openai client holds (`status` takes either)
+    batch = any(d["metadata"].get("batch_id") for d in data)
+    for col in ("id", *(("batch",) if batch else ()), "status", "models", "done", "failed", "created"):
         table.add_column(col, no_wrap=col != "models")
     for d in data:
         c = d["request_counts"]
-        table.add_row(d["id"], d["status"], models(d), f"{c['completed']}/{c['total']}", str(c["failed"]),
-                      when(d["created_at"]))
+        table.add_row(d["id"], *((d["metadata"].get("batch_id") or "",) if batch else ()), d["status"], models(d),
+                      f"{c['completed']}/{c['total']}", str(c["failed"]), when(d["created_at"]))
     _console().print(table)
 
 

@@ -526,7 +526,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     options = LoadOptions(device or settings.device, dtype or settings.dtype, tp.batch_size,
                           compile_ or settings.compile, tp.max_memory, tp.prefix_cache, processes)
     if resumed is not None:
-        _run_here(settings, resumed, options, as_json)
+        _run_here(settings, resumed, options, as_json, asked=compile_ is not None)
         return
     assert file is not None
     target_, drafts_ = resolve_pair(settings, target, drafts, ngram)
@@ -540,7 +540,7 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
     # the models before the job: a pair that cannot load leaves no job behind (a --model-map
     # route that cannot load later fails its own requests, with the reason)
     try:
-        engine = _load_shown(settings, options)(target_, drafts_,
+        engine = _load_shown(settings, options, asked=compile_ is not None)(target_, drafts_,
                                                 [int(r.params.get("max_new_tokens") or 0) for r in parsed.requests])
     except KeyboardInterrupt:   # Ctrl-C while loading: 130 as for any interrupted run (not click's "Aborted!", 1)
         click.echo("interrupted while loading the models; no job was made", err=True)
@@ -555,7 +555,8 @@ def run(file: str | None, target: str | None, drafts: tuple[str, ...], ngram: bo
                                  model_map, parsed=parsed, metadata={store.EMBEDDED: True}, cache=not no_cache)
     held = [engine]
     del engine     # (the list is the only name for it: run_job lets go of it before a next pair loads)
-    _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, held)
+    _run_here(settings, LocalJob(job_id, target_, drafts_, routes), options, as_json, held,
+              asked=compile_ is not None)
 
 
 def _say_stopped_runs(settings: Settings, file: str) -> None:
@@ -610,11 +611,12 @@ def _processes(settings: Settings, processes: int, device: str | None, compile_:
     return processes
 
 
-def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: list[Engine] | None = None) -> None:
+def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: list[Engine] | None = None,
+              asked: bool = False) -> None:
     """Generate ``job`` (a LocalJob, or the id of one to resume) here, print its summary and exit
     with run's status (README "Exit status"). ``held``: the job's first pair, already loaded, in a
     list this takes it out of (a caller's name for it would keep its memory while the next
-    ``--model-map`` pair loads)."""
+    ``--model-map`` pair loads). ``asked``: --compile was given (``_load_shown``)."""
     from rich.console import Console
 
     from specbatch.worker.interrupt import stop_on_signals
@@ -635,7 +637,7 @@ def _run_here(settings: Settings, job: Any, options: Any, as_json: bool, held: l
     # CPython does)
     lines: list[str] = []
     current: Engine | None = None
-    load = _load_shown(settings, options, console)
+    load = _load_shown(settings, options, console, asked)
 
     def done() -> None:
         nonlocal current
@@ -733,8 +735,9 @@ def _resumable(settings: Settings, job_id: str) -> LocalJob:
     return job
 
 
-def _load_shown(settings: Settings, options: Any, console: Any = None) -> Any:
-    """``RunHooks.load``: a pair loaded under a spinner, then what compiling cost (or why not)."""
+def _load_shown(settings: Settings, options: Any, console: Any = None, asked: bool = False) -> Any:
+    """``RunHooks.load``: a pair loaded under a spinner, then what compiling cost, or why not where
+    ``asked`` (--compile given: auto declining on a CPU is the usual case, not news on every run)."""
     from rich.console import Console
 
     from specbatch.worker.local import load_pair
@@ -746,7 +749,7 @@ def _load_shown(settings: Settings, options: Any, console: Any = None) -> Any:
     def load(target: str, drafts: list[str], expected_new_tokens: list[int]) -> Engine:
         with loading_models(shown, target, drafts):
             engine = load_pair(settings, options, target, drafts, expected_new_tokens, notify=compiling_notice)
-        report_compile(engine.compile_plan)
+        report_compile(engine.compile_plan, say_eager=asked)
         return engine
     return load
 

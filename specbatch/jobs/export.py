@@ -106,6 +106,14 @@ def _atomic(paths: Sequence[Path], force: bool) -> Iterator[list[Path]]:
         yield tmps
         for tmp, p in zip(tmps, paths):
             os.replace(tmp, p)
+    except OSError as e:
+        # named by the user's file, not the temporary one the write goes through (pyarrow puts
+        # the temporary's name in its message, with no filename or strerror)
+        what, where = e.strerror or str(e), e.filename
+        for tmp, p in zip(tmps, paths):
+            what = what.replace(str(tmp), str(p))
+            where = str(p) if where is not None and str(where) == str(tmp) else where
+        raise OSError(e.errno, what, where) from e
     finally:
         for tmp in tmps:
             tmp.unlink(missing_ok=True)

@@ -79,6 +79,9 @@ def test_upload_create_and_read_back(api: Api) -> None:
     assert b.in_progress_at and b.created_at <= b.in_progress_at and b.expires_at == b.created_at + 24 * 3600
     assert b.completed_at is None and b.output_file_id is None and b.model == target
     assert b.metadata["team"] == "data"
+    # no worker runs here: the server's log says why the batch will not move (qa57: it said nothing)
+    wait_for(lambda: f"batch {b.id} waits: no live worker consumes queue {queue}" in api.procs[0].output(),
+             30, "the server's line on the batch's queue")
 
     # the job went through the CLI's intake and submit path: rows, defaults, pair, queue, tasks
     new = {k: v for k, v in _jobs(api).items() if k not in before}
@@ -217,6 +220,13 @@ def test_bad_requests_are_400_naming_the_parameter(api: Api) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         c.files.create(file=("x.jsonl", b'{"prompt": "hi"}\n'), purpose="fine-tune")
     assert e.value.body["param"] == "purpose"
+    # the official client's nested expires_after reaches the form's check (kept until deleted anyway)
+    assert c.files.create(file=("x.jsonl", b'{"prompt": "hi"}\n'), purpose="batch",
+                          expires_after={"anchor": "created_at", "seconds": 3600}).status == "processed"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.files.create(file=("x.jsonl", b'{"prompt": "hi"}\n'), purpose="batch",
+                       expires_after={"anchor": "created_at", "seconds": 60})
+    assert e.value.body["param"] == "expires_after"
 
 
 def test_a_binary_upload_is_refused_naming_its_line_and_leaves_nothing(api: Api) -> None:

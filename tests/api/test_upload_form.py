@@ -39,3 +39,29 @@ def test_an_upload_without_a_purpose_says_it_is_missing(client: Any) -> None:
     assert got.status_code == 400, got.text
     error = got.json()["error"]
     assert (error["param"], error["message"]) == ("purpose", "missing required parameter 'purpose': give 'batch'"), error
+
+
+@pytest.mark.parametrize("data, param, words", [
+    ({"purpose": "batch", "purpsoe": "batch"}, "purpsoe", "unrecognized form field 'purpsoe'"),
+    ({"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "10"},
+     "expires_after", "expires_after.seconds: Input should be greater than or equal to 3600"),
+    ({"purpose": "batch", "expires_after[anchor]": "last_active_at", "expires_after[seconds]": "3600"},
+     "expires_after", "expires_after.anchor"),
+    ({"purpose": "batch", "expires_after[seconds]": "3600"}, "expires_after", "expires_after.anchor: Field required"),
+])
+def test_an_unknown_form_field_or_an_expiry_out_of_bounds_is_refused(client: Any, tmp_path: Path, data: dict,
+                                                                       param: str, words: str) -> None:
+    """Both were dropped: a misspelt field and ``expires_after`` (qa57), where ``POST /v1/batches``
+    refuses an unknown field and checks ``output_expires_after``."""
+    got = client.post("/v1/files", data=data, files={"file": ("a.jsonl", LINE + b"\n")})
+    assert got.status_code == 400, got.text
+    error = got.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert client.get("/v1/files").json()["data"] == []
+    assert not any(p.is_file() for p in (tmp_path / "files").rglob("*"))
+
+
+def test_an_expiry_within_bounds_is_taken(client: Any) -> None:
+    got = client.post("/v1/files", data={"purpose": "batch", "expires_after[anchor]": "created_at",
+                                         "expires_after[seconds]": "3600"}, files={"file": ("a.jsonl", LINE + b"\n")})
+    assert got.status_code == 200, got.text

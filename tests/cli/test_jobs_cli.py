@@ -167,6 +167,19 @@ def test_jobs_lists_newest_first(db_url):
                                           "cancelled": 0}
     table = run("jobs")
     assert table.exit_code == 0 and a in table.stdout and "2/4" in table.stdout
+    assert "batch" not in table.stdout.splitlines()[0]      # no API batch: no column for one
+
+
+def test_jobs_shows_an_api_batchs_id_beside_its_job(db_url):
+    """An openai-client user holds ``batch_...``; the list showed job ids only (qa57)."""
+    a, _ = make_job(db_url)
+    with db.session_factory(db_url).begin() as s:
+        store.get_job(s, a).meta = {"batch_id": "batch_0123456789abcdef"}
+    b, _ = make_job(db_url)
+    lines = run("jobs").stdout.splitlines()
+    assert lines[0].split()[:3] == ["id", "batch", "status"], lines
+    assert next(x for x in lines if a in x).split()[1] == "batch_0123456789abcdef"
+    assert next(x for x in lines if b in x).split()[1] == "running"
 
 
 def test_status_json_and_warning_when_no_worker(db_url, no_worker_check):
@@ -337,6 +350,15 @@ def test_export_format_follows_the_output_extension(db_url, tmp_path):
     assert json.loads(other.read_text().splitlines()[0])["custom_id"] == "c0"
     assert "names no export format" not in run("export", job_id, "-o", str(tmp_path / "plain")).stderr
     assert run("export", job_id, "-f", "csv", "-o", str(tmp_path / "same.csv")).exit_code == 0
+
+
+@pytest.mark.parametrize("name", ["x.jsonl", "x.parquet"])
+def test_an_export_that_cannot_be_written_names_the_users_file_not_its_temporary(db_url, name):
+    """It said "cannot write /proc/.x.jsonl.15655.tmp" (qa57): the file the write goes through."""
+    job_id, _ = make_job(db_url)
+    result = run("export", job_id, "-o", f"/proc/{name}")
+    assert result.exit_code == 1 and f"Error: cannot write /proc/{name}: " in result.stderr, result.output
+    assert ".tmp" not in result.stderr
 
 
 def test_export_of_an_unfinished_job_says_which_requests_it_left_out(db_url, tmp_path):

@@ -129,8 +129,9 @@ def test_run_accepts_generation_values_at_their_bounds(tmp_path: Path, tiny_mode
 
 def test_run_compile_auto_says_once_why_it_decodes_eagerly(tmp_path: Path, tiny_models: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 4-token job does not repay compiling: auto decodes eagerly and says so in one stderr line
-    (nothing in --json's stdout); --compile off says nothing."""
+    """A 4-token job does not repay compiling: --compile auto decodes eagerly and says so in one
+    stderr line (nothing in --json's stdout); --compile off says nothing, and neither does the
+    default (auto unasked: its usual choice on a CPU, not news on every run; qa57)."""
     from specbatch.engine.compile import decision
 
     monkeypatch.setenv("SPECBATCH_CACHE_DIR", str(tmp_path / "cache"))   # no recorded warm-up
@@ -145,6 +146,14 @@ def test_run_compile_auto_says_once_why_it_decodes_eagerly(tmp_path: Path, tiny_
     off = CliRunner().invoke(cli, [*args, "--compile", "off"])
     assert off.exit_code == 0, off.output
     assert "eagerly" not in off.output
+    from specbatch.config import get_settings
+
+    monkeypatch.setenv("SPECBATCH_COMPILE", "auto")      # the default (tests/conftest.py sets off)
+    get_settings.cache_clear()
+    unasked = CliRunner().invoke(cli, args)
+    get_settings.cache_clear()
+    assert unasked.exit_code == 0, unasked.output
+    assert "eagerly" not in unasked.output
 
 
 @pytest.mark.parametrize("command", ["run", "submit"])
