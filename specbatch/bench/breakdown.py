@@ -25,7 +25,7 @@ GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "
                       "quantized::linear_dynamic", "aten::_weight_int8pack_mm",
                       # engine/packed.py: a float32 Linear on CPU; engine/blocks.py: one over llama.cpp's blocks
                       "mkl::_mkl_linear", "mkldnn::_linear_pointwise", "specbatch_blocks::q4_1",
-                      "specbatch_blocks::q8_0"})
+                      "specbatch_blocks::q8_0", "specbatch_blocks::q6_k"})
 ATTENTION_PREFIX = "aten::_scaled_dot_product"
 SAMPLING_OPS = frozenset({"aten::softmax", "aten::_softmax", "aten::log_softmax", "aten::_log_softmax",
                           "aten::argmax", "aten::max", "aten::topk", "aten::sort", "aten::multinomial",
@@ -94,34 +94,64 @@ def _bucket(name: str, shapes: list[Any], vocab: int, callers: Sequence[str] = (
     return "elementwise"
 
 
-def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int) -> dict[str, Any]:
+RECORD_EVERY = 4      # one decoder step in four recorded (profile_pass)
+
+
+def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
+                 every: int = RECORD_EVERY) -> dict[str, Any]:
     """Run ``run()`` once under the profiler; seconds per bucket, per target forward, and shares.
-    ``model``: the target's module, whose forward calls are counted (one per decoder step)."""
-    from torch.profiler import ProfilerActivity, profile
+    ``model``: the target's module, whose forward calls are counted (one per decoder step).
 
-    forwards = 0
+    One step in ``every`` is recorded (the first of each ``every``, the job's first included), and
+    read back after the pass, one step at a time: recording every step of the default job held 2
+    million events, 13 GB, and took two minutes to read back, for a 7 s pass. Reading a step back
+    during the pass would make the next step seconds long, and the autopilot choose by that. A
+    step runs from one target forward's start to the next's; the buckets are the recorded steps'."""
+    import warnings
 
-    def count(*_: Any) -> None:
-        nonlocal forwards
-        forwards += 1
+    from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-    hook = model.register_forward_pre_hook(count)
-    try:
-        # (with_stack: Python callers are events too, the parents of the operators they call)
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
-            t0 = time.perf_counter()
-            run()
-            wall = time.perf_counter() - t0
-    finally:
-        hook.remove()
     seconds = dict.fromkeys(BUCKETS, 0.0)
-    for e in prof.events():
-        if e.name.startswith(("aten::", "quantized::", "mkl::", "mkldnn::", "specbatch_blocks::")):
-            callers = _callers(e) if e.name in CACHE_OPS else []
-            seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
+    starts: list[float] = []          # each target forward's start: the profiler's step boundaries
+    recorded: list[int] = []          # the steps recorded (step r runs from forward r-1 to forward r)
+    traces: list[Any] = []            # each recorded step's trace, unread
+
+    def action(step: int) -> ProfilerAction:
+        # step 0 runs up to the first forward (set-up; the profiler warms up); step r >= 1 is
+        # forward r-1's decoder step, warmed up the step before
+        if step >= 1 and (step - 1) % every == 0:
+            recorded.append(step)
+            return ProfilerAction.RECORD_AND_SAVE
+        return ProfilerAction.WARMUP if step % every == 0 else ProfilerAction.NONE
+
+    # (with_stack: Python callers are events too, the parents of the operators they call; each
+    # recorded step gets a profiler of its own, which torch warns "clears events" of the last)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Profiler clears events")
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True, schedule=action,
+                     on_trace_ready=lambda p: traces.append(p.profiler)) as prof:
+            def step(*_: Any) -> None:
+                starts.append(time.perf_counter())
+                prof.step()
+
+            hook = model.register_forward_pre_hook(step)
+            try:
+                t0 = time.perf_counter()
+                run()
+                end = time.perf_counter()
+            finally:
+                hook.remove()
+    while traces:                     # read back one at a time, each let go once read
+        for e in traces.pop().function_events:
+            if e.name.startswith(("aten::", "quantized::", "mkl::", "mkldnn::", "specbatch_blocks::")):
+                callers = _callers(e) if e.name in CACHE_OPS else []
+                seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
+    bounds = [t0, *starts, end]       # step r: bounds[r] to bounds[r + 1]
+    steps = [r for r in dict.fromkeys(recorded) if r + 1 < len(bounds)]
+    wall = sum(bounds[r + 1] - bounds[r] for r in steps)
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))
-    n = max(forwards, 1)
-    return {"wall_seconds": wall, "target_forwards": forwards,
+    n = max(len(steps), 1)
+    return {"wall_seconds": end - t0, "target_forwards": len(starts), "recorded_steps": len(steps),
             "ms_per_forward": {k: 1000 * v / n for k, v in seconds.items()},
             "share": {k: v / wall if wall else 0.0 for k, v in seconds.items()}}
 
@@ -152,6 +182,7 @@ def markdown_lines(b: dict[str, Any]) -> list[str]:
     ms, share = b["ms_per_forward"], b["share"]
     head = "| " + " | ".join(k.replace("_", " ") for k in BUCKETS) + " |"
     return [f"Where ours-auto's time goes (one profiled pass, {b['target_forwards']} target forwards, "
-            f"{b['wall_seconds']:.1f} s): ms per forward (share of the pass).", "",
+            f"{b['wall_seconds']:.1f} s, {b['recorded_steps']} of its steps recorded): ms per forward "
+            "(share of the recorded steps).", "",
             head, "|" + "---:|" * len(BUCKETS),
             "| " + " | ".join(f"{ms[k]:.1f} ({share[k]:.0%})" for k in BUCKETS) + " |"]

@@ -97,6 +97,30 @@ def test_the_profiled_pass_buckets_rotary_cats_by_their_caller():
         assert b["ms_per_forward"][bucket] > 0
 
 
+def test_the_profiled_pass_records_one_step_in_every_and_only_those():
+    """Recording every step of the default job held 13 GB (2 million events); one step in
+    ``every`` is recorded. Step r runs from forward r-1's start to forward r's: here only forwards
+    0, 4 and 8 concatenate (cache management), so only a pass that records steps 1, 5, 9 sees a
+    cat in every step it recorded; forwards 1-3 and 5-7 only add."""
+    x = torch.randn(64, 64)
+    calls = [0]
+
+    class Layer(torch.nn.Module):
+        def forward(self, y):
+            calls[0] += 1
+            return torch.cat((y, y)) if (calls[0] - 1) % 4 == 0 else y + y
+
+    layer = Layer()
+    b = profile_pass(lambda: [layer(x) for _ in range(9)], layer, vocab=1000, every=4)
+    assert (b["target_forwards"], b["recorded_steps"]) == (9, 3)
+    cats = b["ms_per_forward"]["cache_management"]
+    calls[0] = 1                       # now forwards 3 and 7 cat: no recorded step does
+    b = profile_pass(lambda: [layer(x) for _ in range(9)], layer, vocab=1000, every=4)
+    assert cats > 0 and b["ms_per_forward"]["cache_management"] == 0, (cats, b["ms_per_forward"])
+    calls[0] = 0
+    assert profile_pass(lambda: [layer(x) for _ in range(9)], layer, vocab=1000, every=1)["recorded_steps"] == 9
+
+
 def test_bench_job_json_shape_identity_and_files(tiny_models: Path, tmp_path: Path):
     prompts = tmp_path / "job.jsonl"
     lines = [{"custom_id": f"q{i}", "prompt": p, "max_tokens": 6 + 2 * i} for i, p in
