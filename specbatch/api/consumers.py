@@ -28,10 +28,13 @@ class QueueWatch:
 
     def created(self, batch_id: str, queues: Iterable[str]) -> None:
         for queue in queues:
-            self.executor.submit(self._check, batch_id, queue)
+            try:
+                self.executor.submit(self._check, batch_id, queue)
+            except RuntimeError:        # shut down (the server stops): the batch stands, unwarned
+                return
 
     def _check(self, batch_id: str, queue: str) -> None:
-        from specbatch.worker.monitor import queue_workers
+        from specbatch.worker.monitor import none_consumes, queue_workers, this_database
 
         when, none = self._answers.get(queue, (-self.every, False))
         if time.monotonic() - when >= self.every:
@@ -42,7 +45,7 @@ class QueueWatch:
                 return
             if workers is None:         # the broker is down: /healthz and the next send say so
                 return
-            none = all(w.paused for w in workers)
+            none = none_consumes(workers, this_database(self.settings, workers))
             self._answers[queue] = (time.monotonic(), none)
         if none:
             logger.warning("batch %s waits: no live worker consumes queue %s; it makes no progress until a "

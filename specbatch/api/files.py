@@ -36,8 +36,8 @@ def form_fields(fields: dict[str, str]) -> None:
     must be within OpenAI's bounds (the file is kept until deleted whatever it says)."""
     for name in fields:
         if name != "purpose" and name not in EXPIRES:
-            raise ApiError(400, f"unrecognized form field {name!r}: an upload takes purpose, file and "
-                                "expires_after", param=name)
+            raise ApiError(400, f"unrecognized form field {name!r}: an upload takes purpose, file, "
+                                "expires_after[anchor] and expires_after[seconds]", param=name)
     if any(k in fields for k in EXPIRES):
         try:
             ExpiresAfter.model_validate({k[len("expires_after["):-1]: fields[k] for k in EXPIRES if k in fields})

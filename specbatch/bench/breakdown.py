@@ -102,8 +102,9 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
     """Run ``run()`` once under the profiler; seconds per bucket, per target forward, and shares.
     ``model``: the target's module, whose forward calls are counted (one per decoder step).
 
-    One step in ``every`` is recorded (the first of each ``every``, the job's first included), and
-    read back after the pass, one step at a time: recording every step of the default job held 2
+    One step in ``every`` is recorded (the middle one of each ``every``: not the job's first, a
+    prefill longer than the steps that follow, which one in ``every`` would count ``every`` times
+    over), and read back after the pass, one step at a time: recording every step of the default job held 2
     million events, 13 GB, and took two minutes to read back, for a 7 s pass. Reading a step back
     during the pass would make the next step seconds long, and the autopilot choose by that. A
     step runs from one target forward's start to the next's; the buckets are the recorded steps'."""
@@ -111,18 +112,24 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
 
     from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
+    if every < 1:
+        raise ValueError(f"every must be at least 1, got {every}")
+    phase = every // 2
     seconds = dict.fromkeys(BUCKETS, 0.0)
-    starts: list[float] = []          # each target forward's start: the profiler's step boundaries
-    recorded: list[int] = []          # the steps recorded (step r runs from forward r-1 to forward r)
+    # each target forward's start, before and after the profiler's step (which starts and stops
+    # its traces: not the step's own time): step r runs from forward r-1 to forward r
+    before: list[float] = []
+    after: list[float] = []
+    recorded: list[int] = []          # the steps recorded
     traces: list[Any] = []            # each recorded step's trace, unread
 
     def action(step: int) -> ProfilerAction:
-        # step 0 runs up to the first forward (set-up; the profiler warms up); step r >= 1 is
-        # forward r-1's decoder step, warmed up the step before
-        if step >= 1 and (step - 1) % every == 0:
+        # step 0 runs up to the first forward (set-up); step r >= 1 is forward r-1's decoder
+        # step, the profiler warmed up the step before
+        if step >= 1 and (step - 1) % every == phase:
             recorded.append(step)
             return ProfilerAction.RECORD_AND_SAVE
-        return ProfilerAction.WARMUP if step % every == 0 else ProfilerAction.NONE
+        return ProfilerAction.WARMUP if step % every == phase else ProfilerAction.NONE
 
     # (with_stack: Python callers are events too, the parents of the operators they call; each
     # recorded step gets a profiler of its own, which torch warns "clears events" of the last)
@@ -131,8 +138,9 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True, schedule=action,
                      on_trace_ready=lambda p: traces.append(p.profiler)) as prof:
             def step(*_: Any) -> None:
-                starts.append(time.perf_counter())
+                before.append(time.perf_counter())
                 prof.step()
+                after.append(time.perf_counter())
 
             hook = model.register_forward_pre_hook(step)
             try:
@@ -146,12 +154,12 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
             if e.name.startswith(("aten::", "quantized::", "mkl::", "mkldnn::", "specbatch_blocks::")):
                 callers = _callers(e) if e.name in CACHE_OPS else []
                 seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
-    bounds = [t0, *starts, end]       # step r: bounds[r] to bounds[r + 1]
-    steps = [r for r in dict.fromkeys(recorded) if r + 1 < len(bounds)]
-    wall = sum(bounds[r + 1] - bounds[r] for r in steps)
+    began, ended = [t0, *after], [*before, end]      # step r: began[r] to ended[r]
+    steps = [r for r in dict.fromkeys(recorded) if r < len(ended)]
+    wall = sum(ended[r] - began[r] for r in steps)
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))
     n = max(len(steps), 1)
-    return {"wall_seconds": end - t0, "target_forwards": len(starts), "recorded_steps": len(steps),
+    return {"wall_seconds": end - t0, "target_forwards": len(before), "recorded_steps": len(steps),
             "ms_per_forward": {k: 1000 * v / n for k, v in seconds.items()},
             "share": {k: v / wall if wall else 0.0 for k, v in seconds.items()}}
 

@@ -133,16 +133,16 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
     """On stderr: a worker still starting for ``queue`` and its state (so nobody starts a second
     one), else a warning when no live worker consumes it (``advice``: how to start one), or that
     the broker cannot be asked; ``states``: also each consuming worker's state (compiling ...)."""
-    from specbatch.worker.monitor import queue_workers
+    from specbatch.worker.monitor import elsewhere, none_consumes, queue_workers, this_database
 
     workers = queue_workers(settings, queue)
     if workers is None:
         warn(f"the broker at {settings.broker_url} is unreachable; cannot tell whether a worker is running")
         return
-    here = _this_database(settings, workers)
-    elsewhere = {w.name for w in workers if here and w.database and w.database != here}
+    here = this_database(settings, workers)
+    away = elsewhere(workers, here)
     for w in workers:
-        if w.name in elsewhere:
+        if w.name in away:
             warn(f"worker {w.name} consumes queue {queue} but reads another database (id {w.database}; this "
                  f"one's is {here}): it passes this database's tasks on unrun; give it the "
                  "SPECBATCH_DATABASE_URL this command uses")
@@ -154,23 +154,8 @@ def check_queue_workers(settings: Any, queue: str, advice: str, states: bool = F
                        "tasks wait in the queue until it consumes", err=True)
         elif states and w.state and not w.state.startswith("ready"):
             click.echo(f"worker {w.name}: {worker_state(w.state)}", err=True)
-    if all(w.paused or w.name in elsewhere for w in workers):
+    if none_consumes(workers, here):
         warn(f"no live worker consumes queue {queue}: {advice}")
-
-
-def _this_database(settings: Any, workers: Sequence[Any]) -> str | None:
-    """This command's database id, to tell the workers that read another (monitor.WorkerView.
-    database); None where no worker said which it reads (older workers) or it cannot be read."""
-    if not any(w.database for w in workers):
-        return None
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from specbatch.db import database_id
-
-    try:
-        return database_id(settings.database_url)
-    except SQLAlchemyError:     # the command's own error says it; this is a warning's detail
-        return None
 
 
 def worker_state(state: str) -> str:

@@ -113,7 +113,8 @@ def _atomic(paths: Sequence[Path], force: bool) -> Iterator[list[Path]]:
         for tmp, p in zip(tmps, paths):
             what = what.replace(str(tmp), str(p))
             where = str(p) if where is not None and str(where) == str(tmp) else where
-        raise OSError(e.errno, what, where) from e
+        # (OSError(errno, ...) is the errno's own subclass again: a BrokenPipeError stays one)
+        raise (OSError(e.errno, what, where) if e.errno is not None else OSError(what)) from e
     finally:
         for tmp in tmps:
             tmp.unlink(missing_ok=True)

@@ -4,6 +4,7 @@ they are (``specbatch_state`` in a worker's app config, see ``specbatch.worker.r
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,34 @@ class WorkerView:
     # consumer (worker.breaker: a refused task, the database down, target failures)
     paused: bool = False
     database: str | None = None   # the id of the database it reads (None: not said, an older worker)
+
+
+def elsewhere(workers: Sequence[WorkerView], here: str | None) -> set[str]:
+    """The workers that read another database than ``here`` (this command's id; None: unknown):
+    they pass this database's tasks on unrun."""
+    return {w.name for w in workers if here and w.database and w.database != here}
+
+
+def this_database(settings: Settings, workers: Sequence[WorkerView]) -> str | None:
+    """The database id of ``settings`` (``db.database_id``), to tell the workers that read another;
+    None where no worker said which it reads (older workers) or it cannot be read."""
+    if not any(w.database for w in workers):
+        return None
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from specbatch.db import database_id
+
+    try:
+        return database_id(settings.database_url)
+    except SQLAlchemyError:     # the caller's own error says it; this is a warning's detail
+        return None
+
+
+def none_consumes(workers: Sequence[WorkerView], here: str | None) -> bool:
+    """Whether no worker will run this database's tasks of the queue: each paused, or reading
+    another database (the CLI's warning and the server's line ask the same)."""
+    away = elsewhere(workers, here)
+    return all(w.paused or w.name in away for w in workers)
 
 
 def _views(settings: Settings, timeout: float) -> dict[str, dict[str, Any]] | None:

@@ -59,7 +59,7 @@ def test_batch_runs_to_completion_with_output_and_error_files(api: Api) -> None:
                          metadata=_pair(api))
     done = _wait(api, b.id, ("completed",))
     assert done.request_counts.model_dump() == {"total": 3, "completed": 3, "failed": 0}
-    assert "no live worker consumes" not in api.procs[0].output()     # a worker consumes its queue
+    assert f"batch {b.id} waits" not in api.procs[0].output()      # a worker consumes its queue
     assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
     assert done.failed_at is None and done.cancelled_at is None and done.errors is None
 

@@ -99,20 +99,20 @@ def test_the_profiled_pass_buckets_rotary_cats_by_their_caller():
 
 def test_the_profiled_pass_records_one_step_in_every_and_only_those():
     """Recording every step of the default job held 13 GB (2 million events); one step in
-    ``every`` is recorded. Step r runs from forward r-1's start to forward r's: here only forwards
-    0, 4 and 8 concatenate (cache management), so only a pass that records steps 1, 5, 9 sees a
-    cat in every step it recorded; forwards 1-3 and 5-7 only add."""
+    ``every`` is recorded, the middle one of each ``every`` (not the first: a prefill). Step r runs
+    from forward r-1's start to forward r's: here only forwards 2 and 6 concatenate (cache
+    management), so only a pass that records steps 3 and 7 sees a cat in every step it recorded."""
     x = torch.randn(64, 64)
     calls = [0]
 
     class Layer(torch.nn.Module):
         def forward(self, y):
             calls[0] += 1
-            return torch.cat((y, y)) if (calls[0] - 1) % 4 == 0 else y + y
+            return torch.cat((y, y)) if (calls[0] - 1) % 4 == 2 else y + y
 
     layer = Layer()
     b = profile_pass(lambda: [layer(x) for _ in range(9)], layer, vocab=1000, every=4)
-    assert (b["target_forwards"], b["recorded_steps"]) == (9, 3)
+    assert (b["target_forwards"], b["recorded_steps"]) == (9, 2)
     cats = b["ms_per_forward"]["cache_management"]
     calls[0] = 1                       # now forwards 3 and 7 cat: no recorded step does
     b = profile_pass(lambda: [layer(x) for _ in range(9)], layer, vocab=1000, every=4)

@@ -41,7 +41,7 @@ def test_run_drops_a_pair_before_the_next_loads_and_still_says_each_governor_lin
     monkeypatch.setattr(local, "name_runner", lambda settings, job_id, running=True: None)   # (no database here)
     monkeypatch.setattr(local, "_decode", lambda *a, **k: True)
     monkeypatch.setattr(queue, "use_compile_cache", lambda *a, **k: None)
-    monkeypatch.setattr(queue, "report_compile", lambda plan: None)
+    monkeypatch.setattr(queue, "report_compile", lambda plan, say_eager=True: None)
     monkeypatch.setattr(queue, "_progress", lambda console, jid, total: contextlib.nullcontext(lambda e: None))
     monkeypatch.setattr(queue, "_report", lambda settings, job_id, finished, as_json: None)
     options = local.LoadOptions("cpu", "float32", "auto", "off", "", True, 1)
