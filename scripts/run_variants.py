@@ -49,13 +49,14 @@ def main() -> None:
     exe = str(Path(sys.executable).parent / "specbatch")
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if a.busy else None
     variants = {"default": {}} | {v: dict(kv.split("=", 1) for kv in v.split(",")) for v in a.variants}
+    names = list(variants)
     seen: dict[str, list[float]] = {v: [] for v in variants}
     digests = set()
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for r in range(a.rounds):
-                for name in abba(r, list(variants)):
-                    settings, k = variants[name], list(variants).index(name)
+                for name in abba(r, names):
+                    settings, k = variants[name], names.index(name)
                     url = f"sqlite:///{tmp}/r{r}-v{k}.db"
                     env = {**os.environ, **settings, "SPECBATCH_DATABASE_URL": url}
                     load0 = os.getloadavg()[0]

@@ -120,14 +120,15 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
     # its traces: not the step's own time): step r runs from forward r-1 to forward r
     before: list[float] = []
     after: list[float] = []
-    recorded: list[int] = []          # the steps recorded
     traces: list[Any] = []            # each recorded step's trace, unread
 
-    def action(step: int) -> ProfilerAction:
+    def recorded(step: int) -> bool:
         # step 0 runs up to the first forward (set-up); step r >= 1 is forward r-1's decoder
         # step, the profiler warmed up the step before
-        if step >= 1 and (step - 1) % every == phase:
-            recorded.append(step)
+        return step >= 1 and (step - 1) % every == phase
+
+    def action(step: int) -> ProfilerAction:
+        if recorded(step):
             return ProfilerAction.RECORD_AND_SAVE
         return ProfilerAction.WARMUP if step % every == phase else ProfilerAction.NONE
 
@@ -155,7 +156,7 @@ def profile_pass(run: Callable[[], Any], model: torch.nn.Module, vocab: int,
                 callers = _callers(e) if e.name in CACHE_OPS else []
                 seconds[_bucket(e.name, list(e.input_shapes or []), vocab, callers)] += e.self_cpu_time_total / 1e6
     began, ended = [t0, *after], [*before, end]      # step r: began[r] to ended[r]
-    steps = [r for r in dict.fromkeys(recorded) if r < len(ended)]
+    steps = [r for r in range(len(ended)) if recorded(r)]
     wall = sum(ended[r] - began[r] for r in steps)
     seconds["python_and_dispatch"] = max(0.0, wall - sum(seconds.values()))
     n = max(len(steps), 1)

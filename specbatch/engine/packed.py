@@ -410,8 +410,9 @@ def pack_linears(model: torch.nn.Module, linears: str = "auto") -> int:
                 if blocks is False:     # (Q4_K q beside a Q6_K v: each multiplies by its own blocks)
                     continue
                 group = _Group(members, k, blocks)
-                for m in members if blocks is not None else ():
-                    block_weights.forget(m.weight)      # (its stacked copy serves them: not both held)
+                if blocks is not None:          # its stacked copy serves them: not both held
+                    for m in members:
+                        block_weights.forget(m.weight)
                 for i, m in enumerate(members):
                     PackedLinear.of(m, group, i, linears=linears)
                 grouped.update(names)
